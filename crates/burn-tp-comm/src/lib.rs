@@ -1,0 +1,36 @@
+//! Collective communication for burn-tp, free of autodiff and of Burn itself.
+//!
+//! A [`ProcessGroup`] is one rank's handle on a group of `world_size` ranks. On the CPU the ranks
+//! are threads of one process ([`LocalGroup`], the embedded default: no setup). Every collective
+//! has an async form returning a [`Work`] handle and a blocking form (async + wait).
+//!
+//! ```
+//! use burn_tp_comm::{LocalGroup, ReduceOp};
+//!
+//! let groups = LocalGroup::new(2).unwrap();
+//! let handles: Vec<_> = groups
+//!     .into_iter()
+//!     .map(|pg| std::thread::spawn(move || {
+//!         let mine = vec![pg.rank() as f32; 2];
+//!         let gathered = pg.all_gather(mine.clone()).unwrap();   // [0, 0, 1, 1]
+//!         let summed = pg.all_reduce(mine, ReduceOp::Sum).unwrap(); // [1, 1]
+//!         (gathered, summed)
+//!     }))
+//!     .collect();
+//! for h in handles {
+//!     assert_eq!(h.join().unwrap(), (vec![0.0, 0.0, 1.0, 1.0], vec![1.0, 1.0]));
+//! }
+//! ```
+//!
+//! Failures never hang: ranks that disagree on a call, a rank that leaves, or one that never
+//! arrives (timeout) make the call fail on every rank, and abort the group.
+
+mod element;
+mod error;
+mod group;
+
+pub use element::{CommElement, DType, ReduceOp};
+pub use error::{CommError, Result};
+pub use group::{
+    DEFAULT_TIMEOUT, LinkModel, LocalGroup, LocalGroupOptions, OpDesc, OpKind, ProcessGroup, Work,
+};
