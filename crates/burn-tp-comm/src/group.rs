@@ -178,6 +178,8 @@ struct Post {
 struct Slot {
     posts: Vec<Option<Post>>,
     consumed: usize,
+    /// Incomplete when the group was aborted: it can never succeed, even if the rest arrive.
+    dead: bool,
 }
 
 struct State {
@@ -218,6 +220,11 @@ impl Shared {
 
     fn abort(&self, st: &mut State, reason: &CommError) {
         st.aborted.get_or_insert_with(|| reason.to_string());
+        for slot in st.slots.values_mut() {
+            if slot.posts.iter().any(Option::is_none) {
+                slot.dead = true;
+            }
+        }
         self.cv.notify_all();
     }
 }
@@ -246,7 +253,7 @@ pub struct ProcessGroup {
     shared: Arc<Shared>,
     seq: Arc<AtomicU64>,
     timeout: Arc<Mutex<Duration>>,
-    membership: Arc<Membership>,
+    _membership: Arc<Membership>,
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -262,7 +269,7 @@ impl ProcessGroup {
     fn member(shared: Arc<Shared>, rank: usize, timeout: Duration) -> Self {
         Self {
             rank,
-            membership: Arc::new(Membership {
+            _membership: Arc::new(Membership {
                 shared: shared.clone(),
                 rank,
             }),
@@ -306,9 +313,11 @@ impl ProcessGroup {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let mut st = self.shared.lock();
         let world = self.shared.world;
+        let dead = st.aborted.is_some();
         let slot = st.slots.entry(seq).or_insert_with(|| Slot {
             posts: (0..world).map(|_| None).collect(),
             consumed: 0,
+            dead,
         });
         slot.posts[self.rank] = Some(Post {
             desc: desc.clone(),
@@ -682,7 +691,7 @@ impl<T> Work<T> {
                 },
             }
         }
-        if missing.is_empty() {
+        if missing.is_empty() && !slot.dead {
             if let Some(link) = self.group.shared.options.link {
                 let last = slot
                     .posts

@@ -1,0 +1,392 @@
+//! burn-tp-comm against single-thread references, misuse, and a soak.
+
+use std::time::{Duration, Instant};
+
+use burn_tp_comm::{CommElement, CommError, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// Runs `f` on every rank of a fresh group, one thread per rank, and returns the results in rank order.
+fn run<T: Send + 'static>(
+    world: usize,
+    options: LocalGroupOptions,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<std::thread::Result<T>> {
+    let groups = LocalGroup::with_options(world, options).unwrap();
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|pg| {
+            let f = f.clone();
+            std::thread::spawn(move || f(pg))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join()).collect()
+}
+
+fn run_ok<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    run(world, LocalGroupOptions::default(), f)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+fn short(timeout_ms: u64) -> LocalGroupOptions {
+    LocalGroupOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        ..Default::default()
+    }
+}
+
+/// Rank `r`'s input: deterministic random values (integers in f32 range so sums are exact).
+fn input<T: CommElement>(rank: usize, len: usize, conv: fn(f64) -> T) -> Vec<T> {
+    let mut rng = StdRng::seed_from_u64(rank as u64 * 7919 + len as u64);
+    (0..len)
+        .map(|_| conv(rng.random_range(-8i32..8) as f64 * 0.5))
+        .collect()
+}
+
+fn check_all_ops<T: CommElement + PartialEq>(conv: fn(f64) -> T) {
+    for world in 1..=4 {
+        let len = 12 * world;
+        let inputs: Vec<Vec<T>> = (0..world).map(|r| input(r, len, conv)).collect();
+        // Single-thread references.
+        let gathered: Vec<T> = inputs.concat();
+        let mut summed = inputs[0].clone();
+        let mut maxed = inputs[0].clone();
+        let mut mined = inputs[0].clone();
+        for x in &inputs[1..] {
+            T::combine(ReduceOp::Sum, &mut summed, x);
+            T::combine(ReduceOp::Max, &mut maxed, x);
+            T::combine(ReduceOp::Min, &mut mined, x);
+        }
+        let avg: Vec<T> = summed.iter().map(|v| v.div_count(world)).collect();
+        let chunk = len / world;
+
+        let results = run_ok(world, move |pg| {
+            let x = input(pg.rank(), len, conv);
+            (
+                pg.all_gather(x.clone()).unwrap(),
+                pg.reduce_scatter(x.clone()).unwrap(),
+                pg.all_reduce(x.clone(), ReduceOp::Sum).unwrap(),
+                pg.all_reduce(x.clone(), ReduceOp::Max).unwrap(),
+                pg.all_reduce(x.clone(), ReduceOp::Min).unwrap(),
+                pg.all_reduce(x.clone(), ReduceOp::Avg).unwrap(),
+                pg.broadcast(x, world - 1).unwrap(),
+                pg.barrier().unwrap(),
+            )
+        });
+        for (rank, (ag, rs, sum, max, min, avgr, bc, ())) in results.into_iter().enumerate() {
+            assert_eq!(ag, gathered, "all_gather world {world} rank {rank}");
+            assert_eq!(
+                rs,
+                summed[rank * chunk..(rank + 1) * chunk],
+                "reduce_scatter world {world} rank {rank}"
+            );
+            assert_eq!(sum, summed, "all_reduce sum world {world}");
+            assert_eq!(max, maxed, "all_reduce max world {world}");
+            assert_eq!(min, mined, "all_reduce min world {world}");
+            assert_eq!(avgr, avg, "all_reduce avg world {world}");
+            assert_eq!(bc, inputs[world - 1], "broadcast world {world}");
+        }
+    }
+}
+
+#[test]
+fn every_op_matches_single_thread_reference_f32() {
+    check_all_ops::<f32>(|v| v as f32);
+}
+
+#[test]
+fn every_op_matches_single_thread_reference_f64() {
+    check_all_ops::<f64>(|v| v);
+}
+
+#[test]
+fn every_op_matches_single_thread_reference_f16() {
+    check_all_ops::<f16>(f16::from_f64);
+}
+
+#[test]
+fn every_op_matches_single_thread_reference_bf16() {
+    check_all_ops::<bf16>(bf16::from_f64);
+}
+
+#[test]
+fn every_op_matches_single_thread_reference_i64() {
+    check_all_ops::<i64>(|v| (v * 2.0) as i64);
+}
+
+#[test]
+fn sums_are_bit_identical_across_ranks_on_non_integer_data() {
+    let results = run_ok(3, |pg| {
+        let mut rng = StdRng::seed_from_u64(pg.rank() as u64);
+        let x: Vec<f32> = (0..999).map(|_| rng.random::<f32>() * 1e3).collect();
+        pg.all_reduce(x, ReduceOp::Sum).unwrap()
+    });
+    let bits = |v: &Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&results[0]), bits(&results[1]));
+    assert_eq!(bits(&results[0]), bits(&results[2]));
+}
+
+#[test]
+fn async_handles_overlap_and_complete_out_of_order() {
+    let results = run_ok(2, |pg| {
+        let a = pg.all_gather_async(vec![pg.rank() as f32]);
+        let b = pg.all_reduce_async(vec![1.0f32 + pg.rank() as f32], ReduceOp::Sum);
+        // Both are in flight; wait for the later one first.
+        let b = b.wait().unwrap();
+        assert!(a.is_completed());
+        (a.wait().unwrap(), b)
+    });
+    for r in results {
+        assert_eq!(r, (vec![0.0, 1.0], vec![3.0]));
+    }
+}
+
+#[test]
+fn split_gives_mpi_comm_split_groups() {
+    let results = run_ok(4, |pg| {
+        let tp = pg.split(pg.rank() / 2, pg.rank()).unwrap();
+        let dp = pg.split(pg.rank() % 2, pg.rank()).unwrap();
+        let tp_ids = tp.all_gather(vec![pg.rank() as i64]).unwrap();
+        let dp_ids = dp.all_gather(vec![pg.rank() as i64]).unwrap();
+        // A reversed key reverses the order.
+        let rev = pg.split(0, 10 - pg.rank()).unwrap();
+        (tp.rank(), tp.world_size(), tp_ids, dp_ids, rev.rank())
+    });
+    assert_eq!(results[0], (0, 2, vec![0, 1], vec![0, 2], 3));
+    assert_eq!(results[1], (1, 2, vec![0, 1], vec![1, 3], 2));
+    assert_eq!(results[2], (0, 2, vec![2, 3], vec![0, 2], 1));
+    assert_eq!(results[3], (1, 2, vec![2, 3], vec![1, 3], 0));
+}
+
+#[test]
+fn reduce_scatter_of_indivisible_length_is_an_error_before_communication() {
+    let groups = LocalGroup::new(3).unwrap();
+    let err = groups[0].reduce_scatter(vec![1.0f32; 10]).unwrap_err();
+    assert_eq!(
+        err,
+        CommError::NotDivisible {
+            op: "reduce_scatter",
+            len: 10,
+            world_size: 3
+        }
+    );
+    assert!(err.to_string().contains("10") && err.to_string().contains('3'));
+    assert!(matches!(
+        LocalGroup::new(0),
+        Err(CommError::InvalidWorldSize(0))
+    ));
+    assert!(matches!(
+        groups[1].broadcast(vec![0f32], 3),
+        Err(CommError::InvalidRoot { root: 3, .. })
+    ));
+}
+
+#[test]
+fn mismatched_shapes_fail_on_every_rank() {
+    let start = Instant::now();
+    let results = run(2, short(5_000), |pg| {
+        pg.all_gather(vec![0f32; 3 + pg.rank()])
+    });
+    for r in results {
+        let err = r.unwrap().unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, CommError::Mismatch { seq: 0, .. }), "{msg}");
+        assert!(
+            msg.contains("[3]") && msg.contains("[4]") && msg.contains("all_gather"),
+            "{msg}"
+        );
+    }
+    assert!(start.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn misordered_ops_fail_on_every_rank() {
+    let results = run(2, short(5_000), |pg| {
+        if pg.rank() == 0 {
+            pg.all_reduce(vec![1f32; 4], ReduceOp::Sum).map(|_| ())
+        } else {
+            pg.reduce_scatter(vec![1f32; 4]).map(|_| ())
+        }
+    });
+    for r in results {
+        let msg = r.unwrap().unwrap_err().to_string();
+        assert!(
+            msg.contains("reduce_scatter") && msg.contains("all_reduce") && msg.contains("#0"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn mismatched_dtype_fails_on_every_rank() {
+    let results = run(2, short(5_000), |pg| {
+        if pg.rank() == 0 {
+            pg.all_gather(vec![1f32; 4]).map(|_| ())
+        } else {
+            pg.all_gather(vec![1f64; 4]).map(|_| ())
+        }
+    });
+    for r in results {
+        let msg = r.unwrap().unwrap_err().to_string();
+        assert!(msg.contains("F32") && msg.contains("F64"), "{msg}");
+    }
+}
+
+#[test]
+fn a_panicking_rank_makes_the_others_fail_with_peer_gone() {
+    let start = Instant::now();
+    let results = run(3, short(20_000), |pg| {
+        pg.barrier().unwrap();
+        if pg.rank() == 1 {
+            panic!("rank 1 fails on purpose");
+        }
+        pg.all_gather(vec![0f32; 2])
+    });
+    assert!(results[1].is_err(), "rank 1 panicked");
+    for r in [0, 2] {
+        let err = results[r].as_ref().unwrap().as_ref().unwrap_err();
+        assert!(
+            matches!(err, CommError::PeerGone { gone, .. } if gone == &vec![1]),
+            "{err}"
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "PeerGone must not wait for the timeout"
+    );
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_on_every_rank() {
+    let start = Instant::now();
+    let results = run(3, short(300), |pg| {
+        if pg.rank() == 2 {
+            // Arrives long after the others gave up: the group is aborted by then.
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        pg.all_reduce(vec![1f32; 8], ReduceOp::Sum)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let err = r.unwrap().unwrap_err();
+        let msg = err.to_string();
+        if rank == 2 {
+            assert!(matches!(err, CommError::Aborted { .. }), "{msg}");
+            assert!(
+                msg.contains("timed out"),
+                "the abort reason names the timeout: {msg}"
+            );
+        } else {
+            // The first rank to time out aborts the group; either way the message names rank 2.
+            assert!(
+                matches!(&err, CommError::Timeout { .. } | CommError::Aborted { .. }),
+                "{msg}"
+            );
+            assert!(msg.contains("rank(s) [2] had not arrived"), "{msg}");
+        }
+    }
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn per_group_timeout_setter_and_wait_timeout() {
+    let results = run(2, LocalGroupOptions::default(), |pg| {
+        if pg.rank() == 0 {
+            pg.set_timeout(Duration::from_millis(100));
+            assert_eq!(pg.timeout(), Duration::from_millis(100));
+            let e = pg.barrier().unwrap_err();
+            assert!(matches!(e, CommError::Timeout { .. }));
+            Ok(())
+        } else {
+            std::thread::sleep(Duration::from_millis(400));
+            pg.barrier_async().wait_timeout(Duration::from_millis(50))
+        }
+    });
+    assert!(results[0].as_ref().unwrap().is_ok());
+    // Rank 0 timed out on the barrier and aborted the group before rank 1 arrived.
+    let r1 = results[1].as_ref().unwrap();
+    assert!(matches!(r1, Err(CommError::Aborted { .. })), "{r1:?}");
+}
+
+#[test]
+fn dropped_work_does_not_block_later_calls() {
+    let results = run_ok(2, |pg| {
+        drop(pg.all_gather_async(vec![1f32; 4]));
+        pg.all_reduce(vec![pg.rank() as f32], ReduceOp::Sum)
+            .unwrap()
+    });
+    assert_eq!(results, vec![vec![1.0], vec![1.0]]);
+}
+
+/// 10,000 mixed async collectives with random per-rank delays and random wait orders, bit-identical
+/// to a sequential reference.
+#[test]
+fn soak_ten_thousand_mixed_async_collectives() {
+    const CALLS: usize = 10_000;
+    const WORLD: usize = 4;
+    fn value(rank: usize, call: usize, i: usize) -> f32 {
+        // Non-integer values so that a reordered sum would show in the bits.
+        ((rank * 131 + call * 17 + i * 7) % 97) as f32 * 0.013 + 0.1
+    }
+    fn reference(call: usize) -> Vec<f32> {
+        let len = 8;
+        let inputs: Vec<Vec<f32>> = (0..WORLD)
+            .map(|r| (0..len).map(|i| value(r, call, i)).collect())
+            .collect();
+        match call % 3 {
+            0 => inputs.concat(),
+            _ => {
+                let mut s = inputs[0].clone();
+                for x in &inputs[1..] {
+                    f32::combine(ReduceOp::Sum, &mut s, x);
+                }
+                s
+            }
+        }
+    }
+    let results = run_ok(WORLD, |pg| {
+        let mut rng = StdRng::seed_from_u64(pg.rank() as u64);
+        let mut pending = Vec::new();
+        let mut out = vec![Vec::new(); CALLS];
+        for call in 0..CALLS {
+            let x: Vec<f32> = (0..8).map(|i| value(pg.rank(), call, i)).collect();
+            let work = match call % 3 {
+                0 => pg.all_gather_async(x),
+                1 => pg.all_reduce_async(x, ReduceOp::Sum),
+                _ => {
+                    // reduce-scatter result is the rank's chunk of the sum; gather it back to compare.
+                    let rs = pg.reduce_scatter_async(x).unwrap().wait().unwrap();
+                    pg.all_gather_async(rs)
+                }
+            };
+            pending.push((call, work));
+            if rng.random_bool(0.02) {
+                std::thread::sleep(Duration::from_micros(rng.random_range(0..200)));
+            }
+            // Keep up to 4 in flight, completing a random one.
+            while pending.len() > rng.random_range(0..4) {
+                let i = rng.random_range(0..pending.len());
+                let (c, w) = pending.swap_remove(i);
+                out[c] = w.wait().unwrap();
+            }
+        }
+        for (c, w) in pending {
+            out[c] = w.wait().unwrap();
+        }
+        out
+    });
+    for call in 0..CALLS {
+        let want: Vec<u32> = reference(call).iter().map(|v| v.to_bits()).collect();
+        for r in &results {
+            assert_eq!(
+                r[call].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want,
+                "call {call}"
+            );
+        }
+    }
+}
