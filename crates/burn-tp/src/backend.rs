@@ -1,0 +1,318 @@
+//! The collectives as a Burn backend extension, with Megatron adjoints as custom backward nodes.
+//!
+//! Two backend ops carry every collective: [`TpBackend::tp_start`] posts it and returns a
+//! [`PendingPrimitive`]; [`TpBackend::tp_resolve`] waits and returns the tensor. The blocking form
+//! is start + resolve; the parallel layers put compute in between. The default bodies move data
+//! through the host with `burn-tp-comm` (right for the CPU backends, where a rank is a thread);
+//! a device backend overrides them with its own transport.
+//!
+//! Adjoints (backward of each forward, per rank):
+//!
+//! | forward                 | backward                         |
+//! |-------------------------|----------------------------------|
+//! | all-gather(dim)         | reduce-scatter(dim)              |
+//! | reduce-scatter(dim)     | all-gather(dim)                  |
+//! | copy-to-tp-region (id)  | all-reduce (sum)                 |
+//! | reduce-from-tp-region   | identity                         |
+//! | all-reduce(sum / avg)   | all-reduce(sum / avg)            |
+//! | all-reduce(max / min)   | all-reduce(sum) x [input == out] |
+//! | gather-from-region(dim) | split(dim): keep own chunk       |
+//! | scatter-to-region(dim)  | all-gather(dim)                  |
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::{
+    Autodiff, Backend, ExtensionType, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
+};
+use burn::tensor::{DType, Slice, TensorData};
+use burn_tp_comm::{CommElement, CommError, ProcessGroup, ReduceOp, Work};
+use half::{bf16, f16};
+
+/// Which collective a [`PendingPrimitive`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collective {
+    /// Rank-order concatenation along `dim`: `[.., n_d, ..] -> [.., tp * n_d, ..]`.
+    AllGather {
+        /// The concatenated dimension.
+        dim: usize,
+    },
+    /// Sum over ranks, then chunk `r` of `dim` to rank `r`: `[.., n_d, ..] -> [.., n_d / tp, ..]`.
+    ReduceScatter {
+        /// The scattered dimension.
+        dim: usize,
+    },
+    /// Element-wise reduction to every rank; its backward is the true per-rank adjoint (an
+    /// all-reduce), as data parallelism wants. Tensor parallel code uses the two below.
+    AllReduce(ReduceOp),
+    /// Megatron's `f`: identity forward, all-reduce (sum) backward.
+    CopyToRegion,
+    /// Megatron's `g`: all-reduce (sum) forward, identity backward.
+    ReduceFromRegion,
+    /// All-gather forward, split (keep this rank's chunk) backward: for a gathered output that
+    /// feeds replicated compute (`gather_output`), where every rank holds the full gradient.
+    GatherFromRegion {
+        /// The concatenated dimension.
+        dim: usize,
+    },
+    /// Split forward (keep this rank's chunk, no communication), all-gather backward.
+    ScatterToRegion {
+        /// The split dimension.
+        dim: usize,
+    },
+}
+
+impl Collective {
+    /// The dimension the collective moves, or 0 for element-wise ones.
+    fn dim(self) -> usize {
+        match self {
+            Collective::AllGather { dim }
+            | Collective::ReduceScatter { dim }
+            | Collective::GatherFromRegion { dim }
+            | Collective::ScatterToRegion { dim } => dim,
+            _ => 0,
+        }
+    }
+}
+
+type Finish = Box<dyn FnOnce() -> Result<TensorData, CommError> + Send>;
+
+/// A collective in flight at the backend level; [`TpBackend::tp_resolve`] completes it.
+#[derive(Clone)]
+pub struct PendingWork {
+    /// The collective.
+    pub op: Collective,
+    /// The group it runs on.
+    pub group: ProcessGroup,
+    // `None` once resolved; shared so the handle can cross the dispatch boundary by clone.
+    finish: Arc<Mutex<Option<Finish>>>,
+}
+
+impl fmt::Debug for PendingWork {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PendingWork({:?} on rank {})", self.op, self.group.rank())
+    }
+}
+
+impl PendingWork {
+    /// A collective that needs no communication (world size 1, identity forwards).
+    pub fn ready(op: Collective, group: ProcessGroup) -> Self {
+        Self { op, group, finish: Arc::new(Mutex::new(None)) }
+    }
+
+    fn with(op: Collective, group: ProcessGroup, finish: Finish) -> Self {
+        Self { op, group, finish: Arc::new(Mutex::new(Some(finish))) }
+    }
+
+    fn take(&self) -> Option<Finish> {
+        self.finish.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// A started collective: the input it was started from and the work in flight.
+#[derive(ExtensionType)]
+pub struct PendingPrimitive<B: Backend> {
+    /// The tensor the collective was started from: it routes the resolve to its backend and is the
+    /// autodiff parent of the result.
+    pub input: FloatTensor<B>,
+    /// The communication in flight.
+    pub work: PendingWork,
+}
+
+/// The result of a resolved collective at the backend level.
+#[derive(ExtensionType)]
+pub enum CollectiveOutput<B: Backend> {
+    /// The collective completed.
+    Done(FloatTensor<B>),
+    /// It failed on this rank (and, by the group's abort, on every rank).
+    Failed(CommError),
+}
+
+impl<B: Backend> CollectiveOutput<B> {
+    /// The tensor, or a panic naming the error: for backward nodes, which cannot return errors.
+    pub fn expect_done(self, context: &str) -> FloatTensor<B> {
+        match self {
+            CollectiveOutput::Done(t) => t,
+            CollectiveOutput::Failed(e) => panic!("burn-tp: {context} failed: {e}"),
+        }
+    }
+}
+
+/// Collectives as backend operations. Implemented for Flex and for `Autodiff<B>` (with custom
+/// backward nodes); call them through [`crate::ops`].
+#[backend_extension(Flex, Autodiff)]
+pub trait TpBackend: Backend {
+    /// Posts `op` of `x` on `group` and returns at once.
+    fn tp_start(x: FloatTensor<Self>, op: Collective, group: ProcessGroup) -> PendingPrimitive<Self> {
+        host_start::<Self>(x, op, group)
+    }
+
+    /// Waits for a started collective and returns its output.
+    fn tp_resolve(#[extension_type] pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
+        host_resolve::<Self>(pending)
+    }
+}
+
+impl TpBackend for Flex {}
+
+/// Start + resolve on the inner backend, panicking on failure (for backward nodes).
+pub fn collective_blocking<B: TpBackend>(
+    x: FloatTensor<B>,
+    op: Collective,
+    group: &ProcessGroup,
+) -> FloatTensor<B> {
+    B::tp_resolve(B::tp_start(x, op, group.clone())).expect_done(&format!("{op:?} in backward"))
+}
+
+fn host_start<B: Backend>(x: FloatTensor<B>, op: Collective, group: ProcessGroup) -> PendingPrimitive<B> {
+    let world = group.world_size();
+    if world == 1 || matches!(op, Collective::CopyToRegion | Collective::ScatterToRegion { .. }) {
+        return PendingPrimitive { input: x, work: PendingWork::ready(op, group) };
+    }
+    // Put the collective's dim first: the flat buffer's rank-order concatenation (chunking) is
+    // then concatenation (chunking) along that dim.
+    let dim = op.dim();
+    let moved = if dim == 0 { x.clone() } else { B::float_swap_dims(x.clone(), 0, dim) };
+    let finish = match burn::tensor::read_sync(B::float_into_data(moved)) {
+        Ok(data) => match data.dtype() {
+            DType::F32 => post::<f32>(data, op, &group),
+            DType::F64 => post::<f64>(data, op, &group),
+            DType::F16 => post::<f16>(data, op, &group),
+            DType::BF16 => post::<bf16>(data, op, &group),
+            other => Err(CommError::Backend(format!("{op:?}: unsupported dtype {other:?}"))),
+        },
+        Err(e) => Err(CommError::Backend(format!("{op:?}: reading the tensor failed: {e:?}"))),
+    };
+    let finish: Finish = match finish {
+        Ok(f) => f,
+        Err(e) => Box::new(move || Err(e)),
+    };
+    PendingPrimitive { input: x, work: PendingWork::with(op, group, finish) }
+}
+
+fn post<T: CommElement + burn::tensor::Element>(
+    data: TensorData,
+    op: Collective,
+    group: &ProcessGroup,
+) -> Result<Finish, CommError> {
+    let world = group.world_size();
+    let mut shape = data.shape().clone();
+    let dims = shape.to_vec();
+    let values = data.try_into_vec::<T>().map_err(|e| CommError::Backend(format!("{e:?}")))?;
+    let work: Work<Vec<T>> = match op {
+        Collective::AllGather { .. } | Collective::GatherFromRegion { .. } => {
+            shape[0] *= world;
+            group.all_gather_shaped_async(values, dims)
+        }
+        Collective::ReduceScatter { .. } => {
+            if shape[0] % world != 0 {
+                return Err(CommError::NotDivisible { op: "reduce_scatter", len: shape[0], world_size: world });
+            }
+            shape[0] /= world;
+            group.reduce_scatter_shaped_async(values, dims)?
+        }
+        Collective::AllReduce(r) => group.all_reduce_shaped_async(values, dims, r),
+        Collective::ReduceFromRegion => group.all_reduce_shaped_async(values, dims, ReduceOp::Sum),
+        Collective::CopyToRegion | Collective::ScatterToRegion { .. } => {
+            unreachable!("local forwards post nothing")
+        }
+    };
+    Ok(Box::new(move || work.wait().map(|v| TensorData::new(v, shape))))
+}
+
+fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B> {
+    let PendingPrimitive { input, work } = pending;
+    let Some(finish) = work.take() else {
+        return CollectiveOutput::Done(match work.op {
+            Collective::ScatterToRegion { dim } => local_chunk::<B>(input, dim, &work.group),
+            _ => input,
+        });
+    };
+    match finish() {
+        Ok(data) => {
+            let out = B::float_from_data(data, &input.device());
+            let dim = work.op.dim();
+            CollectiveOutput::Done(if dim == 0 { out } else { B::float_swap_dims(out, 0, dim) })
+        }
+        Err(e) => CollectiveOutput::Failed(e),
+    }
+}
+
+/// This rank's chunk of `dim` (a view; no copy, no communication).
+pub fn local_chunk<B: Backend>(x: FloatTensor<B>, dim: usize, group: &ProcessGroup) -> FloatTensor<B> {
+    let (rank, world) = (group.rank(), group.world_size());
+    if world == 1 {
+        return x;
+    }
+    let chunk = x.shape()[dim] / world;
+    let mut slices = vec![Slice::full(); x.shape().num_dims()];
+    slices[dim] = Slice::new((rank * chunk) as isize, Some(((rank + 1) * chunk) as isize), 1);
+    B::float_slice(x, &slices)
+}
+
+#[derive(Debug)]
+struct CollectiveBackward;
+
+#[derive(Clone, Debug)]
+struct CollectiveState<P> {
+    op: Collective,
+    group: ProcessGroup,
+    /// Input and output, kept only for max / min (the gradient goes where input == output).
+    extremum: Option<(P, P)>,
+}
+
+impl<B: TpBackend> Backward<B, 1> for CollectiveBackward {
+    type State = CollectiveState<FloatTensor<B>>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _ck: &mut Checkpointer) {
+        let CollectiveState { op, group, extremum } = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| match op {
+            Collective::AllGather { dim } => collective_blocking::<B>(grad, Collective::ReduceScatter { dim }, &group),
+            Collective::ReduceScatter { dim } => collective_blocking::<B>(grad, Collective::AllGather { dim }, &group),
+            Collective::CopyToRegion | Collective::AllReduce(ReduceOp::Sum) => {
+                collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Sum), &group)
+            }
+            Collective::AllReduce(ReduceOp::Avg) => {
+                collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Avg), &group)
+            }
+            Collective::AllReduce(ReduceOp::Max | ReduceOp::Min) => {
+                let (x, y) = extremum.expect("max / min keep input and output");
+                let total = collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Sum), &group);
+                let device = x.device();
+                let bool_dtype = burn::backend::get_or_init_device_settings::<B>(&device).bool_dtype;
+                let mask = B::bool_into_float(B::float_equal(x, y, bool_dtype), total.dtype().into());
+                B::float_mul(total, mask)
+            }
+            Collective::ReduceFromRegion => grad,
+            Collective::GatherFromRegion { dim } => local_chunk::<B>(grad, dim, &group),
+            Collective::ScatterToRegion { dim } => collective_blocking::<B>(grad, Collective::AllGather { dim }, &group),
+        });
+    }
+}
+
+impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
+    fn tp_start(x: FloatTensor<Self>, op: Collective, group: ProcessGroup) -> PendingPrimitive<Self> {
+        let inner = B::tp_start(x.primitive().clone(), op, group);
+        PendingPrimitive { input: x, work: inner.work }
+    }
+
+    fn tp_resolve(pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
+        let PendingPrimitive { input, work } = pending;
+        let inner = PendingPrimitive { input: input.primitive().clone(), work: work.clone() };
+        let out = match B::tp_resolve(inner) {
+            CollectiveOutput::Done(out) => out,
+            CollectiveOutput::Failed(e) => return CollectiveOutput::Failed(e),
+        };
+        let op = work.op;
+        let extremum = matches!(op, Collective::AllReduce(ReduceOp::Max | ReduceOp::Min))
+            .then(|| (input.primitive().clone(), out.clone()));
+        let state = CollectiveState { op, group: work.group, extremum };
+        CollectiveOutput::Done(match CollectiveBackward.prepare::<C>([input.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(state, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        })
+    }
+}

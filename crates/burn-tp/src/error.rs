@@ -1,0 +1,48 @@
+//! The error type of burn-tp.
+
+use burn_tp_comm::CommError;
+
+/// Why a tensor-parallel operation could not run. Shape errors are found before any
+/// communication, so every rank reports them without waiting on the others.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TpError {
+    /// The communication failed (mismatch, timeout, a rank gone); every rank of the group fails.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A size that must be a multiple of the tensor-parallel world size is not.
+    #[error("{what} = {size} is not divisible by the tensor-parallel size {tp}")]
+    NotDivisible {
+        /// What was split (for example `"d_output"` or `"dim 0 of the input"`).
+        what: String,
+        /// Its size.
+        size: usize,
+        /// The tensor-parallel world size.
+        tp: usize,
+    },
+    /// A dimension index out of range for the tensor.
+    #[error("{op}: dim {dim} is out of range for a tensor of rank {rank}")]
+    DimOutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// The dimension asked for.
+        dim: usize,
+        /// The tensor's rank.
+        rank: usize,
+    },
+    /// An input whose shape does not fit the layer.
+    #[error("{op}: expected {expected}, got shape {got:?}")]
+    Shape {
+        /// The layer or operation.
+        op: &'static str,
+        /// What was expected, in words.
+        expected: String,
+        /// The shape received.
+        got: Vec<usize>,
+    },
+    /// A configuration that cannot work.
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Result alias of burn-tp.
+pub type Result<T> = std::result::Result<T, TpError>;
