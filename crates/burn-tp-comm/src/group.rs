@@ -253,7 +253,9 @@ pub struct ProcessGroup {
     shared: Arc<Shared>,
     seq: Arc<AtomicU64>,
     timeout: Arc<Mutex<Duration>>,
-    _membership: Arc<Membership>,
+    /// `None` for [`ProcessGroup::weak`] handles; held for its `Drop`.
+    #[allow(dead_code)]
+    membership: Option<Arc<Membership>>,
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -269,13 +271,23 @@ impl ProcessGroup {
     fn member(shared: Arc<Shared>, rank: usize, timeout: Duration) -> Self {
         Self {
             rank,
-            _membership: Arc::new(Membership {
+            membership: Some(Arc::new(Membership {
                 shared: shared.clone(),
                 rank,
-            }),
+            })),
             shared,
             seq: Arc::new(AtomicU64::new(0)),
             timeout: Arc::new(Mutex::new(timeout)),
+        }
+    }
+
+    /// A handle on the same rank that does not keep it in the group: once every ordinary handle
+    /// is dropped (or its thread panicked), peers see this rank as gone even while weak handles
+    /// live on. For long-lived holders the owner does not control, such as autodiff graph nodes.
+    pub fn weak(&self) -> ProcessGroup {
+        Self {
+            membership: None,
+            ..self.clone()
         }
     }
 

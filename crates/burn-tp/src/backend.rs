@@ -93,18 +93,31 @@ pub struct PendingWork {
 
 impl fmt::Debug for PendingWork {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "PendingWork({:?} on rank {})", self.op, self.group.rank())
+        write!(
+            f,
+            "PendingWork({:?} on rank {})",
+            self.op,
+            self.group.rank()
+        )
     }
 }
 
 impl PendingWork {
     /// A collective that needs no communication (world size 1, identity forwards).
     pub fn ready(op: Collective, group: ProcessGroup) -> Self {
-        Self { op, group, finish: Arc::new(Mutex::new(None)) }
+        Self {
+            op,
+            group,
+            finish: Arc::new(Mutex::new(None)),
+        }
     }
 
     fn with(op: Collective, group: ProcessGroup, finish: Finish) -> Self {
-        Self { op, group, finish: Arc::new(Mutex::new(Some(finish))) }
+        Self {
+            op,
+            group,
+            finish: Arc::new(Mutex::new(Some(finish))),
+        }
     }
 
     fn take(&self) -> Option<Finish> {
@@ -146,7 +159,11 @@ impl<B: Backend> CollectiveOutput<B> {
 #[backend_extension(Flex, Autodiff)]
 pub trait TpBackend: Backend {
     /// Posts `op` of `x` on `group` and returns at once.
-    fn tp_start(x: FloatTensor<Self>, op: Collective, group: ProcessGroup) -> PendingPrimitive<Self> {
+    fn tp_start(
+        x: FloatTensor<Self>,
+        op: Collective,
+        group: ProcessGroup,
+    ) -> PendingPrimitive<Self> {
         host_start::<Self>(x, op, group)
     }
 
@@ -167,30 +184,53 @@ pub fn collective_blocking<B: TpBackend>(
     B::tp_resolve(B::tp_start(x, op, group.clone())).expect_done(&format!("{op:?} in backward"))
 }
 
-fn host_start<B: Backend>(x: FloatTensor<B>, op: Collective, group: ProcessGroup) -> PendingPrimitive<B> {
+fn host_start<B: Backend>(
+    x: FloatTensor<B>,
+    op: Collective,
+    group: ProcessGroup,
+) -> PendingPrimitive<B> {
     let world = group.world_size();
-    if world == 1 || matches!(op, Collective::CopyToRegion | Collective::ScatterToRegion { .. }) {
-        return PendingPrimitive { input: x, work: PendingWork::ready(op, group) };
+    if world == 1
+        || matches!(
+            op,
+            Collective::CopyToRegion | Collective::ScatterToRegion { .. }
+        )
+    {
+        return PendingPrimitive {
+            input: x,
+            work: PendingWork::ready(op, group),
+        };
     }
     // Put the collective's dim first: the flat buffer's rank-order concatenation (chunking) is
     // then concatenation (chunking) along that dim.
     let dim = op.dim();
-    let moved = if dim == 0 { x.clone() } else { B::float_swap_dims(x.clone(), 0, dim) };
+    let moved = if dim == 0 {
+        x.clone()
+    } else {
+        B::float_swap_dims(x.clone(), 0, dim)
+    };
     let finish = match burn::tensor::read_sync(B::float_into_data(moved)) {
         Ok(data) => match data.dtype() {
             DType::F32 => post::<f32>(data, op, &group),
             DType::F64 => post::<f64>(data, op, &group),
             DType::F16 => post::<f16>(data, op, &group),
             DType::BF16 => post::<bf16>(data, op, &group),
-            other => Err(CommError::Backend(format!("{op:?}: unsupported dtype {other:?}"))),
+            other => Err(CommError::Backend(format!(
+                "{op:?}: unsupported dtype {other:?}"
+            ))),
         },
-        Err(e) => Err(CommError::Backend(format!("{op:?}: reading the tensor failed: {e:?}"))),
+        Err(e) => Err(CommError::Backend(format!(
+            "{op:?}: reading the tensor failed: {e:?}"
+        ))),
     };
     let finish: Finish = match finish {
         Ok(f) => f,
         Err(e) => Box::new(move || Err(e)),
     };
-    PendingPrimitive { input: x, work: PendingWork::with(op, group, finish) }
+    PendingPrimitive {
+        input: x,
+        work: PendingWork::with(op, group, finish),
+    }
 }
 
 fn post<T: CommElement + burn::tensor::Element>(
@@ -201,7 +241,9 @@ fn post<T: CommElement + burn::tensor::Element>(
     let world = group.world_size();
     let mut shape = data.shape().clone();
     let dims = shape.to_vec();
-    let values = data.try_into_vec::<T>().map_err(|e| CommError::Backend(format!("{e:?}")))?;
+    let values = data
+        .try_into_vec::<T>()
+        .map_err(|e| CommError::Backend(format!("{e:?}")))?;
     let work: Work<Vec<T>> = match op {
         Collective::AllGather { .. } | Collective::GatherFromRegion { .. } => {
             shape[0] *= world;
@@ -209,7 +251,11 @@ fn post<T: CommElement + burn::tensor::Element>(
         }
         Collective::ReduceScatter { .. } => {
             if shape[0] % world != 0 {
-                return Err(CommError::NotDivisible { op: "reduce_scatter", len: shape[0], world_size: world });
+                return Err(CommError::NotDivisible {
+                    op: "reduce_scatter",
+                    len: shape[0],
+                    world_size: world,
+                });
             }
             shape[0] /= world;
             group.reduce_scatter_shaped_async(values, dims)?
@@ -220,7 +266,9 @@ fn post<T: CommElement + burn::tensor::Element>(
             unreachable!("local forwards post nothing")
         }
     };
-    Ok(Box::new(move || work.wait().map(|v| TensorData::new(v, shape))))
+    Ok(Box::new(move || {
+        work.wait().map(|v| TensorData::new(v, shape))
+    }))
 }
 
 fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B> {
@@ -235,21 +283,33 @@ fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B>
         Ok(data) => {
             let out = B::float_from_data(data, &input.device());
             let dim = work.op.dim();
-            CollectiveOutput::Done(if dim == 0 { out } else { B::float_swap_dims(out, 0, dim) })
+            CollectiveOutput::Done(if dim == 0 {
+                out
+            } else {
+                B::float_swap_dims(out, 0, dim)
+            })
         }
         Err(e) => CollectiveOutput::Failed(e),
     }
 }
 
 /// This rank's chunk of `dim` (a view; no copy, no communication).
-pub fn local_chunk<B: Backend>(x: FloatTensor<B>, dim: usize, group: &ProcessGroup) -> FloatTensor<B> {
+pub fn local_chunk<B: Backend>(
+    x: FloatTensor<B>,
+    dim: usize,
+    group: &ProcessGroup,
+) -> FloatTensor<B> {
     let (rank, world) = (group.rank(), group.world_size());
     if world == 1 {
         return x;
     }
     let chunk = x.shape()[dim] / world;
     let mut slices = vec![Slice::full(); x.shape().num_dims()];
-    slices[dim] = Slice::new((rank * chunk) as isize, Some(((rank + 1) * chunk) as isize), 1);
+    slices[dim] = Slice::new(
+        (rank * chunk) as isize,
+        Some(((rank + 1) * chunk) as isize),
+        1,
+    );
     B::float_slice(x, &slices)
 }
 
@@ -268,10 +328,18 @@ impl<B: TpBackend> Backward<B, 1> for CollectiveBackward {
     type State = CollectiveState<FloatTensor<B>>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _ck: &mut Checkpointer) {
-        let CollectiveState { op, group, extremum } = ops.state;
+        let CollectiveState {
+            op,
+            group,
+            extremum,
+        } = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| match op {
-            Collective::AllGather { dim } => collective_blocking::<B>(grad, Collective::ReduceScatter { dim }, &group),
-            Collective::ReduceScatter { dim } => collective_blocking::<B>(grad, Collective::AllGather { dim }, &group),
+            Collective::AllGather { dim } => {
+                collective_blocking::<B>(grad, Collective::ReduceScatter { dim }, &group)
+            }
+            Collective::ReduceScatter { dim } => {
+                collective_blocking::<B>(grad, Collective::AllGather { dim }, &group)
+            }
             Collective::CopyToRegion | Collective::AllReduce(ReduceOp::Sum) => {
                 collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Sum), &group)
             }
@@ -280,28 +348,43 @@ impl<B: TpBackend> Backward<B, 1> for CollectiveBackward {
             }
             Collective::AllReduce(ReduceOp::Max | ReduceOp::Min) => {
                 let (x, y) = extremum.expect("max / min keep input and output");
-                let total = collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Sum), &group);
+                let total =
+                    collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Sum), &group);
                 let device = x.device();
-                let bool_dtype = burn::backend::get_or_init_device_settings::<B>(&device).bool_dtype;
-                let mask = B::bool_into_float(B::float_equal(x, y, bool_dtype), total.dtype().into());
+                let bool_dtype =
+                    burn::backend::get_or_init_device_settings::<B>(&device).bool_dtype;
+                let mask =
+                    B::bool_into_float(B::float_equal(x, y, bool_dtype), total.dtype().into());
                 B::float_mul(total, mask)
             }
             Collective::ReduceFromRegion => grad,
             Collective::GatherFromRegion { dim } => local_chunk::<B>(grad, dim, &group),
-            Collective::ScatterToRegion { dim } => collective_blocking::<B>(grad, Collective::AllGather { dim }, &group),
+            Collective::ScatterToRegion { dim } => {
+                collective_blocking::<B>(grad, Collective::AllGather { dim }, &group)
+            }
         });
     }
 }
 
 impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
-    fn tp_start(x: FloatTensor<Self>, op: Collective, group: ProcessGroup) -> PendingPrimitive<Self> {
+    fn tp_start(
+        x: FloatTensor<Self>,
+        op: Collective,
+        group: ProcessGroup,
+    ) -> PendingPrimitive<Self> {
         let inner = B::tp_start(x.primitive().clone(), op, group);
-        PendingPrimitive { input: x, work: inner.work }
+        PendingPrimitive {
+            input: x,
+            work: inner.work,
+        }
     }
 
     fn tp_resolve(pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
         let PendingPrimitive { input, work } = pending;
-        let inner = PendingPrimitive { input: input.primitive().clone(), work: work.clone() };
+        let inner = PendingPrimitive {
+            input: input.primitive().clone(),
+            work: work.clone(),
+        };
         let out = match B::tp_resolve(inner) {
             CollectiveOutput::Done(out) => out,
             CollectiveOutput::Failed(e) => return CollectiveOutput::Failed(e),
@@ -309,10 +392,21 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         let op = work.op;
         let extremum = matches!(op, Collective::AllReduce(ReduceOp::Max | ReduceOp::Min))
             .then(|| (input.primitive().clone(), out.clone()));
-        let state = CollectiveState { op, group: work.group, extremum };
-        CollectiveOutput::Done(match CollectiveBackward.prepare::<C>([input.node()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(state, out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        })
+        // Graph nodes outlive a panicking rank's stack: they must not keep it in the group.
+        let state = CollectiveState {
+            op,
+            group: work.group.weak(),
+            extremum,
+        };
+        CollectiveOutput::Done(
+            match CollectiveBackward
+                .prepare::<C>([input.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
     }
 }

@@ -12,6 +12,9 @@
 pub mod backend;
 mod error;
 pub mod ops;
+pub mod testing;
 
-pub use burn_tp_comm::{CommError, LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
+pub use burn_tp_comm::{
+    CommError, LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp,
+};
 pub use error::{Result, TpError};

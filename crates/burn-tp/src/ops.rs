@@ -45,7 +45,9 @@ impl<const D: usize> Pending<D> {
 
 fn start<const D: usize>(x: Tensor<D>, op: Collective, group: &ProcessGroup) -> Pending<D> {
     let x: DispatchTensor = x.into_dispatch();
-    Pending { inner: <Dispatch as TpBackend>::tp_start(x, op, group.clone()) }
+    Pending {
+        inner: <Dispatch as TpBackend>::tp_start(x, op, group.clone()),
+    }
 }
 
 fn check_dim<const D: usize>(op: &'static str, dim: usize) -> Result<()> {
@@ -60,7 +62,11 @@ fn check_dim<const D: usize>(op: &'static str, dim: usize) -> Result<()> {
 ///
 /// # Errors
 /// [`TpError::DimOutOfRange`] if `dim >= D`.
-pub fn all_gather_async<const D: usize>(x: Tensor<D>, dim: usize, group: &ProcessGroup) -> Result<Pending<D>> {
+pub fn all_gather_async<const D: usize>(
+    x: Tensor<D>,
+    dim: usize,
+    group: &ProcessGroup,
+) -> Result<Pending<D>> {
     check_dim::<D>("all_gather", dim)?;
     Ok(start(x, Collective::AllGather { dim }, group))
 }
@@ -69,7 +75,11 @@ pub fn all_gather_async<const D: usize>(x: Tensor<D>, dim: usize, group: &Proces
 ///
 /// # Errors
 /// As [`all_gather_async`] and [`Pending::wait`].
-pub fn all_gather<const D: usize>(x: Tensor<D>, dim: usize, group: &ProcessGroup) -> Result<Tensor<D>> {
+pub fn all_gather<const D: usize>(
+    x: Tensor<D>,
+    dim: usize,
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
     all_gather_async(x, dim, group)?.wait()
 }
 
@@ -88,7 +98,11 @@ pub fn reduce_scatter_async<const D: usize>(
     let size = x.dims()[dim];
     let tp = group.world_size();
     if size % tp != 0 {
-        return Err(TpError::NotDivisible { what: format!("reduce_scatter: dim {dim} of the input"), size, tp });
+        return Err(TpError::NotDivisible {
+            what: format!("reduce_scatter: dim {dim} of the input"),
+            size,
+            tp,
+        });
     }
     Ok(start(x, Collective::ReduceScatter { dim }, group))
 }
@@ -97,14 +111,22 @@ pub fn reduce_scatter_async<const D: usize>(
 ///
 /// # Errors
 /// As [`reduce_scatter_async`] and [`Pending::wait`].
-pub fn reduce_scatter<const D: usize>(x: Tensor<D>, dim: usize, group: &ProcessGroup) -> Result<Tensor<D>> {
+pub fn reduce_scatter<const D: usize>(
+    x: Tensor<D>,
+    dim: usize,
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
     reduce_scatter_async(x, dim, group)?.wait()
 }
 
 /// Starts an element-wise all-reduce. Its backward is the per-rank adjoint (all-reduce of the
 /// gradient; for max / min, routed to the elements that won), which is what data parallelism
 /// wants. For tensor parallelism use [`reduce_from_tp_region`], whose backward is the identity.
-pub fn all_reduce_async<const D: usize>(x: Tensor<D>, op: ReduceOp, group: &ProcessGroup) -> Pending<D> {
+pub fn all_reduce_async<const D: usize>(
+    x: Tensor<D>,
+    op: ReduceOp,
+    group: &ProcessGroup,
+) -> Pending<D> {
     start(x, Collective::AllReduce(op), group)
 }
 
@@ -112,7 +134,11 @@ pub fn all_reduce_async<const D: usize>(x: Tensor<D>, op: ReduceOp, group: &Proc
 ///
 /// # Errors
 /// As [`Pending::wait`].
-pub fn all_reduce<const D: usize>(x: Tensor<D>, op: ReduceOp, group: &ProcessGroup) -> Result<Tensor<D>> {
+pub fn all_reduce<const D: usize>(
+    x: Tensor<D>,
+    op: ReduceOp,
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
     all_reduce_async(x, op, group).wait()
 }
 
@@ -120,7 +146,9 @@ pub fn all_reduce<const D: usize>(x: Tensor<D>, op: ReduceOp, group: &ProcessGro
 /// Put it where a replicated activation enters rank-specific compute.
 pub fn copy_to_tp_region<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tensor<D> {
     // Posts nothing, so it cannot fail.
-    start(x, Collective::CopyToRegion, group).wait().expect("copy_to_tp_region communicates nothing")
+    start(x, Collective::CopyToRegion, group)
+        .wait()
+        .expect("copy_to_tp_region communicates nothing")
 }
 
 /// Megatron's `g`: all-reduce (sum) forward; identity backward. Put it where rank partial sums
@@ -128,12 +156,18 @@ pub fn copy_to_tp_region<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> 
 ///
 /// # Errors
 /// As [`Pending::wait`].
-pub fn reduce_from_tp_region<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Result<Tensor<D>> {
+pub fn reduce_from_tp_region<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
     reduce_from_tp_region_async(x, group).wait()
 }
 
 /// Async [`reduce_from_tp_region`].
-pub fn reduce_from_tp_region_async<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Pending<D> {
+pub fn reduce_from_tp_region_async<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+) -> Pending<D> {
     start(x, Collective::ReduceFromRegion, group)
 }
 
@@ -143,7 +177,11 @@ pub fn reduce_from_tp_region_async<const D: usize>(x: Tensor<D>, group: &Process
 ///
 /// # Errors
 /// [`TpError::DimOutOfRange`] and as [`Pending::wait`].
-pub fn gather_from_tp_region<const D: usize>(x: Tensor<D>, dim: usize, group: &ProcessGroup) -> Result<Tensor<D>> {
+pub fn gather_from_tp_region<const D: usize>(
+    x: Tensor<D>,
+    dim: usize,
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
     check_dim::<D>("gather_from_tp_region", dim)?;
     start(x, Collective::GatherFromRegion { dim }, group).wait()
 }
@@ -154,11 +192,19 @@ pub fn gather_from_tp_region<const D: usize>(x: Tensor<D>, dim: usize, group: &P
 /// # Errors
 /// [`TpError::NotDivisible`] if `dim`'s size is not a multiple of the world size;
 /// [`TpError::DimOutOfRange`] if `dim >= D`.
-pub fn scatter_to_tp_region<const D: usize>(x: Tensor<D>, dim: usize, group: &ProcessGroup) -> Result<Tensor<D>> {
+pub fn scatter_to_tp_region<const D: usize>(
+    x: Tensor<D>,
+    dim: usize,
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
     check_dim::<D>("scatter_to_tp_region", dim)?;
     let (size, tp) = (x.dims()[dim], group.world_size());
     if size % tp != 0 {
-        return Err(TpError::NotDivisible { what: format!("scatter_to_tp_region: dim {dim} of the input"), size, tp });
+        return Err(TpError::NotDivisible {
+            what: format!("scatter_to_tp_region: dim {dim} of the input"),
+            size,
+            tp,
+        });
     }
     start(x, Collective::ScatterToRegion { dim }, group).wait()
 }

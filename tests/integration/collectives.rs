@@ -1,0 +1,423 @@
+//! The differentiable collectives against single-thread references, adjoint identities,
+//! gradients of a small sharded computation, finite differences, and misuse.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::{DType, Tensor};
+use burn_tp::ops::{
+    all_gather, all_gather_async, all_reduce, copy_to_tp_region, gather_from_tp_region,
+    reduce_from_tp_region, reduce_scatter, reduce_scatter_async, scatter_to_tp_region,
+};
+use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck, run_local, run_ranks};
+use burn_tp::{LocalGroup, LocalGroupOptions, ReduceOp, TpError};
+
+use crate::common::{assert_close, f64s, quarters, tensor, uniform};
+
+const SHAPE: [usize; 3] = [4, 3, 4];
+
+fn input(rank: usize, dtype: DType) -> Tensor<3> {
+    tensor(quarters(48, rank as u64 + 1), SHAPE, dtype)
+}
+
+#[test]
+fn primitives_match_single_thread_reference() {
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for world in 1..=4usize {
+            for dim in [0usize, 2] {
+                let inputs: Vec<Tensor<3>> = (0..world).map(|r| input(r, dtype)).collect();
+                let gathered = f64s(Tensor::cat(inputs.clone(), dim));
+                let mut sum = inputs[0].clone();
+                for x in &inputs[1..] {
+                    sum = sum + x.clone();
+                }
+                let chunks: Vec<Vec<f64>> = if SHAPE[dim] % world == 0 {
+                    sum.clone()
+                        .chunk(world, dim)
+                        .into_iter()
+                        .map(f64s)
+                        .collect()
+                } else {
+                    vec![]
+                };
+                let sum = f64s(sum);
+                let results = run_local(world, move |g| {
+                    let x = input(g.rank(), dtype);
+                    let rs = (SHAPE[dim] % g.world_size() == 0)
+                        .then(|| f64s(reduce_scatter(x.clone(), dim, &g).unwrap()));
+                    (
+                        f64s(all_gather(x.clone(), dim, &g).unwrap()),
+                        rs,
+                        f64s(all_reduce(x.clone(), ReduceOp::Sum, &g).unwrap()),
+                        f64s(reduce_from_tp_region(x.clone(), &g).unwrap()),
+                        f64s(gather_from_tp_region(x, dim, &g).unwrap()),
+                    )
+                })
+                .unwrap();
+                for (r, (ag, rs, ar, rf, gf)) in results.into_iter().enumerate() {
+                    let tag = format!("{dtype:?} world {world} dim {dim} rank {r}");
+                    assert_eq!(ag, gathered, "all_gather {tag}");
+                    assert_eq!(gf, gathered, "gather_from_tp_region {tag}");
+                    assert_eq!(ar, sum, "all_reduce {tag}");
+                    assert_eq!(rf, sum, "reduce_from_tp_region {tag}");
+                    if let Some(rs) = rs {
+                        assert_eq!(rs, chunks[r], "reduce_scatter {tag}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn non_contiguous_inputs_are_read_in_logical_order() {
+    let world = 2;
+    let results = run_local(world, |g| {
+        let base = input(g.rank(), DType::F32);
+        // Transposed: [3, 4, 4] view of a [4, 3, 4] tensor; sliced: a strided window.
+        let transposed = base.clone().swap_dims(0, 1);
+        let sliced = base.clone().slice([0..4, 1..3, 0..4]);
+        (
+            f64s(all_gather(transposed.clone(), 0, &g).unwrap()),
+            f64s(all_gather(sliced.clone(), 2, &g).unwrap()),
+            f64s(reduce_scatter(transposed, 2, &g).unwrap()),
+            f64s(all_reduce(sliced, ReduceOp::Max, &g).unwrap()),
+        )
+    })
+    .unwrap();
+    let t: Vec<Tensor<3>> = (0..world)
+        .map(|r| input(r, DType::F32).swap_dims(0, 1))
+        .collect();
+    let s: Vec<Tensor<3>> = (0..world)
+        .map(|r| input(r, DType::F32).slice([0..4, 1..3, 0..4]))
+        .collect();
+    let sum_t = t[0].clone() + t[1].clone();
+    for (r, (ag_t, ag_s, rs_t, max_s)) in results.into_iter().enumerate() {
+        assert_eq!(ag_t, f64s(Tensor::cat(t.clone(), 0)));
+        assert_eq!(ag_s, f64s(Tensor::cat(s.clone(), 2)));
+        assert_eq!(rs_t, f64s(sum_t.clone().chunk(2, 2)[r].clone()));
+        assert_eq!(max_s, f64s(s[0].clone().max_pair(s[1].clone())));
+    }
+}
+
+/// The per-rank inner product sum_r <a_r, b_r>.
+fn dot(a: &Tensor<3>, b: &Tensor<3>) -> f64 {
+    f64s(a.clone())
+        .iter()
+        .zip(f64s(b.clone()))
+        .map(|(x, y)| x * y)
+        .sum()
+}
+
+/// For each op f with backward f^T (computed by autodiff of <f(x), y>):
+/// sum over ranks <f(x), y> == sum over ranks <x, f^T(y)>, with replicated tensors counted once.
+#[test]
+fn adjoint_identities_hold_for_every_pair() {
+    #[derive(Clone, Copy, Debug)]
+    enum Op {
+        AllGather(usize),
+        ReduceScatter(usize),
+        AllReduce,
+        CopyTo,
+        ReduceFrom,
+        GatherFrom(usize),
+        ScatterTo(usize),
+    }
+    for world in [1usize, 2, 3, 4] {
+        for op in [
+            Op::AllGather(0),
+            Op::AllGather(2),
+            Op::ReduceScatter(0),
+            Op::ReduceScatter(2),
+            Op::AllReduce,
+            Op::CopyTo,
+            Op::ReduceFrom,
+            Op::GatherFrom(2),
+            Op::ScatterTo(0),
+        ] {
+            let dim_ok = match op {
+                Op::ReduceScatter(d) | Op::ScatterTo(d) => (SHAPE[d] * world) % world == 0,
+                _ => true,
+            };
+            assert!(dim_ok);
+            let sums = run_local(world, move |g| {
+                let r = g.rank();
+                let n = g.world_size();
+                // Inputs: replicated ones (same seed on every rank) where the op's domain is replicated.
+                let replicated_in = matches!(op, Op::CopyTo | Op::ScatterTo(_));
+                let replicated_out = matches!(op, Op::ReduceFrom | Op::GatherFrom(_));
+                let in_shape = match op {
+                    Op::ReduceScatter(d) | Op::ScatterTo(d) => {
+                        let mut s = SHAPE;
+                        s[d] *= n;
+                        s
+                    }
+                    _ => SHAPE,
+                };
+                let x_seed = if replicated_in { 100 } else { 100 + r as u64 };
+                let x = tensor(
+                    uniform(in_shape.iter().product(), x_seed),
+                    in_shape,
+                    DType::F32,
+                )
+                .require_grad();
+                let y_fwd = match op {
+                    Op::AllGather(d) => all_gather(x.clone(), d, &g).unwrap(),
+                    Op::ReduceScatter(d) => reduce_scatter(x.clone(), d, &g).unwrap(),
+                    Op::AllReduce => all_reduce(x.clone(), ReduceOp::Sum, &g).unwrap(),
+                    Op::CopyTo => copy_to_tp_region(x.clone(), &g),
+                    Op::ReduceFrom => reduce_from_tp_region(x.clone(), &g).unwrap(),
+                    Op::GatherFrom(d) => gather_from_tp_region(x.clone(), d, &g).unwrap(),
+                    Op::ScatterTo(d) => scatter_to_tp_region(x.clone(), d, &g).unwrap(),
+                };
+                let out_shape = y_fwd.dims();
+                let y_seed = if replicated_out { 200 } else { 200 + r as u64 };
+                let y = tensor(
+                    uniform(out_shape.iter().product(), y_seed),
+                    out_shape,
+                    DType::F32,
+                );
+                let grads = (y_fwd.clone() * y.clone()).sum().backward();
+                let xt = x.grad(&grads).expect("x has a gradient");
+                let lhs = dot(&y_fwd.detach(), &y);
+                let rhs = dot(&x.detach(), &xt);
+                // Replicated sides count once: only rank 0 reports them.
+                let lhs = if replicated_out && r != 0 { 0.0 } else { lhs };
+                let rhs = if replicated_in && r != 0 { 0.0 } else { rhs };
+                (lhs, rhs)
+            })
+            .unwrap();
+            let lhs: f64 = sums.iter().map(|s| s.0).sum();
+            let rhs: f64 = sums.iter().map(|s| s.1).sum();
+            assert!(
+                (lhs - rhs).abs() <= 1e-4 * (1.0 + lhs.abs()),
+                "{op:?} world {world}: {lhs} vs {rhs}"
+            );
+        }
+    }
+}
+
+/// Sequence-parallel column -> row block built by hand from the primitives; gradients equal the
+/// unsharded computation's.
+#[test]
+fn gradients_of_a_sharded_computation_equal_the_unsharded_ones() {
+    let (s, h, f) = (4usize, 3usize, 8usize);
+    for world in [1usize, 2, 4] {
+        let x_full = uniform(s * h, 1);
+        let w_full = uniform(h * f, 2);
+        let v_full = uniform(f * h, 3);
+        let gw_full = uniform(s * h, 4);
+        // Unsharded reference: loss = sum((X W V) * G).
+        let x = tensor(x_full.clone(), [s, h], DType::F32).require_grad();
+        let w = tensor(w_full.clone(), [h, f], DType::F32).require_grad();
+        let v = tensor(v_full.clone(), [f, h], DType::F32).require_grad();
+        let g_t = tensor(gw_full.clone(), [s, h], DType::F32);
+        let grads = (x.clone().matmul(w.clone()).matmul(v.clone()) * g_t)
+            .sum()
+            .backward();
+        let dx = f64s(x.grad(&grads).unwrap());
+        let dw = x_full.len();
+        let _ = dw;
+        let dw = w.grad(&grads).unwrap();
+        let dv = v.grad(&grads).unwrap();
+        let ranks = run_local(world, move |g| {
+            let (r, n) = (g.rank(), g.world_size());
+            let full = |v: &Vec<f32>, shape: [usize; 2]| tensor(v.clone(), shape, DType::F32);
+            let x_r = full(&x_full, [s, h]).chunk(n, 0)[r]
+                .clone()
+                .detach()
+                .require_grad();
+            let w_r = full(&w_full, [h, f]).chunk(n, 1)[r]
+                .clone()
+                .detach()
+                .require_grad();
+            let v_r = full(&v_full, [f, h]).chunk(n, 0)[r]
+                .clone()
+                .detach()
+                .require_grad();
+            let g_r = full(&gw_full, [s, h]).chunk(n, 0)[r].clone();
+            let z = all_gather(x_r.clone(), 0, &g).unwrap();
+            let out = reduce_scatter(z.matmul(w_r.clone()).matmul(v_r.clone()), 0, &g).unwrap();
+            let grads = (out * g_r).sum().backward();
+            (
+                f64s(x_r.grad(&grads).unwrap()),
+                f64s(w_r.grad(&grads).unwrap()),
+                f64s(v_r.grad(&grads).unwrap()),
+            )
+        })
+        .unwrap();
+        let dx_parts: Vec<f64> = ranks.iter().flat_map(|r| r.0.clone()).collect();
+        assert_close(&dx_parts, &dx, 1e-5, &format!("dX world {world}"));
+        for (r, (_, dw_r, dv_r)) in ranks.iter().enumerate() {
+            assert_close(
+                dw_r,
+                &f64s(dw.clone().chunk(world, 1)[r].clone()),
+                1e-5,
+                "dW",
+            );
+            assert_close(
+                dv_r,
+                &f64s(dv.clone().chunk(world, 0)[r].clone()),
+                1e-5,
+                "dV",
+            );
+        }
+    }
+}
+
+#[test]
+fn gradcheck_passes_on_every_primitive() {
+    for world in [1usize, 2] {
+        run_local(world, |g| {
+            let r = g.rank() as u64;
+            let x = || tensor(uniform(2 * 2 * 2, 10 + r), [2, 2, 2], DType::F64);
+            let xrep = || tensor(uniform(2 * 2 * 2, 10), [2, 2, 2], DType::F64);
+            let w = tensor(uniform(2 * 2 * 2 * 2, 20 + r), [2, 2, 4], DType::F64);
+            let opts = GradcheckOptions::default();
+            // Nonlinear losses so the check sees more than a linear map.
+            let sq = |t: Tensor<3>| (t.clone() * t).sum();
+            gradcheck(&g, &[x()], LossKind::Sharded, opts, |xs| {
+                sq(all_gather(xs[0].clone(), 0, &g).unwrap() * 1.5)
+            })
+            .unwrap();
+            gradcheck(&g, &[x()], LossKind::Sharded, opts, |xs| {
+                sq(all_gather(xs[0].clone(), 2, &g).unwrap())
+            })
+            .unwrap();
+            gradcheck(&g, &[w.clone()], LossKind::Sharded, opts, |xs| {
+                sq(reduce_scatter(xs[0].clone(), 2, &g).unwrap())
+            })
+            .unwrap();
+            gradcheck(&g, &[x()], LossKind::Sharded, opts, |xs| {
+                sq(all_reduce(xs[0].clone(), ReduceOp::Sum, &g).unwrap())
+            })
+            .unwrap();
+            gradcheck(&g, &[x()], LossKind::Replicated, opts, |xs| {
+                sq(reduce_from_tp_region(xs[0].clone(), &g).unwrap())
+            })
+            .unwrap();
+            let rep = GradcheckOptions {
+                replicated_inputs: true,
+                ..opts
+            };
+            gradcheck(&g, &[xrep()], LossKind::Replicated, rep, |xs| {
+                // copy_to: replicated in, rank-specific compute, replicated out.
+                let y = copy_to_tp_region(xs[0].clone(), &g) * (r as f64 + 1.0);
+                sq(reduce_from_tp_region(y, &g).unwrap())
+            })
+            .unwrap();
+            gradcheck(&g, &[x()], LossKind::Replicated, opts, |xs| {
+                sq(gather_from_tp_region(xs[0].clone(), 1, &g).unwrap())
+            })
+            .unwrap();
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn async_starts_overlap_local_compute() {
+    let results = run_local(2, |g| {
+        let x = input(g.rank(), DType::F32);
+        let pending = all_gather_async(x.clone(), 0, &g).unwrap();
+        let rs = reduce_scatter_async(x.clone(), 0, &g).unwrap();
+        let local = x.clone() * 2.0; // compute while both are in flight
+        (
+            f64s(pending.wait().unwrap()),
+            f64s(rs.wait().unwrap()),
+            f64s(local),
+        )
+    })
+    .unwrap();
+    let inputs: Vec<Tensor<3>> = (0..2).map(|r| input(r, DType::F32)).collect();
+    let sum = inputs[0].clone() + inputs[1].clone();
+    for (r, (ag, rs, _)) in results.into_iter().enumerate() {
+        assert_eq!(ag, f64s(Tensor::cat(inputs.clone(), 0)));
+        assert_eq!(rs, f64s(sum.clone().chunk(2, 0)[r].clone()));
+    }
+}
+
+#[test]
+fn indivisible_reduce_scatter_is_a_typed_error_before_communication() {
+    let groups = LocalGroup::new(3).unwrap();
+    // Only rank 0 calls: an error before communication cannot hang.
+    let err = reduce_scatter(input(0, DType::F32), 0, &groups[0]).unwrap_err();
+    assert_eq!(
+        err,
+        TpError::NotDivisible {
+            what: "reduce_scatter: dim 0 of the input".into(),
+            size: 4,
+            tp: 3
+        }
+    );
+    assert!(err.to_string().contains("4") && err.to_string().contains("3"));
+    let err = all_gather(input(0, DType::F32), 3, &groups[0]).unwrap_err();
+    assert!(matches!(
+        err,
+        TpError::DimOutOfRange {
+            dim: 3,
+            rank: 3,
+            ..
+        }
+    ));
+    let err = scatter_to_tp_region(input(0, DType::F32), 2, &groups[0]).unwrap_err();
+    assert!(
+        matches!(err, TpError::NotDivisible { size: 4, tp: 3, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn mismatched_shapes_fail_on_every_rank_naming_both() {
+    let start = Instant::now();
+    let opts = LocalGroupOptions {
+        timeout: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let results = run_ranks(LocalGroup::with_options(2, opts).unwrap(), |g| {
+        let x = tensor(vec![0.0; 6 + 2 * g.rank()], [2, 3 + g.rank()], DType::F32);
+        all_gather(x, 0, &g).map(|_| ())
+    })
+    .unwrap();
+    for r in results {
+        let msg = r.unwrap_err().to_string();
+        assert!(msg.contains("[2, 3]") && msg.contains("[2, 4]"), "{msg}");
+    }
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_and_a_panicking_rank_is_peer_gone() {
+    let start = Instant::now();
+    let opts = LocalGroupOptions {
+        timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let results = run_ranks(LocalGroup::with_options(2, opts.clone()).unwrap(), |g| {
+        if g.rank() == 1 {
+            // Alive but never calls: the others must time out, not see it gone.
+            std::thread::sleep(Duration::from_millis(600));
+            return Ok(());
+        }
+        all_reduce(input(0, DType::F32), ReduceOp::Sum, &g).map(|_| ())
+    })
+    .unwrap();
+    let msg = results[0].as_ref().unwrap_err().to_string();
+    assert!(msg.contains("timed out") && msg.contains("[1]"), "{msg}");
+
+    // A rank that panics before the backward: the other's backward collective panics in its own
+    // thread with the reason, instead of hanging.
+    let results = run_ranks(LocalGroup::with_options(2, opts).unwrap(), |g| {
+        let x = input(g.rank(), DType::F32).require_grad();
+        let y = all_gather(x.clone(), 0, &g).unwrap();
+        if g.rank() == 1 {
+            panic!("rank 1 fails before backward");
+        }
+        let _ = (y * 2.0).sum().backward();
+    });
+    let msg = results.unwrap_err();
+    assert!(
+        msg.contains("left the group") || msg.contains("rank 1 fails"),
+        "{msg}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5));
+}

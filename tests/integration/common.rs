@@ -1,0 +1,45 @@
+//! Shared helpers: devices, seeded random tensors, comparisons.
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+pub fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+/// Seeded values that are multiples of 1/4 in [-4, 4): sums of a few are exact in every float type.
+pub fn quarters(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..len)
+        .map(|_| rng.random_range(-16i32..16) as f32 * 0.25)
+        .collect()
+}
+
+/// Seeded uniform values in [-1, 1).
+pub fn uniform(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+pub fn tensor<const D: usize>(values: Vec<f32>, shape: [usize; D], dtype: DType) -> Tensor<D> {
+    Tensor::from_data(
+        TensorData::new(values, shape).convert_dtype(dtype),
+        (&device(), dtype),
+    )
+}
+
+pub fn f64s<const D: usize>(t: Tensor<D>) -> Vec<f64> {
+    burn_tp::testing::to_f64(t)
+}
+
+#[track_caller]
+pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let tol = rtol * (1.0 + x.abs().max(y.abs()));
+        assert!(
+            (x - y).abs() <= tol,
+            "{what}[{i}]: {x} vs {y} (tol {tol:e})"
+        );
+    }
+}

@@ -1,0 +1,4 @@
+//! Cross-crate tests of burn-tp, one binary (burn links once).
+
+mod collectives;
+mod common;
