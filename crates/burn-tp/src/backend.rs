@@ -30,6 +30,11 @@ use burn::backend::{
 };
 use burn::tensor::{DType, Slice, TensorData};
 use burn_tp_comm::{CommElement, CommError, ProcessGroup, ReduceOp, Work};
+
+use crate::linear::overlap::{
+    Bias, ColumnSaved, LinearGrads, LinearSpec, Needs, column_backward, column_forward,
+    row_backward, row_forward,
+};
 use half::{bf16, f16};
 
 /// Which collective a [`PendingPrimitive`] runs.
@@ -170,6 +175,43 @@ pub trait TpBackend: Backend {
     /// Waits for a started collective and returns its output.
     fn tp_resolve(#[extension_type] pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
         host_resolve::<Self>(pending)
+    }
+
+    /// Column-parallel linear with overlapped communication (see [`crate::linear::overlap`]):
+    /// `x [.., d_in] -> [.., d_out/n]` (ALL_REDUCE) or `x [s/n, .., d_in] -> [s, .., d_out/n]`
+    /// (REDUCE_SCATTER). `weight` is `[d_in, d_out/n]`, `bias` `[d_out/n]`.
+    fn tp_column_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        #[extension_type] bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        column_forward::<Self>(x, weight, bias.into_option(), spec, &group)
+            .map(|(y, _)| y)
+            .into()
+    }
+
+    /// Row-parallel linear with overlapped communication: `x [.., d_in/n] -> [.., d_out]`
+    /// (ALL_REDUCE) or `x [s, .., d_in/n] -> [s/n, .., d_out]` (REDUCE_SCATTER). `weight` is
+    /// `[d_in/n, d_out]`, `bias` `[d_out]` (replicated, added once after the reduction).
+    fn tp_row_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        #[extension_type] bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        row_forward::<Self>(x, weight, bias.into_option(), spec, &group).into()
+    }
+}
+
+impl<B: Backend> From<Result<FloatTensor<B>, CommError>> for CollectiveOutput<B> {
+    fn from(r: Result<FloatTensor<B>, CommError>) -> Self {
+        match r {
+            Ok(t) => CollectiveOutput::Done(t),
+            Err(e) => CollectiveOutput::Failed(e),
+        }
     }
 }
 
@@ -379,6 +421,74 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         }
     }
 
+    fn tp_column_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        let bias = bias.into_option();
+        let (y, saved) = match column_forward::<B>(
+            x.primitive().clone(),
+            weight.primitive().clone(),
+            bias.as_ref().map(|b| b.primitive().clone()),
+            spec,
+            &group,
+        ) {
+            Ok(out) => out,
+            Err(e) => return CollectiveOutput::Failed(e),
+        };
+        let state = LinearState {
+            kind: LinearKind::Column(saved),
+            weight: weight.primitive().clone(),
+            spec,
+            group: group.weak(),
+        };
+        CollectiveOutput::Done(finish_linear::<B, C>(
+            LinearBackward,
+            state,
+            x,
+            weight,
+            bias,
+            y,
+        ))
+    }
+
+    fn tp_row_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        let bias = bias.into_option();
+        let y = match row_forward::<B>(
+            x.primitive().clone(),
+            weight.primitive().clone(),
+            bias.as_ref().map(|b| b.primitive().clone()),
+            spec,
+            &group,
+        ) {
+            Ok(y) => y,
+            Err(e) => return CollectiveOutput::Failed(e),
+        };
+        let state = LinearState {
+            kind: LinearKind::Row(x.primitive().clone()),
+            weight: weight.primitive().clone(),
+            spec,
+            group: group.weak(),
+        };
+        CollectiveOutput::Done(finish_linear::<B, C>(
+            LinearBackward,
+            state,
+            x,
+            weight,
+            bias,
+            y,
+        ))
+    }
+
     fn tp_resolve(pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
         let PendingPrimitive { input, work } = pending;
         let inner = PendingPrimitive {
@@ -408,5 +518,89 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
                 OpsKind::UnTracked(prep) => prep.finish(out),
             },
         )
+    }
+}
+
+/// The backward node of both parallel linears, over 2 parents (x, weight) or 3 (x, weight, bias).
+#[derive(Debug)]
+struct LinearBackward;
+
+#[derive(Clone, Debug)]
+enum LinearKind<B: Backend> {
+    Column(ColumnSaved<B>),
+    /// The row layer keeps its (sharded-feature) input.
+    Row(FloatTensor<B>),
+}
+
+#[derive(Clone, Debug)]
+struct LinearState<B: Backend> {
+    kind: LinearKind<B>,
+    weight: FloatTensor<B>,
+    spec: LinearSpec,
+    group: ProcessGroup,
+}
+
+impl<B: TpBackend, const N: usize> Backward<B, N> for LinearBackward {
+    type State = LinearState<B>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _ck: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let parents = ops.parents;
+        let needs = Needs {
+            input: parents[0].is_some(),
+            weight: parents[1].is_some(),
+            bias: N == 3 && parents[N - 1].is_some(),
+        };
+        let LinearState {
+            kind,
+            weight,
+            spec,
+            group,
+        } = ops.state;
+        let result = match kind {
+            LinearKind::Column(saved) => {
+                column_backward::<B>(grad, saved, weight, spec, &group, needs)
+            }
+            LinearKind::Row(input) => row_backward::<B>(grad, input, weight, spec, &group, needs),
+        };
+        let LinearGrads {
+            input,
+            weight,
+            bias,
+        } = result
+            .unwrap_or_else(|e| panic!("burn-tp: parallel linear backward ({spec:?}) failed: {e}"));
+        for (parent, g) in parents.into_iter().zip([input, weight, bias]) {
+            if let (Some(node), Some(g)) = (parent, g) {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+fn finish_linear<B: TpBackend, C: CheckpointStrategy>(
+    node: LinearBackward,
+    state: LinearState<B>,
+    x: FloatTensor<Autodiff<B, C>>,
+    weight: FloatTensor<Autodiff<B, C>>,
+    bias: Option<FloatTensor<Autodiff<B, C>>>,
+    y: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match bias {
+        Some(b) => match node
+            .prepare::<C>([x.node(), weight.node(), b.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        },
+        None => match node
+            .prepare::<C>([x.node(), weight.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        },
     }
 }

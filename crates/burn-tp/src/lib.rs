@@ -11,6 +11,7 @@
 
 pub mod backend;
 mod error;
+pub mod linear;
 pub mod ops;
 pub mod testing;
 

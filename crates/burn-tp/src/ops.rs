@@ -208,3 +208,43 @@ pub fn scatter_to_tp_region<const D: usize>(
     }
     start(x, Collective::ScatterToRegion { dim }, group).wait()
 }
+
+/// Copies `root`'s tensor to every rank (not differentiable: the output is detached). Every
+/// rank passes a tensor of the same shape and dtype; only the root's values matter.
+///
+/// # Errors
+/// As [`Pending::wait`], or an invalid root.
+pub fn broadcast<const D: usize>(
+    x: Tensor<D>,
+    root: usize,
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
+    use burn::tensor::{DType, TensorData};
+    if group.world_size() == 1 {
+        return Ok(x.detach());
+    }
+    let device = x.device();
+    let data = x.detach().into_data();
+    let (shape, dtype) = (data.shape().clone(), data.dtype());
+    macro_rules! bcast {
+        ($t:ty) => {{
+            let v = data
+                .try_into_vec::<$t>()
+                .map_err(|e| TpError::Config(format!("broadcast: {e:?}")))?;
+            TensorData::new(group.broadcast(v, root)?, shape)
+        }};
+    }
+    let out = match dtype {
+        DType::F32 => bcast!(f32),
+        DType::F64 => bcast!(f64),
+        DType::F16 => bcast!(half::f16),
+        DType::BF16 => bcast!(half::bf16),
+        DType::I64 => bcast!(i64),
+        other => {
+            return Err(TpError::Config(format!(
+                "broadcast: unsupported dtype {other:?}"
+            )));
+        }
+    };
+    Ok(Tensor::from_data(out, (&device, dtype)))
+}
