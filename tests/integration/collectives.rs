@@ -30,7 +30,7 @@ fn primitives_match_single_thread_reference() {
                 for x in &inputs[1..] {
                     sum = sum + x.clone();
                 }
-                let chunks: Vec<Vec<f64>> = if SHAPE[dim] % world == 0 {
+                let chunks: Vec<Vec<f64>> = if SHAPE[dim].is_multiple_of(world) {
                     sum.clone()
                         .chunk(world, dim)
                         .into_iter()
@@ -42,7 +42,8 @@ fn primitives_match_single_thread_reference() {
                 let sum = f64s(sum);
                 let results = run_local(world, move |g| {
                     let x = input(g.rank(), dtype);
-                    let rs = (SHAPE[dim] % g.world_size() == 0)
+                    let rs = SHAPE[dim]
+                        .is_multiple_of(g.world_size())
                         .then(|| f64s(reduce_scatter(x.clone(), dim, &g).unwrap()));
                     (
                         f64s(all_gather(x.clone(), dim, &g).unwrap()),
@@ -135,7 +136,7 @@ fn adjoint_identities_hold_for_every_pair() {
             Op::ScatterTo(0),
         ] {
             let dim_ok = match op {
-                Op::ReduceScatter(d) | Op::ScatterTo(d) => (SHAPE[d] * world) % world == 0,
+                Op::ReduceScatter(d) | Op::ScatterTo(d) => (SHAPE[d] * world).is_multiple_of(world),
                 _ => true,
             };
             assert!(dim_ok);
@@ -283,9 +284,13 @@ fn gradcheck_passes_on_every_primitive() {
                 sq(all_gather(xs[0].clone(), 2, &g).unwrap())
             })
             .unwrap();
-            gradcheck(&g, &[w.clone()], LossKind::Sharded, opts, |xs| {
-                sq(reduce_scatter(xs[0].clone(), 2, &g).unwrap())
-            })
+            gradcheck(
+                &g,
+                std::slice::from_ref(&w),
+                LossKind::Sharded,
+                opts,
+                |xs| sq(reduce_scatter(xs[0].clone(), 2, &g).unwrap()),
+            )
             .unwrap();
             gradcheck(&g, &[x()], LossKind::Sharded, opts, |xs| {
                 sq(all_reduce(xs[0].clone(), ReduceOp::Sum, &g).unwrap())

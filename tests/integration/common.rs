@@ -43,3 +43,10 @@ pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
         );
     }
 }
+
+/// Flex has one device, so one RNG for every test thread: tests that draw from it (layer `init`)
+/// hold this lock, so a seeded test sees exactly its own draws.
+pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -145,6 +145,7 @@ impl LocalGroup {
     ///
     /// # Errors
     /// [`CommError::InvalidWorldSize`] for a world size of zero.
+    #[allow(clippy::new_ret_no_self)] // a group is its ranks' handles
     pub fn new(world_size: usize) -> Result<Vec<ProcessGroup>> {
         Self::with_options(world_size, LocalGroupOptions::default())
     }
@@ -168,6 +169,7 @@ impl LocalGroup {
 }
 
 type Payload = Arc<dyn Any + Send + Sync>;
+type FinishFn<T> = Box<dyn FnOnce(&[Payload]) -> T + Send>;
 
 struct Post {
     desc: OpDesc,
@@ -407,7 +409,7 @@ impl ProcessGroup {
         shape: Vec<usize>,
     ) -> Result<Work<Vec<T>>> {
         let world = self.world_size();
-        if input.len() % world != 0 {
+        if !input.len().is_multiple_of(world) {
             return Err(CommError::NotDivisible {
                 op: "reduce_scatter",
                 len: input.len(),
@@ -576,7 +578,7 @@ pub struct Work<T> {
     group: ProcessGroup,
     seq: u64,
     desc: OpDesc,
-    finish: Option<Box<dyn FnOnce(&[Payload]) -> T + Send>>,
+    finish: Option<FinishFn<T>>,
     consumed: bool,
 }
 

@@ -292,7 +292,7 @@ fn post<T: CommElement + burn::tensor::Element>(
             group.all_gather_shaped_async(values, dims)
         }
         Collective::ReduceScatter { .. } => {
-            if shape[0] % world != 0 {
+            if !shape[0].is_multiple_of(world) {
                 return Err(CommError::NotDivisible {
                     op: "reduce_scatter",
                     len: shape[0],

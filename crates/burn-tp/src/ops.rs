@@ -97,7 +97,7 @@ pub fn reduce_scatter_async<const D: usize>(
     check_dim::<D>("reduce_scatter", dim)?;
     let size = x.dims()[dim];
     let tp = group.world_size();
-    if size % tp != 0 {
+    if !size.is_multiple_of(tp) {
         return Err(TpError::NotDivisible {
             what: format!("reduce_scatter: dim {dim} of the input"),
             size,

@@ -155,7 +155,7 @@ pub struct RowParallelLinear {
 }
 
 fn divisible(what: &str, size: usize, tp: usize) -> Res<()> {
-    if size % tp != 0 {
+    if !size.is_multiple_of(tp) {
         return Err(TpError::NotDivisible {
             what: what.to_string(),
             size,
@@ -357,11 +357,11 @@ impl ColumnParallelLinear {
     /// # Errors
     /// A communication error.
     pub fn to_full(&self) -> Res<Linear> {
-        let weight = all_gather(self.weight.val().detach(), 1, &self.group)?;
+        let weight = owned(all_gather(self.weight.val(), 1, &self.group)?);
         let bias = self
             .bias
             .as_ref()
-            .map(|b| all_gather(b.val().detach(), 0, &self.group))
+            .map(|b| all_gather(b.val(), 0, &self.group).map(owned))
             .transpose()?;
         Ok(Linear {
             weight: Param::from_tensor(weight),
@@ -407,7 +407,7 @@ impl ColumnParallelLinear {
         let weight = self.weight.val();
         let bias = self.bias.as_ref().map(|b| b.val());
         let y = if o.async_communication {
-            parallel_op::<D>(x, weight, bias, o.spec(), &self.group, true)?
+            column_parallel_linear(x, weight, bias, o.spec(), &self.group)?
         } else {
             let x = match o.mode {
                 TpMode::AllReduce => copy_to_tp_region(x, &self.group),
@@ -459,8 +459,8 @@ impl RowParallelLinear {
     /// # Errors
     /// A communication error.
     pub fn to_full(&self) -> Res<Linear> {
-        let weight = all_gather(self.weight.val().detach(), 0, &self.group)?;
-        let bias = self.bias.as_ref().map(|b| b.val().detach());
+        let weight = owned(all_gather(self.weight.val(), 0, &self.group)?);
+        let bias = self.bias.as_ref().map(|b| owned(b.val()));
         Ok(Linear {
             weight: Param::from_tensor(weight),
             bias: bias.map(Param::from_tensor),
@@ -514,7 +514,7 @@ impl RowParallelLinear {
         let weight = self.weight.val();
         let bias = self.bias.as_ref().map(|b| b.val());
         if o.async_communication {
-            return parallel_op::<D>(x, weight, bias, o.spec(), &self.group, false);
+            return row_parallel_linear(x, weight, bias, o.spec(), &self.group);
         }
         let partial = x.matmul(weight.unsqueeze::<D>());
         let y = match o.mode {
@@ -533,24 +533,55 @@ impl RowParallelLinear {
     }
 }
 
-fn parallel_op<const D: usize>(
+/// The overlapped column-parallel linear as a function (what [`ColumnParallelLinear`] calls when
+/// `async_communication` is on): `weight [d_in, d_out/tp]`, `bias [d_out/tp]`; shapes as
+/// [`ColumnParallelLinear::forward`] without `gather_output`. Shapes are not checked here.
+///
+/// # Errors
+/// A communication error.
+pub fn column_parallel_linear<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
     spec: LinearSpec,
     group: &ProcessGroup,
-    column: bool,
 ) -> Res<Tensor<D>> {
-    let bias = match bias {
-        Some(b) => Bias::Some(b.into_dispatch()),
-        None => Bias::None,
-    };
-    let (x, w) = (x.into_dispatch(), weight.into_dispatch());
-    let out = if column {
-        <Dispatch as TpBackend>::tp_column_linear(x, w, bias, spec, group.clone())
-    } else {
-        <Dispatch as TpBackend>::tp_row_linear(x, w, bias, spec, group.clone())
-    };
+    let bias = bias.map_or(Bias::None, |b| Bias::Some(b.into_dispatch()));
+    let out = <Dispatch as TpBackend>::tp_column_linear(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias,
+        spec,
+        group.clone(),
+    );
+    output(out)
+}
+
+/// The overlapped row-parallel linear as a function (what [`RowParallelLinear`] calls when
+/// `async_communication` is on): `weight [d_in/tp, d_out]`, `bias [d_out]` (replicated); shapes as
+/// [`RowParallelLinear::forward`]. Shapes are not checked here.
+///
+/// # Errors
+/// A communication error.
+pub fn row_parallel_linear<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    spec: LinearSpec,
+    group: &ProcessGroup,
+) -> Res<Tensor<D>> {
+    let bias = bias.map_or(Bias::None, |b| Bias::Some(b.into_dispatch()));
+    let out = <Dispatch as TpBackend>::tp_row_linear(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias,
+        spec,
+        group.clone(),
+    );
+    output(out)
+}
+
+fn output<const D: usize>(out: CollectiveOutput<Dispatch>) -> Res<Tensor<D>> {
     match out {
         CollectiveOutput::Done(t) => Ok(Tensor::from_dispatch(t)),
         CollectiveOutput::Failed(e) => Err(e.into()),
