@@ -177,6 +177,18 @@ pub trait TpBackend: Backend {
         host_resolve::<Self>(pending)
     }
 
+    /// A row-wise loss with a precomputed gradient: returns `value` (`[n]`); its backward
+    /// gives `input` (`[n, c]`) the gradient `jacobian * upstream[:, None]`, computed locally.
+    /// Used by [`crate::loss::sharded_cross_entropy`] (softmax minus one-hot, no communication).
+    fn tp_rowwise_loss(
+        input: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        jacobian: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = (input, jacobian);
+        value
+    }
+
     /// Column-parallel linear with overlapped communication (see [`crate::linear::overlap`]):
     /// `x [.., d_in] -> [.., d_out/n]` (ALL_REDUCE) or `x [s/n, .., d_in] -> [s, .., d_out/n]`
     /// (REDUCE_SCATTER). `weight` is `[d_in, d_out/n]`, `bias` `[d_out/n]`.
@@ -418,6 +430,42 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         PendingPrimitive {
             input: x,
             work: inner.work,
+        }
+    }
+
+    fn tp_rowwise_loss(
+        input: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        jacobian: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct RowwiseLoss;
+        impl<B: Backend> Backward<B, 1> for RowwiseLoss {
+            type State = FloatTensor<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let jacobian = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+                    let n = grad.shape()[0];
+                    B::float_mul(
+                        jacobian,
+                        B::float_reshape(grad, burn::tensor::Shape::from(vec![n, 1])),
+                    )
+                });
+            }
+        }
+        let value = value.into_primitive();
+        match RowwiseLoss
+            .prepare::<C>([input.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(jacobian.into_primitive(), value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
         }
     }
 

@@ -39,6 +39,14 @@ pub enum TpError {
         /// The shape received.
         got: Vec<usize>,
     },
+    /// A token id outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary 0..{vocab}")]
+    OutOfRange {
+        /// The offending id.
+        id: i64,
+        /// Vocabulary size.
+        vocab: usize,
+    },
     /// A configuration that cannot work.
     #[error("{0}")]
     Config(String),

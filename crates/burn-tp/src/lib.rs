@@ -10,10 +10,16 @@
 //! its own thread: autodiff graphs that share a node merge and lock together.
 
 pub mod backend;
+pub mod dp;
+pub mod embedding;
 mod error;
+pub mod gpt;
+pub mod init;
 pub mod linear;
+pub mod loss;
 pub mod ops;
 pub mod testing;
+pub mod transformer;
 
 pub use burn_tp_comm::{
     CommError, LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp,

@@ -19,12 +19,13 @@ pub mod overlap;
 use burn::backend::Dispatch;
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::TpError;
 use crate::backend::{CollectiveOutput, TpBackend};
+use crate::init::{init_replicated, owned, shard};
 use crate::ops::{
     all_gather, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, reduce_scatter,
 };
@@ -165,9 +166,8 @@ fn divisible(what: &str, size: usize, tp: usize) -> Res<()> {
     Ok(())
 }
 
-/// The full `Linear` that Burn's `LinearConfig::init` gives on rank 0, broadcast to every rank.
-/// Only rank 0 draws from the device RNG, so with the same seed the model starts identical at
-/// every tp (seed once, before starting the rank threads).
+/// The full `Linear` that Burn's `LinearConfig::init` gives, drawn on rank 0 and broadcast
+/// (see [`init_replicated`]): same draws, same order (weight, then bias).
 fn init_full(
     d_input: usize,
     d_output: usize,
@@ -176,45 +176,22 @@ fn init_full(
     group: &ProcessGroup,
     device: &Device,
 ) -> Res<Linear> {
-    let config = LinearConfig::new(d_input, d_output)
-        .with_bias(bias)
-        .with_initializer(initializer.clone());
-    if group.world_size() == 1 {
-        return Ok(config.init(device));
-    }
-    let full = if group.rank() == 0 {
-        config.init(device)
-    } else {
-        config.with_initializer(Initializer::Zeros).init(device)
-    };
-    let weight = crate::ops::broadcast(full.weight.val(), 0, group)?;
-    let bias = full
-        .bias
-        .as_ref()
-        .map(|b| crate::ops::broadcast(b.val(), 0, group))
+    let (fan_in, fan_out) = (Some(d_input), Some(d_output));
+    let weight = init_replicated(
+        initializer,
+        [d_input, d_output],
+        fan_in,
+        fan_out,
+        group,
+        device,
+    )?;
+    let bias = bias
+        .then(|| init_replicated(initializer, [d_output], fan_in, fan_out, group, device))
         .transpose()?;
     Ok(Linear {
         weight: Param::from_tensor(weight),
         bias: bias.map(Param::from_tensor),
     })
-}
-
-/// A detached, rank-owned copy of `t`'s chunk `rank` of `dim`.
-fn shard<const D: usize>(t: Tensor<D>, dim: usize, group: &ProcessGroup) -> Tensor<D> {
-    let (r, n) = (group.rank(), group.world_size());
-    let t = if n == 1 {
-        t
-    } else {
-        t.chunk(n, dim).swap_remove(r)
-    };
-    owned(t)
-}
-
-/// A detached copy with its own storage: a rank's parameters must not share storage or graph
-/// nodes with a tensor another rank holds (graphs that share a node merge and lock together).
-fn owned<const D: usize>(t: Tensor<D>) -> Tensor<D> {
-    let device = t.device();
-    Tensor::from_data(t.detach().to_data(), &device)
 }
 
 impl ColumnParallelLinearConfig {
@@ -256,7 +233,7 @@ impl ColumnParallelLinearConfig {
             group,
             device,
         )?;
-        ColumnParallelLinear::from_full_with(&full, group, self.options())
+        ColumnParallelLinear::from_full_with_options(&full, group, self.options())
     }
 }
 
@@ -292,7 +269,7 @@ impl RowParallelLinearConfig {
             group,
             device,
         )?;
-        RowParallelLinear::from_full_with(&full, group, self.options())
+        RowParallelLinear::from_full_with_options(&full, group, self.options())
     }
 }
 
@@ -326,10 +303,14 @@ impl ColumnParallelLinear {
         config: &ColumnParallelLinearConfig,
     ) -> Res<Self> {
         config.validate(group.world_size())?;
-        Self::from_full_with(linear, group, config.options())
+        Self::from_full_with_options(linear, group, config.options())
     }
 
-    fn from_full_with(
+    /// Shards `linear` with explicit run-time options (`d_input` / `d_output` are taken from it).
+    ///
+    /// # Errors
+    /// Sizes not divisible by tp.
+    pub fn from_full_with_options(
         linear: &Linear,
         group: &ProcessGroup,
         mut options: ParallelOptions,
@@ -432,10 +413,14 @@ impl RowParallelLinear {
         group: &ProcessGroup,
         config: &RowParallelLinearConfig,
     ) -> Res<Self> {
-        Self::from_full_with(linear, group, config.options())
+        Self::from_full_with_options(linear, group, config.options())
     }
 
-    fn from_full_with(
+    /// Shards `linear` with explicit run-time options (`d_input` / `d_output` are taken from it).
+    ///
+    /// # Errors
+    /// Sizes not divisible by tp.
+    pub fn from_full_with_options(
         linear: &Linear,
         group: &ProcessGroup,
         mut options: ParallelOptions,

@@ -1,0 +1,404 @@
+//! A tiny GPT with tensor parallelism: vocab-parallel embedding, parallel attention and MLP,
+//! replicated layer norms, and a vocab-parallel lm-head with sharded cross-entropy.
+//!
+//! Activations are `[seq, batch, d_model]` (Megatron's layout), sharded on dim 0 between the
+//! parallel regions in REDUCE_SCATTER mode (sequence parallel). The model is identical at every
+//! tp: the same seed gives the same weights, and [`Reshard`] moves it between tp sizes.
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::tensor::{Device, Int, Tensor};
+use burn_tp_comm::{LocalGroup, ProcessGroup};
+
+use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
+use crate::init::{init_replicated, owned};
+use crate::linear::{
+    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule,
+    RowParallelLinear, TpMode, column_parallel_linear,
+};
+use crate::loss::sharded_cross_entropy;
+use crate::transformer::{
+    ParallelAttention, ParallelAttentionConfig, ParallelMlp, ParallelMlpConfig, TpLayerNorm,
+    replicated_param,
+};
+use crate::{Result as TpResult, TpError};
+
+/// Configuration of a [`Gpt`].
+#[derive(Config, Debug)]
+pub struct GptConfig {
+    /// Vocabulary size (a multiple of tp).
+    pub n_vocab: usize,
+    /// Longest sequence.
+    pub max_seq: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads (a multiple of tp).
+    pub n_heads: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// MLP hidden width; `4 * d_model` when `None`.
+    #[config(default = "None")]
+    pub d_hidden: Option<usize>,
+    /// Activation layout.
+    #[config(default = "TpMode::AllReduce")]
+    pub mode: TpMode,
+    /// Overlapped communication in the parallel linears.
+    #[config(default = true)]
+    pub async_communication: bool,
+    /// Reuse the embedding table as the lm-head.
+    #[config(default = false)]
+    pub tie_embeddings: bool,
+    /// z-loss coefficient of the cross-entropy.
+    #[config(default = 0.0)]
+    pub z_loss: f64,
+    /// Label smoothing of the cross-entropy.
+    #[config(default = 0.0)]
+    pub label_smoothing: f64,
+}
+
+/// Pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
+#[derive(Module, Debug)]
+pub struct Block {
+    /// Before attention.
+    pub ln1: TpLayerNorm,
+    /// Causal self-attention.
+    pub attn: ParallelAttention,
+    /// Before the MLP.
+    pub ln2: TpLayerNorm,
+    /// The MLP.
+    pub mlp: ParallelMlp,
+}
+
+/// The tiny GPT.
+#[derive(Module, Debug)]
+pub struct Gpt {
+    /// Token embedding, `[n_vocab / tp, d_model]`.
+    pub tok: VocabParallelEmbedding,
+    /// Learned positions, `[max_seq, d_model]`, replicated.
+    pub pos: Param<Tensor<2>>,
+    /// The blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub ln_f: TpLayerNorm,
+    /// lm-head `d_model -> n_vocab / tp` (absent when tied to `tok`).
+    pub head: Option<ColumnParallelLinear>,
+    #[module(skip)]
+    group: ProcessGroup,
+    #[module(skip)]
+    options: GptOptions,
+}
+
+/// What a [`Gpt`] keeps of its config at run time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptOptions {
+    /// Activation layout.
+    pub mode: TpMode,
+    /// Overlapped communication.
+    pub async_communication: bool,
+    /// z-loss coefficient.
+    pub z_loss: f64,
+    /// Label smoothing.
+    pub label_smoothing: f64,
+}
+
+impl GptConfig {
+    /// Initializes this rank's shards; the same seed gives the same model at every tp.
+    /// Collective over `group`.
+    ///
+    /// # Errors
+    /// Sizes not divisible by tp (vocabulary, heads, hidden width); a communication error.
+    pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Gpt> {
+        let (d, mode, asynch) = (self.d_model, self.mode, self.async_communication);
+        let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
+            .with_mode(mode)
+            .init(group, device)?;
+        let pos_init = burn::nn::Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        let pos = init_replicated(&pos_init, [self.max_seq, d], None, None, group, device)?;
+        let blocks = (0..self.n_layers)
+            .map(|_| {
+                Ok(Block {
+                    ln1: TpLayerNorm::new(d, mode, group, device),
+                    attn: ParallelAttentionConfig::new(d, self.n_heads)
+                        .with_mode(mode)
+                        .with_async_communication(asynch)
+                        .init(group, device)?,
+                    ln2: TpLayerNorm::new(d, mode, group, device),
+                    mlp: ParallelMlpConfig::new(d, self.d_hidden.unwrap_or(4 * d))
+                        .with_mode(mode)
+                        .with_async_communication(asynch)
+                        .init(group, device)?,
+                })
+            })
+            .collect::<TpResult<Vec<_>>>()?;
+        let head = (!self.tie_embeddings)
+            .then(|| {
+                ColumnParallelLinearConfig::new(d, self.n_vocab)
+                    .with_bias(false)
+                    .with_mode(mode)
+                    .with_async_communication(asynch)
+                    .init(group, device)
+            })
+            .transpose()?;
+        Ok(Gpt {
+            tok,
+            pos: Param::from_tensor(pos),
+            blocks,
+            ln_f: TpLayerNorm::new(d, mode, group, device),
+            head,
+            group: group.clone(),
+            options: GptOptions {
+                mode,
+                async_communication: asynch,
+                z_loss: self.z_loss,
+                label_smoothing: self.label_smoothing,
+            },
+        })
+    }
+}
+
+impl Gpt {
+    /// The tensor-parallel group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Run-time options.
+    pub fn options(&self) -> GptOptions {
+        self.options
+    }
+
+    /// Vocab-sharded logits.
+    ///
+    /// # Shapes
+    /// - `ids`: `[seq, batch]` (the full sequence on every rank, in both modes)
+    /// - output: `[seq, batch, n_vocab / tp]`
+    ///
+    /// # Errors
+    /// [`TpError::Shape`] for a sequence longer than `max_seq`; ids outside the vocabulary;
+    /// sizes not divisible by tp; a communication error.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
+        let [s, _] = ids.dims();
+        let pos = self.pos.val();
+        let [max_seq, d] = pos.dims();
+        if s > max_seq {
+            return Err(TpError::Shape {
+                op: "Gpt",
+                expected: format!("[seq <= {max_seq}, batch]"),
+                got: ids.dims().to_vec(),
+            });
+        }
+        let (mode, group) = (self.options.mode, &self.group);
+        let mut x = self.tok.forward(ids)?;
+        // Positions of this rank's rows: all of them, or its sequence shard.
+        let rows = match mode {
+            TpMode::AllReduce => 0..s,
+            TpMode::ReduceScatter => {
+                let chunk = s / group.world_size();
+                group.rank() * chunk..(group.rank() + 1) * chunk
+            }
+        };
+        let pos = replicated_param(pos, mode, group).slice([rows, 0..d]);
+        x = x + pos.unsqueeze_dim::<3>(1);
+        for block in &self.blocks {
+            x = x.clone() + block.attn.forward(block.ln1.forward(x))?;
+            x = x.clone() + block.mlp.forward(block.ln2.forward(x))?;
+        }
+        let x = self.ln_f.forward(x);
+        match &self.head {
+            Some(head) => head.forward(x),
+            None => {
+                // Tied: the embedding shard `[V/tp, d]` is the column shard `[d, V/tp]` of the head.
+                let spec = LinearSpec {
+                    mode,
+                    recompute_all_gather: true,
+                    schedule: OverlapSchedule::Split,
+                };
+                if self.options.async_communication {
+                    column_parallel_linear(x, self.tok.weight.val().transpose(), None, spec, group)
+                } else {
+                    let x = match mode {
+                        TpMode::AllReduce => crate::ops::copy_to_tp_region(x, group),
+                        TpMode::ReduceScatter => crate::ops::all_gather(x, 0, group)?,
+                    };
+                    Ok(x.matmul(self.tok.weight.val().transpose().unsqueeze::<3>()))
+                }
+            }
+        }
+    }
+
+    /// Mean next-token cross-entropy (replicated on every rank).
+    ///
+    /// # Shapes
+    /// - `ids`, `targets`: `[seq, batch]`
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward) and [`sharded_cross_entropy`].
+    pub fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        let logits = self.forward(ids)?;
+        let [s, b, v] = logits.dims();
+        sharded_cross_entropy(
+            logits.reshape([s * b, v]),
+            targets.reshape([s * b]),
+            &self.group,
+            self.options.z_loss,
+            self.options.label_smoothing,
+        )
+    }
+}
+
+/// Moving a module between tp sizes: gather the full (tp = 1) module, or shard one.
+pub trait Reshard: Sized {
+    /// The same module at tp = 1 (on a group of its own), on every rank. Collective.
+    ///
+    /// # Errors
+    /// A communication error.
+    fn to_full_module(&self) -> TpResult<Self>;
+
+    /// This rank's shard of a tp = 1 module.
+    ///
+    /// # Errors
+    /// Sizes not divisible by the group's size.
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self>;
+}
+
+fn solo() -> ProcessGroup {
+    LocalGroup::new(1).expect("a group of one").remove(0)
+}
+
+impl Reshard for ColumnParallelLinear {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Self::from_full_with_options(&self.to_full()?, &solo(), self.options())
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Self::from_full_with_options(&full.to_full()?, group, full.options())
+    }
+}
+
+impl Reshard for RowParallelLinear {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Self::from_full_with_options(&self.to_full()?, &solo(), self.options())
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Self::from_full_with_options(&full.to_full()?, group, full.options())
+    }
+}
+
+impl Reshard for VocabParallelEmbedding {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Self::from_full(&self.to_full()?, &solo(), self.mode())
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Self::from_full(&full.to_full()?, group, full.mode())
+    }
+}
+
+impl Reshard for TpLayerNorm {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self::from_full(&self.to_full(), self.mode(), &solo()))
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self::from_full(&full.to_full(), full.mode(), group))
+    }
+}
+
+impl Reshard for ParallelMlp {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self {
+            fc1: self.fc1.to_full_module()?,
+            fc2: self.fc2.to_full_module()?,
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            fc1: Reshard::shard_module(&full.fc1, group)?,
+            fc2: Reshard::shard_module(&full.fc2, group)?,
+        })
+    }
+}
+
+impl Reshard for ParallelAttention {
+    fn to_full_module(&self) -> TpResult<Self> {
+        let qkv = self
+            .qkv
+            .iter()
+            .map(Reshard::to_full_module)
+            .collect::<TpResult<Vec<_>>>()?;
+        Ok(self.with_layers(qkv, self.out.to_full_module()?, 1))
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        let qkv = full
+            .qkv
+            .iter()
+            .map(|l| Reshard::shard_module(l, group))
+            .collect::<TpResult<Vec<_>>>()?;
+        Ok(full.with_layers(
+            qkv,
+            Reshard::shard_module(&full.out, group)?,
+            group.world_size(),
+        ))
+    }
+}
+
+impl Reshard for Block {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self {
+            ln1: self.ln1.to_full_module()?,
+            attn: self.attn.to_full_module()?,
+            ln2: self.ln2.to_full_module()?,
+            mlp: self.mlp.to_full_module()?,
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            ln1: Reshard::shard_module(&full.ln1, group)?,
+            attn: Reshard::shard_module(&full.attn, group)?,
+            ln2: Reshard::shard_module(&full.ln2, group)?,
+            mlp: Reshard::shard_module(&full.mlp, group)?,
+        })
+    }
+}
+
+impl Reshard for Gpt {
+    fn to_full_module(&self) -> TpResult<Self> {
+        let group = solo();
+        Ok(Self {
+            tok: self.tok.to_full_module()?,
+            pos: Param::from_tensor(owned(self.pos.val())),
+            blocks: self
+                .blocks
+                .iter()
+                .map(Reshard::to_full_module)
+                .collect::<TpResult<Vec<_>>>()?,
+            ln_f: self.ln_f.to_full_module()?,
+            head: self
+                .head
+                .as_ref()
+                .map(Reshard::to_full_module)
+                .transpose()?,
+            group,
+            options: self.options,
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            tok: Reshard::shard_module(&full.tok, group)?,
+            pos: Param::from_tensor(owned(full.pos.val())),
+            blocks: full
+                .blocks
+                .iter()
+                .map(|b| Reshard::shard_module(b, group))
+                .collect::<TpResult<Vec<_>>>()?,
+            ln_f: Reshard::shard_module(&full.ln_f, group)?,
+            head: full
+                .head
+                .as_ref()
+                .map(|h| Reshard::shard_module(h, group))
+                .transpose()?,
+            group: group.clone(),
+            options: full.options,
+        })
+    }
+}

@@ -1,0 +1,54 @@
+//! Parameter initialisation that starts a model identical at every tp.
+
+use burn::nn::Initializer;
+use burn::tensor::{Device, Tensor};
+use burn_tp_comm::ProcessGroup;
+
+use crate::Result;
+
+/// Draws a full `shape` tensor with `initializer` on rank 0 and broadcasts it, so only rank 0
+/// uses the device RNG: seeded once before the rank threads start, the draws are exactly those
+/// of the unsharded model at tp = 1 (Flex has one device, hence one RNG for every rank thread).
+///
+/// # Errors
+/// A communication error.
+pub fn init_replicated<const D: usize>(
+    initializer: &Initializer,
+    shape: [usize; D],
+    fan_in: Option<usize>,
+    fan_out: Option<usize>,
+    group: &ProcessGroup,
+    device: &Device,
+) -> Result<Tensor<D>> {
+    let draw = || {
+        initializer
+            .init_with::<D, _>(shape, fan_in, fan_out, device)
+            .val()
+    };
+    if group.world_size() == 1 {
+        return Ok(draw());
+    }
+    let full = if group.rank() == 0 {
+        draw()
+    } else {
+        Tensor::zeros(shape, device)
+    };
+    crate::ops::broadcast(full, 0, group)
+}
+
+/// A detached copy of `t` with its own storage: a rank's parameters must not share storage or
+/// graph nodes with a tensor another rank holds (graphs that share a node merge and lock together).
+pub fn owned<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    let device = t.device();
+    Tensor::from_data(t.detach().to_data(), &device)
+}
+
+/// A rank-owned copy of chunk `rank` of `dim` (the whole tensor at tp = 1).
+pub fn shard<const D: usize>(t: Tensor<D>, dim: usize, group: &ProcessGroup) -> Tensor<D> {
+    let (r, n) = (group.rank(), group.world_size());
+    owned(if n == 1 {
+        t
+    } else {
+        t.chunk(n, dim).swap_remove(r)
+    })
+}
