@@ -48,3 +48,48 @@ pub fn average_gradients<M: Module>(
     module.visit(&mut visitor);
     visitor.error.map_or(Ok(()), Err)
 }
+
+/// Copies every parameter of `module` from data-parallel rank 0 to the others, so all replicas
+/// start identical (what DDP does at construction). Collective over `dp_group`.
+///
+/// # Errors
+/// The first communication error.
+pub fn broadcast_parameters<M: Module>(module: M, dp_group: &ProcessGroup) -> Result<M> {
+    if dp_group.world_size() == 1 {
+        return Ok(module);
+    }
+    struct Broadcaster<'a> {
+        group: &'a ProcessGroup,
+        error: Option<TpError>,
+    }
+    impl burn::module::ModuleMapper for Broadcaster<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if self.error.is_some() {
+                return param;
+            }
+            let group = self.group;
+            let mut error = None;
+            let param = param.map(|t| {
+                let requires_grad = t.is_require_grad();
+                match crate::ops::broadcast(t.clone(), 0, group) {
+                    Ok(b) => {
+                        let b = crate::init::owned(b);
+                        if requires_grad { b.require_grad() } else { b }
+                    }
+                    Err(e) => {
+                        error = Some(e);
+                        t
+                    }
+                }
+            });
+            self.error = error;
+            param
+        }
+    }
+    let mut mapper = Broadcaster {
+        group: dp_group,
+        error: None,
+    };
+    let module = module.map(&mut mapper);
+    mapper.error.map_or(Ok(module), Err)
+}

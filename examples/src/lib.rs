@@ -1,0 +1,7 @@
+//! The example programs of burn-tp, as a library so the tests can run them end to end.
+//!
+//! - [`train_gpt`]: a tiny character-level GPT trained with tensor (and data) parallelism.
+
+pub mod corpus;
+pub mod plot;
+pub mod train_gpt;
