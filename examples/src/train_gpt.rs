@@ -45,7 +45,7 @@ pub struct Args {
     #[arg(long)]
     pub no_async: bool,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 150)]
+    #[arg(long, default_value_t = 600)]
     pub steps: usize,
     /// Sequences per step (over all dp ranks).
     #[arg(long, default_value_t = 16)]
@@ -54,7 +54,7 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub seq: usize,
     /// Model width.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 128)]
     pub d_model: usize,
     /// Attention heads.
     #[arg(long, default_value_t = 4)]
@@ -140,7 +140,7 @@ fn check(args: &Args) -> Result<(), String> {
             args.tp, args.dp
         ));
     }
-    if args.batch % args.dp != 0 {
+    if !args.batch.is_multiple_of(args.dp) {
         return Err(format!(
             "--batch {} is not divisible by --dp {}",
             args.batch, args.dp

@@ -2,4 +2,5 @@
 
 mod collectives;
 mod common;
+mod gpt;
 mod linear;

@@ -6,6 +6,7 @@ use burn::nn::{Embedding, Initializer};
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
 use crate::linear::TpMode;
 use crate::ops::{all_gather, reduce_from_tp_region, reduce_scatter};
@@ -64,13 +65,7 @@ impl VocabParallelEmbeddingConfig {
     /// [`TpError::NotDivisible`] if `n_vocab % tp != 0`; a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<VocabParallelEmbedding> {
         let tp = group.world_size();
-        if self.n_vocab % tp != 0 {
-            return Err(TpError::NotDivisible {
-                what: "VocabParallelEmbedding n_vocab".into(),
-                size: self.n_vocab,
-                tp,
-            });
-        }
+        check_divisible("VocabParallelEmbedding n_vocab", self.n_vocab, tp)?;
         let full = init_replicated(
             &self.initializer,
             [self.n_vocab, self.d_model],
@@ -96,13 +91,7 @@ impl VocabParallelEmbedding {
     pub fn from_full(embedding: &Embedding, group: &ProcessGroup, mode: TpMode) -> TpResult<Self> {
         let [n_vocab, _] = embedding.weight.val().dims();
         let tp = group.world_size();
-        if n_vocab % tp != 0 {
-            return Err(TpError::NotDivisible {
-                what: "VocabParallelEmbedding n_vocab".into(),
-                size: n_vocab,
-                tp,
-            });
-        }
+        check_divisible("VocabParallelEmbedding n_vocab", n_vocab, tp)?;
         Ok(Self {
             weight: Param::from_tensor(shard(embedding.weight.val(), 0, group)),
             group: group.clone(),
@@ -144,12 +133,8 @@ impl VocabParallelEmbedding {
         check_ids(&ids, self.n_vocab)?;
         let tp = self.group.world_size();
         let [s, _] = ids.dims();
-        if self.mode == TpMode::ReduceScatter && s % tp != 0 {
-            return Err(TpError::NotDivisible {
-                what: "VocabParallelEmbedding: dim 0 (sequence) of the ids".into(),
-                size: s,
-                tp,
-            });
+        if self.mode == TpMode::ReduceScatter {
+            check_divisible("VocabParallelEmbedding: dim 0 (sequence) of the ids", s, tp)?;
         }
         let weight = self.weight.val();
         if tp == 1 {

@@ -54,3 +54,15 @@ pub enum TpError {
 
 /// Result alias of burn-tp.
 pub type Result<T> = std::result::Result<T, TpError>;
+
+/// `Err(NotDivisible)` unless `size` is a multiple of `tp`.
+pub(crate) fn check_divisible(what: impl Into<String>, size: usize, tp: usize) -> Result<()> {
+    if !size.is_multiple_of(tp) {
+        return Err(TpError::NotDivisible {
+            what: what.into(),
+            size,
+            tp,
+        });
+    }
+    Ok(())
+}

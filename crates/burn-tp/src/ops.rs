@@ -15,6 +15,7 @@ use burn::tensor::Tensor;
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use crate::backend::{Collective, CollectiveOutput, PendingPrimitive, TpBackend};
+use crate::error::check_divisible;
 use crate::{Result, TpError};
 
 /// A collective in flight. [`wait`](Self::wait) returns its output; until then the caller is free
@@ -95,15 +96,8 @@ pub fn reduce_scatter_async<const D: usize>(
     group: &ProcessGroup,
 ) -> Result<Pending<D>> {
     check_dim::<D>("reduce_scatter", dim)?;
-    let size = x.dims()[dim];
-    let tp = group.world_size();
-    if !size.is_multiple_of(tp) {
-        return Err(TpError::NotDivisible {
-            what: format!("reduce_scatter: dim {dim} of the input"),
-            size,
-            tp,
-        });
-    }
+    let (size, tp) = (x.dims()[dim], group.world_size());
+    check_divisible(format!("reduce_scatter: dim {dim} of the input"), size, tp)?;
     Ok(start(x, Collective::ReduceScatter { dim }, group))
 }
 
@@ -199,13 +193,11 @@ pub fn scatter_to_tp_region<const D: usize>(
 ) -> Result<Tensor<D>> {
     check_dim::<D>("scatter_to_tp_region", dim)?;
     let (size, tp) = (x.dims()[dim], group.world_size());
-    if size % tp != 0 {
-        return Err(TpError::NotDivisible {
-            what: format!("scatter_to_tp_region: dim {dim} of the input"),
-            size,
-            tp,
-        });
-    }
+    check_divisible(
+        format!("scatter_to_tp_region: dim {dim} of the input"),
+        size,
+        tp,
+    )?;
     start(x, Collective::ScatterToRegion { dim }, group).wait()
 }
 

@@ -8,6 +8,7 @@ use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Bool, Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::error::check_divisible;
 use crate::init::owned;
 use crate::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
@@ -189,14 +190,8 @@ impl ParallelAttentionConfig {
     /// communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<ParallelAttention> {
         let tp = group.world_size();
-        if self.n_heads % tp != 0 {
-            return Err(TpError::NotDivisible {
-                what: "ParallelAttention n_heads".into(),
-                size: self.n_heads,
-                tp,
-            });
-        }
-        if self.d_model % self.n_heads != 0 {
+        check_divisible("ParallelAttention n_heads", self.n_heads, tp)?;
+        if !self.d_model.is_multiple_of(self.n_heads) {
             return Err(TpError::Config(format!(
                 "ParallelAttention: d_model = {} is not divisible by n_heads = {}",
                 self.d_model, self.n_heads

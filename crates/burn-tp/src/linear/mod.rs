@@ -25,6 +25,7 @@ use burn_tp_comm::ProcessGroup;
 
 use crate::TpError;
 use crate::backend::{CollectiveOutput, TpBackend};
+use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
 use crate::ops::{
     all_gather, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, reduce_scatter,
@@ -155,17 +156,6 @@ pub struct RowParallelLinear {
     options: ParallelOptions,
 }
 
-fn divisible(what: &str, size: usize, tp: usize) -> Res<()> {
-    if !size.is_multiple_of(tp) {
-        return Err(TpError::NotDivisible {
-            what: what.to_string(),
-            size,
-            tp,
-        });
-    }
-    Ok(())
-}
-
 /// The full `Linear` that Burn's `LinearConfig::init` gives, drawn on rank 0 and broadcast
 /// (see [`init_replicated`]): same draws, same order (weight, then bias).
 fn init_full(
@@ -208,7 +198,7 @@ impl ColumnParallelLinearConfig {
     }
 
     fn validate(&self, tp: usize) -> Res<()> {
-        divisible("ColumnParallelLinear d_output", self.d_output, tp)?;
+        check_divisible("ColumnParallelLinear d_output", self.d_output, tp)?;
         if self.gather_output && self.mode == TpMode::ReduceScatter {
             return Err(TpError::Config(
                 "ColumnParallelLinear: gather_output needs TpMode::AllReduce".into(),
@@ -256,7 +246,7 @@ impl RowParallelLinearConfig {
     /// # Errors
     /// [`TpError::NotDivisible`] if `d_input % tp != 0`; a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> Res<RowParallelLinear> {
-        divisible(
+        check_divisible(
             "RowParallelLinear d_input",
             self.d_input,
             group.world_size(),
@@ -316,7 +306,7 @@ impl ColumnParallelLinear {
         mut options: ParallelOptions,
     ) -> Res<Self> {
         let [d_input, d_output] = linear.weight.val().dims();
-        divisible(
+        check_divisible(
             "ColumnParallelLinear d_output",
             d_output,
             group.world_size(),
@@ -426,7 +416,7 @@ impl RowParallelLinear {
         mut options: ParallelOptions,
     ) -> Res<Self> {
         let [d_input, d_output] = linear.weight.val().dims();
-        divisible("RowParallelLinear d_input", d_input, group.world_size())?;
+        check_divisible("RowParallelLinear d_input", d_input, group.world_size())?;
         (options.d_input, options.d_output) = (d_input, d_output);
         Ok(Self {
             weight: Param::from_tensor(shard(linear.weight.val(), 0, group)),
@@ -490,7 +480,7 @@ impl RowParallelLinear {
                     got: dims.to_vec(),
                 });
             }
-            divisible(
+            check_divisible(
                 "RowParallelLinear: dim 0 (sequence) of the input",
                 dims[0],
                 tp,

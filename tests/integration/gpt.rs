@@ -1,0 +1,360 @@
+//! The GPT pieces against their unsharded Burn counterparts, the tiny GPT across tp / dp / modes,
+//! replicated parameters, checkpoints across tp sizes, and the example's CLI end to end.
+
+use std::path::PathBuf;
+
+use burn::module::Param;
+use burn::nn::Embedding;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_tp::embedding::VocabParallelEmbedding;
+use burn_tp::gpt::{Gpt, GptConfig, Reshard};
+use burn_tp::linear::TpMode;
+use burn_tp::loss::sharded_cross_entropy;
+use burn_tp::testing::run_local;
+use burn_tp::{LocalGroup, TpError};
+use burn_tp_examples::train_gpt::{Args, run};
+use clap::Parser;
+
+use crate::common::{assert_close, device, f64s, rng_lock, tensor, uniform};
+
+fn ids<const D: usize>(values: Vec<i64>, shape: [usize; D]) -> Tensor<D, Int> {
+    Tensor::from_data(TensorData::new(values, shape), &device())
+}
+
+fn chunk<const D: usize>(t: Tensor<D>, n: usize, dim: usize, r: usize) -> Tensor<D> {
+    if n == 1 {
+        t
+    } else {
+        t.chunk(n, dim).swap_remove(r)
+    }
+}
+
+#[test]
+fn sharded_cross_entropy_matches_burn_cross_entropy() {
+    let (n, v) = (6usize, 12usize);
+    let logits_vals: Vec<f32> = uniform(n * v, 3).iter().map(|x| x * 4.0).collect();
+    let targets_vals = vec![0i64, 11, 5, 6, 3, 7];
+    for smoothing in [0.0f64, 0.1] {
+        for z_loss in [0.0f64, 1e-2] {
+            // Reference: Burn's loss on the full logits, plus z * mean(logsumexp^2).
+            let logits = tensor(logits_vals.clone(), [n, v], DType::F32).require_grad();
+            let config = CrossEntropyLossConfig::new()
+                .with_smoothing((smoothing > 0.0).then_some(smoothing as f32));
+            let mut loss = config
+                .init(&device())
+                .forward(logits.clone(), ids(targets_vals.clone(), [n]));
+            if z_loss > 0.0 {
+                let m = logits.clone().detach().max_dim(1);
+                let lse = (logits.clone() - m.clone()).exp().sum_dim(1).log() + m;
+                loss = loss + lse.powi_scalar(2).mean() * z_loss;
+            }
+            let grads = loss.backward();
+            let want_loss = f64s(loss.detach());
+            let want_grad = logits.grad(&grads).unwrap();
+            for tp in 1..=4usize {
+                let (lv, tv) = (logits_vals.clone(), targets_vals.clone());
+                let out = run_local(tp, move |g| {
+                    let full = tensor(lv.clone(), [n, v], DType::F32);
+                    let shard = chunk(full, g.world_size(), 1, g.rank())
+                        .detach()
+                        .require_grad();
+                    let loss = sharded_cross_entropy(
+                        shard.clone(),
+                        ids(tv.clone(), [n]),
+                        &g,
+                        z_loss,
+                        smoothing,
+                    )
+                    .unwrap();
+                    let grads = loss.backward();
+                    (f64s(loss), f64s(shard.grad(&grads).unwrap()))
+                })
+                .unwrap();
+                for (r, (loss, grad)) in out.iter().enumerate() {
+                    let tag = format!("tp {tp} rank {r} smoothing {smoothing} z {z_loss}");
+                    assert_close(loss, &want_loss, 1e-5, &format!("loss {tag}"));
+                    assert_close(
+                        grad,
+                        &f64s(chunk(want_grad.clone(), tp, 1, r)),
+                        1e-5,
+                        &format!("grad {tag}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sharded_cross_entropy_rejects_bad_targets_and_shapes() {
+    let g = LocalGroup::new(1).unwrap().remove(0);
+    let logits = tensor(vec![0.0; 8], [2, 4], DType::F32);
+    let e = sharded_cross_entropy(logits.clone(), ids(vec![1, 4], [2]), &g, 0.0, 0.0).unwrap_err();
+    assert_eq!(e, TpError::OutOfRange { id: 4, vocab: 4 });
+    let e =
+        sharded_cross_entropy(logits.clone(), ids(vec![1, 2, 3], [3]), &g, 0.0, 0.0).unwrap_err();
+    assert!(matches!(e, TpError::Shape { .. }), "{e}");
+    let e = sharded_cross_entropy(logits, ids(vec![1, 2], [2]), &g, 0.0, 1.5).unwrap_err();
+    assert!(matches!(e, TpError::Config(_)), "{e}");
+}
+
+#[test]
+fn vocab_parallel_embedding_matches_burn_embedding() {
+    let (v, d, s, b) = (12usize, 4usize, 12usize, 2usize);
+    let w_vals = uniform(v * d, 9);
+    let id_vals: Vec<i64> = (0..24).map(|i| (i * 5 + 3) % 12).collect();
+    let g_vals = uniform(s * b * d, 10);
+    // Reference.
+    let weight = tensor(w_vals.clone(), [v, d], DType::F32).require_grad();
+    let emb = burn::tensor::module::embedding(weight.clone(), ids(id_vals.clone(), [s, b]));
+    let grads = (emb.clone() * tensor(g_vals.clone(), [s, b, d], DType::F32))
+        .sum()
+        .backward();
+    let (want_y, want_dw) = (emb.detach(), weight.grad(&grads).unwrap());
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        for tp in 1..=4usize {
+            let (wv, iv, gv) = (w_vals.clone(), id_vals.clone(), g_vals.clone());
+            let out = run_local(tp, move |g| {
+                let (r, n) = (g.rank(), g.world_size());
+                let full = Embedding {
+                    weight: Param::from_tensor(tensor(wv.clone(), [v, d], DType::F32)),
+                };
+                let layer = VocabParallelEmbedding::from_full(&full, &g, mode).unwrap();
+                let y = layer.forward(ids(iv.clone(), [s, b])).unwrap();
+                let up = tensor(gv.clone(), [s, b, d], DType::F32);
+                let up = if mode == TpMode::ReduceScatter {
+                    chunk(up, n, 0, r)
+                } else {
+                    up
+                };
+                let grads = (y.clone() * up).sum().backward();
+                let bad = layer
+                    .forward(ids(
+                        (0..24).map(|i| if i == 7 { 12 } else { 0 }).collect(),
+                        [s, b],
+                    ))
+                    .unwrap_err();
+                (f64s(y), f64s(layer.weight.val().grad(&grads).unwrap()), bad)
+            })
+            .unwrap();
+            for (r, (y, dw, bad)) in out.into_iter().enumerate() {
+                let want = if mode == TpMode::ReduceScatter {
+                    chunk(want_y.clone(), tp, 0, r)
+                } else {
+                    want_y.clone()
+                };
+                assert_close(
+                    &y,
+                    &f64s(want),
+                    1e-6,
+                    &format!("embedding {mode:?} tp {tp}"),
+                );
+                assert_close(
+                    &dw,
+                    &f64s(chunk(want_dw.clone(), tp, 0, r)),
+                    1e-6,
+                    "embedding grad",
+                );
+                assert_eq!(bad, TpError::OutOfRange { id: 12, vocab: 12 });
+            }
+        }
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-tp-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn tiny_args(extra: &[&str], out: &std::path::Path) -> Args {
+    let mut argv = vec![
+        "train_gpt",
+        "--quiet",
+        "--batch",
+        "4",
+        "--seq",
+        "8",
+        "--d-model",
+        "16",
+        "--heads",
+        "4",
+        "--layers",
+        "2",
+        "--lr",
+        "1e-2",
+    ];
+    if !extra.contains(&"--steps") {
+        argv.extend_from_slice(&["--steps", "10"]);
+    }
+    argv.extend_from_slice(extra);
+    argv.extend_from_slice(&["--out", out.to_str().unwrap()]);
+    Args::try_parse_from(argv).unwrap()
+}
+
+/// tp = 1, 2, 4 and tp = 2 x dp = 2 give the same losses, in both modes, async and sync.
+#[test]
+fn gpt_losses_agree_across_tp_dp_modes_and_async() {
+    let _rng = rng_lock();
+    let out = temp_dir("agree");
+    let reference = run(&tiny_args(&["--tp", "1"], &out)).unwrap().losses;
+    assert!(
+        reference[9] < reference[0] - 0.3,
+        "the model learns: {reference:?}"
+    );
+    for mode in ["all-reduce", "reduce-scatter"] {
+        for asynch in [true, false] {
+            for (tp, dp) in [("1", "1"), ("2", "1"), ("4", "1"), ("2", "2")] {
+                let mut extra = vec!["--tp", tp, "--dp", dp, "--mode", mode];
+                if !asynch {
+                    extra.push("--no-async");
+                }
+                let losses = run(&tiny_args(&extra, &out)).unwrap().losses;
+                assert_close(
+                    &losses,
+                    &reference,
+                    1e-4,
+                    &format!("losses tp {tp} dp {dp} {mode} async {asynch}"),
+                );
+            }
+        }
+    }
+}
+
+/// In REDUCE_SCATTER mode each rank sees only its sequence shard; layer norms, positions and the
+/// row biases still get the full gradient and stay bitwise identical on every rank.
+#[test]
+fn replicated_parameters_stay_bitwise_identical() {
+    let _rng = rng_lock();
+    device().seed(5);
+    for mode in [TpMode::ReduceScatter, TpMode::AllReduce] {
+        let out = run_local(2, move |g| {
+            let dev = device();
+            let mut model = GptConfig::new(24, 8, 16, 4, 2)
+                .with_mode(mode)
+                .init(&g, &dev)
+                .unwrap();
+            let mut optim = burn::optim::AdamWConfig::new().init();
+            for step in 0..3i64 {
+                let x: Vec<i64> = (0..16).map(|i| (i * 7 + step) % 24).collect();
+                let y: Vec<i64> = (0..16).map(|i| (i * 5 + step + 1) % 24).collect();
+                let loss = model.loss(ids(x, [8, 2]), ids(y, [8, 2])).unwrap();
+                let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(1e-2, model, grads);
+            }
+            let bits = |t: Tensor<1>| f64s(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let block = &model.blocks[1];
+            vec![
+                bits(block.ln1.gamma.val()),
+                bits(block.ln2.beta.val()),
+                bits(model.ln_f.gamma.val()),
+                bits(block.mlp.fc2.bias.as_ref().unwrap().val()),
+                bits(block.attn.out.bias.as_ref().unwrap().val()),
+                bits(model.pos.val().reshape([8 * 16])),
+            ]
+        })
+        .unwrap();
+        assert_eq!(
+            out[0], out[1],
+            "{mode:?}: replicated parameters differ across ranks"
+        );
+        let ones = f64s(Tensor::<1>::ones([16], &device()))
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>();
+        assert_ne!(out[0][0], ones, "{mode:?}: the layer norm was trained");
+    }
+}
+
+/// A model saved at tp = 2 resumes at tp = 1, 2 and 4 with the same loss; sharding and gathering
+/// round-trips the parameters exactly.
+#[test]
+fn checkpoints_round_trip_across_tp_sizes() {
+    let _rng = rng_lock();
+    let out = temp_dir("ckpt");
+    let first = run(&tiny_args(&["--tp", "2", "--steps", "6"], &out)).unwrap();
+    let ckpt = first.checkpoint.to_str().unwrap().to_string();
+    let mut resumed = Vec::new();
+    for tp in ["1", "2", "4"] {
+        let o = temp_dir(&format!("resume-{tp}"));
+        let report = run(&tiny_args(
+            &["--tp", tp, "--steps", "1", "--resume", &ckpt],
+            &o,
+        ))
+        .unwrap();
+        resumed.push(report.losses[0]);
+    }
+    assert_close(
+        &resumed[1..],
+        &[resumed[0], resumed[0]],
+        1e-5,
+        "resumed loss at tp 2 and 4 vs tp 1",
+    );
+    assert!(
+        resumed[0] < first.losses[0] - 0.2,
+        "the resumed model is the trained one: {resumed:?} vs {:?}",
+        first.losses
+    );
+
+    device().seed(3);
+    let out = run_local(2, |g| {
+        let model = GptConfig::new(24, 8, 16, 4, 1).init(&g, &device()).unwrap();
+        let full = model.to_full_module().unwrap();
+        let again = Gpt::shard_module(&full, &g)
+            .unwrap()
+            .to_full_module()
+            .unwrap();
+        let params = |m: &Gpt| {
+            vec![
+                f64s(m.tok.weight.val()),
+                f64s(m.blocks[0].attn.qkv[0].weight.val()),
+                f64s(m.head.as_ref().unwrap().weight.val()),
+            ]
+        };
+        (params(&full), params(&again), full.tok.weight.val().dims())
+    })
+    .unwrap();
+    for (full, again, dims) in out {
+        assert_eq!(full, again);
+        assert_eq!(dims, [24, 16], "the gathered table is the full vocabulary");
+    }
+}
+
+#[test]
+fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
+    let _rng = rng_lock();
+    let out = temp_dir("cli");
+    let data = out.with_extension("txt");
+    std::fs::write(&data, "hello tensor parallel world. ".repeat(20)).unwrap();
+    let report = run(&tiny_args(
+        &[
+            "--tp",
+            "2",
+            "--steps",
+            "4",
+            "--mode",
+            "reduce-scatter",
+            "--data",
+            data.to_str().unwrap(),
+        ],
+        &out,
+    ))
+    .unwrap();
+    assert_eq!(report.losses.len(), 4);
+    let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(csv.starts_with("step,loss\n0,"));
+    let png = std::fs::read(out.join("loss.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(out.join("checkpoint.bpk").metadata().unwrap().len() > 1000);
+    assert!(report.tokens_per_s > 0.0);
+
+    // Bad arguments are errors naming the values, not panics.
+    let e = run(&tiny_args(&["--tp", "2", "--dp", "3"], &out)).unwrap_err();
+    assert!(e.contains("--batch 4") && e.contains("--dp 3"), "{e}");
+    let e = run(&tiny_args(&["--tp", "3"], &out)).unwrap_err();
+    assert!(e.contains("not divisible") && e.contains('3'), "{e}");
+    let e = run(&tiny_args(&["--data", "/nonexistent/file.txt"], &out)).unwrap_err();
+    assert!(e.contains("/nonexistent/file.txt"), "{e}");
+}
