@@ -410,7 +410,12 @@ fn a_rank_that_never_arrives_times_out_and_a_panicking_rank_is_peer_gone() {
     assert!(msg.contains("timed out") && msg.contains("[1]"), "{msg}");
 
     // A rank that panics before the backward: the other's backward collective panics in its own
-    // thread with the reason, instead of hanging.
+    // thread with the reason, instead of hanging. The long timeout shows it is PeerGone, not a
+    // timeout (the panic hook may take a while to print a backtrace before the rank unwinds).
+    let opts = LocalGroupOptions {
+        timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
     let results = run_ranks(LocalGroup::with_options(2, opts).unwrap(), |g| {
         let x = input(g.rank(), DType::F32).require_grad();
         let y = all_gather(x.clone(), 0, &g).unwrap();
@@ -420,9 +425,6 @@ fn a_rank_that_never_arrives_times_out_and_a_panicking_rank_is_peer_gone() {
         let _ = (y * 2.0).sum().backward();
     });
     let msg = results.unwrap_err();
-    assert!(
-        msg.contains("left the group") || msg.contains("rank 1 fails"),
-        "{msg}"
-    );
-    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(msg.contains("rank(s) [1] left the group"), "{msg}");
+    assert!(start.elapsed() < Duration::from_secs(30));
 }

@@ -358,3 +358,48 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
     let e = run(&tiny_args(&["--data", "/nonexistent/file.txt"], &out)).unwrap_err();
     assert!(e.contains("/nonexistent/file.txt"), "{e}");
 }
+
+/// The tied lm-head and the separate Q, K, V projections give the same losses at tp = 1, 2, 4.
+#[test]
+fn tied_head_and_separate_qkv_agree_across_tp() {
+    let _rng = rng_lock();
+    for (tie, fused) in [(true, true), (false, false), (true, false)] {
+        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+            for asynch in [true, false] {
+                let mut all = Vec::new();
+                for tp in [1usize, 2, 4] {
+                    device().seed(11);
+                    let losses = run_local(tp, move |g| {
+                        let config = GptConfig::new(24, 8, 16, 4, 1)
+                            .with_mode(mode)
+                            .with_async_communication(asynch)
+                            .with_tie_embeddings(tie)
+                            .with_fused_qkv(fused);
+                        let mut model = config.init(&g, &device()).unwrap();
+                        assert_eq!(model.head.is_none(), tie);
+                        let mut optim = burn::optim::AdamWConfig::new().init();
+                        let mut losses = Vec::new();
+                        for step in 0..3i64 {
+                            let x: Vec<i64> = (0..16).map(|i| (i * 7 + step) % 24).collect();
+                            let y: Vec<i64> = (0..16).map(|i| (i * 5 + step + 1) % 24).collect();
+                            let loss = model.loss(ids(x, [8, 2]), ids(y, [8, 2])).unwrap();
+                            losses.push(f64s(loss.clone())[0]);
+                            let grads =
+                                burn::optim::GradientsParams::from_grads(loss.backward(), &model);
+                            model = optim.step(1e-2, model, grads);
+                        }
+                        losses
+                    })
+                    .unwrap();
+                    all.push(losses[0].clone());
+                }
+                for (i, losses) in all.iter().enumerate() {
+                    let tag =
+                        format!("tie {tie} fused {fused} {mode:?} async {asynch} tp index {i}");
+                    assert_close(losses, &all[0], 1e-4, &tag);
+                }
+                assert!(all[0][2] < all[0][0], "it learns");
+            }
+        }
+    }
+}

@@ -28,6 +28,7 @@ struct Case {
     bias: bool,
     /// `false`: 3-D `[12, 2, D]`; `true`: 2-D `[tp, D]`, one row per rank in RS mode.
     one_row: bool,
+    schedule: OverlapSchedule,
 }
 
 impl Case {
@@ -112,7 +113,8 @@ fn run_case(case: Case, column: bool) {
                 .with_async_communication(case.asynch)
                 .with_recompute_all_gather(case.recompute)
                 .init(&group, &dev)
-                .unwrap();
+                .unwrap()
+                .with_schedule(case.schedule);
             let x = if rs { chunk(x_full, n, 0, r) } else { x_full }.require_grad();
             let y = if case.one_row {
                 layer
@@ -136,7 +138,8 @@ fn run_case(case: Case, column: bool) {
                 .with_mode(case.mode)
                 .with_async_communication(case.asynch)
                 .init(&group, &dev)
-                .unwrap();
+                .unwrap()
+                .with_schedule(case.schedule);
             let x = chunk(x_full, n, 2, r).require_grad();
             let y = if case.one_row {
                 layer
@@ -260,16 +263,19 @@ fn full_grid_matches_unsharded_linear() {
                 for recompute in [true, false] {
                     for bias in [true, false] {
                         for one_row in [false, true] {
-                            let case = Case {
-                                tp,
-                                mode,
-                                asynch,
-                                recompute,
-                                bias,
-                                one_row,
-                            };
-                            run_case(case, true);
-                            run_case(case, false);
+                            for schedule in [OverlapSchedule::Split, OverlapSchedule::Ring] {
+                                let case = Case {
+                                    tp,
+                                    mode,
+                                    asynch,
+                                    recompute,
+                                    bias,
+                                    one_row,
+                                    schedule,
+                                };
+                                run_case(case, true);
+                                run_case(case, false);
+                            }
                         }
                     }
                 }

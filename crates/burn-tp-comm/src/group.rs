@@ -609,7 +609,7 @@ impl<T> Work<T> {
     /// Whether [`wait`](Self::wait) would return without blocking (done, or failed).
     pub fn is_completed(&self) -> bool {
         let st = self.group.shared.lock();
-        match self.poll(&st) {
+        match self.poll(&st, None) {
             Ok(Ready::Yes(_)) | Err(_) => true,
             Ok(Ready::No { .. }) => false,
         }
@@ -630,13 +630,24 @@ impl<T> Work<T> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<T> {
+        let payloads = self.wait_ready(timeout, None)?;
+        let finish = self.finish.take().expect("a Work completes once");
+        let out = finish(&payloads);
+        drop(payloads);
+        self.consume();
+        Ok(out)
+    }
+
+    /// Blocks until the call is complete (`part = None`) or rank `part`'s buffer has arrived,
+    /// and returns the posted buffers (only `part`'s is meaningful in the second case).
+    fn wait_ready(&self, timeout: Duration, part: Option<usize>) -> Result<Vec<Payload>> {
         let shared = self.group.shared.clone();
         let deadline = Instant::now() + timeout;
         let mut st = shared.lock();
-        let payloads = loop {
+        loop {
             let now = Instant::now();
-            match self.poll(&st) {
-                Ok(Ready::Yes(p)) => break p,
+            match self.poll(&st, part) {
+                Ok(Ready::Yes(p)) => return Ok(p),
                 Err(e) => {
                     shared.abort(&mut st, &e);
                     return Err(e);
@@ -670,16 +681,27 @@ impl<T> Work<T> {
                     }
                 }
             }
-        };
-        drop(st);
-        let finish = self.finish.take().expect("a Work completes once");
-        let out = finish(&payloads);
-        drop(payloads);
-        self.consume();
-        Ok(out)
+        }
     }
 
-    fn poll(&self, st: &State) -> Result<Ready> {
+    /// With the link model, when rank `p`'s all-gather shard reaches this rank: a ring moves it
+    /// `k = (rank - p) mod n` hops, each `latency + shard / bandwidth`, after every rank on its
+    /// path has posted.
+    fn ring_arrival(&self, slot: &Slot, link: &LinkModel, p: usize) -> Option<Instant> {
+        let n = slot.posts.len();
+        let rank = self.group.rank;
+        let hops = (rank + n - p) % n;
+        if hops == 0 {
+            return None;
+        }
+        let shard = self.desc.len() * self.desc.dtype.size();
+        let start = (0..hops)
+            .filter_map(|h| slot.posts[(p + h) % n].as_ref().map(|q| q.at))
+            .max()?;
+        Some(start + (link.delay(shard)) * hops as u32)
+    }
+
+    fn poll(&self, st: &State, part: Option<usize>) -> Result<Ready> {
         let rank = self.group.rank;
         let slot = st
             .slots
@@ -705,8 +727,50 @@ impl<T> Work<T> {
                 },
             }
         }
+        if let Some(p) = part.filter(|p| !slot.dead && !missing.contains(p)) {
+            if let Some(ready) = self
+                .group
+                .shared
+                .options
+                .link
+                .and_then(|l| self.ring_arrival(slot, &l, p))
+            {
+                if Instant::now() < ready {
+                    return Ok(Ready::No {
+                        missing,
+                        until: Some(ready),
+                    });
+                }
+            }
+            return Ok(Ready::Yes(
+                slot.posts
+                    .iter()
+                    .map(|q| {
+                        q.as_ref()
+                            .map_or_else(|| Arc::new(()) as Payload, |q| q.data.clone())
+                    })
+                    .collect(),
+            ));
+        }
         if missing.is_empty() && !slot.dead {
-            if let Some(link) = self.group.shared.options.link {
+            if let Some(link) = self
+                .group
+                .shared
+                .options
+                .link
+                .filter(|_| self.desc.kind == OpKind::AllGather)
+            {
+                // Ring all-gather: complete when the farthest shard has arrived.
+                let ready = (0..slot.posts.len())
+                    .filter_map(|p| self.ring_arrival(slot, &link, p))
+                    .max();
+                if let Some(ready) = ready.filter(|r| Instant::now() < *r) {
+                    return Ok(Ready::No {
+                        missing,
+                        until: Some(ready),
+                    });
+                }
+            } else if let Some(link) = self.group.shared.options.link {
                 let last = slot
                     .posts
                     .iter()
@@ -768,6 +832,28 @@ impl<T> Work<T> {
                 st.slots.remove(&self.seq);
             }
         }
+    }
+}
+
+impl<T: CommElement> Work<Vec<T>> {
+    /// For an all-gather: waits (with the group's timeout) until rank `part`'s shard has arrived
+    /// and returns a copy of it, without waiting for the others. Shards arrive in ring order
+    /// (own, rank - 1, rank - 2, ...): consuming them in that order overlaps compute with the
+    /// rest of the gather. The `Work` still completes (or is dropped) as usual afterwards.
+    ///
+    /// # Errors
+    /// As [`Work::wait`]; [`CommError::Backend`] if the call is not an all-gather or `part` is
+    /// not a rank.
+    pub fn wait_part(&self, part: usize) -> Result<Vec<T>> {
+        if self.desc.kind != OpKind::AllGather || part >= self.group.world_size() {
+            return Err(CommError::Backend(format!(
+                "wait_part({part}) on {} of a group of {}: only all-gathers have parts",
+                self.desc,
+                self.group.world_size()
+            )));
+        }
+        let payloads = self.wait_ready(self.group.timeout(), Some(part))?;
+        Ok(downcast::<T>(&payloads[part]).clone())
     }
 }
 

@@ -390,3 +390,44 @@ fn soak_ten_thousand_mixed_async_collectives() {
         }
     }
 }
+
+#[test]
+fn all_gather_parts_arrive_one_by_one_in_ring_order() {
+    use burn_tp_comm::LinkModel;
+    for link in [None, Some(LinkModel::new(1.0, 50.0))] {
+        let results = run(
+            4,
+            LocalGroupOptions {
+                link,
+                ..Default::default()
+            },
+            |pg| {
+                let r = pg.rank();
+                let work = pg.all_gather_async(vec![r as f32; 3]);
+                let mut parts = vec![Vec::new(); 4];
+                for k in 0..4 {
+                    let p = (r + 4 - k) % 4;
+                    parts[p] = work.wait_part(p).unwrap();
+                }
+                let full = work.wait().unwrap();
+                (parts.concat(), full)
+            },
+        );
+        for r in results {
+            let (parts, full) = r.unwrap();
+            let want: Vec<f32> = (0..4).flat_map(|p| vec![p as f32; 3]).collect();
+            assert_eq!(parts, want);
+            assert_eq!(full, want);
+        }
+    }
+    // Parts exist only for all-gathers.
+    let results = run(2, LocalGroupOptions::default(), |pg| {
+        let w = pg.all_reduce_async(vec![1f32], ReduceOp::Sum);
+        let e = w.wait_part(0).unwrap_err();
+        w.wait().unwrap();
+        e
+    });
+    for r in results {
+        assert!(r.unwrap().to_string().contains("only all-gathers"));
+    }
+}

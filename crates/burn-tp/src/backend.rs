@@ -28,7 +28,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::{
     Autodiff, Backend, ExtensionType, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
 };
-use burn::tensor::{DType, Slice, TensorData};
+use burn::tensor::{DType, Shape, Slice, TensorData};
 use burn_tp_comm::{CommElement, CommError, ProcessGroup, ReduceOp, Work};
 
 use crate::linear::overlap::{
@@ -83,7 +83,50 @@ impl Collective {
     }
 }
 
-type Finish = Box<dyn FnOnce() -> Result<TensorData, CommError> + Send>;
+/// The host side of a collective in flight.
+trait InFlight: Send + Sync {
+    /// Waits for the whole result (once).
+    fn finish(&self) -> Result<TensorData, CommError>;
+    /// For an all-gather: waits for rank `part`'s shard only.
+    fn part(&self, part: usize) -> Result<TensorData, CommError>;
+}
+
+/// A collective that failed before any communication.
+struct Failed(CommError);
+
+impl InFlight for Failed {
+    fn finish(&self) -> Result<TensorData, CommError> {
+        Err(self.0.clone())
+    }
+    fn part(&self, _: usize) -> Result<TensorData, CommError> {
+        Err(self.0.clone())
+    }
+}
+
+/// A `burn-tp-comm` work handle with the shapes of its output and of one input shard.
+struct HostWork<T> {
+    work: Mutex<Option<Work<Vec<T>>>>,
+    out_shape: Shape,
+    shard_shape: Shape,
+}
+
+impl<T: CommElement + burn::tensor::Element> InFlight for HostWork<T> {
+    fn finish(&self) -> Result<TensorData, CommError> {
+        let work = self.work.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let work =
+            work.ok_or_else(|| CommError::Backend("a collective was resolved twice".into()))?;
+        work.wait()
+            .map(|v| TensorData::new(v, self.out_shape.clone()))
+    }
+    fn part(&self, part: usize) -> Result<TensorData, CommError> {
+        let guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        let work = guard
+            .as_ref()
+            .ok_or_else(|| CommError::Backend("a part of a resolved collective".into()))?;
+        work.wait_part(part)
+            .map(|v| TensorData::new(v, self.shard_shape.clone()))
+    }
+}
 
 /// A collective in flight at the backend level; [`TpBackend::tp_resolve`] completes it.
 #[derive(Clone)]
@@ -92,8 +135,8 @@ pub struct PendingWork {
     pub op: Collective,
     /// The group it runs on.
     pub group: ProcessGroup,
-    // `None` once resolved; shared so the handle can cross the dispatch boundary by clone.
-    finish: Arc<Mutex<Option<Finish>>>,
+    // `None`: nothing to communicate. Shared so the handle can cross the dispatch boundary by clone.
+    inner: Option<Arc<dyn InFlight>>,
 }
 
 impl fmt::Debug for PendingWork {
@@ -113,20 +156,8 @@ impl PendingWork {
         Self {
             op,
             group,
-            finish: Arc::new(Mutex::new(None)),
+            inner: None,
         }
-    }
-
-    fn with(op: Collective, group: ProcessGroup, finish: Finish) -> Self {
-        Self {
-            op,
-            group,
-            finish: Arc::new(Mutex::new(Some(finish))),
-        }
-    }
-
-    fn take(&self) -> Option<Finish> {
-        self.finish.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
 
@@ -138,6 +169,15 @@ pub struct PendingPrimitive<B: Backend> {
     pub input: FloatTensor<B>,
     /// The communication in flight.
     pub work: PendingWork,
+}
+
+impl<B: Backend> Clone for PendingPrimitive<B> {
+    fn clone(&self) -> Self {
+        Self {
+            input: self.input.clone(),
+            work: self.work.clone(),
+        }
+    }
 }
 
 /// The result of a resolved collective at the backend level.
@@ -175,6 +215,16 @@ pub trait TpBackend: Backend {
     /// Waits for a started collective and returns its output.
     fn tp_resolve(#[extension_type] pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
         host_resolve::<Self>(pending)
+    }
+
+    /// For a started all-gather along dim 0: rank `part`'s shard (`[n, ..]`), as soon as it has
+    /// arrived, without waiting for the rest. Not differentiable (used inside backward nodes and
+    /// the overlapped linear ops); the pending collective is still resolved or dropped after.
+    fn tp_resolve_part(
+        #[extension_type] pending: PendingPrimitive<Self>,
+        part: usize,
+    ) -> CollectiveOutput<Self> {
+        host_resolve_part::<Self>(pending, part)
     }
 
     /// A row-wise loss with a precomputed gradient: returns `value` (`[n]`); its backward
@@ -263,27 +313,27 @@ fn host_start<B: Backend>(
     } else {
         B::float_swap_dims(x.clone(), 0, dim)
     };
-    let finish = match burn::tensor::read_sync(B::float_into_data(moved)) {
+    let inner: Arc<dyn InFlight> = match burn::tensor::read_sync(B::float_into_data(moved)) {
         Ok(data) => match data.dtype() {
             DType::F32 => post::<f32>(data, op, &group),
             DType::F64 => post::<f64>(data, op, &group),
             DType::F16 => post::<f16>(data, op, &group),
             DType::BF16 => post::<bf16>(data, op, &group),
-            other => Err(CommError::Backend(format!(
+            other => Arc::new(Failed(CommError::Backend(format!(
                 "{op:?}: unsupported dtype {other:?}"
-            ))),
+            )))),
         },
-        Err(e) => Err(CommError::Backend(format!(
+        Err(e) => Arc::new(Failed(CommError::Backend(format!(
             "{op:?}: reading the tensor failed: {e:?}"
-        ))),
-    };
-    let finish: Finish = match finish {
-        Ok(f) => f,
-        Err(e) => Box::new(move || Err(e)),
+        )))),
     };
     PendingPrimitive {
         input: x,
-        work: PendingWork::with(op, group, finish),
+        work: PendingWork {
+            op,
+            group,
+            inner: Some(inner),
+        },
     }
 }
 
@@ -291,28 +341,26 @@ fn post<T: CommElement + burn::tensor::Element>(
     data: TensorData,
     op: Collective,
     group: &ProcessGroup,
-) -> Result<Finish, CommError> {
+) -> Arc<dyn InFlight> {
     let world = group.world_size();
-    let mut shape = data.shape().clone();
-    let dims = shape.to_vec();
-    let values = data
-        .try_into_vec::<T>()
-        .map_err(|e| CommError::Backend(format!("{e:?}")))?;
+    let shard_shape = data.shape().clone();
+    let mut out_shape = shard_shape.clone();
+    let dims = shard_shape.to_vec();
+    let values = match data.try_into_vec::<T>() {
+        Ok(v) => v,
+        Err(e) => return Arc::new(Failed(CommError::Backend(format!("{e:?}")))),
+    };
     let work: Work<Vec<T>> = match op {
         Collective::AllGather { .. } | Collective::GatherFromRegion { .. } => {
-            shape[0] *= world;
+            out_shape[0] *= world;
             group.all_gather_shaped_async(values, dims)
         }
         Collective::ReduceScatter { .. } => {
-            if !shape[0].is_multiple_of(world) {
-                return Err(CommError::NotDivisible {
-                    op: "reduce_scatter",
-                    len: shape[0],
-                    world_size: world,
-                });
+            out_shape[0] /= world;
+            match group.reduce_scatter_shaped_async(values, dims) {
+                Ok(w) => w,
+                Err(e) => return Arc::new(Failed(e)),
             }
-            shape[0] /= world;
-            group.reduce_scatter_shaped_async(values, dims)?
         }
         Collective::AllReduce(r) => group.all_reduce_shaped_async(values, dims, r),
         Collective::ReduceFromRegion => group.all_reduce_shaped_async(values, dims, ReduceOp::Sum),
@@ -320,20 +368,22 @@ fn post<T: CommElement + burn::tensor::Element>(
             unreachable!("local forwards post nothing")
         }
     };
-    Ok(Box::new(move || {
-        work.wait().map(|v| TensorData::new(v, shape))
-    }))
+    Arc::new(HostWork {
+        work: Mutex::new(Some(work)),
+        out_shape,
+        shard_shape,
+    })
 }
 
 fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B> {
     let PendingPrimitive { input, work } = pending;
-    let Some(finish) = work.take() else {
+    let Some(inner) = &work.inner else {
         return CollectiveOutput::Done(match work.op {
             Collective::ScatterToRegion { dim } => local_chunk::<B>(input, dim, &work.group),
             _ => input,
         });
     };
-    match finish() {
+    match inner.finish() {
         Ok(data) => {
             let out = B::float_from_data(data, &input.device());
             let dim = work.op.dim();
@@ -344,6 +394,24 @@ fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B>
             })
         }
         Err(e) => CollectiveOutput::Failed(e),
+    }
+}
+
+fn host_resolve_part<B: Backend>(pending: PendingPrimitive<B>, part: usize) -> CollectiveOutput<B> {
+    let PendingPrimitive { input, work } = pending;
+    if work.op.dim() != 0 || !matches!(work.op, Collective::AllGather { .. }) {
+        return CollectiveOutput::Failed(CommError::Backend(format!(
+            "tp_resolve_part of {:?}",
+            work.op
+        )));
+    }
+    match &work.inner {
+        // Nothing in flight: a group of one, whose only part is the input.
+        None => CollectiveOutput::Done(input),
+        Some(inner) => match inner.part(part) {
+            Ok(data) => CollectiveOutput::Done(B::float_from_data(data, &input.device())),
+            Err(e) => CollectiveOutput::Failed(e),
+        },
     }
 }
 

@@ -48,6 +48,9 @@ pub struct GptConfig {
     /// Reuse the embedding table as the lm-head.
     #[config(default = false)]
     pub tie_embeddings: bool,
+    /// One fused QKV projection per attention (else three).
+    #[config(default = true)]
+    pub fused_qkv: bool,
     /// z-loss coefficient of the cross-entropy.
     #[config(default = 0.0)]
     pub z_loss: f64,
@@ -123,6 +126,7 @@ impl GptConfig {
                     ln1: TpLayerNorm::new(d, mode, group, device),
                     attn: ParallelAttentionConfig::new(d, self.n_heads)
                         .with_mode(mode)
+                        .with_fused_qkv(self.fused_qkv)
                         .with_async_communication(asynch)
                         .init(group, device)?,
                     ln2: TpLayerNorm::new(d, mode, group, device),

@@ -67,6 +67,10 @@ pub enum OverlapSchedule {
     /// Own shard during the communication, the rest after it (nanotron).
     #[default]
     Split,
+    /// Chunked ring: each rank's shard is consumed as it arrives (own, r-1, r-2, ...); the row
+    /// backward also accumulates its weight and bias gradients block by block, so nearly all of
+    /// its compute overlaps the gather.
+    Ring,
 }
 
 /// Inputs of a parallel-linear op as they cross the dispatch boundary: an optional bias.
@@ -147,56 +151,105 @@ fn sum_rows<B: Backend>(g2: FloatTensor<B>) -> FloatTensor<B> {
     B::float_reshape(B::float_sum_dim(g2, 0), Shape::from(vec![c]))
 }
 
+/// Visits the rows of an all-gather in flight, block by block, as the schedule makes them
+/// available: first this rank's own rows (`local`, `[m, k]`) while the gather is in flight, then
+/// the others. `visit(rows, block)` gets the row range in the gathered `[n * m, k]` matrix.
+/// Returns the gathered matrix if `keep_gathered` (free for `Split`, one concatenation for `Ring`).
+pub fn visit_gathered<B: TpBackend>(
+    local: FloatTensor<B>,
+    pending: PendingPrimitive<B>,
+    group: &ProcessGroup,
+    schedule: OverlapSchedule,
+    keep_gathered: bool,
+    mut visit: impl FnMut(std::ops::Range<usize>, FloatTensor<B>),
+) -> Res<Option<FloatTensor<B>>> {
+    let (r, n) = (group.rank(), group.world_size());
+    let m = local.shape()[0];
+    // 1. own block while the gather is in flight
+    visit(r * m..(r + 1) * m, local.clone());
+    if n == 1 {
+        return Ok(keep_gathered.then_some(local));
+    }
+    match schedule {
+        OverlapSchedule::Split => {
+            // 2. wait for everything; 3. the blocks before and after ours
+            let gathered = flatten::<B>(resolve(pending)?);
+            if r > 0 {
+                visit(0..r * m, rows::<B>(gathered.clone(), 0..r * m));
+            }
+            if r + 1 < n {
+                visit(
+                    (r + 1) * m..n * m,
+                    rows::<B>(gathered.clone(), (r + 1) * m..n * m),
+                );
+            }
+            Ok(keep_gathered.then_some(gathered))
+        }
+        OverlapSchedule::Ring => {
+            // 2. each peer's shard as it arrives, in ring order (r-1, r-2, ...)
+            let mut parts: Vec<Option<FloatTensor<B>>> = vec![None; n];
+            parts[r] = Some(local);
+            for k in 1..n {
+                let p = (r + n - k) % n;
+                let part = match B::tp_resolve_part(pending.clone(), p) {
+                    CollectiveOutput::Done(t) => flatten::<B>(t),
+                    CollectiveOutput::Failed(e) => return Err(e),
+                };
+                visit(p * m..(p + 1) * m, part.clone());
+                parts[p] = Some(part);
+            }
+            drop(pending);
+            Ok(keep_gathered.then(|| {
+                B::float_cat(
+                    parts.into_iter().map(|p| p.expect("every part")).collect(),
+                    0,
+                )
+            }))
+        }
+    }
+}
+
 /// `out = gathered @ rhs`, where `gathered` (`[n * m, k]`) is the all-gather in flight of this
-/// rank's `local` (`[m, k]`). Returns `(out [n * m, c], gathered [n * m, k])`. See the diagram
-/// at the top of this file.
+/// rank's `local` (`[m, k]`): each block's rows are computed as soon as the block is available
+/// and written into one fresh `[n * m, c]` buffer. Returns `(out, gathered if keep_gathered)`.
+/// See the diagram at the top of this file.
 pub fn gather_matmul<B: TpBackend>(
     local: FloatTensor<B>,
     pending: PendingPrimitive<B>,
     rhs: FloatTensor<B>,
     group: &ProcessGroup,
     schedule: OverlapSchedule,
-) -> Res<(FloatTensor<B>, FloatTensor<B>)> {
-    match schedule {
-        OverlapSchedule::Split => split_schedule(local, pending, rhs, group),
-    }
+    keep_gathered: bool,
+) -> Res<(FloatTensor<B>, Option<FloatTensor<B>>)> {
+    let n = group.world_size();
+    let (m, c) = (local.shape()[0], rhs.shape()[1]);
+    let mut out = None;
+    let gathered = visit_gathered::<B>(
+        local,
+        pending,
+        group,
+        schedule,
+        keep_gathered,
+        |range, block| {
+            let y = B::float_matmul(block, rhs.clone());
+            if n == 1 {
+                out = Some(y);
+                return;
+            }
+            let buf = out.take().unwrap_or_else(|| {
+                B::float_empty(Shape::from(vec![n * m, c]), &y.device(), y.dtype().into())
+            });
+            out = Some(B::float_slice_assign(buf, &row_slices(range), y));
+        },
+    )?;
+    Ok((out.expect("at least the own block"), gathered))
 }
 
-fn split_schedule<B: TpBackend>(
-    local: FloatTensor<B>,
-    pending: PendingPrimitive<B>,
-    rhs: FloatTensor<B>,
-    group: &ProcessGroup,
-) -> Res<(FloatTensor<B>, FloatTensor<B>)> {
-    let (r, n) = (group.rank(), group.world_size());
-    let m = local.shape()[0];
-    let c = rhs.shape()[1];
-    // 1. own block while the gather is in flight
-    let own = B::float_matmul(local.clone(), rhs.clone());
-    if n == 1 {
-        drop(pending);
-        return Ok((own, local));
-    }
-    // 2. wait
-    let gathered = flatten::<B>(resolve(pending)?);
-    // 3. the blocks before and after ours, written around it into one fresh buffer
-    let out = B::float_empty(
-        Shape::from(vec![n * m, c]),
-        &own.device(),
-        own.dtype().into(),
-    );
-    let block =
-        |lo: usize, hi: usize| [Slice::new(lo as isize, Some(hi as isize), 1), Slice::full()];
-    let mut out = B::float_slice_assign(out, &block(r * m, (r + 1) * m), own);
-    if r > 0 {
-        let before = B::float_matmul(rows::<B>(gathered.clone(), 0..r * m), rhs.clone());
-        out = B::float_slice_assign(out, &block(0, r * m), before);
-    }
-    if r + 1 < n {
-        let after = B::float_matmul(rows::<B>(gathered.clone(), (r + 1) * m..n * m), rhs);
-        out = B::float_slice_assign(out, &block((r + 1) * m, n * m), after);
-    }
-    Ok((out, gathered))
+fn row_slices(range: std::ops::Range<usize>) -> [Slice; 2] {
+    [
+        Slice::new(range.start as isize, Some(range.end as isize), 1),
+        Slice::full(),
+    ]
 }
 
 /// What the column forward keeps for its backward.
@@ -233,12 +286,14 @@ pub fn column_forward<B: TpBackend>(
         }
         TpMode::ReduceScatter => {
             let pending = start::<B>(x.clone(), Collective::AllGather { dim: 0 }, group);
+            let keep = !spec.recompute_all_gather;
             let (y, gathered) = gather_matmul::<B>(
                 flatten::<B>(x.clone()),
                 pending,
                 weight,
                 group,
                 spec.schedule,
+                keep,
             )?;
             lead[0] *= group.world_size();
             let y = unflatten::<B>(add_bias::<B>(y, bias), &lead);
@@ -249,7 +304,7 @@ pub fn column_forward<B: TpBackend>(
                 }
             } else {
                 ColumnSaved {
-                    input: unflatten::<B>(gathered, &lead),
+                    input: unflatten::<B>(gathered.expect("kept"), &lead),
                     needs_gather: false,
                 }
             };
@@ -363,22 +418,82 @@ pub fn row_backward<B: TpBackend>(
     let mut lead = input.shape().to_vec();
     lead.pop();
     let w_t = B::float_transpose(weight);
-    let (grad_input, total) = match spec.mode {
+    let x2 = flatten::<B>(input);
+    let (grad_input, weight_grad, bias_grad) = match spec.mode {
         TpMode::AllReduce => {
             let g2 = flatten::<B>(grad);
-            (needs.input.then(|| B::float_matmul(g2.clone(), w_t)), g2)
+            let gx = needs.input.then(|| B::float_matmul(g2.clone(), w_t));
+            let gw = needs
+                .weight
+                .then(|| B::float_matmul(B::float_transpose(x2), g2.clone()));
+            (gx, gw, needs.bias.then(|| sum_rows::<B>(g2)))
+        }
+        TpMode::ReduceScatter if spec.schedule == OverlapSchedule::Ring => {
+            // Everything per block, as the blocks arrive: dgrad rows, and the wgrad / bias
+            // partial sums of those rows.
+            let pending = start::<B>(grad.clone(), Collective::AllGather { dim: 0 }, group);
+            let n = group.world_size();
+            let (m, d_in) = (
+                grad.shape()
+                    .to_vec()
+                    .iter()
+                    .rev()
+                    .skip(1)
+                    .product::<usize>(),
+                w_t.shape()[1],
+            );
+            let (mut gx, mut gw, mut gb) = (None, None, None);
+            let add = |acc: Option<FloatTensor<B>>, t: FloatTensor<B>| {
+                Some(acc.map_or(t.clone(), |a| B::float_add(a, t)))
+            };
+            visit_gathered::<B>(
+                flatten::<B>(grad),
+                pending,
+                group,
+                spec.schedule,
+                false,
+                |range, block| {
+                    if needs.input {
+                        let y = B::float_matmul(block.clone(), w_t.clone());
+                        let buf = gx.take().unwrap_or_else(|| {
+                            B::float_empty(
+                                Shape::from(vec![n * m, d_in]),
+                                &y.device(),
+                                y.dtype().into(),
+                            )
+                        });
+                        gx = Some(if n == 1 {
+                            y
+                        } else {
+                            B::float_slice_assign(buf, &row_slices(range.clone()), y)
+                        });
+                    }
+                    if needs.weight {
+                        let x_rows = B::float_transpose(rows::<B>(x2.clone(), range));
+                        gw = add(gw.take(), B::float_matmul(x_rows, block.clone()));
+                    }
+                    if needs.bias {
+                        gb = add(gb.take(), sum_rows::<B>(block));
+                    }
+                },
+            )?;
+            (gx, gw, gb)
         }
         TpMode::ReduceScatter => {
             let pending = start::<B>(grad.clone(), Collective::AllGather { dim: 0 }, group);
             let (gx, total) =
-                gather_matmul::<B>(flatten::<B>(grad), pending, w_t, group, spec.schedule)?;
-            (needs.input.then_some(gx), total)
+                gather_matmul::<B>(flatten::<B>(grad), pending, w_t, group, spec.schedule, true)?;
+            let total = total.expect("kept");
+            let gw = needs
+                .weight
+                .then(|| B::float_matmul(B::float_transpose(x2), total.clone()));
+            (
+                needs.input.then_some(gx),
+                gw,
+                needs.bias.then(|| sum_rows::<B>(total)),
+            )
         }
     };
-    let weight_grad = needs
-        .weight
-        .then(|| B::float_matmul(B::float_transpose(flatten::<B>(input)), total.clone()));
-    let bias_grad = needs.bias.then(|| sum_rows::<B>(total));
     Ok(LinearGrads {
         input: grad_input.map(|g| unflatten::<B>(g, &lead)),
         weight: weight_grad,

@@ -1,0 +1,424 @@
+//! burn-tp benchmarks: every figure is a ratio of two timings taken side by side in this run (the
+//! machine is shared and noisy; absolute times drift). `-- --quick` is the CI smoke test.
+//!
+//! ```text
+//! cargo bench -p burn-tp --bench tp            # full suite
+//! cargo bench -p burn-tp --bench tp -- --quick # < 1 minute, smaller sizes
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::Param;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{Device, Tensor};
+use burn_tp::gpt::Block;
+use burn_tp::linear::{
+    ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
+    RowParallelLinearConfig, TpMode,
+};
+use burn_tp::ops::all_gather;
+use burn_tp::testing::run_ranks;
+use burn_tp::transformer::{ParallelAttentionConfig, ParallelMlpConfig, TpLayerNorm};
+use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+/// Runs `f` on every rank of a group with `options`, each rank inside its own rayon pool of
+/// `threads` threads (Flex's GEMMs run on the current rayon pool).
+fn ranks<T: Send + 'static>(
+    world: usize,
+    options: LocalGroupOptions,
+    threads: usize,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    run_ranks(
+        LocalGroup::with_options(world, options).unwrap(),
+        move |g| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| f(g))
+        },
+    )
+    .unwrap()
+}
+
+/// Median over `reps` of `f`, every rank starting together; the slowest rank's median.
+fn timed(g: &ProcessGroup, reps: usize, mut f: impl FnMut()) -> f64 {
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        g.barrier().unwrap();
+        let t0 = Instant::now();
+        f();
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let m = median(times);
+    g.all_reduce(vec![m], ReduceOp::Max).unwrap()[0]
+}
+
+fn memcpy_time(bytes: usize, reps: usize) -> f64 {
+    let src = vec![1.0f32; bytes / 4];
+    let mut dst = vec![0.0f32; bytes / 4];
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    median(times)
+}
+
+fn bench_collectives(quick: bool) {
+    println!("\n## 1. Collectives vs memcpy (f32, LocalGroup, ranks = threads)");
+    println!(
+        "ratio = memcpy time of the bytes one rank writes (all-gather) or reads (reduce-scatter,"
+    );
+    println!("all-reduce) / collective time; >= 1 means as fast as one memcpy of them.\n");
+    println!("| op | ranks | MiB | collective ms | memcpy ms | ratio |");
+    println!("|----|------:|----:|--------------:|----------:|------:|");
+    let sizes: &[usize] = if quick { &[1, 4] } else { &[1, 4, 16, 64] };
+    let reps = if quick { 3 } else { 7 };
+    for &world in &[2usize, 4] {
+        for &mib in sizes {
+            let bytes = mib << 20;
+            let t_mem = memcpy_time(bytes, reps);
+            let times = ranks(world, LocalGroupOptions::default(), 1, move |g| {
+                let n = g.world_size();
+                let shard = vec![1.0f32; bytes / 4 / n];
+                let full = vec![1.0f32; bytes / 4];
+                let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| shard.clone()).collect();
+                let ag = timed(&g, reps, || {
+                    drop(g.all_gather(inputs.pop().unwrap()).unwrap())
+                });
+                let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| full.clone()).collect();
+                let rs = timed(&g, reps, || {
+                    drop(g.reduce_scatter(inputs.pop().unwrap()).unwrap())
+                });
+                let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| full.clone()).collect();
+                let ar = timed(&g, reps, || {
+                    drop(g.all_reduce(inputs.pop().unwrap(), ReduceOp::Sum).unwrap())
+                });
+                (ag, rs, ar)
+            });
+            let (ag, rs, ar) = times[0];
+            for (op, t) in [
+                ("all_gather", ag),
+                ("reduce_scatter", rs),
+                ("all_reduce", ar),
+            ] {
+                println!(
+                    "| {op} | {world} | {mib} | {:.2} | {:.2} | {:.2} |",
+                    t * 1e3,
+                    t_mem * 1e3,
+                    t_mem / t
+                );
+            }
+        }
+    }
+}
+
+fn loss_of<const D: usize>(y: Tensor<D>) -> Tensor<1> {
+    let g = y.ones_like() * 0.5 + y.clone().detach() * 0.0;
+    (y * g).sum()
+}
+
+fn bench_zero_cost(quick: bool) {
+    println!("\n## 2. Zero cost at tp = 1: forward + backward vs Burn's Linear (same shapes)\n");
+    let (m, d_in, d_out) = if quick {
+        (256, 256, 256)
+    } else {
+        (2048, 512, 1024)
+    };
+    let reps = if quick { 5 } else { 15 };
+    let out = ranks(1, LocalGroupOptions::default(), 2, move |g| {
+        let dev = device();
+        let linear = LinearConfig::new(d_in, d_out).init(&dev);
+        let col = ColumnParallelLinear::from_full(
+            &linear,
+            &g,
+            &ColumnParallelLinearConfig::new(d_in, d_out),
+        )
+        .unwrap();
+        let linear_t = LinearConfig::new(d_out, d_in).init(&dev);
+        let row =
+            RowParallelLinear::from_full(&linear_t, &g, &RowParallelLinearConfig::new(d_out, d_in))
+                .unwrap();
+        let x = Tensor::<2>::random([m, d_in], burn::tensor::Distribution::Default, &dev);
+        let xt = Tensor::<2>::random([m, d_out], burn::tensor::Distribution::Default, &dev);
+        let step_burn = |l: &Linear, x: &Tensor<2>| {
+            drop(loss_of(l.forward(x.clone().require_grad())).backward())
+        };
+        let (mut a, mut b, mut c, mut d) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..reps {
+            // Interleaved, so drift hits both sides alike.
+            a.push(timed(&g, 1, || step_burn(&linear, &x)));
+            b.push(timed(&g, 1, || {
+                drop(loss_of(col.forward(x.clone().require_grad()).unwrap()).backward())
+            }));
+            c.push(timed(&g, 1, || step_burn(&linear_t, &xt)));
+            d.push(timed(&g, 1, || {
+                drop(loss_of(row.forward(xt.clone().require_grad()).unwrap()).backward())
+            }));
+        }
+        (median(a), median(b), median(c), median(d))
+    });
+    let (lin, col, lin_t, row) = out[0];
+    println!("| layer | shape | Burn Linear ms | parallel ms | ratio (target <= 1.05) |");
+    println!("|-------|-------|---------------:|------------:|------:|");
+    println!(
+        "| ColumnParallelLinear | [{m}, {d_in}] -> {d_out} | {:.2} | {:.2} | {:.3} |",
+        lin * 1e3,
+        col * 1e3,
+        col / lin
+    );
+    println!(
+        "| RowParallelLinear | [{m}, {d_out}] -> {d_in} | {:.2} | {:.2} | {:.3} |",
+        lin_t * 1e3,
+        row * 1e3,
+        row / lin_t
+    );
+}
+
+/// Times of one overlap case on `world` ranks, each with one compute thread.
+struct Overlap {
+    compute: f64,
+    comm: f64,
+    sync: f64,
+    asynch: f64,
+}
+
+impl Overlap {
+    fn row(&self, name: &str, world: usize) {
+        let hidden = (self.sync - self.asynch) / self.comm;
+        println!(
+            "| {name} | {world} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+            self.compute * 1e3,
+            self.comm * 1e3,
+            self.sync * 1e3,
+            self.asynch * 1e3,
+            self.sync / self.asynch,
+            hidden
+        );
+    }
+}
+
+/// A link on which an all-gather that delivers `bytes` to each rank takes about `seconds`.
+fn link_for(bytes: usize, seconds: f64) -> LocalGroupOptions {
+    LocalGroupOptions {
+        link: Some(LinkModel {
+            latency: Duration::from_micros(5),
+            bandwidth: bytes as f64 / seconds,
+        }),
+        ..Default::default()
+    }
+}
+
+fn bench_overlap(quick: bool, schedule: OverlapSchedule) -> Vec<(usize, [Overlap; 3])> {
+    let (s, d) = if quick {
+        (256usize, 256usize)
+    } else {
+        (2048, 1024)
+    };
+    let reps = if quick { 3 } else { 7 };
+    let mut results = Vec::new();
+    for world in [2usize, 4] {
+        // 1. compute alone: the matmuls of each case on pre-gathered tensors, all ranks at once.
+        let compute = ranks(world, LocalGroupOptions::default(), 1, move |g| {
+            let n = g.world_size();
+            let dev = Device::flex();
+            let full = Tensor::<2>::ones([s, d], &dev);
+            let w_row = Tensor::<2>::ones([d / n, d], &dev);
+            let x_row = Tensor::<2>::ones([s, d / n], &dev);
+            // row backward: dgrad + wgrad
+            let row_bw = timed(&g, reps, || {
+                let gx = full.clone().matmul(w_row.clone().transpose());
+                let gw = x_row.clone().transpose().matmul(full.clone());
+                drop((gx.into_data(), gw.into_data()));
+            });
+            // column forward: X @ W_r
+            let w_col = Tensor::<2>::ones([d, d / n], &dev);
+            let col_fw = timed(&g, reps, || {
+                drop(full.clone().matmul(w_col.clone()).into_data())
+            });
+            // column backward: dgrad + wgrad
+            let g_col = Tensor::<2>::ones([s, d / n], &dev);
+            let col_bw = timed(&g, reps, || {
+                let gx = g_col.clone().matmul(w_col.clone().transpose());
+                let gw = full.clone().transpose().matmul(g_col.clone());
+                drop((gx.into_data(), gw.into_data()));
+            });
+            [row_bw, col_fw, col_bw]
+        })[0];
+        // Bytes an all-gather of one [s/n, d] shard delivers to each rank.
+        let recv = (world - 1) * s / world * d * 4;
+        let mut cases = Vec::new();
+        for (case, &t_compute) in compute.iter().enumerate() {
+            let options = link_for(recv, t_compute);
+            let (comm, sync, asynch) = ranks(world, options, 1, move |g| {
+                let n = g.world_size();
+                let dev = device();
+                let shard = Tensor::<2>::ones([s / n, d], &dev);
+                let comm = if case == 2 {
+                    let full = Tensor::<2>::ones([s, d], &dev);
+                    timed(&g, reps, || {
+                        drop(burn_tp::ops::reduce_scatter(full.clone(), 0, &g).unwrap())
+                    })
+                } else {
+                    timed(&g, reps, || drop(all_gather(shard.clone(), 0, &g).unwrap()))
+                };
+                let run = |asynch: bool| -> f64 {
+                    let linear = Linear {
+                        weight: Param::from_tensor(Tensor::ones([d, d], &dev)),
+                        bias: None,
+                    };
+                    match case {
+                        0 => {
+                            let cfg = RowParallelLinearConfig::new(d, d)
+                                .with_bias(false)
+                                .with_mode(TpMode::ReduceScatter)
+                                .with_async_communication(asynch);
+                            let layer = RowParallelLinear::from_full(&linear, &g, &cfg)
+                                .unwrap()
+                                .with_schedule(schedule);
+                            let x = Tensor::<2>::ones([s, d / n], &dev).require_grad();
+                            let mut t = Vec::new();
+                            for _ in 0..reps {
+                                let loss = loss_of(layer.forward(x.clone()).unwrap());
+                                t.push(timed(&g, 1, || drop(loss.clone().backward())));
+                            }
+                            median(t)
+                        }
+                        _ => {
+                            let cfg = ColumnParallelLinearConfig::new(d, d)
+                                .with_bias(false)
+                                .with_mode(TpMode::ReduceScatter)
+                                .with_async_communication(asynch);
+                            let layer = ColumnParallelLinear::from_full(&linear, &g, &cfg)
+                                .unwrap()
+                                .with_schedule(schedule);
+                            let x = Tensor::<2>::ones([s / n, d], &dev).require_grad();
+                            if case == 1 {
+                                timed(&g, reps, || {
+                                    drop(layer.forward(x.clone()).unwrap().into_data())
+                                })
+                            } else {
+                                let mut t = Vec::new();
+                                for _ in 0..reps {
+                                    let loss = loss_of(layer.forward(x.clone()).unwrap());
+                                    t.push(timed(&g, 1, || drop(loss.clone().backward())));
+                                }
+                                median(t)
+                            }
+                        }
+                    }
+                };
+                let (mut a, mut b) = (vec![], vec![]);
+                for _ in 0..2 {
+                    a.push(run(false));
+                    b.push(run(true));
+                }
+                (comm, median(a), median(b))
+            })[0];
+            cases.push(Overlap {
+                compute: t_compute,
+                comm,
+                sync,
+                asynch,
+            });
+        }
+        let cases: [Overlap; 3] = cases.try_into().ok().unwrap();
+        results.push((world, cases));
+    }
+    results
+}
+
+fn print_overlap(title: &str, results: &[(usize, [Overlap; 3])]) {
+    println!("\n## {title}\n");
+    println!("Link model set per case so that t_comm ~ t_compute; one compute thread per rank.");
+    println!("hidden = (t_sync - t_async) / t_comm (target >= 0.8).\n");
+    println!(
+        "| case | tp | t_compute ms | t_comm ms | t_sync ms | t_async ms | sync/async | hidden |"
+    );
+    println!(
+        "|------|---:|-------------:|----------:|----------:|-----------:|-----------:|-------:|"
+    );
+    for (world, cases) in results {
+        cases[0].row("row RS backward (the seed)", *world);
+        cases[1].row("column RS forward", *world);
+        cases[2].row("column RS backward", *world);
+    }
+}
+
+fn block_step(world: usize, quick: bool) -> f64 {
+    let (s, b, d, heads) = if quick {
+        (64usize, 2usize, 128usize, 4usize)
+    } else {
+        (256, 4, 256, 8)
+    };
+    let reps = if quick { 3 } else { 5 };
+    ranks(world, LocalGroupOptions::default(), 1, move |g| {
+        let dev = device();
+        let mode = TpMode::AllReduce;
+        let block = Block {
+            ln1: TpLayerNorm::new(d, mode, &g, &dev),
+            attn: ParallelAttentionConfig::new(d, heads)
+                .init(&g, &dev)
+                .unwrap(),
+            ln2: TpLayerNorm::new(d, mode, &g, &dev),
+            mlp: ParallelMlpConfig::new(d, 4 * d).init(&g, &dev).unwrap(),
+        };
+        let x = Tensor::<3>::ones([s, b, d], &dev) * 0.1;
+        timed(&g, reps, || {
+            let h = x.clone() + block.attn.forward(block.ln1.forward(x.clone())).unwrap();
+            let y = h.clone() + block.mlp.forward(block.ln2.forward(h)).unwrap();
+            drop(loss_of(y).backward());
+        })
+    })[0]
+}
+
+fn bench_scaling(quick: bool) {
+    println!("\n## 4. Strong scaling: transformer block (attention + MLP) forward + backward\n");
+    println!("Each rank has its own single-threaded compute pool; 2 cores.\n");
+    let (mut t1, mut t2) = (vec![], vec![]);
+    for _ in 0..if quick { 1 } else { 3 } {
+        t1.push(block_step(1, quick));
+        t2.push(block_step(2, quick));
+    }
+    let (t1, t2) = (median(t1), median(t2));
+    println!("| tp=1 step ms | tp=2 step ms | tp2 / tp1 (target <= 0.6) |");
+    println!("|-------------:|-------------:|------:|");
+    println!("| {:.1} | {:.1} | {:.3} |", t1 * 1e3, t2 * 1e3, t2 / t1);
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let start = Instant::now();
+    println!(
+        "# burn-tp benchmarks{}",
+        if quick { " (--quick)" } else { "" }
+    );
+    println!(
+        "machine: {} logical cores",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    bench_collectives(quick);
+    bench_zero_cost(quick);
+    let split = bench_overlap(quick, OverlapSchedule::Split);
+    print_overlap(
+        "3. Overlap: async vs sync, REDUCE_SCATTER mode (split schedule)",
+        &split,
+    );
+    bench_scaling(quick);
+    println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
+}
