@@ -73,6 +73,16 @@ pub enum CommError {
         /// The group's world size.
         world_size: usize,
     },
+    /// A caller-provided output buffer of the wrong length.
+    #[error("{op}: the output buffer has {got} elements, expected {expected}")]
+    BufferSize {
+        /// The operation name.
+        op: &'static str,
+        /// The length needed.
+        expected: usize,
+        /// The length given.
+        got: usize,
+    },
     /// A root rank outside the group.
     #[error("{op}: root {root} is not a rank of a group of world size {world_size}")]
     InvalidRoot {

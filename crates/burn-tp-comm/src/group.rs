@@ -381,6 +381,34 @@ impl ProcessGroup {
         })
     }
 
+    /// [`all_gather_async`](Self::all_gather_async) into a caller-provided buffer of
+    /// `world_size * len` elements (say, one reused across calls, as NCCL's `recvbuff`), returned
+    /// filled by the wait: no allocation, and no page faults on a warm buffer.
+    ///
+    /// # Errors
+    /// [`CommError::BufferSize`] (before any communication) if `out` has the wrong length.
+    pub fn all_gather_into_async<T: CommElement>(
+        &self,
+        input: Vec<T>,
+        mut out: Vec<T>,
+    ) -> Result<Work<Vec<T>>> {
+        let want = input.len() * self.world_size();
+        if out.len() != want {
+            return Err(CommError::BufferSize {
+                op: "all_gather_into",
+                expected: want,
+                got: out.len(),
+            });
+        }
+        let desc = OpDesc::new(OpKind::AllGather, T::DTYPE, vec![input.len()]);
+        Ok(self.post(desc, Arc::new(input), move |posts| {
+            for (chunk, post) in out.chunks_exact_mut(want / posts.len()).zip(posts) {
+                chunk.copy_from_slice(downcast::<T>(post));
+            }
+            out
+        }))
+    }
+
     /// Blocking [`all_gather_async`](Self::all_gather_async).
     ///
     /// # Errors
@@ -734,13 +762,12 @@ impl<T> Work<T> {
                 .options
                 .link
                 .and_then(|l| self.ring_arrival(slot, &l, p))
+                && Instant::now() < ready
             {
-                if Instant::now() < ready {
-                    return Ok(Ready::No {
-                        missing,
-                        until: Some(ready),
-                    });
-                }
+                return Ok(Ready::No {
+                    missing,
+                    until: Some(ready),
+                });
             }
             return Ok(Ready::Yes(
                 slot.posts

@@ -431,3 +431,31 @@ fn all_gather_parts_arrive_one_by_one_in_ring_order() {
         assert!(r.unwrap().to_string().contains("only all-gathers"));
     }
 }
+
+#[test]
+fn all_gather_into_reuses_the_callers_buffer() {
+    let results = run_ok(3, |pg| {
+        let mut buf = vec![0f32; 6];
+        for round in 0..3 {
+            let x = vec![(pg.rank() * 10 + round) as f32; 2];
+            let ptr = buf.as_ptr();
+            buf = pg.all_gather_into_async(x, buf).unwrap().wait().unwrap();
+            assert_eq!(buf.as_ptr(), ptr, "filled in place");
+        }
+        let err = pg
+            .all_gather_into_async(vec![0f32; 2], vec![0f32; 5])
+            .unwrap_err();
+        (buf, err)
+    });
+    for (buf, err) in results {
+        assert_eq!(buf, vec![2.0, 2.0, 12.0, 12.0, 22.0, 22.0]);
+        assert_eq!(
+            err,
+            CommError::BufferSize {
+                op: "all_gather_into",
+                expected: 6,
+                got: 5
+            }
+        );
+    }
+}

@@ -79,49 +79,87 @@ fn memcpy_time(bytes: usize, reps: usize) -> f64 {
     median(times)
 }
 
+fn alloc_copy_time(bytes: usize, reps: usize) -> f64 {
+    let src = vec![1.0f32; bytes / 4];
+    let mut keep = Vec::with_capacity(reps);
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        keep.push(src.to_vec());
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    median(times)
+}
+
 fn bench_collectives(quick: bool) {
     println!("\n## 1. Collectives vs memcpy (f32, LocalGroup, ranks = threads)");
     println!(
         "ratio = memcpy time of the bytes one rank writes (all-gather) or reads (reduce-scatter,"
     );
     println!("all-reduce) / collective time; >= 1 means as fast as one memcpy of them.\n");
-    println!("| op | ranks | MiB | collective ms | memcpy ms | ratio |");
-    println!("|----|------:|----:|--------------:|----------:|------:|");
+    println!(
+        "alloc+copy = a fresh Vec of the bytes (what a collective returning a new buffer pays).\n"
+    );
+    println!(
+        "| op | ranks | MiB | collective ms | memcpy ms | alloc+copy ms | x memcpy | x alloc+copy |"
+    );
+    println!(
+        "|----|------:|----:|--------------:|----------:|--------------:|---------:|-------------:|"
+    );
     let sizes: &[usize] = if quick { &[1, 4] } else { &[1, 4, 16, 64] };
     let reps = if quick { 3 } else { 7 };
     for &world in &[2usize, 4] {
         for &mib in sizes {
             let bytes = mib << 20;
             let t_mem = memcpy_time(bytes, reps);
+            let t_alloc = alloc_copy_time(bytes, reps);
             let times = ranks(world, LocalGroupOptions::default(), 1, move |g| {
                 let n = g.world_size();
                 let shard = vec![1.0f32; bytes / 4 / n];
                 let full = vec![1.0f32; bytes / 4];
+                // Inputs are made, and outputs freed, outside the timed region.
+                let mut outputs = Vec::with_capacity(reps);
                 let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| shard.clone()).collect();
                 let ag = timed(&g, reps, || {
-                    drop(g.all_gather(inputs.pop().unwrap()).unwrap())
+                    outputs.push(g.all_gather(inputs.pop().unwrap()).unwrap())
                 });
+                // Into one warm buffer, reused (no allocation, no page faults).
+                let mut buf = vec![0f32; bytes / 4];
+                let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| shard.clone()).collect();
+                let agi = timed(&g, reps, || {
+                    let out = std::mem::take(&mut buf);
+                    buf = g
+                        .all_gather_into_async(inputs.pop().unwrap(), out)
+                        .unwrap()
+                        .wait()
+                        .unwrap();
+                });
+                outputs.clear();
                 let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| full.clone()).collect();
                 let rs = timed(&g, reps, || {
-                    drop(g.reduce_scatter(inputs.pop().unwrap()).unwrap())
+                    outputs.push(g.reduce_scatter(inputs.pop().unwrap()).unwrap())
                 });
+                outputs.clear();
                 let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| full.clone()).collect();
                 let ar = timed(&g, reps, || {
-                    drop(g.all_reduce(inputs.pop().unwrap(), ReduceOp::Sum).unwrap())
+                    outputs.push(g.all_reduce(inputs.pop().unwrap(), ReduceOp::Sum).unwrap())
                 });
-                (ag, rs, ar)
+                (ag, agi, rs, ar)
             });
-            let (ag, rs, ar) = times[0];
+            let (ag, agi, rs, ar) = times[0];
             for (op, t) in [
                 ("all_gather", ag),
+                ("all_gather_into", agi),
                 ("reduce_scatter", rs),
                 ("all_reduce", ar),
             ] {
                 println!(
-                    "| {op} | {world} | {mib} | {:.2} | {:.2} | {:.2} |",
+                    "| {op} | {world} | {mib} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                     t * 1e3,
                     t_mem * 1e3,
-                    t_mem / t
+                    t_alloc * 1e3,
+                    t_mem / t,
+                    t_alloc / t
                 );
             }
         }
@@ -201,13 +239,16 @@ struct Overlap {
 impl Overlap {
     fn row(&self, name: &str, world: usize) {
         let hidden = (self.sync - self.asynch) / self.comm;
+        let floor = self.compute.max(self.comm);
         println!(
-            "| {name} | {world} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+            "| {name} | {world} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} |",
             self.compute * 1e3,
             self.comm * 1e3,
+            floor * 1e3,
             self.sync * 1e3,
             self.asynch * 1e3,
             self.sync / self.asynch,
+            self.asynch / floor,
             hidden
         );
     }
@@ -345,13 +386,16 @@ fn bench_overlap(quick: bool, schedule: OverlapSchedule) -> Vec<(usize, [Overlap
 
 fn print_overlap(title: &str, results: &[(usize, [Overlap; 3])]) {
     println!("\n## {title}\n");
+    println!(
+        "floor = max(t_compute, t_comm), perfect overlap; async/floor = 1 is the best possible."
+    );
     println!("Link model set per case so that t_comm ~ t_compute; one compute thread per rank.");
     println!("hidden = (t_sync - t_async) / t_comm (target >= 0.8).\n");
     println!(
-        "| case | tp | t_compute ms | t_comm ms | t_sync ms | t_async ms | sync/async | hidden |"
+        "| case | tp | t_compute ms | t_comm ms | floor ms | t_sync ms | t_async ms | sync/async | async/floor | hidden |"
     );
     println!(
-        "|------|---:|-------------:|----------:|----------:|-----------:|-----------:|-------:|"
+        "|------|---:|-------------:|----------:|---------:|----------:|-----------:|-----------:|------------:|-------:|"
     );
     for (world, cases) in results {
         cases[0].row("row RS backward (the seed)", *world);
@@ -420,5 +464,25 @@ fn main() {
         &split,
     );
     bench_scaling(quick);
+    let ring = bench_overlap(quick, OverlapSchedule::Ring);
+    print_overlap("5a. Overlap with the chunked ring schedule", &ring);
+    println!(
+        "\n## 5b. Ring vs split: t_async(split) / t_async(ring), same link (> 1: ring faster)\n"
+    );
+    println!("| case | tp | split ms | ring ms | split / ring |");
+    println!("|------|---:|---------:|--------:|------:|");
+    for ((world, s), (_, r)) in split.iter().zip(&ring) {
+        for (i, name) in ["row RS backward", "column RS forward", "column RS backward"]
+            .iter()
+            .enumerate()
+        {
+            println!(
+                "| {name} | {world} | {:.1} | {:.1} | {:.2} |",
+                s[i].asynch * 1e3,
+                r[i].asynch * 1e3,
+                s[i].asynch / r[i].asynch
+            );
+        }
+    }
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }
