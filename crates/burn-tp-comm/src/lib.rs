@@ -28,6 +28,7 @@
 mod element;
 mod error;
 mod group;
+pub mod store;
 
 pub use element::{CommElement, DType, ReduceOp};
 pub use error::{CommError, Result};

@@ -1,0 +1,127 @@
+//! `burn-tp-launch --nproc N [--master-port P] -- <command> [args..]`
+//!
+//! Starts `N` local processes of `<command>` with torchrun's environment (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT`), forwards their output line by line with
+//! a `[rank r]` prefix, and if one fails, kills the others and exits with its exit code.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+fn usage() -> ! {
+    eprintln!("usage: burn-tp-launch --nproc N [--master-port PORT] -- <command> [args..]");
+    std::process::exit(2);
+}
+
+fn forward(
+    stream: impl Read + Send + 'static,
+    rank: usize,
+    stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if stderr {
+                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {line}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {line}");
+            }
+        }
+    })
+}
+
+fn code(status: ExitStatus) -> i32 {
+    status.code().unwrap_or(128)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let split = args
+        .iter()
+        .position(|a| a == "--")
+        .unwrap_or_else(|| usage());
+    let (opts, command) = (&args[..split], &args[split + 1..]);
+    if command.is_empty() {
+        usage();
+    }
+    let mut nproc = None;
+    let mut port = None;
+    let mut it = opts.iter();
+    while let Some(o) = it.next() {
+        match o.as_str() {
+            "--nproc" => nproc = it.next().and_then(|v| v.parse::<usize>().ok()),
+            "--master-port" => port = it.next().and_then(|v| v.parse::<u16>().ok()),
+            _ => usage(),
+        }
+    }
+    let nproc = nproc.filter(|&n| n > 0).unwrap_or_else(|| usage());
+    // A free port unless one is given.
+    let port = port.unwrap_or_else(|| {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or(29500)
+    });
+
+    let mut children: Vec<(usize, Child)> = Vec::new();
+    let mut pipes = Vec::new();
+    for rank in 0..nproc {
+        let spawned = Command::new(&command[0])
+            .args(&command[1..])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        match spawned {
+            Ok(mut child) => {
+                pipes.push(forward(child.stdout.take().expect("piped"), rank, false));
+                pipes.push(forward(child.stderr.take().expect("piped"), rank, true));
+                children.push((rank, child));
+            }
+            Err(e) => {
+                eprintln!(
+                    "burn-tp-launch: cannot start {:?} for rank {rank}: {e}",
+                    command[0]
+                );
+                children.iter_mut().for_each(|(_, c)| drop(c.kill()));
+                std::process::exit(127);
+            }
+        }
+    }
+    // Poll: the first failure stops the rest.
+    let mut failure: Option<(usize, i32)> = None;
+    let mut running = children.len();
+    while running > 0 {
+        running = 0;
+        for (rank, child) in children.iter_mut() {
+            match child.try_wait() {
+                Ok(Some(status)) if !status.success() && failure.is_none() => {
+                    failure = Some((*rank, code(status)));
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => running += 1,
+                Err(_) => {}
+            }
+        }
+        if let Some((rank, code)) = failure {
+            for (_, child) in children.iter_mut() {
+                if matches!(child.try_wait(), Ok(None)) {
+                    let _ = child.kill();
+                }
+            }
+            for (_, child) in children.iter_mut() {
+                let _ = child.wait();
+            }
+            pipes.into_iter().for_each(|p| drop(p.join()));
+            eprintln!(
+                "burn-tp-launch: rank {rank} failed with exit code {code}; stopped the others"
+            );
+            std::process::exit(code);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    pipes.into_iter().for_each(|p| drop(p.join()));
+}
