@@ -544,31 +544,10 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         spec: LinearSpec,
         group: ProcessGroup,
     ) -> CollectiveOutput<Self> {
-        let bias = bias.into_option();
-        let (y, saved) = match column_forward::<B>(
-            x.primitive().clone(),
-            weight.primitive().clone(),
-            bias.as_ref().map(|b| b.primitive().clone()),
-            spec,
-            &group,
-        ) {
-            Ok(out) => out,
-            Err(e) => return CollectiveOutput::Failed(e),
-        };
-        let state = LinearState {
-            kind: LinearKind::Column(saved),
-            weight: weight.primitive().clone(),
-            spec,
-            group: group.weak(),
-        };
-        CollectiveOutput::Done(finish_linear::<B, C>(
-            LinearBackward,
-            state,
-            x,
-            weight,
-            bias,
-            y,
-        ))
+        linear_op::<B, C>(x, weight, bias, spec, group, |x, w, b, spec, group| {
+            column_forward::<B>(x, w, b, spec, group)
+                .map(|(y, saved)| (y, LinearKind::Column(saved)))
+        })
     }
 
     fn tp_row_linear(
@@ -578,31 +557,10 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         spec: LinearSpec,
         group: ProcessGroup,
     ) -> CollectiveOutput<Self> {
-        let bias = bias.into_option();
-        let y = match row_forward::<B>(
-            x.primitive().clone(),
-            weight.primitive().clone(),
-            bias.as_ref().map(|b| b.primitive().clone()),
-            spec,
-            &group,
-        ) {
-            Ok(y) => y,
-            Err(e) => return CollectiveOutput::Failed(e),
-        };
-        let state = LinearState {
-            kind: LinearKind::Row(x.primitive().clone()),
-            weight: weight.primitive().clone(),
-            spec,
-            group: group.weak(),
-        };
-        CollectiveOutput::Done(finish_linear::<B, C>(
-            LinearBackward,
-            state,
-            x,
-            weight,
-            bias,
-            y,
-        ))
+        linear_op::<B, C>(x, weight, bias, spec, group, |x, w, b, spec, group| {
+            // The row layer keeps its input for the wgrad.
+            row_forward::<B>(x.clone(), w, b, spec, group).map(|y| (y, LinearKind::Row(x)))
+        })
     }
 
     fn tp_resolve(pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
@@ -691,6 +649,52 @@ impl<B: TpBackend, const N: usize> Backward<B, N> for LinearBackward {
             }
         }
     }
+}
+
+type LinearForward<B> = fn(
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+    LinearSpec,
+    &ProcessGroup,
+) -> Result<(FloatTensor<B>, LinearKind<B>), CommError>;
+
+/// A parallel linear on `Autodiff<B>`: the inner forward, then one [`LinearBackward`] node.
+fn linear_op<B: TpBackend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    weight: FloatTensor<Autodiff<B, C>>,
+    bias: Bias<Autodiff<B, C>>,
+    spec: LinearSpec,
+    group: ProcessGroup,
+    forward: LinearForward<B>,
+) -> CollectiveOutput<Autodiff<B, C>> {
+    let bias = bias.into_option();
+    let inner_bias = bias.as_ref().map(|b| b.primitive().clone());
+    let (y, kind) = match forward(
+        x.primitive().clone(),
+        weight.primitive().clone(),
+        inner_bias,
+        spec,
+        &group,
+    ) {
+        Ok(out) => out,
+        Err(e) => return CollectiveOutput::Failed(e),
+    };
+    // Graph nodes outlive a panicking rank's stack: they must not keep it in the group.
+    let state = LinearState {
+        kind,
+        weight: weight.primitive().clone(),
+        spec,
+        group: group.weak(),
+    };
+    CollectiveOutput::Done(finish_linear::<B, C>(
+        LinearBackward,
+        state,
+        x,
+        weight,
+        bias,
+        y,
+    ))
 }
 
 fn finish_linear<B: TpBackend, C: CheckpointStrategy>(

@@ -42,6 +42,21 @@ pub struct VocabParallelEmbedding {
     n_vocab: usize,
 }
 
+/// Maps global vocabulary ids to this rank's rows: `(ids - r * v_local)` clamped into
+/// `0..v_local`, and the mask of the ids this rank holds.
+pub(crate) fn local_ids<const D: usize>(
+    ids: Tensor<D, Int>,
+    v_local: usize,
+    group: &ProcessGroup,
+) -> (Tensor<D, Int>, Tensor<D, burn::tensor::Bool>) {
+    let local = ids - (group.rank() * v_local) as i64;
+    let mine = local
+        .clone()
+        .greater_equal_elem(0)
+        .bool_and(local.clone().lower_elem(v_local as i64));
+    (local.clamp(0, v_local as i64 - 1), mine)
+}
+
 /// Checks that every id is in `0..vocab`.
 pub(crate) fn check_ids(ids: &Tensor<2, Int>, vocab: usize) -> TpResult<()> {
     if ids.shape().num_elements() == 0 {
@@ -140,14 +155,7 @@ impl VocabParallelEmbedding {
         if tp == 1 {
             return Ok(burn::tensor::module::embedding(weight, ids));
         }
-        let v_local = weight.dims()[0];
-        let start = (self.group.rank() * v_local) as i64;
-        let local = ids - start;
-        let mine = local
-            .clone()
-            .greater_equal_elem(0)
-            .bool_and(local.clone().lower_elem(v_local as i64));
-        let local = local.clamp(0, v_local as i64 - 1);
+        let (local, mine) = local_ids(ids, weight.dims()[0], &self.group);
         let partial =
             burn::tensor::module::embedding(weight, local) * mine.float().unsqueeze_dim::<3>(2);
         match self.mode {

@@ -49,18 +49,12 @@ pub fn sharded_cross_entropy(
     let tp = group.world_size();
     let vocab = v_local * tp;
     crate::embedding::check_ids(&targets.clone().unsqueeze::<2>(), vocab)?;
-    let start = (group.rank() * v_local) as i64;
 
     let logits = sharded_logits.clone().detach();
     let m = all_reduce(logits.clone().max_dim(1), ReduceOp::Max, group)?; // [n, 1]
     let shifted = logits - m.clone();
     let exp = shifted.clone().exp();
-    let local_ids = targets - start;
-    let mine = local_ids
-        .clone()
-        .greater_equal_elem(0)
-        .bool_and(local_ids.clone().lower_elem(v_local as i64));
-    let idx = local_ids.clamp(0, v_local as i64 - 1);
+    let (idx, mine) = crate::embedding::local_ids(targets, v_local, group);
     let mine_f = mine.float().unsqueeze_dim::<2>(1); // [n, 1]
     let picked = shifted.clone().gather(1, idx.clone().unsqueeze_dim(1)) * mine_f.clone();
     let stats = Tensor::cat(vec![picked, exp.clone().sum_dim(1), shifted.sum_dim(1)], 1);

@@ -263,6 +263,32 @@ impl RowParallelLinearConfig {
     }
 }
 
+/// Accessors shared by both layers.
+macro_rules! parallel_accessors {
+    ($layer:ty) => {
+        impl $layer {
+            /// The group this layer is sharded over.
+            pub fn group(&self) -> &ProcessGroup {
+                &self.group
+            }
+
+            /// Its options.
+            pub fn options(&self) -> ParallelOptions {
+                self.options
+            }
+
+            /// Sets the overlap schedule of the async path.
+            pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
+                self.options.schedule = schedule;
+                self
+            }
+        }
+    };
+}
+
+parallel_accessors!(ColumnParallelLinear);
+parallel_accessors!(RowParallelLinear);
+
 fn check_last(op: &'static str, dims: &[usize], want: usize) -> Res<()> {
     if dims.len() < 2 && want > 0 && dims.is_empty() {
         return Err(TpError::Shape {
@@ -338,22 +364,6 @@ impl ColumnParallelLinear {
             weight: Param::from_tensor(weight),
             bias: bias.map(Param::from_tensor),
         })
-    }
-
-    /// The group this layer is sharded over.
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
-    /// Its options.
-    pub fn options(&self) -> ParallelOptions {
-        self.options
-    }
-
-    /// Sets the overlap schedule of the async path.
-    pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
-        self.options.schedule = schedule;
-        self
     }
 
     /// Forward pass.
@@ -440,22 +450,6 @@ impl RowParallelLinear {
             weight: Param::from_tensor(weight),
             bias: bias.map(Param::from_tensor),
         })
-    }
-
-    /// The group this layer is sharded over.
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
-    /// Its options.
-    pub fn options(&self) -> ParallelOptions {
-        self.options
-    }
-
-    /// Sets the overlap schedule of the async path.
-    pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
-        self.options.schedule = schedule;
-        self
     }
 
     /// Forward pass.
