@@ -28,6 +28,8 @@
 mod element;
 mod error;
 mod group;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod store;
 
 pub use element::{CommElement, DType, ReduceOp};

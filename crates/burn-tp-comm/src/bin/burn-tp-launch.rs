@@ -29,6 +29,39 @@ fn forward(
     })
 }
 
+/// NCCL installs as `libnccl.so.2`, which cudarc does not look for: when only that name exists,
+/// a directory with a `libnccl.so` link goes first on the children's `LD_LIBRARY_PATH`.
+fn nccl_link_dir() -> Option<std::path::PathBuf> {
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var("LD_LIBRARY_PATH")
+        .unwrap_or_default()
+        .split(':')
+        .filter(|d| !d.is_empty())
+        .map(Into::into)
+        .collect();
+    dirs.extend(
+        [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/local/cuda/lib64",
+            "/usr/local/lib",
+            "/usr/lib",
+        ]
+        .map(Into::into),
+    );
+    if dirs.iter().any(|d| d.join("libnccl.so").exists()) {
+        return None;
+    }
+    let real = dirs
+        .iter()
+        .map(|d| d.join("libnccl.so.2"))
+        .find(|p| p.exists())?;
+    let link_dir = std::env::temp_dir().join(format!("burn-tp-launch-{}", std::process::id()));
+    std::fs::create_dir_all(&link_dir).ok()?;
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(&real, link_dir.join("libnccl.so")).ok()?;
+    Some(link_dir)
+}
+
 fn code(status: ExitStatus) -> i32 {
     status.code().unwrap_or(128)
 }
@@ -62,10 +95,18 @@ fn main() {
             .unwrap_or(29500)
     });
 
+    let library_path = nccl_link_dir().map(|dir| {
+        let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        format!("{}:{old}", dir.display())
+    });
     let mut children: Vec<(usize, Child)> = Vec::new();
     let mut pipes = Vec::new();
     for rank in 0..nproc {
-        let spawned = Command::new(&command[0])
+        let mut cmd = Command::new(&command[0]);
+        if let Some(path) = &library_path {
+            cmd.env("LD_LIBRARY_PATH", path);
+        }
+        let spawned = cmd
             .args(&command[1..])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", nproc.to_string())
