@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! The example programs of burn-tp, as a library so the tests can run them end to end.
 //!
 //! - [`train_gpt`]: a tiny character-level GPT trained with tensor (and data) parallelism.

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Collective communication for burn-tp, free of autodiff and of Burn itself.
 //!
 //! A [`ProcessGroup`] is one rank's handle on a group of `world_size` ranks. On the CPU the ranks

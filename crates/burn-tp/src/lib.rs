@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! burn-tp: tensor parallelism (Megatron / nanotron style) for Burn.
 //!
 //! - [`ops`]: differentiable collectives on `Tensor<D>` (all-gather, reduce-scatter, all-reduce,
