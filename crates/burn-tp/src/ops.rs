@@ -37,10 +37,15 @@ impl<const D: usize> Pending<D> {
     /// # Errors
     /// [`TpError::Comm`] when the communication fails (on every rank).
     pub fn wait(self) -> Result<Tensor<D>> {
-        match <Dispatch as TpBackend>::tp_resolve(self.inner) {
-            CollectiveOutput::Done(t) => Ok(Tensor::from_dispatch(t)),
-            CollectiveOutput::Failed(e) => Err(e.into()),
-        }
+        into_tensor(<Dispatch as TpBackend>::tp_resolve(self.inner))
+    }
+}
+
+/// The tensor of a dispatch-level collective output, or its error.
+pub(crate) fn into_tensor<const D: usize>(out: CollectiveOutput<Dispatch>) -> Result<Tensor<D>> {
+    match out {
+        CollectiveOutput::Done(t) => Ok(Tensor::from_dispatch(t)),
+        CollectiveOutput::Failed(e) => Err(e.into()),
     }
 }
 

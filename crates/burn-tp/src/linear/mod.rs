@@ -24,7 +24,7 @@ use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::TpError;
-use crate::backend::{CollectiveOutput, TpBackend};
+use crate::backend::TpBackend;
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
 use crate::ops::{
@@ -523,7 +523,7 @@ pub fn column_parallel_linear<const D: usize>(
         spec,
         group.clone(),
     );
-    output(out)
+    crate::ops::into_tensor(out)
 }
 
 /// The overlapped row-parallel linear as a function (what [`RowParallelLinear`] calls when
@@ -547,12 +547,5 @@ pub fn row_parallel_linear<const D: usize>(
         spec,
         group.clone(),
     );
-    output(out)
-}
-
-fn output<const D: usize>(out: CollectiveOutput<Dispatch>) -> Res<Tensor<D>> {
-    match out {
-        CollectiveOutput::Done(t) => Ok(Tensor::from_dispatch(t)),
-        CollectiveOutput::Failed(e) => Err(e.into()),
-    }
+    crate::ops::into_tensor(out)
 }
