@@ -258,6 +258,26 @@ pub struct ProcessGroup {
     /// `None` for [`ProcessGroup::weak`] handles; held for its `Drop`.
     #[allow(dead_code)]
     membership: Option<Arc<Membership>>,
+    /// Set for a group over NCCL ([`ProcessGroup::from_nccl`]): host buffers are staged through
+    /// the GPU, and device backends take the communicator itself.
+    #[cfg(feature = "nccl")]
+    nccl: Option<Arc<crate::nccl::NcclGroup>>,
+}
+
+/// Routes a host-buffer collective of an NCCL-backed group through the GPU (blocking).
+macro_rules! via_nccl {
+    ($self:ident, $desc:expr, $op:expr, $input:expr) => {
+        #[cfg(feature = "nccl")]
+        if let Some(n) = &$self.nccl {
+            return Work::done($self, $desc, n.host_collective($op, &$input));
+        }
+    };
+    (Ok $self:ident, $desc:expr, $op:expr, $input:expr) => {
+        #[cfg(feature = "nccl")]
+        if let Some(n) = &$self.nccl {
+            return Ok(Work::done($self, $desc, n.host_collective($op, &$input)));
+        }
+    };
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -280,7 +300,32 @@ impl ProcessGroup {
             shared,
             seq: Arc::new(AtomicU64::new(0)),
             timeout: Arc::new(Mutex::new(timeout)),
+            #[cfg(feature = "nccl")]
+            nccl: None,
         }
+    }
+
+    /// This rank's handle on an NCCL group (one process per GPU, see
+    /// [`NcclGroup::new`](crate::nccl::NcclGroup::new)). Device backends (burn-tp's CUDA ops)
+    /// run their collectives on the GPU buffers directly; host-buffer calls on this handle are
+    /// staged through the GPU and block. [`split`](Self::split) is not supported on it yet.
+    #[cfg(feature = "nccl")]
+    pub fn from_nccl(group: crate::nccl::NcclGroup) -> ProcessGroup {
+        let (rank, world) = (group.rank(), group.world_size());
+        let timeout = group.timeout();
+        let mut pg = Self::member(
+            Shared::new(world, LocalGroupOptions::default()),
+            rank,
+            timeout,
+        );
+        pg.nccl = Some(Arc::new(group));
+        pg
+    }
+
+    /// The NCCL communicator of a group made by [`from_nccl`](Self::from_nccl).
+    #[cfg(feature = "nccl")]
+    pub fn nccl(&self) -> Option<&Arc<crate::nccl::NcclGroup>> {
+        self.nccl.as_ref()
     }
 
     /// A handle on the same rank that does not keep it in the group: once every ordinary handle
@@ -346,6 +391,7 @@ impl ProcessGroup {
             desc,
             finish: Some(Box::new(finish)),
             consumed: false,
+            done: None,
         }
     }
 
@@ -373,6 +419,7 @@ impl ProcessGroup {
         shape: Vec<usize>,
     ) -> Work<Vec<T>> {
         let desc = OpDesc::new(kind, T::DTYPE, shape);
+        via_nccl!(self, desc, crate::nccl::RawOp::AllGather, input);
         self.post(desc, Arc::new(input), |posts| {
             let parts: Vec<&Vec<T>> = posts.iter().map(downcast::<T>).collect();
             let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
@@ -401,6 +448,7 @@ impl ProcessGroup {
             });
         }
         let desc = OpDesc::new(OpKind::AllGather, T::DTYPE, vec![input.len()]);
+        via_nccl!(Ok self, desc, crate::nccl::RawOp::AllGather, input);
         Ok(self.post(desc, Arc::new(input), move |posts| {
             for (chunk, post) in out.chunks_exact_mut(want / posts.len()).zip(posts) {
                 chunk.copy_from_slice(downcast::<T>(post));
@@ -445,6 +493,7 @@ impl ProcessGroup {
             });
         }
         let desc = OpDesc::new(OpKind::ReduceScatter, T::DTYPE, shape);
+        via_nccl!(Ok self, desc, crate::nccl::RawOp::ReduceScatter, input);
         let rank = self.rank;
         Ok(self.post(desc, Arc::new(input), move |posts| {
             let chunk = downcast::<T>(&posts[0]).len() / posts.len();
@@ -476,6 +525,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Work<Vec<T>> {
         let desc = OpDesc::new(OpKind::AllReduce(op), T::DTYPE, shape);
+        via_nccl!(self, desc, crate::nccl::RawOp::AllReduce(op), input);
         self.post(desc, Arc::new(input), move |posts| {
             let len = downcast::<T>(&posts[0]).len();
             let mut out: Vec<T> = reduce_in_rank_order(op, posts, 0..len);
@@ -512,6 +562,7 @@ impl ProcessGroup {
             });
         }
         let desc = OpDesc::new(OpKind::Broadcast { root }, T::DTYPE, vec![input.len()]);
+        via_nccl!(Ok self, desc, crate::nccl::RawOp::Broadcast { root }, input);
         // Non-roots post nothing: their contents are never read.
         let data: Payload = if root == self.rank {
             Arc::new(input)
@@ -532,6 +583,10 @@ impl ProcessGroup {
     /// Starts a barrier: completes once every rank has arrived.
     pub fn barrier_async(&self) -> Work<()> {
         let desc = OpDesc::new(OpKind::Barrier, DType::I64, vec![0]);
+        #[cfg(feature = "nccl")]
+        if let Some(n) = &self.nccl {
+            return Work::done(self, desc, n.barrier());
+        }
         self.post(desc, Arc::new(()), |_| ())
     }
 
@@ -551,6 +606,13 @@ impl ProcessGroup {
     /// # Errors
     /// See [`Work::wait`].
     pub fn split(&self, color: usize, key: usize) -> Result<ProcessGroup> {
+        #[cfg(feature = "nccl")]
+        if self.nccl.is_some() {
+            return Err(CommError::Backend(format!(
+                "split({color}, {key}) of an NCCL group is not supported yet: run one job per \
+                 tensor-parallel group (world = tp)"
+            )));
+        }
         let work = self.gather_kind(OpKind::Split, vec![color as i64, key as i64], vec![2]);
         let seq = work.seq;
         let all = work.wait()?;
@@ -608,6 +670,8 @@ pub struct Work<T> {
     desc: OpDesc,
     finish: Option<FinishFn<T>>,
     consumed: bool,
+    /// A call that completed when it was issued (staged through NCCL).
+    done: Option<Result<T>>,
 }
 
 impl<T> fmt::Debug for Work<T> {
@@ -629,6 +693,19 @@ enum Ready {
 }
 
 impl<T> Work<T> {
+    /// A call that completed (or failed) when it was issued.
+    #[cfg(feature = "nccl")]
+    fn done(group: &ProcessGroup, desc: OpDesc, result: Result<T>) -> Self {
+        Work {
+            group: group.clone(),
+            seq: group.seq.fetch_add(1, Ordering::SeqCst),
+            desc,
+            finish: None,
+            consumed: true,
+            done: Some(result),
+        }
+    }
+
     /// Per-group sequence number of this call.
     pub fn seq(&self) -> u64 {
         self.seq
@@ -636,6 +713,9 @@ impl<T> Work<T> {
 
     /// Whether [`wait`](Self::wait) would return without blocking (done, or failed).
     pub fn is_completed(&self) -> bool {
+        if self.done.is_some() {
+            return true;
+        }
         let st = self.group.shared.lock();
         match self.poll(&st, None) {
             Ok(Ready::Yes(_)) | Err(_) => true,
@@ -658,6 +738,9 @@ impl<T> Work<T> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<T> {
+        if let Some(done) = self.done.take() {
+            return done;
+        }
         let payloads = self.wait_ready(timeout, None)?;
         let finish = self.finish.take().expect("a Work completes once");
         let out = finish(&payloads);
@@ -878,6 +961,11 @@ impl<T: CommElement> Work<Vec<T>> {
                 self.desc,
                 self.group.world_size()
             )));
+        }
+        if let Some(done) = &self.done {
+            let all = done.as_ref().map_err(Clone::clone)?;
+            let n = all.len() / self.group.world_size();
+            return Ok(all[part * n..(part + 1) * n].to_vec());
         }
         let payloads = self.wait_ready(self.group.timeout(), Some(part))?;
         Ok(downcast::<T>(&payloads[part]).clone())

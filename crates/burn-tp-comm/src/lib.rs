@@ -26,6 +26,7 @@
 //! Failures never hang: ranks that disagree on a call, a rank that leaves, or one that never
 //! arrives (timeout) make the call fail on every rank, and abort the group.
 
+mod communicator;
 mod element;
 mod error;
 mod group;
@@ -33,6 +34,7 @@ mod group;
 pub mod nccl;
 pub mod store;
 
+pub use communicator::{CommWork, Communicator};
 pub use element::{CommElement, DType, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::{

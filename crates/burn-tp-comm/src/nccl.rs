@@ -15,11 +15,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr};
+use std::marker::PhantomData;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    DeviceSlice, SyncOnDrop,
+};
 use cudarc::nccl::{Comm, Id, NcclType};
 
+use crate::communicator::{CommWork, Communicator};
 use crate::store::{LaunchEnv, StoreClient};
-use crate::{CommError, ReduceOp, Result};
+use crate::{CommElement, CommError, DType, ReduceOp, Result};
 
 /// The libraries NCCL needs, found or not.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,9 +83,27 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
     }
 }
 
+/// cudarc's `Comm` holds a raw `ncclComm_t` and so is neither `Send` nor `Sync`. NCCL allows a
+/// communicator to be used from any thread as long as calls on it do not run concurrently: the
+/// mutex serialises them, so the group can live in a `ProcessGroup` that ranks move into threads
+/// and autodiff nodes share.
+struct CommCell(std::sync::Mutex<Comm>);
+
+// Safety: see `CommCell`; every use goes through the mutex.
+unsafe impl Send for CommCell {}
+// Safety: as above.
+unsafe impl Sync for CommCell {}
+
+impl CommCell {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Comm> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// One rank's NCCL communicator on its GPU (`LOCAL_RANK`).
 pub struct NcclGroup {
-    comm: Comm,
+    comm: CommCell,
+    comm_stream: Arc<CudaStream>,
     compute: Arc<CudaStream>,
     rank: usize,
     world_size: usize,
@@ -86,24 +111,30 @@ pub struct NcclGroup {
     timeout: Duration,
 }
 
-/// A collective in flight on the communication stream.
+/// A collective in flight on the communication stream, holding its output (and keeping its
+/// input alive) until waited on.
 #[must_use = "a collective is ordered before later compute only once waited on"]
-pub struct NcclWork {
+pub struct NcclWork<O = ()> {
     done: CudaEvent,
     compute: Arc<CudaStream>,
     what: String,
     timeout: Duration,
+    output: O,
+    // The input buffer: freed only after the collective read it.
+    _input: Option<Box<dyn std::any::Any + Send>>,
 }
 
-impl NcclWork {
-    /// Orders the compute stream after the collective (the host does not block).
+impl<O> NcclWork<O> {
+    /// Orders the compute stream after the collective (the host does not block) and returns
+    /// the output.
     ///
     /// # Errors
     /// A CUDA error.
-    pub fn wait(self) -> Result<()> {
+    pub fn wait(self) -> Result<O> {
         self.compute
             .wait(&self.done)
-            .map_err(|e| CommError::Backend(format!("{}: {e:?}", self.what)))
+            .map_err(|e| CommError::Backend(format!("{}: {e:?}", self.what)))?;
+        Ok(self.output)
     }
 
     /// Whether the collective has finished on the device.
@@ -116,19 +147,114 @@ impl NcclWork {
     ///
     /// # Errors
     /// [`CommError::Backend`] naming the call on timeout or a CUDA error.
-    pub fn wait_host(self) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+    pub fn wait_host(self) -> Result<O> {
+        let timeout = self.timeout;
+        self.wait_host_timeout(timeout)
+    }
+
+    /// Blocks the host until the collective finished, at most `timeout`.
+    ///
+    /// # Errors
+    /// [`CommError::Backend`] naming the call on timeout or a CUDA error.
+    pub fn wait_host_timeout(self, timeout: Duration) -> Result<O> {
+        let deadline = Instant::now() + timeout;
         while !self.is_completed() {
             if Instant::now() >= deadline {
                 return Err(CommError::Backend(format!(
-                    "{} timed out after {:?}",
-                    self.what, self.timeout
+                    "{} timed out after {timeout:?} (a peer never joined, or failed)",
+                    self.what
                 )));
             }
             std::thread::sleep(Duration::from_micros(50));
         }
         self.wait()
     }
+
+    fn with_buffers<P>(self, output: P, input: Box<dyn std::any::Any + Send>) -> NcclWork<P> {
+        NcclWork {
+            done: self.done,
+            compute: self.compute,
+            what: self.what,
+            timeout: self.timeout,
+            output,
+            _input: Some(input),
+        }
+    }
+}
+
+impl<O> CommWork for NcclWork<O> {
+    type Output = O;
+    fn wait(self) -> Result<O> {
+        NcclWork::wait(self)
+    }
+    fn wait_timeout(self, timeout: Duration) -> Result<O> {
+        self.wait_host_timeout(timeout)
+    }
+    fn is_completed(&self) -> bool {
+        NcclWork::is_completed(self)
+    }
+}
+
+/// A device buffer another allocator owns (burn's cubecl tensors), as cudarc's NCCL calls take
+/// it: a pointer and a length, no ownership, no stream tracking (the caller orders streams).
+pub struct RawDeviceBuffer<T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _elem: PhantomData<T>,
+}
+
+impl<T> RawDeviceBuffer<T> {
+    /// Wraps `len` elements at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is a device allocation of this group's GPU holding at least `len` elements of `T`,
+    /// live (and not written by anyone else) until the collective using it has completed.
+    pub unsafe fn new(ptr: CUdeviceptr, len: usize, stream: Arc<CudaStream>) -> Self {
+        Self {
+            ptr,
+            len,
+            stream,
+            _elem: PhantomData,
+        }
+    }
+}
+
+impl<T> DeviceSlice<T> for RawDeviceBuffer<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for RawDeviceBuffer<T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for RawDeviceBuffer<T> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+/// A collective on raw device pointers, for [`NcclGroup::launch_raw`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawOp {
+    /// `count` elements in, `count * world_size` out.
+    AllGather,
+    /// `count` elements in, `count / world_size` out (summed).
+    ReduceScatter,
+    /// `count` in, `count` out.
+    AllReduce(ReduceOp),
+    /// `count` in, `count` out (the root's).
+    Broadcast {
+        /// The sending rank.
+        root: usize,
+    },
 }
 
 impl NcclGroup {
@@ -180,10 +306,11 @@ impl NcclGroup {
         let comm_stream = ctx
             .new_stream()
             .map_err(|e| nccl_err("new_stream", 0, rank, e))?;
-        let comm = Comm::from_rank(comm_stream, rank, world_size, id)
+        let comm = Comm::from_rank(comm_stream.clone(), rank, world_size, id)
             .map_err(|e| nccl_err("comm_init_rank", 0, rank, e))?;
         Ok(Self {
-            comm,
+            comm: CommCell(std::sync::Mutex::new(comm)),
+            comm_stream,
             compute: ctx.default_stream(),
             rank,
             world_size,
@@ -207,132 +334,182 @@ impl NcclGroup {
         &self.compute
     }
 
+    /// The group's timeout (every host wait).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Runs `launch` on the communication stream after the compute stream's current work.
     fn issue(
         &self,
         op: &str,
-        launch: impl FnOnce(&Comm) -> std::result::Result<(), CommError>,
+        launch: impl FnOnce(&Comm, u64) -> std::result::Result<(), CommError>,
     ) -> Result<NcclWork> {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let cuda = |e| nccl_err(op, seq, self.rank, e);
+        let comm = self.comm.lock();
         let ready = self.compute.record_event(None).map_err(cuda)?;
-        self.comm.stream().wait(&ready).map_err(cuda)?;
-        launch(&self.comm)?;
-        let done = self.comm.stream().record_event(None).map_err(cuda)?;
+        self.comm_stream.wait(&ready).map_err(cuda)?;
+        launch(&comm, seq)?;
+        let done = self.comm_stream.record_event(None).map_err(cuda)?;
         let what = format!("NCCL {op} #{seq} on rank {}", self.rank);
         Ok(NcclWork {
             done,
             compute: self.compute.clone(),
             what,
             timeout: self.timeout,
+            output: (),
+            _input: None,
         })
     }
 
-    /// Rank-order concatenation of every rank's `input` into `out` (`world_size * input.len()`).
-    ///
-    /// # Errors
-    /// [`CommError::BufferSize`] for a wrong `out`; an NCCL error.
-    pub fn all_gather_async<T: NcclType + DeviceRepr>(
-        &self,
-        input: &CudaSlice<T>,
-        out: &mut CudaSlice<T>,
-    ) -> Result<NcclWork> {
-        let want = input.len() * self.world_size;
-        if out.len() != want {
+    fn check_len(&self, op: RawOp, name: &'static str, input: usize, out: usize) -> Result<()> {
+        let world = self.world_size;
+        let want = match op {
+            RawOp::AllGather => input * world,
+            RawOp::ReduceScatter => {
+                if !input.is_multiple_of(world) {
+                    return Err(CommError::NotDivisible {
+                        op: name,
+                        len: input,
+                        world_size: world,
+                    });
+                }
+                input / world
+            }
+            RawOp::AllReduce(_) => input,
+            RawOp::Broadcast { root } => {
+                if root >= world {
+                    return Err(CommError::InvalidRoot {
+                        op: name,
+                        root,
+                        world_size: world,
+                    });
+                }
+                input
+            }
+        };
+        if out != want {
             return Err(CommError::BufferSize {
-                op: "all_gather",
+                op: name,
                 expected: want,
-                got: out.len(),
+                got: out,
             });
         }
-        let (rank, seq) = (self.rank, self.seq.load(Ordering::SeqCst));
-        self.issue("all_gather", |c| {
-            c.all_gather(input, out)
-                .map(|_| ())
-                .map_err(|e| nccl_err("all_gather", seq, rank, e))
+        Ok(())
+    }
+
+    /// Posts `op` from `input` into `out` (any device buffers of this GPU) on the
+    /// communication stream, after the compute stream's current work.
+    ///
+    /// # Errors
+    /// [`CommError::BufferSize`], [`CommError::NotDivisible`] or [`CommError::InvalidRoot`]
+    /// before any communication; an NCCL error naming the op, sequence number and rank.
+    pub fn post_into<T, S, R>(&self, op: RawOp, input: &S, out: &mut R) -> Result<NcclWork>
+    where
+        T: NcclType + DeviceRepr,
+        S: DevicePtr<T>,
+        R: DevicePtrMut<T>,
+    {
+        let name = match op {
+            RawOp::AllGather => "all_gather",
+            RawOp::ReduceScatter => "reduce_scatter",
+            RawOp::AllReduce(_) => "all_reduce",
+            RawOp::Broadcast { .. } => "broadcast",
+        };
+        self.check_len(op, name, input.len(), out.len())?;
+        let rank = self.rank;
+        self.issue(name, |c, seq| {
+            let r = match op {
+                RawOp::AllGather => c.all_gather(input, out),
+                RawOp::ReduceScatter => c.reduce_scatter(input, out, &nccl_op(ReduceOp::Sum)),
+                RawOp::AllReduce(r) => c.all_reduce(input, out, &nccl_op(r)),
+                RawOp::Broadcast { root } => c.broadcast(Some(input), out, root as i32),
+            };
+            r.map(|_| ()).map_err(|e| nccl_err(name, seq, rank, e))
         })
     }
 
-    /// Sum over ranks, chunk `r` of `input` to rank `r` (`out.len() = input.len() / world_size`).
+    /// [`post_into`](Self::post_into) on raw device pointers, the element type chosen at run
+    /// time (how burn's device tensors, typed by a `DType` value, reach NCCL).
     ///
     /// # Errors
-    /// [`CommError::NotDivisible`] / [`CommError::BufferSize`]; an NCCL error.
-    pub fn reduce_scatter_async<T: NcclType + DeviceRepr>(
+    /// As [`post_into`](Self::post_into).
+    ///
+    /// # Safety
+    /// `input` and `out` are device allocations of this group's GPU holding `input_len` and
+    /// `out_len` elements of `dtype`, live and not written by others until the work completes.
+    pub unsafe fn post_raw(
         &self,
-        input: &CudaSlice<T>,
-        out: &mut CudaSlice<T>,
+        op: RawOp,
+        dtype: DType,
+        (input, input_len): (CUdeviceptr, usize),
+        (out, out_len): (CUdeviceptr, usize),
     ) -> Result<NcclWork> {
-        if !input.len().is_multiple_of(self.world_size) {
-            return Err(CommError::NotDivisible {
-                op: "reduce_scatter",
-                len: input.len(),
-                world_size: self.world_size,
-            });
+        let stream = &self.comm_stream;
+        macro_rules! typed {
+            ($t:ty) => {{
+                // Safety: the caller's contract.
+                let (i, mut o) = unsafe {
+                    (
+                        RawDeviceBuffer::<$t>::new(input, input_len, stream.clone()),
+                        RawDeviceBuffer::<$t>::new(out, out_len, stream.clone()),
+                    )
+                };
+                self.post_into(op, &i, &mut o)
+            }};
         }
-        if out.len() != input.len() / self.world_size {
-            return Err(CommError::BufferSize {
-                op: "reduce_scatter",
-                expected: input.len() / self.world_size,
-                got: out.len(),
-            });
+        match dtype {
+            DType::F32 => typed!(f32),
+            DType::F64 => typed!(f64),
+            DType::F16 => typed!(half::f16),
+            DType::BF16 => typed!(half::bf16),
+            DType::I64 => typed!(i64),
         }
-        let (rank, seq) = (self.rank, self.seq.load(Ordering::SeqCst));
-        let op = nccl_op(ReduceOp::Sum);
-        self.issue("reduce_scatter", |c| {
-            c.reduce_scatter(input, out, &op)
-                .map(|_| ())
-                .map_err(|e| nccl_err("reduce_scatter", seq, rank, e))
-        })
     }
 
-    /// Element-wise reduction of every rank's `input` into `out` (same length).
+    /// `op` of a host buffer, staged through the GPU (copy in, collective, copy out), blocking:
+    /// what a [`ProcessGroup`](crate::ProcessGroup) over NCCL does with host buffers (weights
+    /// at init, ids, barriers). Tensors on the GPU never come here.
     ///
     /// # Errors
-    /// [`CommError::BufferSize`]; an NCCL error.
-    pub fn all_reduce_async<T: NcclType + DeviceRepr>(
-        &self,
-        input: &CudaSlice<T>,
-        out: &mut CudaSlice<T>,
-        op: ReduceOp,
-    ) -> Result<NcclWork> {
-        if out.len() != input.len() {
-            return Err(CommError::BufferSize {
-                op: "all_reduce",
-                expected: input.len(),
-                got: out.len(),
-            });
+    /// As [`post_into`](Self::post_into), a CUDA copy error, or a timeout.
+    pub fn host_collective<T: CommElement>(&self, op: RawOp, input: &[T]) -> Result<Vec<T>> {
+        let size = std::mem::size_of::<T>();
+        let out_len = match op {
+            RawOp::AllGather => input.len() * self.world_size,
+            RawOp::ReduceScatter => input.len() / self.world_size.max(1),
+            RawOp::AllReduce(_) | RawOp::Broadcast { .. } => input.len(),
+        };
+        self.check_len(op, "host collective", input.len(), out_len)?;
+        let cuda = |e| nccl_err("host staging", 0, self.rank, e);
+        // Safety: CommElement types are plain numbers (no padding, any bit pattern valid).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(input.as_ptr().cast::<u8>(), std::mem::size_of_val(input))
+        };
+        let dev_in = self.compute.clone_htod(bytes).map_err(cuda)?;
+        let mut dev_out = self
+            .compute
+            .alloc_zeros::<u8>((out_len * size).max(1))
+            .map_err(cuda)?;
+        let (pin, _r) = dev_in.device_ptr(&self.compute);
+        let (pout, _w) = dev_out.device_ptr_mut(&self.compute);
+        // Safety: both are live allocations of the sizes given, held until the host wait below.
+        let work = unsafe { self.post_raw(op, T::DTYPE, (pin, input.len()), (pout, out_len)) }?;
+        drop((_r, _w));
+        work.wait_host()?;
+        let out_bytes = self.compute.clone_dtoh(&dev_out).map_err(cuda)?;
+        let mut out = Vec::<T>::with_capacity(out_len);
+        // Safety: `out_bytes` holds `out_len` values of T written by NCCL (or zeros).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                out_bytes.as_ptr(),
+                out.as_mut_ptr().cast::<u8>(),
+                out_len * size,
+            );
+            out.set_len(out_len);
         }
-        let (rank, seq) = (self.rank, self.seq.load(Ordering::SeqCst));
-        let op = nccl_op(op);
-        self.issue("all_reduce", |c| {
-            c.all_reduce(input, out, &op)
-                .map(|_| ())
-                .map_err(|e| nccl_err("all_reduce", seq, rank, e))
-        })
-    }
-
-    /// `root`'s `buf` to every rank, in place.
-    ///
-    /// # Errors
-    /// [`CommError::InvalidRoot`]; an NCCL error.
-    pub fn broadcast_async<T: NcclType + DeviceRepr>(
-        &self,
-        buf: &mut CudaSlice<T>,
-        root: usize,
-    ) -> Result<NcclWork> {
-        if root >= self.world_size {
-            return Err(CommError::InvalidRoot {
-                op: "broadcast",
-                root,
-                world_size: self.world_size,
-            });
-        }
-        let (rank, seq) = (self.rank, self.seq.load(Ordering::SeqCst));
-        self.issue("broadcast", |c| {
-            c.broadcast_in_place(buf, root as i32)
-                .map(|_| ())
-                .map_err(|e| nccl_err("broadcast", seq, rank, e))
-        })
+        Ok(out)
     }
 
     /// Blocks the host until every rank reached this point (an all-reduce of one value).
@@ -340,11 +517,54 @@ impl NcclGroup {
     /// # Errors
     /// A timeout or an NCCL error.
     pub fn barrier(&self) -> Result<()> {
-        let stream = self.compute.clone();
-        let cuda = |e| nccl_err("barrier", 0, self.rank, e);
-        let one = stream.clone_htod(&[1.0f32]).map_err(cuda)?;
-        let mut out = stream.alloc_zeros::<f32>(1).map_err(cuda)?;
-        self.all_reduce_async(&one, &mut out, ReduceOp::Sum)?
-            .wait_host()
+        self.host_collective(RawOp::AllReduce(ReduceOp::Sum), &[1.0f32])
+            .map(|_| ())
+    }
+
+    fn post_owned<T: NcclType + DeviceRepr + 'static>(
+        &self,
+        op: RawOp,
+        input: CudaSlice<T>,
+        out_len: usize,
+    ) -> Result<NcclWork<CudaSlice<T>>> {
+        let cuda = |e| nccl_err("alloc", 0, self.rank, e);
+        // Safety: every element is written by the collective before the output is read.
+        let mut out = unsafe { self.compute.alloc::<T>(out_len) }.map_err(cuda)?;
+        let work = self.post_into(op, &input, &mut out)?;
+        Ok(work.with_buffers(out, Box::new(input)))
+    }
+}
+
+impl<T> Communicator<T> for NcclGroup
+where
+    T: CommElement + NcclType + DeviceRepr,
+{
+    type Buffer = CudaSlice<T>;
+    type Work = NcclWork<CudaSlice<T>>;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+    fn all_gather_async(&self, input: CudaSlice<T>) -> Result<Self::Work> {
+        let n = input.len() * self.world_size;
+        self.post_owned(RawOp::AllGather, input, n)
+    }
+    fn reduce_scatter_async(&self, input: CudaSlice<T>) -> Result<Self::Work> {
+        let n = input.len() / self.world_size;
+        self.post_owned(RawOp::ReduceScatter, input, n)
+    }
+    fn all_reduce_async(&self, input: CudaSlice<T>, op: ReduceOp) -> Result<Self::Work> {
+        let n = input.len();
+        self.post_owned(RawOp::AllReduce(op), input, n)
+    }
+    fn broadcast_async(&self, input: CudaSlice<T>, root: usize) -> Result<Self::Work> {
+        let n = input.len();
+        self.post_owned(RawOp::Broadcast { root }, input, n)
+    }
+    fn barrier(&self) -> Result<()> {
+        NcclGroup::barrier(self)
     }
 }

@@ -1,5 +1,7 @@
 //! burn-tp-comm against single-thread references, misuse, and a soak.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use burn_tp_comm::{CommElement, CommError, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
@@ -457,5 +459,14 @@ fn all_gather_into_reuses_the_callers_buffer() {
                 got: 5
             }
         );
+    }
+}
+
+#[test]
+fn local_groups_pass_the_communicator_conformance_check() {
+    for world in 1..=3 {
+        run_ok(world, |pg| {
+            common::conformance(&pg, |v| v.to_vec(), |b| b);
+        });
     }
 }

@@ -3,9 +3,11 @@
 
 use std::time::Duration;
 
-use burn_tp_comm::nccl::{NcclGroup, probe};
+mod common;
+
+use burn_tp_comm::nccl::{NcclGroup, RawOp, probe};
 use burn_tp_comm::store::{LaunchEnv, StoreServer};
-use burn_tp_comm::{CommError, ReduceOp};
+use burn_tp_comm::{CommError, ProcessGroup};
 
 #[test]
 fn probe_reports_missing_libraries_as_errors_not_panics() {
@@ -38,28 +40,36 @@ fn collectives_at_world_size_one_on_the_gpu() {
     );
     let group = NcclGroup::new(&env, &store, Duration::from_secs(30)).unwrap();
     let stream = group.compute_stream().clone();
+
+    // The trait, on device buffers.
+    common::conformance(
+        &group,
+        |v| stream.clone_htod(v).unwrap(),
+        |b| stream.clone_dtoh(&b).unwrap(),
+    );
+
+    // Explicit output buffers, and their size check before any communication.
     let x = stream.clone_htod(&[1.0f32, 2.0, 3.0]).unwrap();
     let mut out = stream.alloc_zeros::<f32>(3).unwrap();
     group
-        .all_gather_async(&x, &mut out)
-        .unwrap()
-        .wait()
-        .unwrap();
-    assert_eq!(stream.clone_dtoh(&out).unwrap(), vec![1.0, 2.0, 3.0]);
-    group
-        .all_reduce_async(&x, &mut out, ReduceOp::Sum)
+        .post_into(RawOp::AllGather, &x, &mut out)
         .unwrap()
         .wait_host()
         .unwrap();
     assert_eq!(stream.clone_dtoh(&out).unwrap(), vec![1.0, 2.0, 3.0]);
     let mut wrong = stream.alloc_zeros::<f32>(2).unwrap();
     assert!(matches!(
-        group.all_gather_async(&x, &mut wrong),
+        group.post_into(RawOp::AllGather, &x, &mut wrong),
         Err(CommError::BufferSize {
             expected: 3,
             got: 2,
             ..
         })
     ));
-    group.barrier().unwrap();
+
+    // A ProcessGroup over NCCL: host buffers staged through the GPU.
+    let pg = ProcessGroup::from_nccl(group);
+    assert!(pg.nccl().is_some());
+    common::conformance(&pg, |v| v.to_vec(), |b| b);
+    assert!(matches!(pg.split(0, 0), Err(CommError::Backend(_))));
 }
