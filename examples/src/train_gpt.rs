@@ -28,13 +28,26 @@ pub enum Mode {
     ReduceScatter,
 }
 
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// Ranks are threads of this process on the CPU (Flex), with the in-process group.
+    Cpu,
+    /// One process per GPU, started by `burn-tp-launch` (or torchrun-style env), over NCCL.
+    /// Needs the `cuda` feature.
+    Cuda,
+}
+
 /// Command line of `train_gpt`.
 #[derive(Parser, Clone, Debug)]
 #[command(about = "Train a tiny character-level GPT with tensor parallelism (ranks are threads)")]
 pub struct Args {
-    /// Tensor-parallel size.
+    /// Tensor-parallel size (with `--device cuda`: the launch's WORLD_SIZE).
     #[arg(long, default_value_t = 2)]
     pub tp: usize,
+    /// Where the ranks run.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Data-parallel size (world = tp x dp; gradients averaged over dp).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
@@ -180,27 +193,39 @@ pub fn run(args: &Args) -> Result<Report, String> {
     let checkpoint = args.out.join("checkpoint.bpk");
     let config = model_config(args, vocab.padded_len());
 
-    let device = Device::flex().autodiff();
-    // One device RNG for every rank thread: seed it once, before they start.
-    device.seed(args.seed);
-    let world = args.tp * args.dp;
-    let groups = LocalGroup::new(world).map_err(|e| e.to_string())?;
-    let (args2, tokens, config2, ckpt) = (
-        args.clone(),
-        tokens.clone(),
-        config.clone(),
-        checkpoint.clone(),
-    );
     let start = Instant::now();
-    let results = run_ranks(groups, move |world_group| {
-        train_rank(&args2, &config2, &tokens, world_group, &ckpt).map_err(|e| e.to_string())
-    })?;
+    let (rank, losses) = match args.device {
+        DeviceKind::Cpu => {
+            let device = Device::flex().autodiff();
+            // One device RNG for every rank thread: seed it once, before they start.
+            device.seed(args.seed);
+            let world = args.tp * args.dp;
+            let groups = LocalGroup::new(world).map_err(|e| e.to_string())?;
+            let (args2, tokens, config2, ckpt) = (
+                args.clone(),
+                tokens.clone(),
+                config.clone(),
+                checkpoint.clone(),
+            );
+            let results = run_ranks(groups, move |world_group| {
+                train_rank(&args2, &config2, &tokens, world_group, &device, &ckpt)
+                    .map_err(|e| e.to_string())
+            })?;
+            let losses = results.into_iter().next().expect("rank 0");
+            (0, losses.map_err(|e| format!("rank 0: {e}"))?)
+        }
+        DeviceKind::Cuda => cuda_rank(args, &config, &tokens, &checkpoint)?,
+    };
     let elapsed = start.elapsed().as_secs_f64();
-    let losses = results
-        .into_iter()
-        .next()
-        .expect("rank 0")
-        .map_err(|e| format!("rank 0: {e}"))?;
+    if rank != 0 {
+        // Rank 0 of a multi-process launch reports and writes the files.
+        return Ok(Report {
+            losses,
+            unigram_entropy,
+            tokens_per_s: (args.steps * args.batch * args.seq) as f64 / elapsed,
+            checkpoint,
+        });
+    }
 
     write_csv(&args.out.join("loss.csv"), &losses)?;
     crate::plot::loss_png(&args.out.join("loss.png"), &losses, unigram_entropy)?;
@@ -213,18 +238,65 @@ pub fn run(args: &Args) -> Result<Report, String> {
     })
 }
 
+/// This process's rank of a `--device cuda` launch: one GPU (`LOCAL_RANK`), NCCL over the
+/// launch's store. Returns (rank, losses).
+#[cfg(feature = "cuda")]
+fn cuda_rank(
+    args: &Args,
+    config: &GptConfig,
+    tokens: &[i64],
+    checkpoint: &Path,
+) -> Result<(usize, Vec<f64>), String> {
+    use burn_tp::comm::nccl::NcclGroup;
+    use burn_tp::comm::store::LaunchEnv;
+    let env = LaunchEnv::from_env().map_err(|e| {
+        format!("--device cuda runs one process per GPU: start it with burn-tp-launch ({e})")
+    })?;
+    if env.world_size != args.tp || args.dp != 1 {
+        return Err(format!(
+            "--device cuda: the launch has WORLD_SIZE {} but --tp {} --dp {}; on GPUs world = tp \
+             and dp = 1 (NCCL groups cannot be split yet)",
+            env.world_size, args.tp, args.dp
+        ));
+    }
+    let timeout = burn_tp::comm::DEFAULT_TIMEOUT;
+    let (_server, store) = env.rendezvous(timeout).map_err(|e| e.to_string())?;
+    let nccl = NcclGroup::new(&env, &store, timeout).map_err(|e| e.to_string())?;
+    let world = ProcessGroup::from_nccl(nccl);
+    let device = Device::cuda(env.local_rank).autodiff();
+    device.seed(args.seed);
+    let losses = train_rank(args, config, tokens, world, &device, checkpoint)
+        .map_err(|e| format!("rank {}: {e}", env.rank))?;
+    Ok((env.rank, losses))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_rank(_: &Args, _: &GptConfig, _: &[i64], _: &Path) -> Result<(usize, Vec<f64>), String> {
+    Err(
+        "--device cuda needs the `cuda` feature: cargo run --release --example train_gpt \
+         --features cuda (see README: burn's CUDA backend cannot be linked on machines without \
+         network access)"
+            .into(),
+    )
+}
+
 fn train_rank(
     args: &Args,
     config: &GptConfig,
     tokens: &[i64],
     world: ProcessGroup,
+    device: &Device,
     checkpoint: &Path,
 ) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
     let rank = world.rank();
     let (tp_rank, dp_rank) = (rank % args.tp, rank / args.tp);
-    let tp_group = world.split(dp_rank, rank)?;
-    let dp_group = world.split(tp_rank, rank)?;
-    let device = Device::flex().autodiff();
+    // Without data parallelism the world is the tp group (no split: NCCL groups cannot).
+    let (tp_group, dp_group) = if args.dp == 1 {
+        (world.clone(), LocalGroup::new(1)?.remove(0))
+    } else {
+        (world.split(dp_rank, rank)?, world.split(tp_rank, rank)?)
+    };
+    let device = device.clone();
 
     // dp replica 0 draws the weights first (only its tp rank 0 uses the RNG); the others wait,
     // then take replica 0's weights by broadcast.

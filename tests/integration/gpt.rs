@@ -357,6 +357,16 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
     assert!(e.contains("not divisible") && e.contains('3'), "{e}");
     let e = run(&tiny_args(&["--data", "/nonexistent/file.txt"], &out)).unwrap_err();
     assert!(e.contains("/nonexistent/file.txt"), "{e}");
+    // `--device cuda`: without the feature, or outside a launch, an error saying what to do.
+    let e = run(&tiny_args(&["--device", "cuda"], &out)).unwrap_err();
+    if cfg!(feature = "cuda") {
+        assert!(
+            e.contains("burn-tp-launch") || e.contains("WORLD_SIZE"),
+            "{e}"
+        );
+    } else {
+        assert!(e.contains("--features cuda"), "{e}");
+    }
 }
 
 /// The tied lm-head and the separate Q, K, V projections give the same losses at tp = 1, 2, 4.

@@ -83,8 +83,8 @@ impl Collective {
     }
 }
 
-/// The host side of a collective in flight.
-trait InFlight: Send + Sync {
+/// The host side of a collective in flight (`Any`: a device backend finds its own work again).
+pub(crate) trait InFlight: std::any::Any + Send + Sync {
     /// Waits for the whole result (once).
     fn finish(&self) -> Result<TensorData, CommError>;
     /// For an all-gather: waits for rank `part`'s shard only.
@@ -136,7 +136,7 @@ pub struct PendingWork {
     /// The group it runs on.
     pub group: ProcessGroup,
     // `None`: nothing to communicate. Shared so the handle can cross the dispatch boundary by clone.
-    inner: Option<Arc<dyn InFlight>>,
+    pub(crate) inner: Option<Arc<dyn InFlight>>,
 }
 
 impl fmt::Debug for PendingWork {
@@ -157,6 +157,19 @@ impl PendingWork {
             op,
             group,
             inner: None,
+        }
+    }
+
+    /// A collective that failed before any communication: its resolve returns `error`.
+    pub fn failed(op: Collective, group: ProcessGroup, error: CommError) -> Self {
+        Self::in_flight(op, group, Arc::new(Failed(error)))
+    }
+
+    pub(crate) fn in_flight(op: Collective, group: ProcessGroup, inner: Arc<dyn InFlight>) -> Self {
+        Self {
+            op,
+            group,
+            inner: Some(inner),
         }
     }
 }
@@ -201,7 +214,7 @@ impl<B: Backend> CollectiveOutput<B> {
 
 /// Collectives as backend operations. Implemented for Flex and for `Autodiff<B>` (with custom
 /// backward nodes); call them through [`crate::ops`].
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(feature = "cuda"), Autodiff)]
 pub trait TpBackend: Backend {
     /// Posts `op` of `x` on `group` and returns at once.
     fn tp_start(
@@ -288,7 +301,7 @@ pub fn collective_blocking<B: TpBackend>(
     B::tp_resolve(B::tp_start(x, op, group.clone())).expect_done(&format!("{op:?} in backward"))
 }
 
-fn host_start<B: Backend>(
+pub(crate) fn host_start<B: Backend>(
     x: FloatTensor<B>,
     op: Collective,
     group: ProcessGroup,
@@ -375,7 +388,7 @@ fn post<T: CommElement + burn::tensor::Element>(
     })
 }
 
-fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B> {
+pub(crate) fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B> {
     let PendingPrimitive { input, work } = pending;
     let Some(inner) = &work.inner else {
         return CollectiveOutput::Done(match work.op {
@@ -397,7 +410,10 @@ fn host_resolve<B: Backend>(pending: PendingPrimitive<B>) -> CollectiveOutput<B>
     }
 }
 
-fn host_resolve_part<B: Backend>(pending: PendingPrimitive<B>, part: usize) -> CollectiveOutput<B> {
+pub(crate) fn host_resolve_part<B: Backend>(
+    pending: PendingPrimitive<B>,
+    part: usize,
+) -> CollectiveOutput<B> {
     let PendingPrimitive { input, work } = pending;
     if work.op.dim() != 0 || !matches!(work.op, Collective::AllGather { .. }) {
         return CollectiveOutput::Failed(CommError::Backend(format!(

@@ -11,6 +11,8 @@
 //! its own thread: autodiff graphs that share a node merge and lock together.
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod dp;
 pub mod embedding;
 mod error;
@@ -22,6 +24,8 @@ pub mod ops;
 pub mod testing;
 pub mod transformer;
 
+/// The communication layer (process groups, the store, NCCL with feature `cuda`).
+pub use burn_tp_comm as comm;
 pub use burn_tp_comm::{
     CommError, LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp,
 };

@@ -1,0 +1,261 @@
+//! The collectives on burn's CUDA backend (the `Cube` selector), over NCCL (feature `cuda`).
+//!
+//! A [`ProcessGroup`] made with [`ProcessGroup::from_nccl`] carries an
+//! [`NcclGroup`]; the ops below hand NCCL the device pointers of the cubecl tensors
+//! (`ComputeClient::get_resource`), no host copy. Any other group (ranks as threads holding CUDA
+//! tensors) takes the host path of the trait's default bodies.
+//!
+//! Stream ordering, conservatively: cubecl does not expose its compute stream, so NCCL's
+//! communication stream cannot wait on a CUDA event of it. Instead:
+//! - **start** syncs the device (`Backend::sync`: every kernel queued so far has finished, so
+//!   the input is written), then posts the collective on the communication stream and returns;
+//! - kernels queued between start and resolve run on cubecl's stream *beside* the collective (the
+//!   overlap the parallel layers are written for is kept on the device);
+//! - **resolve** blocks the host on the collective's completion event (with the group's timeout),
+//!   after which cubecl's later kernels read the output.
+//!
+//! What this loses against an event-ordered implementation: the host sync at start drains
+//! cubecl's queue (the GPU idles while the host enqueues the next kernels), and the host block at
+//! resolve stops the host from running ahead. The fix, noted in docs/DESIGN.md, is an event
+//! recorded on cubecl's stream (or NCCL issued on it), once cubecl exposes either.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+use burn::backend::{Backend, TensorMetadata, ops::FloatTensorOps};
+use burn::tensor::{DType, Shape, Slice};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_tp_comm::nccl::{NcclGroup, NcclWork, RawOp};
+use burn_tp_comm::{CommError, DType as CommDType, ProcessGroup, ReduceOp};
+use cubecl_runtime::runtime::Runtime;
+
+use crate::backend::{
+    Collective, CollectiveOutput, InFlight, PendingPrimitive, PendingWork, TpBackend, host_resolve,
+    host_resolve_part, host_start,
+};
+
+type Server = <CudaRuntime as Runtime>::Server;
+
+impl TpBackend for CubeBackend {
+    fn tp_start(x: CubeTensor, op: Collective, group: ProcessGroup) -> PendingPrimitive<Self> {
+        let local = group.world_size() == 1
+            || matches!(
+                op,
+                Collective::CopyToRegion | Collective::ScatterToRegion { .. }
+            );
+        match group.nccl().cloned() {
+            Some(nccl) if !local => device_start(x, op, group, nccl),
+            _ => host_start::<Self>(x, op, group),
+        }
+    }
+
+    fn tp_resolve(pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
+        match device_work(&pending) {
+            Some(work) => work.resolve().into(),
+            None => host_resolve::<Self>(pending),
+        }
+    }
+
+    fn tp_resolve_part(pending: PendingPrimitive<Self>, part: usize) -> CollectiveOutput<Self> {
+        let Some(work) = device_work(&pending) else {
+            return host_resolve_part::<Self>(pending, part);
+        };
+        // NCCL's all-gather completes as a whole: wait for it, then view the part's rows.
+        let world = pending.work.group.world_size();
+        match work.completed() {
+            Ok(out) => {
+                let rows = out.shape()[0] / world;
+                let mut slices = vec![Slice::full(); out.shape().num_dims()];
+                slices[0] = Slice::new(
+                    (part * rows) as isize,
+                    Some(((part + 1) * rows) as isize),
+                    1,
+                );
+                CollectiveOutput::Done(Self::float_slice(out, &slices))
+            }
+            Err(e) => CollectiveOutput::Failed(e),
+        }
+    }
+}
+
+fn device_work(pending: &PendingPrimitive<CubeBackend>) -> Option<Arc<DeviceWork>> {
+    let inner = pending.work.inner.clone()?;
+    (inner as Arc<dyn Any + Send + Sync>)
+        .downcast::<DeviceWork>()
+        .ok()
+}
+
+/// Holds a buffer's storage in place while NCCL uses its raw pointer. Never read: the resource
+/// holds a raw pointer (so it is not `Send`), but it is only kept and dropped.
+struct Pinned(#[allow(dead_code)] Box<dyn Any>);
+// Safety: see `Pinned`; nothing reads the value, it is only dropped.
+unsafe impl Send for Pinned {}
+// Safety: as above.
+unsafe impl Sync for Pinned {}
+
+/// A collective posted on NCCL's communication stream from cubecl buffers.
+struct DeviceWork {
+    work: Mutex<Option<NcclWork>>,
+    /// Ok(()) once the host has seen the completion event, or the error it got.
+    state: Mutex<Option<Result<(), CommError>>>,
+    /// The output, collective dim first (`[.., n_d * tp, ..]` moved to dim 0).
+    output: CubeTensor,
+    dim: usize,
+    // The contiguous input and both storages, alive until the collective has completed.
+    _input: CubeTensor,
+    _pins: [Pinned; 2],
+}
+
+impl InFlight for DeviceWork {
+    fn finish(&self) -> Result<burn::tensor::TensorData, CommError> {
+        Err(CommError::Backend(
+            "a device collective resolved through the host".into(),
+        ))
+    }
+    fn part(&self, _: usize) -> Result<burn::tensor::TensorData, CommError> {
+        self.finish()
+    }
+}
+
+impl DeviceWork {
+    /// Blocks until the collective completed (once; later calls return the same outcome) and
+    /// returns the output, collective dim first.
+    fn completed(&self) -> Result<CubeTensor, CommError> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.is_none() {
+            let work = self.work.lock().unwrap_or_else(|e| e.into_inner()).take();
+            *state = Some(match work {
+                Some(w) => w.wait_host(),
+                None => Err(CommError::Backend("a collective without work".into())),
+            });
+        }
+        match state.as_ref().expect("set above") {
+            Ok(()) => Ok(self.output.clone()),
+            Err(e) => Err(e.clone()),
+        }
+    }
+
+    fn resolve(&self) -> Result<CubeTensor, CommError> {
+        let out = self.completed()?;
+        Ok(if self.dim == 0 {
+            out
+        } else {
+            CubeBackend::float_swap_dims(out, 0, self.dim)
+        })
+    }
+}
+
+fn comm_dtype(dtype: DType) -> Option<CommDType> {
+    match dtype {
+        DType::F32 => Some(CommDType::F32),
+        DType::F64 => Some(CommDType::F64),
+        DType::F16 => Some(CommDType::F16),
+        DType::BF16 => Some(CommDType::BF16),
+        _ => None,
+    }
+}
+
+fn failed(
+    op: Collective,
+    group: ProcessGroup,
+    x: CubeTensor,
+    e: CommError,
+) -> PendingPrimitive<CubeBackend> {
+    PendingPrimitive {
+        input: x,
+        work: PendingWork::failed(op, group, e),
+    }
+}
+
+fn device_start(
+    x: CubeTensor,
+    op: Collective,
+    group: ProcessGroup,
+    nccl: Arc<NcclGroup>,
+) -> PendingPrimitive<CubeBackend> {
+    let Some(dtype) = comm_dtype(x.dtype) else {
+        let e = CommError::Backend(format!("{op:?}: unsupported dtype {:?} on NCCL", x.dtype));
+        return failed(op, group, x, e);
+    };
+    let world = group.world_size();
+    let (raw, dim) = match op {
+        Collective::AllGather { dim } | Collective::GatherFromRegion { dim } => {
+            (RawOp::AllGather, dim)
+        }
+        Collective::ReduceScatter { dim } => (RawOp::ReduceScatter, dim),
+        Collective::AllReduce(r) => (RawOp::AllReduce(r), 0),
+        Collective::ReduceFromRegion => (RawOp::AllReduce(ReduceOp::Sum), 0),
+        Collective::CopyToRegion | Collective::ScatterToRegion { .. } => {
+            unreachable!("local forwards take the host path, which posts nothing")
+        }
+    };
+    // The collective's dim first, contiguous: rank-order concatenation (chunking) of the flat
+    // buffer is then concatenation (chunking) along that dim.
+    let moved = if dim == 0 {
+        x.clone()
+    } else {
+        CubeBackend::float_swap_dims(x.clone(), 0, dim)
+    };
+    let input = into_contiguous(moved);
+    let mut out_dims = input.shape().to_vec();
+    match raw {
+        RawOp::AllGather => out_dims[0] *= world,
+        RawOp::ReduceScatter => {
+            if !out_dims[0].is_multiple_of(world) {
+                let e = CommError::NotDivisible {
+                    op: "reduce_scatter",
+                    len: out_dims[0],
+                    world_size: world,
+                };
+                return failed(op, group, x, e);
+            }
+            out_dims[0] /= world;
+        }
+        _ => {}
+    }
+    let out_shape = Shape::from(out_dims);
+    let output = CubeBackend::float_zeros(out_shape.clone(), &input.device, input.dtype.into());
+    let (n_in, n_out) = (input.shape().num_elements(), out_shape.num_elements());
+
+    // Conservative ordering (see the module docs): the input and the zeroed output are written.
+    if let Err(e) = CubeBackend::sync(&input.device) {
+        return failed(
+            op,
+            group,
+            x,
+            CommError::Backend(format!("{op:?}: device sync: {e:?}")),
+        );
+    }
+    let resource = |t: &CubeTensor| {
+        t.client
+            .get_resource::<Server>(t.handle.clone())
+            .map_err(|e| CommError::Backend(format!("{op:?}: device pointer: {e:?}")))
+    };
+    let (res_in, res_out) = match (resource(&input), resource(&output)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => return failed(op, group, x, e),
+    };
+    let (p_in, p_out) = (res_in.resource().ptr, res_out.resource().ptr);
+    // Safety: both are live allocations of this GPU of `n_in` / `n_out` elements of `dtype`,
+    // pinned (and their tensors kept) in the `DeviceWork` until the collective has completed;
+    // the output is written by nobody else.
+    let work = match unsafe { nccl.post_raw(raw, dtype, (p_in, n_in), (p_out, n_out)) } {
+        Ok(w) => w,
+        Err(e) => return failed(op, group, x, e),
+    };
+    let inner: Arc<dyn InFlight> = Arc::new(DeviceWork {
+        work: Mutex::new(Some(work)),
+        state: Mutex::new(None),
+        output,
+        dim,
+        _input: input,
+        _pins: [Pinned(Box::new(res_in)), Pinned(Box::new(res_out))],
+    });
+    PendingPrimitive {
+        input: x,
+        work: PendingWork::in_flight(op, group, inner),
+    }
+}
