@@ -73,3 +73,62 @@ fn collectives_at_world_size_one_on_the_gpu() {
     common::conformance(&pg, |v| v.to_vec(), |b| b);
     assert!(matches!(pg.split(0, 0), Err(CommError::Backend(_))));
 }
+
+/// The stream-overlap check: an all-gather posted before a long stretch of compute-stream work
+/// finishes before that work does (it runs on the communication stream, not queued behind it).
+#[test]
+fn an_all_gather_posted_before_long_compute_finishes_first() {
+    if let Err(e) = probe() {
+        println!("SKIPPED (no GPU / NCCL on this machine): {e}");
+        return;
+    }
+    let server = StoreServer::start("127.0.0.1:0").unwrap();
+    let env = LaunchEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        master: server.addr().to_string(),
+    };
+    let store =
+        burn_tp_comm::store::StoreClient::connect(&env.master, 0, Duration::from_secs(5)).unwrap();
+    let group = NcclGroup::new(&env, &store, Duration::from_secs(30)).unwrap();
+    let stream = group.compute_stream().clone();
+
+    // 256 MiB moved 400 times on the compute stream: tens of ms on any current GPU.
+    let n = 64 << 20;
+    let src = stream.alloc_zeros::<f32>(n).unwrap();
+    let mut dst = stream.alloc_zeros::<f32>(n).unwrap();
+    let x = stream.clone_htod(&[1.0f32; 1024]).unwrap();
+    let mut out = stream.alloc_zeros::<f32>(1024).unwrap();
+    stream.synchronize().unwrap();
+
+    let t0 = std::time::Instant::now();
+    let work = group.post_into(RawOp::AllGather, &x, &mut out).unwrap();
+    for _ in 0..400 {
+        stream.memcpy_dtod(&src, &mut dst).unwrap();
+    }
+    let compute_done = stream.record_event(None).unwrap();
+    let (mut t_comm, mut t_compute) = (None, None);
+    while t_comm.is_none() || t_compute.is_none() {
+        if t_comm.is_none() && work.is_completed() {
+            t_comm = Some(t0.elapsed());
+        }
+        if t_compute.is_none() && compute_done.is_complete() {
+            t_compute = Some(t0.elapsed());
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the GPU work never finished"
+        );
+    }
+    let (t_comm, t_compute) = (t_comm.unwrap(), t_compute.unwrap());
+    println!(
+        "overlap: all-gather done after {t_comm:?}, the compute-stream work after {t_compute:?}"
+    );
+    assert!(
+        t_comm < t_compute,
+        "the all-gather ({t_comm:?}) waited for compute posted after it ({t_compute:?})"
+    );
+    work.wait_host().unwrap();
+    assert_eq!(stream.clone_dtoh(&out).unwrap(), vec![1.0; 1024]);
+}
