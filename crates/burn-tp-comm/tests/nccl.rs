@@ -9,6 +9,26 @@ use burn_tp_comm::nccl::{NcclGroup, RawOp, probe};
 use burn_tp_comm::store::{LaunchEnv, StoreServer};
 use burn_tp_comm::{CommError, ProcessGroup};
 
+/// An NCCL world of one rank on GPU 0 (with its store, kept alive), or `None` after printing
+/// why the GPU tests skip here.
+fn world_of_one() -> Option<(StoreServer, NcclGroup)> {
+    if let Err(e) = probe() {
+        println!("SKIPPED (no GPU / NCCL on this machine): {e}");
+        return None;
+    }
+    let server = StoreServer::start("127.0.0.1:0").unwrap();
+    let env = LaunchEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        master: server.addr().to_string(),
+    };
+    let store =
+        burn_tp_comm::store::StoreClient::connect(&env.master, 0, Duration::from_secs(5)).unwrap();
+    let group = NcclGroup::new(&env, &store, Duration::from_secs(30)).unwrap();
+    Some((server, group))
+}
+
 #[test]
 fn probe_reports_missing_libraries_as_errors_not_panics() {
     match probe() {
@@ -23,22 +43,9 @@ fn probe_reports_missing_libraries_as_errors_not_panics() {
 
 #[test]
 fn collectives_at_world_size_one_on_the_gpu() {
-    if let Err(e) = probe() {
-        println!("SKIPPED (no GPU / NCCL on this machine): {e}");
+    let Some((_server, group)) = world_of_one() else {
         return;
-    }
-    let server = StoreServer::start("127.0.0.1:0").unwrap();
-    let env = LaunchEnv {
-        rank: 0,
-        world_size: 1,
-        local_rank: 0,
-        master: server.addr().to_string(),
     };
-    let (_srv, store) = (
-        server,
-        burn_tp_comm::store::StoreClient::connect(&env.master, 0, Duration::from_secs(5)).unwrap(),
-    );
-    let group = NcclGroup::new(&env, &store, Duration::from_secs(30)).unwrap();
     let stream = group.compute_stream().clone();
 
     // The trait, on device buffers.
@@ -78,20 +85,9 @@ fn collectives_at_world_size_one_on_the_gpu() {
 /// finishes before that work does (it runs on the communication stream, not queued behind it).
 #[test]
 fn an_all_gather_posted_before_long_compute_finishes_first() {
-    if let Err(e) = probe() {
-        println!("SKIPPED (no GPU / NCCL on this machine): {e}");
+    let Some((_server, group)) = world_of_one() else {
         return;
-    }
-    let server = StoreServer::start("127.0.0.1:0").unwrap();
-    let env = LaunchEnv {
-        rank: 0,
-        world_size: 1,
-        local_rank: 0,
-        master: server.addr().to_string(),
     };
-    let store =
-        burn_tp_comm::store::StoreClient::connect(&env.master, 0, Duration::from_secs(5)).unwrap();
-    let group = NcclGroup::new(&env, &store, Duration::from_secs(30)).unwrap();
     let stream = group.compute_stream().clone();
 
     // 256 MiB moved 400 times on the compute stream: tens of ms on any current GPU.
