@@ -217,18 +217,11 @@ pub fn run(args: &Args) -> Result<Report, String> {
         DeviceKind::Cuda => cuda_rank(args, &config, &tokens, &checkpoint)?,
     };
     let elapsed = start.elapsed().as_secs_f64();
-    if rank != 0 {
-        // Rank 0 of a multi-process launch reports and writes the files.
-        return Ok(Report {
-            losses,
-            unigram_entropy,
-            tokens_per_s: (args.steps * args.batch * args.seq) as f64 / elapsed,
-            checkpoint,
-        });
+    // Rank 0 (of the threads, or of a multi-process launch) writes the files.
+    if rank == 0 {
+        write_csv(&args.out.join("loss.csv"), &losses)?;
+        crate::plot::loss_png(&args.out.join("loss.png"), &losses, unigram_entropy)?;
     }
-
-    write_csv(&args.out.join("loss.csv"), &losses)?;
-    crate::plot::loss_png(&args.out.join("loss.png"), &losses, unigram_entropy)?;
     let tokens_per_s = (args.steps * args.batch * args.seq) as f64 / elapsed;
     Ok(Report {
         losses,

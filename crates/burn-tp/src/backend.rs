@@ -415,11 +415,8 @@ pub(crate) fn host_resolve_part<B: Backend>(
     part: usize,
 ) -> CollectiveOutput<B> {
     let PendingPrimitive { input, work } = pending;
-    if work.op.dim() != 0 || !matches!(work.op, Collective::AllGather { .. }) {
-        return CollectiveOutput::Failed(CommError::Backend(format!(
-            "tp_resolve_part of {:?}",
-            work.op
-        )));
+    if let Some(e) = part_unsupported(work.op) {
+        return CollectiveOutput::Failed(e);
     }
     match &work.inner {
         // Nothing in flight: a group of one, whose only part is the input.
@@ -429,6 +426,12 @@ pub(crate) fn host_resolve_part<B: Backend>(
             Err(e) => CollectiveOutput::Failed(e),
         },
     }
+}
+
+/// `tp_resolve_part` serves dim-0 all-gathers only (the ring schedule's): the error otherwise.
+pub(crate) fn part_unsupported(op: Collective) -> Option<CommError> {
+    (op.dim() != 0 || !matches!(op, Collective::AllGather { .. }))
+        .then(|| CommError::Backend(format!("tp_resolve_part of {op:?}")))
 }
 
 /// This rank's chunk of `dim` (a view; no copy, no communication).

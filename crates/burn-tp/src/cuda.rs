@@ -34,7 +34,7 @@ use cubecl_runtime::runtime::Runtime;
 
 use crate::backend::{
     Collective, CollectiveOutput, InFlight, PendingPrimitive, PendingWork, TpBackend, host_resolve,
-    host_resolve_part, host_start,
+    host_resolve_part, host_start, part_unsupported,
 };
 
 type Server = <CudaRuntime as Runtime>::Server;
@@ -63,6 +63,9 @@ impl TpBackend for CubeBackend {
         let Some(work) = device_work(&pending) else {
             return host_resolve_part::<Self>(pending, part);
         };
+        if let Some(e) = part_unsupported(pending.work.op) {
+            return CollectiveOutput::Failed(e);
+        }
         // NCCL's all-gather completes as a whole: wait for it, then view the part's rows.
         let world = pending.work.group.world_size();
         match work.completed() {
@@ -217,10 +220,11 @@ fn device_start(
         _ => {}
     }
     let out_shape = Shape::from(out_dims);
-    let output = CubeBackend::float_zeros(out_shape.clone(), &input.device, input.dtype.into());
+    // Uninitialised: the collective writes every element.
+    let output = CubeBackend::float_empty(out_shape.clone(), &input.device, input.dtype.into());
     let (n_in, n_out) = (input.shape().num_elements(), out_shape.num_elements());
 
-    // Conservative ordering (see the module docs): the input and the zeroed output are written.
+    // Conservative ordering (see the module docs): every kernel writing the input has finished.
     if let Err(e) = CubeBackend::sync(&input.device) {
         return failed(
             op,
