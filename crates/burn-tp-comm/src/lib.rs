@@ -30,13 +30,19 @@ mod communicator;
 mod element;
 mod error;
 mod group;
+mod link;
+mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod op;
 pub mod store;
+mod work;
 
 pub use communicator::{CommWork, Communicator};
 pub use element::{CommElement, DType, ReduceOp};
 pub use error::{CommError, Result};
-pub use group::{
-    DEFAULT_TIMEOUT, LinkModel, LocalGroup, LocalGroupOptions, OpDesc, OpKind, ProcessGroup, Work,
-};
+pub use group::ProcessGroup;
+pub use link::LinkModel;
+pub use local::{DEFAULT_TIMEOUT, LocalGroup, LocalGroupOptions};
+pub use op::{OpDesc, OpKind};
+pub use work::Work;

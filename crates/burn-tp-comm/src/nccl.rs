@@ -26,7 +26,7 @@ use cudarc::nccl::{Comm, Id, NcclType};
 
 use crate::communicator::{CommWork, Communicator};
 use crate::store::{LaunchEnv, StoreClient};
-use crate::{CommElement, CommError, DType, ReduceOp, Result};
+use crate::{CommElement, CommError, DType, OpKind, ReduceOp, Result};
 
 /// The libraries NCCL needs, found or not.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -255,6 +255,24 @@ pub enum RawOp {
         /// The sending rank.
         root: usize,
     },
+}
+
+impl TryFrom<OpKind> for RawOp {
+    type Error = CommError;
+
+    fn try_from(kind: OpKind) -> Result<Self> {
+        Ok(match kind {
+            OpKind::AllGather => RawOp::AllGather,
+            OpKind::ReduceScatter => RawOp::ReduceScatter,
+            OpKind::AllReduce(op) => RawOp::AllReduce(op),
+            OpKind::Broadcast { root } => RawOp::Broadcast { root },
+            OpKind::Barrier | OpKind::Split => {
+                return Err(CommError::Backend(format!(
+                    "{kind:?} has no NCCL buffer call"
+                )));
+            }
+        })
+    }
 }
 
 impl NcclGroup {

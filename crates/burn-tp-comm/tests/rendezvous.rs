@@ -3,7 +3,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use burn_tp_comm::store::{StoreClient, StoreServer};
+use burn_tp_comm::store::{LaunchEnv, StoreClient, StoreServer};
 
 #[test]
 fn ranks_meet_and_exchange_values_through_the_store() {
@@ -69,7 +69,18 @@ fn a_rank_that_never_comes_is_a_timeout_naming_it() {
 
 fn launch(extra_env: &[(&str, &str)]) -> std::process::Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_burn-tp-launch"));
-    cmd.args(["--nproc", "3", "--", env!("CARGO_BIN_EXE_tp-store-demo")]);
+    // The rank program is this test binary, running only `rank_program` (see there).
+    let me = std::env::current_exe().unwrap();
+    cmd.args(["--nproc", "3", "--"])
+        .arg(me)
+        .args([
+            "--exact",
+            "rank_program",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(RANK_PROGRAM, "1");
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
@@ -106,4 +117,65 @@ fn the_launcher_stops_the_others_when_a_rank_fails_and_exits_with_its_code() {
         "{stderr}"
     );
     assert!(start.elapsed() < Duration::from_secs(20));
+}
+
+const RANK_PROGRAM: &str = "BURN_TP_TEST_RANK_PROGRAM";
+
+/// The rank program the launcher tests start (a no-op in a normal test run): meets at the store,
+/// exchanges one value per rank, prints the sum, exits. With `FAIL_RANK=r`, rank `r` exits with
+/// code 3 after the rendezvous (and the others wait for a value that never comes).
+#[test]
+fn rank_program() {
+    if std::env::var_os(RANK_PROGRAM).is_none() {
+        return;
+    }
+    let env = match LaunchEnv::from_env() {
+        Ok(env) => env,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let timeout = Duration::from_secs(
+        std::env::var("STORE_TIMEOUT_S")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(20),
+    );
+    let (_server, store) = match env.rendezvous(timeout) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(4);
+        }
+    };
+    if std::env::var("FAIL_RANK")
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+        == Some(env.rank)
+    {
+        eprintln!("failing on purpose");
+        std::process::exit(3);
+    }
+    store
+        .set(
+            &format!("value/{}", env.rank),
+            &((env.rank as u64 + 1) * 10).to_le_bytes(),
+        )
+        .unwrap();
+    let mut sum = 0;
+    for r in 0..env.world_size {
+        match store.get(&format!("value/{r}")) {
+            Ok(v) => sum += u64::from_le_bytes(v[..8].try_into().unwrap()),
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(5);
+            }
+        }
+    }
+    // Rank 0 hosts the store: it leaves last.
+    store.barrier("done", env.world_size).unwrap();
+    // On a line of its own, after the test harness's "test rank_program ... ".
+    println!("\nrank {} of {}: sum {sum}", env.rank, env.world_size);
+    std::process::exit(0);
 }

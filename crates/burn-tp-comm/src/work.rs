@@ -1,0 +1,353 @@
+//! [`Work`]: a collective in flight on this rank.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::local::{FinishFn, Payload, Shared, Slot, State, downcast};
+use crate::{CommElement, CommError, LinkModel, OpDesc, OpKind, ProcessGroup, Result};
+
+/// A collective in flight. `wait` completes it; dropping it without waiting releases this rank's
+/// part without reading the result.
+#[must_use = "a collective completes only when its Work is waited on"]
+pub struct Work<T> {
+    group: ProcessGroup,
+    seq: u64,
+    desc: OpDesc,
+    /// The local transport's meeting place; `None` for a call that completed when it was issued.
+    shared: Option<Arc<Shared>>,
+    finish: Option<FinishFn<T>>,
+    consumed: bool,
+    /// A call that completed when it was issued (staged through NCCL).
+    done: Option<Result<T>>,
+}
+
+impl<T> fmt::Debug for Work<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Work({} #{} on rank {})",
+            self.desc,
+            self.seq,
+            self.group.rank()
+        )
+    }
+}
+
+enum Ready {
+    Yes(Vec<Payload>),
+    No {
+        missing: Vec<usize>,
+        until: Option<Instant>,
+    },
+}
+
+impl<T> Work<T> {
+    /// A call posted on the local transport, completed by `finish` over every rank's posts.
+    pub(crate) fn posted(
+        group: ProcessGroup,
+        shared: Arc<Shared>,
+        seq: u64,
+        desc: OpDesc,
+        finish: FinishFn<T>,
+    ) -> Self {
+        Work {
+            group,
+            seq,
+            desc,
+            shared: Some(shared),
+            finish: Some(finish),
+            consumed: false,
+            done: None,
+        }
+    }
+
+    /// A call that completed (or failed) when it was issued.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn done(group: ProcessGroup, seq: u64, desc: OpDesc, result: Result<T>) -> Self {
+        Work {
+            group,
+            seq,
+            desc,
+            shared: None,
+            finish: None,
+            consumed: true,
+            done: Some(result),
+        }
+    }
+
+    fn shared(&self) -> &Arc<Shared> {
+        self.shared
+            .as_ref()
+            .expect("only calls posted on the local transport are polled")
+    }
+
+    /// Per-group sequence number of this call.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Whether [`wait`](Self::wait) would return without blocking (done, or failed).
+    pub fn is_completed(&self) -> bool {
+        if self.done.is_some() {
+            return true;
+        }
+        let st = self.shared().lock();
+        match self.poll(&st, None) {
+            Ok(Ready::Yes(_)) | Err(_) => true,
+            Ok(Ready::No { .. }) => false,
+        }
+    }
+
+    /// Waits with the group's timeout and returns the result.
+    ///
+    /// # Errors
+    /// [`CommError::Mismatch`], [`CommError::PeerGone`], [`CommError::Timeout`] or
+    /// [`CommError::Aborted`]; any of them aborts the group, so every rank fails.
+    pub fn wait(self) -> Result<T> {
+        let timeout = self.group.timeout();
+        self.wait_timeout(timeout)
+    }
+
+    /// Waits at most `timeout` and returns the result.
+    ///
+    /// # Errors
+    /// As [`wait`](Self::wait).
+    pub fn wait_timeout(mut self, timeout: Duration) -> Result<T> {
+        if let Some(done) = self.done.take() {
+            return done;
+        }
+        let payloads = self.wait_ready(timeout, None)?;
+        let finish = self.finish.take().expect("a Work completes once");
+        let out = finish(&payloads);
+        drop(payloads);
+        self.consume();
+        Ok(out)
+    }
+
+    /// Blocks until the call is complete (`part = None`) or rank `part`'s buffer has arrived,
+    /// and returns the posted buffers (only `part`'s is meaningful in the second case).
+    fn wait_ready(&self, timeout: Duration, part: Option<usize>) -> Result<Vec<Payload>> {
+        let shared = self.shared().clone();
+        let deadline = Instant::now() + timeout;
+        let mut st = shared.lock();
+        loop {
+            let now = Instant::now();
+            match self.poll(&st, part) {
+                Ok(Ready::Yes(p)) => return Ok(p),
+                Err(e) => {
+                    shared.abort(&mut st, &e);
+                    return Err(e);
+                }
+                Ok(Ready::No { missing, until }) => {
+                    if now >= deadline {
+                        let e = CommError::Timeout {
+                            op: self.desc.clone(),
+                            seq: self.seq,
+                            rank: self.group.rank(),
+                            timeout,
+                            missing,
+                        };
+                        shared.abort(&mut st, &e);
+                        return Err(e);
+                    }
+                    let wake = until
+                        .unwrap_or(now + shared.options.poll_interval)
+                        .min(deadline);
+                    if until.is_some() {
+                        // Simulated transfer: sleep without holding the lock.
+                        drop(st);
+                        std::thread::sleep(wake.saturating_duration_since(now));
+                        st = shared.lock();
+                    } else {
+                        st = shared
+                            .cv
+                            .wait_timeout(st, wake.saturating_duration_since(now))
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
+                    }
+                }
+            }
+        }
+    }
+
+    /// With the link model, when rank `p`'s all-gather shard reaches this rank: a ring moves it
+    /// `k = (rank - p) mod n` hops, each `latency + shard / bandwidth`, after every rank on its
+    /// path has posted.
+    fn ring_arrival(&self, slot: &Slot, link: &LinkModel, p: usize) -> Option<Instant> {
+        let n = slot.posts.len();
+        let rank = self.group.rank();
+        let hops = (rank + n - p) % n;
+        if hops == 0 {
+            return None;
+        }
+        let shard = self.desc.len() * self.desc.dtype.size();
+        let start = (0..hops)
+            .filter_map(|h| slot.posts[(p + h) % n].as_ref().map(|q| q.at))
+            .max()?;
+        Some(start + (link.delay(shard)) * hops as u32)
+    }
+
+    fn poll(&self, st: &State, part: Option<usize>) -> Result<Ready> {
+        let rank = self.group.rank();
+        let slot = st
+            .slots
+            .get(&self.seq)
+            .expect("a posted slot lives until every rank consumed it");
+        let mut missing = Vec::new();
+        let mut first: Option<(usize, &OpDesc)> = None;
+        for (r, post) in slot.posts.iter().enumerate() {
+            match post {
+                None => missing.push(r),
+                Some(p) => match first {
+                    None => first = Some((r, &p.desc)),
+                    Some((r0, d0)) if *d0 != p.desc => {
+                        return Err(CommError::Mismatch {
+                            seq: self.seq,
+                            rank: r,
+                            ours: p.desc.clone(),
+                            other_rank: r0,
+                            theirs: d0.clone(),
+                        });
+                    }
+                    Some(_) => {}
+                },
+            }
+        }
+        if let Some(p) = part.filter(|p| !slot.dead && !missing.contains(p)) {
+            if let Some(ready) = self
+                .shared()
+                .options
+                .link
+                .and_then(|l| self.ring_arrival(slot, &l, p))
+                && Instant::now() < ready
+            {
+                return Ok(Ready::No {
+                    missing,
+                    until: Some(ready),
+                });
+            }
+            return Ok(Ready::Yes(
+                slot.posts
+                    .iter()
+                    .map(|q| {
+                        q.as_ref()
+                            .map_or_else(|| Arc::new(()) as Payload, |q| q.data.clone())
+                    })
+                    .collect(),
+            ));
+        }
+        if missing.is_empty() && !slot.dead {
+            if let Some(link) = self
+                .shared()
+                .options
+                .link
+                .filter(|_| self.desc.kind == OpKind::AllGather)
+            {
+                // Ring all-gather: complete when the farthest shard has arrived.
+                let ready = (0..slot.posts.len())
+                    .filter_map(|p| self.ring_arrival(slot, &link, p))
+                    .max();
+                if let Some(ready) = ready.filter(|r| Instant::now() < *r) {
+                    return Ok(Ready::No {
+                        missing,
+                        until: Some(ready),
+                    });
+                }
+            } else if let Some(link) = self.shared().options.link {
+                let last = slot
+                    .posts
+                    .iter()
+                    .enumerate()
+                    .filter(|(r, _)| *r != rank)
+                    .filter_map(|(_, p)| p.as_ref().map(|p| p.at))
+                    .max();
+                if let Some(last) = last {
+                    let ready = last + link.delay(self.desc.recv_bytes(rank, st.gone.len()));
+                    if Instant::now() < ready {
+                        return Ok(Ready::No {
+                            missing,
+                            until: Some(ready),
+                        });
+                    }
+                }
+            }
+            return Ok(Ready::Yes(
+                slot.posts
+                    .iter()
+                    .map(|p| p.as_ref().expect("complete").data.clone())
+                    .collect(),
+            ));
+        }
+        let gone: Vec<usize> = missing.iter().copied().filter(|&r| st.gone[r]).collect();
+        if !gone.is_empty() {
+            return Err(CommError::PeerGone {
+                op: self.desc.clone(),
+                seq: self.seq,
+                rank,
+                gone,
+            });
+        }
+        if let Some(reason) = &st.aborted {
+            return Err(CommError::Aborted {
+                op: self.desc.clone(),
+                seq: self.seq,
+                rank,
+                reason: reason.clone(),
+            });
+        }
+        Ok(Ready::No {
+            missing,
+            until: None,
+        })
+    }
+
+    fn consume(&mut self) {
+        if self.consumed {
+            return;
+        }
+        self.consumed = true;
+        let shared = self.shared();
+        let mut st = shared.lock();
+        let world = shared.world;
+        if let Some(slot) = st.slots.get_mut(&self.seq) {
+            slot.consumed += 1;
+            if slot.consumed == world {
+                st.slots.remove(&self.seq);
+            }
+        }
+    }
+}
+
+impl<T: CommElement> Work<Vec<T>> {
+    /// For an all-gather: waits (with the group's timeout) until rank `part`'s shard has arrived
+    /// and returns a copy of it, without waiting for the others. Shards arrive in ring order
+    /// (own, rank - 1, rank - 2, ...): consuming them in that order overlaps compute with the
+    /// rest of the gather. The `Work` still completes (or is dropped) as usual afterwards.
+    ///
+    /// # Errors
+    /// As [`Work::wait`]; [`CommError::Backend`] if the call is not an all-gather or `part` is
+    /// not a rank.
+    pub fn wait_part(&self, part: usize) -> Result<Vec<T>> {
+        if self.desc.kind != OpKind::AllGather || part >= self.group.world_size() {
+            return Err(CommError::Backend(format!(
+                "wait_part({part}) on {} of a group of {}: only all-gathers have parts",
+                self.desc,
+                self.group.world_size()
+            )));
+        }
+        if let Some(done) = &self.done {
+            let all = done.as_ref().map_err(Clone::clone)?;
+            let n = all.len() / self.group.world_size();
+            return Ok(all[part * n..(part + 1) * n].to_vec());
+        }
+        let payloads = self.wait_ready(self.group.timeout(), Some(part))?;
+        Ok(downcast::<T>(&payloads[part]).clone())
+    }
+}
+
+impl<T> Drop for Work<T> {
+    fn drop(&mut self) {
+        self.consume();
+    }
+}
