@@ -10,10 +10,11 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::dp::{average_gradients, broadcast_parameters};
-use burn_tp::gpt::{Gpt, GptConfig, Reshard};
+use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::TpMode;
+use burn_tp::local::run_ranks;
 use burn_tp::ops::all_reduce;
-use burn_tp::testing::run_ranks;
+use burn_tp::reshard::Reshard;
 use burn_tp::{LocalGroup, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
 

@@ -4,11 +4,12 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Tensor};
+use burn_tp::local::{run_local, run_ranks};
 use burn_tp::ops::{
     all_gather, all_gather_async, all_reduce, copy_to_tp_region, gather_from_tp_region,
     reduce_from_tp_region, reduce_scatter, reduce_scatter_async, scatter_to_tp_region,
 };
-use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck, run_local, run_ranks};
+use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
 use burn_tp::{LocalGroup, LocalGroupOptions, ReduceOp, TpError};
 
 use crate::common::{assert_close, f64s, quarters, tensor, uniform};

@@ -10,8 +10,9 @@ use burn_tp::linear::{
     RowParallelLinear, RowParallelLinearConfig, TpMode, column_parallel_linear,
     row_parallel_linear,
 };
+use burn_tp::local::run_local;
 use burn_tp::ops::all_reduce;
-use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck, run_local};
+use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
 use burn_tp::{LocalGroup, ProcessGroup, ReduceOp, TpError};
 
 use crate::common::{assert_close, device, f64s, quarters, rng_lock, tensor, uniform};
@@ -535,9 +536,8 @@ fn gradcheck_column_and_row_ops() {
                     ..Default::default()
                 };
                 let spec = LinearSpec {
-                    mode,
-                    recompute_all_gather: true,
                     schedule: OverlapSchedule::Split,
+                    ..LinearSpec::new(mode)
                 };
                 let rs = mode == TpMode::ReduceScatter;
                 let (s, d_in, d_out) = (4usize, 4usize, 4usize);

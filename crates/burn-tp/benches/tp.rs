@@ -17,8 +17,8 @@ use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
     RowParallelLinearConfig, TpMode,
 };
+use burn_tp::local::run_ranks;
 use burn_tp::ops::all_gather;
-use burn_tp::testing::run_ranks;
 use burn_tp::transformer::{ParallelAttentionConfig, ParallelMlpConfig, TpLayerNorm};
 use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 

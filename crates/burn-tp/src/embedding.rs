@@ -10,6 +10,7 @@ use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
 use crate::linear::TpMode;
 use crate::ops::{all_gather, reduce_from_tp_region, reduce_scatter};
+use crate::reshard::{Reshard, solo};
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`VocabParallelEmbedding`]; mirrors Burn's `EmbeddingConfig`.
@@ -162,5 +163,14 @@ impl VocabParallelEmbedding {
             TpMode::AllReduce => reduce_from_tp_region(partial, &self.group),
             TpMode::ReduceScatter => reduce_scatter(partial, 0, &self.group),
         }
+    }
+}
+
+impl Reshard for VocabParallelEmbedding {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Self::from_full(&self.to_full()?, &solo(), self.mode())
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Self::from_full(&full.to_full()?, group, full.mode())
     }
 }

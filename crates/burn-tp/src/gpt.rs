@@ -8,15 +8,15 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor};
-use burn_tp_comm::{LocalGroup, ProcessGroup};
+use burn_tp_comm::ProcessGroup;
 
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
 use crate::init::{init_replicated, owned};
 use crate::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule,
-    RowParallelLinear, TpMode, column_parallel_linear,
+    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, TpMode, column_parallel_linear,
 };
 use crate::loss::sharded_cross_entropy;
+use crate::reshard::{Reshard, solo};
 use crate::transformer::{
     ParallelAttention, ParallelAttentionConfig, ParallelMlp, ParallelMlpConfig, TpLayerNorm,
     replicated_param,
@@ -216,19 +216,10 @@ impl Gpt {
             None => {
                 // Tied: the embedding shard `[V/tp, d]` is the column shard `[d, V/tp]` of the head.
                 let spec = LinearSpec {
-                    mode,
-                    recompute_all_gather: true,
-                    schedule: OverlapSchedule::Split,
+                    async_communication: self.options.async_communication,
+                    ..LinearSpec::new(mode)
                 };
-                if self.options.async_communication {
-                    column_parallel_linear(x, self.tok.weight.val().transpose(), None, spec, group)
-                } else {
-                    let x = match mode {
-                        TpMode::AllReduce => crate::ops::copy_to_tp_region(x, group),
-                        TpMode::ReduceScatter => crate::ops::all_gather(x, 0, group)?,
-                    };
-                    Ok(x.matmul(self.tok.weight.val().transpose().unsqueeze::<3>()))
-                }
+                column_parallel_linear(x, self.tok.weight.val().transpose(), None, spec, group)
             }
         }
     }
@@ -250,99 +241,6 @@ impl Gpt {
             self.options.z_loss,
             self.options.label_smoothing,
         )
-    }
-}
-
-/// Moving a module between tp sizes: gather the full (tp = 1) module, or shard one.
-pub trait Reshard: Sized {
-    /// The same module at tp = 1 (on a group of its own), on every rank. Collective.
-    ///
-    /// # Errors
-    /// A communication error.
-    fn to_full_module(&self) -> TpResult<Self>;
-
-    /// This rank's shard of a tp = 1 module.
-    ///
-    /// # Errors
-    /// Sizes not divisible by the group's size.
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self>;
-}
-
-fn solo() -> ProcessGroup {
-    LocalGroup::new(1).expect("a group of one").remove(0)
-}
-
-impl Reshard for ColumnParallelLinear {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Self::from_full_with_options(&self.to_full()?, &solo(), self.options())
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Self::from_full_with_options(&full.to_full()?, group, full.options())
-    }
-}
-
-impl Reshard for RowParallelLinear {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Self::from_full_with_options(&self.to_full()?, &solo(), self.options())
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Self::from_full_with_options(&full.to_full()?, group, full.options())
-    }
-}
-
-impl Reshard for VocabParallelEmbedding {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Self::from_full(&self.to_full()?, &solo(), self.mode())
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Self::from_full(&full.to_full()?, group, full.mode())
-    }
-}
-
-impl Reshard for TpLayerNorm {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self::from_full(&self.to_full(), self.mode(), &solo()))
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self::from_full(&full.to_full(), full.mode(), group))
-    }
-}
-
-impl Reshard for ParallelMlp {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self {
-            fc1: self.fc1.to_full_module()?,
-            fc2: self.fc2.to_full_module()?,
-        })
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self {
-            fc1: Reshard::shard_module(&full.fc1, group)?,
-            fc2: Reshard::shard_module(&full.fc2, group)?,
-        })
-    }
-}
-
-impl Reshard for ParallelAttention {
-    fn to_full_module(&self) -> TpResult<Self> {
-        let qkv = self
-            .qkv
-            .iter()
-            .map(Reshard::to_full_module)
-            .collect::<TpResult<Vec<_>>>()?;
-        Ok(self.with_layers(qkv, self.out.to_full_module()?, 1))
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        let qkv = full
-            .qkv
-            .iter()
-            .map(|l| Reshard::shard_module(l, group))
-            .collect::<TpResult<Vec<_>>>()?;
-        Ok(full.with_layers(
-            qkv,
-            Reshard::shard_module(&full.out, group)?,
-            group.world_size(),
-        ))
     }
 }
 

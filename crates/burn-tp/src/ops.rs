@@ -11,10 +11,11 @@
 //! sliced) are read in logical order.
 
 use burn::backend::{Dispatch, DispatchTensor};
-use burn::tensor::Tensor;
-use burn_tp_comm::{ProcessGroup, ReduceOp};
+use burn::tensor::{Element, Shape, Tensor, TensorData};
+use burn_tp_comm::{CommElement, ProcessGroup, ReduceOp};
 
-use crate::backend::{Collective, CollectiveOutput, PendingPrimitive, TpBackend};
+use crate::backend::host::{HostCall, with_host_values};
+use crate::backend::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 use crate::error::check_divisible;
 use crate::{Result, TpError};
 
@@ -22,12 +23,12 @@ use crate::{Result, TpError};
 /// to compute.
 #[must_use = "a started collective completes only when waited on"]
 pub struct Pending<const D: usize> {
-    inner: PendingPrimitive<Dispatch>,
+    inner: PendingCollective<Dispatch>,
 }
 
 impl<const D: usize> std::fmt::Debug for Pending<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.inner.work.fmt(f)
+        self.inner.fmt(f)
     }
 }
 
@@ -43,10 +44,7 @@ impl<const D: usize> Pending<D> {
 
 /// The tensor of a dispatch-level collective output, or its error.
 pub(crate) fn into_tensor<const D: usize>(out: CollectiveOutput<Dispatch>) -> Result<Tensor<D>> {
-    match out {
-        CollectiveOutput::Done(t) => Ok(Tensor::from_dispatch(t)),
-        CollectiveOutput::Failed(e) => Err(e.into()),
-    }
+    Ok(Tensor::from_dispatch(out.into_result()?))
 }
 
 fn start<const D: usize>(x: Tensor<D>, op: Collective, group: &ProcessGroup) -> Pending<D> {
@@ -216,32 +214,28 @@ pub fn broadcast<const D: usize>(
     root: usize,
     group: &ProcessGroup,
 ) -> Result<Tensor<D>> {
-    use burn::tensor::{DType, TensorData};
     if group.world_size() == 1 {
         return Ok(x.detach());
     }
     let device = x.device();
     let data = x.detach().into_data();
-    let (shape, dtype) = (data.shape().clone(), data.dtype());
-    macro_rules! bcast {
-        ($t:ty) => {{
-            let v = data
-                .try_into_vec::<$t>()
-                .map_err(|e| TpError::Config(format!("broadcast: {e:?}")))?;
-            TensorData::new(group.broadcast(v, root)?, shape)
-        }};
-    }
-    let out = match dtype {
-        DType::F32 => bcast!(f32),
-        DType::F64 => bcast!(f64),
-        DType::F16 => bcast!(half::f16),
-        DType::BF16 => bcast!(half::bf16),
-        DType::I64 => bcast!(i64),
-        other => {
-            return Err(TpError::Config(format!(
-                "broadcast: unsupported dtype {other:?}"
-            )));
-        }
-    };
+    let dtype = data.dtype();
+    let out = with_host_values(data, Broadcast { root, group })??;
     Ok(Tensor::from_data(out, (&device, dtype)))
+}
+
+struct Broadcast<'a> {
+    root: usize,
+    group: &'a ProcessGroup,
+}
+
+impl HostCall for Broadcast<'_> {
+    type Output = Result<TensorData>;
+
+    fn call<T: CommElement + Element>(self, values: Vec<T>, shape: Shape) -> Self::Output {
+        Ok(TensorData::new(
+            self.group.broadcast(values, self.root)?,
+            shape,
+        ))
+    }
 }

@@ -1,8 +1,10 @@
-//! Helpers for running ranks as threads and checking gradients by finite differences.
+//! Checking gradients by finite differences, collectively over a group (ranks as threads run by
+//! [`crate::local`]).
 //!
 //! ```no_run
 //! use burn::tensor::{Device, DType, Tensor, TensorData};
-//! use burn_tp::testing::{LossKind, gradcheck, run_local};
+//! use burn_tp::local::run_local;
+//! use burn_tp::testing::{LossKind, gradcheck};
 //!
 //! // d/dx sum(all_gather(x)^2) on 2 ranks, checked against central differences in f64.
 //! run_local(2, |group| {
@@ -18,60 +20,8 @@
 //! .unwrap();
 //! ```
 
-use std::sync::Arc;
-
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_tp_comm::{LocalGroup, ProcessGroup, ReduceOp};
-
-/// Runs `f` once per rank, each on its own thread with its own [`ProcessGroup`], and returns the
-/// results in rank order.
-///
-/// # Errors
-/// The panic message of the first rank that panicked, prefixed with its rank.
-pub fn run_ranks<T: Send + 'static>(
-    groups: Vec<ProcessGroup>,
-    f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
-) -> Result<Vec<T>, String> {
-    let f = Arc::new(f);
-    let handles: Vec<_> = groups
-        .into_iter()
-        .map(|group| {
-            let f = f.clone();
-            std::thread::Builder::new()
-                .name(format!("tp-rank-{}", group.rank()))
-                .spawn(move || f(group))
-                .expect("spawning a rank thread")
-        })
-        .collect();
-    let mut out = Vec::new();
-    let mut first_err = None;
-    for (rank, h) in handles.into_iter().enumerate() {
-        match h.join() {
-            Ok(v) => out.push(v),
-            Err(p) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "non-string panic".into());
-                first_err.get_or_insert(format!("rank {rank} panicked: {msg}"));
-            }
-        }
-    }
-    first_err.map_or(Ok(out), Err)
-}
-
-/// [`run_ranks`] on a fresh [`LocalGroup`] of `world_size` threads.
-///
-/// # Errors
-/// As [`run_ranks`]; a world size of zero.
-pub fn run_local<T: Send + 'static>(
-    world_size: usize,
-    f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
-) -> Result<Vec<T>, String> {
-    let groups = LocalGroup::new(world_size).map_err(|e| e.to_string())?;
-    run_ranks(groups, f)
-}
+use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 /// The values of `t` in logical (row-major) order, as `f64`.
 pub fn to_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {

@@ -15,6 +15,7 @@ use crate::linear::{
     TpMode,
 };
 use crate::ops::copy_to_tp_region;
+use crate::reshard::{Reshard, solo};
 use crate::{Result as TpResult, TpError};
 
 /// Uses a replicated parameter inside the tensor-parallel region. In REDUCE_SCATTER mode each rank
@@ -284,5 +285,52 @@ impl ParallelAttention {
         let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
         let ctx = att.matmul(v).permute([2, 0, 1, 3]).reshape([s, b, h * hd]);
         self.out.forward(ctx)
+    }
+}
+
+impl Reshard for TpLayerNorm {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self::from_full(&self.to_full(), self.mode(), &solo()))
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self::from_full(&full.to_full(), full.mode(), group))
+    }
+}
+
+impl Reshard for ParallelMlp {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self {
+            fc1: self.fc1.to_full_module()?,
+            fc2: self.fc2.to_full_module()?,
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            fc1: Reshard::shard_module(&full.fc1, group)?,
+            fc2: Reshard::shard_module(&full.fc2, group)?,
+        })
+    }
+}
+
+impl Reshard for ParallelAttention {
+    fn to_full_module(&self) -> TpResult<Self> {
+        let qkv = self
+            .qkv
+            .iter()
+            .map(Reshard::to_full_module)
+            .collect::<TpResult<Vec<_>>>()?;
+        Ok(self.with_layers(qkv, self.out.to_full_module()?, 1))
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        let qkv = full
+            .qkv
+            .iter()
+            .map(|l| Reshard::shard_module(l, group))
+            .collect::<TpResult<Vec<_>>>()?;
+        Ok(full.with_layers(
+            qkv,
+            Reshard::shard_module(&full.out, group)?,
+            group.world_size(),
+        ))
     }
 }

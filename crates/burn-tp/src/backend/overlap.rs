@@ -46,66 +46,18 @@ use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{Shape, Slice};
 use burn_tp_comm::{CommError, ProcessGroup};
 
-use super::TpMode;
-use crate::backend::{Collective, CollectiveOutput, PendingPrimitive, TpBackend};
+use super::host::rows;
+use super::{Collective, LinearSpec, OverlapSchedule, PendingCollective, TpBackend, TpMode};
 
-/// How a parallel linear runs, as passed to the backend ops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LinearSpec {
-    /// Activation layout.
-    pub mode: TpMode,
-    /// Column layer, REDUCE_SCATTER mode: save only the local shard of the input and re-gather it
-    /// in backward (less memory, one more all-gather, hidden behind the dgrad matmul).
-    pub recompute_all_gather: bool,
-    /// How to overlap a gather with the matmul that consumes it.
-    pub schedule: OverlapSchedule,
-}
-
-/// The overlap schedule for a gather feeding a matmul.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum OverlapSchedule {
-    /// Own shard during the communication, the rest after it (nanotron).
-    #[default]
-    Split,
-    /// Chunked ring: each rank's shard is consumed as it arrives (own, r-1, r-2, ...); the row
-    /// backward also accumulates its weight and bias gradients block by block, so nearly all of
-    /// its compute overlaps the gather.
-    Ring,
-}
-
-/// Inputs of a parallel-linear op as they cross the dispatch boundary: an optional bias.
-#[derive(burn::backend::ExtensionType)]
-pub enum Bias<B: Backend> {
-    /// No bias.
-    None,
-    /// The bias: `[d_out / n]` for the column layer, `[d_out]` (replicated) for the row layer.
-    Some(FloatTensor<B>),
-}
-
-impl<B: Backend> Bias<B> {
-    /// As an `Option`.
-    pub fn into_option(self) -> Option<FloatTensor<B>> {
-        match self {
-            Bias::None => None,
-            Bias::Some(b) => Some(b),
-        }
-    }
-}
-
-type Res<T> = Result<T, CommError>;
-
-fn resolve<B: TpBackend>(p: PendingPrimitive<B>) -> Res<FloatTensor<B>> {
-    match B::tp_resolve(p) {
-        CollectiveOutput::Done(t) => Ok(t),
-        CollectiveOutput::Failed(e) => Err(e),
-    }
+fn resolve<B: TpBackend>(p: PendingCollective<B>) -> Result<FloatTensor<B>, CommError> {
+    B::tp_resolve(p).into_result()
 }
 
 fn start<B: TpBackend>(
     x: FloatTensor<B>,
     op: Collective,
     group: &ProcessGroup,
-) -> PendingPrimitive<B> {
+) -> PendingCollective<B> {
     B::tp_start(x, op, group.clone())
 }
 
@@ -123,16 +75,6 @@ fn unflatten<B: Backend>(x: FloatTensor<B>, lead: &[usize]) -> FloatTensor<B> {
     let mut dims = lead.to_vec();
     dims.push(c);
     B::float_reshape(x, Shape::from(dims))
-}
-
-fn rows<B: Backend>(x: FloatTensor<B>, range: std::ops::Range<usize>) -> FloatTensor<B> {
-    B::float_slice(
-        x,
-        &[
-            Slice::new(range.start as isize, Some(range.end as isize), 1),
-            Slice::full(),
-        ],
-    )
 }
 
 fn add_bias<B: Backend>(y2: FloatTensor<B>, bias: Option<FloatTensor<B>>) -> FloatTensor<B> {
@@ -155,14 +97,14 @@ fn sum_rows<B: Backend>(g2: FloatTensor<B>) -> FloatTensor<B> {
 /// available: first this rank's own rows (`local`, `[m, k]`) while the gather is in flight, then
 /// the others. `visit(rows, block)` gets the row range in the gathered `[n * m, k]` matrix.
 /// Returns the gathered matrix if `keep_gathered` (free for `Split`, one concatenation for `Ring`).
-pub fn visit_gathered<B: TpBackend>(
+pub(crate) fn visit_gathered<B: TpBackend>(
     local: FloatTensor<B>,
-    pending: PendingPrimitive<B>,
+    pending: PendingCollective<B>,
     group: &ProcessGroup,
     schedule: OverlapSchedule,
     keep_gathered: bool,
     mut visit: impl FnMut(std::ops::Range<usize>, FloatTensor<B>),
-) -> Res<Option<FloatTensor<B>>> {
+) -> Result<Option<FloatTensor<B>>, CommError> {
     let (r, n) = (group.rank(), group.world_size());
     let m = local.shape()[0];
     // 1. own block while the gather is in flight
@@ -191,10 +133,7 @@ pub fn visit_gathered<B: TpBackend>(
             parts[r] = Some(local);
             for k in 1..n {
                 let p = (r + n - k) % n;
-                let part = match B::tp_resolve_part(pending.clone(), p) {
-                    CollectiveOutput::Done(t) => flatten::<B>(t),
-                    CollectiveOutput::Failed(e) => return Err(e),
-                };
+                let part = flatten::<B>(B::tp_resolve_part(pending.clone(), p).into_result()?);
                 visit(p * m..(p + 1) * m, part.clone());
                 parts[p] = Some(part);
             }
@@ -213,14 +152,14 @@ pub fn visit_gathered<B: TpBackend>(
 /// rank's `local` (`[m, k]`): each block's rows are computed as soon as the block is available
 /// and written into one fresh `[n * m, c]` buffer. Returns `(out, gathered if keep_gathered)`.
 /// See the diagram at the top of this file.
-pub fn gather_matmul<B: TpBackend>(
+pub(crate) fn gather_matmul<B: TpBackend>(
     local: FloatTensor<B>,
-    pending: PendingPrimitive<B>,
+    pending: PendingCollective<B>,
     rhs: FloatTensor<B>,
     group: &ProcessGroup,
     schedule: OverlapSchedule,
     keep_gathered: bool,
-) -> Res<(FloatTensor<B>, Option<FloatTensor<B>>)> {
+) -> Result<(FloatTensor<B>, Option<FloatTensor<B>>), CommError> {
     let n = group.world_size();
     let (m, c) = (local.shape()[0], rhs.shape()[1]);
     let mut out = None;
@@ -254,23 +193,23 @@ fn row_slices(range: std::ops::Range<usize>) -> [Slice; 2] {
 
 /// What the column forward keeps for its backward.
 #[derive(Clone, Debug)]
-pub struct ColumnSaved<B: Backend> {
+pub(crate) struct ColumnSaved<B: Backend> {
     /// The input as the wgrad needs it: `x` (ALL_REDUCE), the gathered `X` or, with
     /// `recompute_all_gather`, the local shard `x_r` (REDUCE_SCATTER).
-    pub input: FloatTensor<B>,
+    pub(crate) input: FloatTensor<B>,
     /// Whether `input` is the local shard to re-gather.
-    pub needs_gather: bool,
+    pub(crate) needs_gather: bool,
 }
 
 /// Column forward: `[.., d_in] -> [.., d_out / n]` (ALL_REDUCE) or
 /// `[s/n, .., d_in] -> [s, .., d_out / n]` (REDUCE_SCATTER, all-gather overlapped).
-pub fn column_forward<B: TpBackend>(
+pub(crate) fn column_forward<B: TpBackend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
     spec: LinearSpec,
     group: &ProcessGroup,
-) -> Res<(FloatTensor<B>, ColumnSaved<B>)> {
+) -> Result<(FloatTensor<B>, ColumnSaved<B>), CommError> {
     let mut lead = x.shape().to_vec();
     lead.pop();
     match spec.mode {
@@ -314,35 +253,35 @@ pub fn column_forward<B: TpBackend>(
 }
 
 /// Gradients of a parallel linear; `None` where not asked for.
-pub struct LinearGrads<B: Backend> {
+pub(crate) struct LinearGrads<B: Backend> {
     /// Same shape as the layer input.
-    pub input: Option<FloatTensor<B>>,
+    pub(crate) input: Option<FloatTensor<B>>,
     /// Same shape as the weight shard.
-    pub weight: Option<FloatTensor<B>>,
+    pub(crate) weight: Option<FloatTensor<B>>,
     /// Same shape as the bias.
-    pub bias: Option<FloatTensor<B>>,
+    pub(crate) bias: Option<FloatTensor<B>>,
 }
 
 /// Which gradients the backward must produce.
 #[derive(Clone, Copy, Debug)]
-pub struct Needs {
+pub(crate) struct Needs {
     /// Input gradient.
-    pub input: bool,
+    pub(crate) input: bool,
     /// Weight gradient.
-    pub weight: bool,
+    pub(crate) weight: bool,
     /// Bias gradient.
-    pub bias: bool,
+    pub(crate) bias: bool,
 }
 
 /// Column backward. `grad` is `[.., d_out / n]` (`[s, .., d_out / n]` in REDUCE_SCATTER mode).
-pub fn column_backward<B: TpBackend>(
+pub(crate) fn column_backward<B: TpBackend>(
     grad: FloatTensor<B>,
     saved: ColumnSaved<B>,
     weight: FloatTensor<B>,
     spec: LinearSpec,
     group: &ProcessGroup,
     needs: Needs,
-) -> Res<LinearGrads<B>> {
+) -> Result<LinearGrads<B>, CommError> {
     let mut gathered_lead = grad.shape().to_vec();
     gathered_lead.pop();
     let g2 = flatten::<B>(grad);
@@ -382,13 +321,13 @@ pub fn column_backward<B: TpBackend>(
 /// Row forward: `[.., d_in / n] -> [.., d_out]` (ALL_REDUCE, all-reduced) or
 /// `[s, .., d_in / n] -> [s/n, .., d_out]` (REDUCE_SCATTER). The replicated bias is added once,
 /// after the reduction, by every rank to its own output.
-pub fn row_forward<B: TpBackend>(
+pub(crate) fn row_forward<B: TpBackend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
     spec: LinearSpec,
     group: &ProcessGroup,
-) -> Res<FloatTensor<B>> {
+) -> Result<FloatTensor<B>, CommError> {
     let mut lead = x.shape().to_vec();
     lead.pop();
     let partial = unflatten::<B>(B::float_matmul(flatten::<B>(x), weight), &lead);
@@ -407,14 +346,14 @@ pub fn row_forward<B: TpBackend>(
 
 /// Row backward. `grad` is `[.., d_out]` (replicated, ALL_REDUCE) or `[s/n, .., d_out]`
 /// (REDUCE_SCATTER: all-gathered with the split schedule; see the diagram).
-pub fn row_backward<B: TpBackend>(
+pub(crate) fn row_backward<B: TpBackend>(
     grad: FloatTensor<B>,
     input: FloatTensor<B>,
     weight: FloatTensor<B>,
     spec: LinearSpec,
     group: &ProcessGroup,
     needs: Needs,
-) -> Res<LinearGrads<B>> {
+) -> Result<LinearGrads<B>, CommError> {
     let mut lead = input.shape().to_vec();
     lead.pop();
     let w_t = B::float_transpose(weight);

@@ -23,70 +23,62 @@ use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use burn::backend::{Backend, TensorMetadata, ops::FloatTensorOps};
-use burn::tensor::{DType, Shape, Slice};
+use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tp_comm::nccl::{NcclGroup, NcclWork, RawOp};
-use burn_tp_comm::{CommError, DType as CommDType, ProcessGroup, ReduceOp};
+use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 use cubecl_runtime::runtime::Runtime;
 
-use crate::backend::{
-    Collective, CollectiveOutput, InFlight, PendingPrimitive, PendingWork, TpBackend, host_resolve,
-    host_resolve_part, host_start, part_unsupported,
+use super::host::{
+    InFlight, comm_dtype, dim_first, host_resolve, host_resolve_part, host_start, part_unsupported,
+    rows,
 };
+use super::types::Posted;
+use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 
 type Server = <CudaRuntime as Runtime>::Server;
 
 impl TpBackend for CubeBackend {
-    fn tp_start(x: CubeTensor, op: Collective, group: ProcessGroup) -> PendingPrimitive<Self> {
-        let local = group.world_size() == 1
-            || matches!(
-                op,
-                Collective::CopyToRegion | Collective::ScatterToRegion { .. }
-            );
+    fn tp_start(x: CubeTensor, op: Collective, group: ProcessGroup) -> PendingCollective<Self> {
         match group.nccl().cloned() {
-            Some(nccl) if !local => device_start(x, op, group, nccl),
+            Some(nccl) if !op.is_local(&group) => device_start(x, op, group, nccl),
             _ => host_start::<Self>(x, op, group),
         }
     }
 
-    fn tp_resolve(pending: PendingPrimitive<Self>) -> CollectiveOutput<Self> {
+    fn tp_resolve(pending: PendingCollective<Self>) -> CollectiveOutput<Self> {
         match device_work(&pending) {
             Some(work) => work.resolve().into(),
             None => host_resolve::<Self>(pending),
         }
     }
 
-    fn tp_resolve_part(pending: PendingPrimitive<Self>, part: usize) -> CollectiveOutput<Self> {
+    fn tp_resolve_part(pending: PendingCollective<Self>, part: usize) -> CollectiveOutput<Self> {
         let Some(work) = device_work(&pending) else {
             return host_resolve_part::<Self>(pending, part);
         };
-        if let Some(e) = part_unsupported(pending.work.op) {
+        if let Some(e) = part_unsupported(pending.op) {
             return CollectiveOutput::Failed(e);
         }
         // NCCL's all-gather completes as a whole: wait for it, then view the part's rows.
-        let world = pending.work.group.world_size();
-        match work.completed() {
-            Ok(out) => {
-                let rows = out.shape()[0] / world;
-                let mut slices = vec![Slice::full(); out.shape().num_dims()];
-                slices[0] = Slice::new(
-                    (part * rows) as isize,
-                    Some(((part + 1) * rows) as isize),
-                    1,
-                );
-                CollectiveOutput::Done(Self::float_slice(out, &slices))
-            }
-            Err(e) => CollectiveOutput::Failed(e),
-        }
+        let world = pending.group.world_size();
+        work.completed()
+            .map(|out| {
+                let n = out.shape()[0] / world;
+                rows::<Self>(out, part * n..(part + 1) * n)
+            })
+            .into()
     }
 }
 
-fn device_work(pending: &PendingPrimitive<CubeBackend>) -> Option<Arc<DeviceWork>> {
-    let inner = pending.work.inner.clone()?;
-    (inner as Arc<dyn Any + Send + Sync>)
+fn device_work(pending: &PendingCollective<CubeBackend>) -> Option<Arc<DeviceWork>> {
+    let Posted::InFlight(inner) = &pending.posted else {
+        return None;
+    };
+    (inner.clone() as Arc<dyn Any + Send + Sync>)
         .downcast::<DeviceWork>()
         .ok()
 }
@@ -142,22 +134,7 @@ impl DeviceWork {
     }
 
     fn resolve(&self) -> Result<CubeTensor, CommError> {
-        let out = self.completed()?;
-        Ok(if self.dim == 0 {
-            out
-        } else {
-            CubeBackend::float_swap_dims(out, 0, self.dim)
-        })
-    }
-}
-
-fn comm_dtype(dtype: DType) -> Option<CommDType> {
-    match dtype {
-        DType::F32 => Some(CommDType::F32),
-        DType::F64 => Some(CommDType::F64),
-        DType::F16 => Some(CommDType::F16),
-        DType::BF16 => Some(CommDType::BF16),
-        _ => None,
+        Ok(dim_first::<CubeBackend>(self.completed()?, self.dim))
     }
 }
 
@@ -166,11 +143,8 @@ fn failed(
     group: ProcessGroup,
     x: CubeTensor,
     e: CommError,
-) -> PendingPrimitive<CubeBackend> {
-    PendingPrimitive {
-        input: x,
-        work: PendingWork::failed(op, group, e),
-    }
+) -> PendingCollective<CubeBackend> {
+    PendingCollective::new(x, op, group, Posted::Failed(e))
 }
 
 fn device_start(
@@ -178,7 +152,7 @@ fn device_start(
     op: Collective,
     group: ProcessGroup,
     nccl: Arc<NcclGroup>,
-) -> PendingPrimitive<CubeBackend> {
+) -> PendingCollective<CubeBackend> {
     let Some(dtype) = comm_dtype(x.dtype) else {
         let e = CommError::Backend(format!("{op:?}: unsupported dtype {:?} on NCCL", x.dtype));
         return failed(op, group, x, e);
@@ -197,12 +171,7 @@ fn device_start(
     };
     // The collective's dim first, contiguous: rank-order concatenation (chunking) of the flat
     // buffer is then concatenation (chunking) along that dim.
-    let moved = if dim == 0 {
-        x.clone()
-    } else {
-        CubeBackend::float_swap_dims(x.clone(), 0, dim)
-    };
-    let input = into_contiguous(moved);
+    let input = into_contiguous(dim_first::<CubeBackend>(x.clone(), dim));
     let mut out_dims = input.shape().to_vec();
     match raw {
         RawOp::AllGather => out_dims[0] *= world,
@@ -258,8 +227,5 @@ fn device_start(
         _input: input,
         _pins: [Pinned(Box::new(res_in)), Pinned(Box::new(res_out))],
     });
-    PendingPrimitive {
-        input: x,
-        work: PendingWork::in_flight(op, group, inner),
-    }
+    PendingCollective::new(x, op, group, Posted::InFlight(inner))
 }

@@ -1,0 +1,300 @@
+//! `TpBackend` for `Autodiff<B>`: the inner backend's forward, then one custom backward node
+//! per op. Collectives take their Megatron adjoint (the table in [`super`]); the parallel
+//! linears take [`LinearBackward`], which runs the overlapped backward of [`super::overlap`].
+
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::{Autodiff, Backend, TensorMetadata, tensor::FloatTensor};
+use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
+
+use super::host::local_chunk;
+use super::overlap::{
+    ColumnSaved, LinearGrads, Needs, column_backward, column_forward, row_backward, row_forward,
+};
+use super::{
+    Bias, Collective, CollectiveOutput, LinearSpec, PendingCollective, TpBackend,
+    collective_blocking,
+};
+
+#[derive(Debug)]
+struct CollectiveBackward;
+
+#[derive(Clone, Debug)]
+struct CollectiveState<P> {
+    op: Collective,
+    group: ProcessGroup,
+    /// Input and output, kept only for max / min (the gradient goes where input == output).
+    extremum: Option<(P, P)>,
+}
+
+impl<B: TpBackend> Backward<B, 1> for CollectiveBackward {
+    type State = CollectiveState<FloatTensor<B>>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _ck: &mut Checkpointer) {
+        let CollectiveState {
+            op,
+            group,
+            extremum,
+        } = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| match op {
+            Collective::AllGather { dim } => {
+                collective_blocking::<B>(grad, Collective::ReduceScatter { dim }, &group)
+            }
+            Collective::ReduceScatter { dim } => {
+                collective_blocking::<B>(grad, Collective::AllGather { dim }, &group)
+            }
+            Collective::CopyToRegion | Collective::AllReduce(ReduceOp::Sum) => {
+                collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Sum), &group)
+            }
+            Collective::AllReduce(ReduceOp::Avg) => {
+                collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Avg), &group)
+            }
+            Collective::AllReduce(ReduceOp::Max | ReduceOp::Min) => {
+                let (x, y) = extremum.expect("max / min keep input and output");
+                let total =
+                    collective_blocking::<B>(grad, Collective::AllReduce(ReduceOp::Sum), &group);
+                let device = x.device();
+                let bool_dtype =
+                    burn::backend::get_or_init_device_settings::<B>(&device).bool_dtype;
+                let mask =
+                    B::bool_into_float(B::float_equal(x, y, bool_dtype), total.dtype().into());
+                B::float_mul(total, mask)
+            }
+            Collective::ReduceFromRegion => grad,
+            Collective::GatherFromRegion { dim } => local_chunk::<B>(grad, dim, &group),
+            Collective::ScatterToRegion { dim } => {
+                collective_blocking::<B>(grad, Collective::AllGather { dim }, &group)
+            }
+        });
+    }
+}
+
+impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
+    fn tp_start(
+        x: FloatTensor<Self>,
+        op: Collective,
+        group: ProcessGroup,
+    ) -> PendingCollective<Self> {
+        B::tp_start(x.primitive().clone(), op, group).with_input(x)
+    }
+
+    fn tp_rowwise_loss(
+        input: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        jacobian: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct RowwiseLoss;
+        impl<B: Backend> Backward<B, 1> for RowwiseLoss {
+            type State = FloatTensor<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let jacobian = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+                    let n = grad.shape()[0];
+                    B::float_mul(
+                        jacobian,
+                        B::float_reshape(grad, burn::tensor::Shape::from(vec![n, 1])),
+                    )
+                });
+            }
+        }
+        let value = value.into_primitive();
+        match RowwiseLoss
+            .prepare::<C>([input.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(jacobian.into_primitive(), value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
+
+    fn tp_column_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        linear_op::<B, C>(x, weight, bias, spec, group, |x, w, b, spec, group| {
+            column_forward::<B>(x, w, b, spec, group)
+                .map(|(y, saved)| (y, LinearKind::Column(saved)))
+        })
+    }
+
+    fn tp_row_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        linear_op::<B, C>(x, weight, bias, spec, group, |x, w, b, spec, group| {
+            // The row layer keeps its input for the wgrad.
+            row_forward::<B>(x.clone(), w, b, spec, group).map(|y| (y, LinearKind::Row(x)))
+        })
+    }
+
+    fn tp_resolve(pending: PendingCollective<Self>) -> CollectiveOutput<Self> {
+        let input = pending.input.clone();
+        let (op, group) = (pending.op, pending.group.clone());
+        let out = match B::tp_resolve(pending.with_input(input.primitive().clone())).into_result() {
+            Ok(out) => out,
+            Err(e) => return CollectiveOutput::Failed(e),
+        };
+        let extremum = matches!(op, Collective::AllReduce(ReduceOp::Max | ReduceOp::Min))
+            .then(|| (input.primitive().clone(), out.clone()));
+        // Graph nodes outlive a panicking rank's stack: they must not keep it in the group.
+        let state = CollectiveState {
+            op,
+            group: group.weak(),
+            extremum,
+        };
+        CollectiveOutput::Done(
+            match CollectiveBackward
+                .prepare::<C>([input.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+}
+
+/// The backward node of both parallel linears, over 2 parents (x, weight) or 3 (x, weight, bias).
+#[derive(Debug)]
+struct LinearBackward;
+
+#[derive(Clone, Debug)]
+enum LinearKind<B: Backend> {
+    Column(ColumnSaved<B>),
+    /// The row layer keeps its (sharded-feature) input.
+    Row(FloatTensor<B>),
+}
+
+#[derive(Clone, Debug)]
+struct LinearState<B: Backend> {
+    kind: LinearKind<B>,
+    weight: FloatTensor<B>,
+    spec: LinearSpec,
+    group: ProcessGroup,
+}
+
+impl<B: TpBackend, const N: usize> Backward<B, N> for LinearBackward {
+    type State = LinearState<B>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _ck: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let parents = ops.parents;
+        let needs = Needs {
+            input: parents[0].is_some(),
+            weight: parents[1].is_some(),
+            bias: N == 3 && parents[N - 1].is_some(),
+        };
+        let LinearState {
+            kind,
+            weight,
+            spec,
+            group,
+        } = ops.state;
+        let result = match kind {
+            LinearKind::Column(saved) => {
+                column_backward::<B>(grad, saved, weight, spec, &group, needs)
+            }
+            LinearKind::Row(input) => row_backward::<B>(grad, input, weight, spec, &group, needs),
+        };
+        let LinearGrads {
+            input,
+            weight,
+            bias,
+        } = result
+            .unwrap_or_else(|e| panic!("burn-tp: parallel linear backward ({spec:?}) failed: {e}"));
+        for (parent, g) in parents.into_iter().zip([input, weight, bias]) {
+            if let (Some(node), Some(g)) = (parent, g) {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+type LinearForward<B> = fn(
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+    LinearSpec,
+    &ProcessGroup,
+) -> Result<(FloatTensor<B>, LinearKind<B>), CommError>;
+
+/// A parallel linear on `Autodiff<B>`: the inner forward, then one [`LinearBackward`] node.
+fn linear_op<B: TpBackend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    weight: FloatTensor<Autodiff<B, C>>,
+    bias: Bias<Autodiff<B, C>>,
+    spec: LinearSpec,
+    group: ProcessGroup,
+    forward: LinearForward<B>,
+) -> CollectiveOutput<Autodiff<B, C>> {
+    let bias = bias.into_option();
+    let inner_bias = bias.as_ref().map(|b| b.primitive().clone());
+    let (y, kind) = match forward(
+        x.primitive().clone(),
+        weight.primitive().clone(),
+        inner_bias,
+        spec,
+        &group,
+    ) {
+        Ok(out) => out,
+        Err(e) => return CollectiveOutput::Failed(e),
+    };
+    // Graph nodes outlive a panicking rank's stack: they must not keep it in the group.
+    let state = LinearState {
+        kind,
+        weight: weight.primitive().clone(),
+        spec,
+        group: group.weak(),
+    };
+    CollectiveOutput::Done(finish_linear::<B, C>(
+        LinearBackward,
+        state,
+        x,
+        weight,
+        bias,
+        y,
+    ))
+}
+
+fn finish_linear<B: TpBackend, C: CheckpointStrategy>(
+    node: LinearBackward,
+    state: LinearState<B>,
+    x: FloatTensor<Autodiff<B, C>>,
+    weight: FloatTensor<Autodiff<B, C>>,
+    bias: Option<FloatTensor<Autodiff<B, C>>>,
+    y: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match bias {
+        Some(b) => match node
+            .prepare::<C>([x.node(), weight.node(), b.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        },
+        None => match node
+            .prepare::<C>([x.node(), weight.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        },
+    }
+}

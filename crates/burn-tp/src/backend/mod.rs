@@ -1,0 +1,129 @@
+//! The collectives and the parallel linears as a Burn backend extension ([`TpBackend`]), with
+//! Megatron adjoints as custom `Autodiff` backward nodes.
+//!
+//! Two backend ops carry every collective: [`TpBackend::tp_start`] posts it and returns a
+//! [`PendingCollective`]; [`TpBackend::tp_resolve`] waits and returns the tensor. The blocking
+//! form is start + resolve; the parallel layers put compute in between ([`overlap`], the seed's
+//! algorithm). The default bodies move data through the host (`host.rs`: right for the CPU
+//! backends, where a rank is a thread); a device backend overrides them with its own transport
+//! (`cuda.rs`, feature `cuda`).
+//!
+//! | file          | what                                                              |
+//! |---------------|-------------------------------------------------------------------|
+//! | `mod.rs`      | the `#[backend_extension]` trait and its default bodies           |
+//! | `types.rs`    | [`Collective`], [`PendingCollective`], [`CollectiveOutput`], [`LinearSpec`] |
+//! | `host.rs`     | the host transport: one dtype switch, dim-first moves, slicing    |
+//! | `overlap.rs`  | the parallel-linear math and its overlap schedules (with diagram) |
+//! | `flex.rs`     | `TpBackend` for Flex (the defaults)                               |
+//! | `autodiff.rs` | `TpBackend` for `Autodiff<B>`: the backward nodes                 |
+//! | `cuda.rs`     | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
+//!
+//! Adjoints (backward of each forward, per rank):
+//!
+//! | forward                 | backward                         |
+//! |-------------------------|----------------------------------|
+//! | all-gather(dim)         | reduce-scatter(dim)              |
+//! | reduce-scatter(dim)     | all-gather(dim)                  |
+//! | copy-to-tp-region (id)  | all-reduce (sum)                 |
+//! | reduce-from-tp-region   | identity                         |
+//! | all-reduce(sum / avg)   | all-reduce(sum / avg)            |
+//! | all-reduce(max / min)   | all-reduce(sum) x [input == out] |
+//! | gather-from-region(dim) | split(dim): keep own chunk       |
+//! | scatter-to-region(dim)  | all-gather(dim)                  |
+
+mod autodiff;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod flex;
+pub(crate) mod host;
+pub mod overlap;
+mod types;
+
+use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
+use burn_tp_comm::ProcessGroup;
+
+pub use types::{
+    Bias, Collective, CollectiveOutput, LinearSpec, OverlapSchedule, PendingCollective, TpMode,
+};
+
+/// Collectives and parallel linears as backend operations. Implemented for Flex, for burn's
+/// CUDA backend (feature `cuda`) and for `Autodiff<B>` (with custom backward nodes); call them
+/// through [`crate::ops`] and [`crate::linear`].
+#[backend_extension(Flex, Cube: cfg(feature = "cuda"), Autodiff)]
+pub trait TpBackend: Backend {
+    /// Posts `op` of `x` on `group` and returns at once.
+    fn tp_start(
+        x: FloatTensor<Self>,
+        op: Collective,
+        group: ProcessGroup,
+    ) -> PendingCollective<Self> {
+        host::host_start::<Self>(x, op, group)
+    }
+
+    /// Waits for a started collective and returns its output.
+    fn tp_resolve(#[extension_type] pending: PendingCollective<Self>) -> CollectiveOutput<Self> {
+        host::host_resolve::<Self>(pending)
+    }
+
+    /// For a started all-gather along dim 0: rank `part`'s shard (`[n, ..]`), as soon as it has
+    /// arrived, without waiting for the rest. Not differentiable (used inside backward nodes and
+    /// the overlapped linear ops); the pending collective is still resolved or dropped after.
+    fn tp_resolve_part(
+        #[extension_type] pending: PendingCollective<Self>,
+        part: usize,
+    ) -> CollectiveOutput<Self> {
+        host::host_resolve_part::<Self>(pending, part)
+    }
+
+    /// A row-wise loss with a precomputed gradient: returns `value` (`[n]`); its backward
+    /// gives `input` (`[n, c]`) the gradient `jacobian * upstream[:, None]`, computed locally.
+    /// Used by [`crate::loss::sharded_cross_entropy`] (softmax minus one-hot, no communication).
+    fn tp_rowwise_loss(
+        input: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        jacobian: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = (input, jacobian);
+        value
+    }
+
+    /// Column-parallel linear with overlapped communication (see [`overlap`]):
+    /// `x [.., d_in] -> [.., d_out/n]` (ALL_REDUCE) or `x [s/n, .., d_in] -> [s, .., d_out/n]`
+    /// (REDUCE_SCATTER). `weight` is `[d_in, d_out/n]`, `bias` `[d_out/n]`.
+    fn tp_column_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        #[extension_type] bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        overlap::column_forward::<Self>(x, weight, bias.into_option(), spec, &group)
+            .map(|(y, _)| y)
+            .into()
+    }
+
+    /// Row-parallel linear with overlapped communication: `x [.., d_in/n] -> [.., d_out]`
+    /// (ALL_REDUCE) or `x [s, .., d_in/n] -> [s/n, .., d_out]` (REDUCE_SCATTER). `weight` is
+    /// `[d_in/n, d_out]`, `bias` `[d_out]` (replicated, added once after the reduction).
+    fn tp_row_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        #[extension_type] bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        overlap::row_forward::<Self>(x, weight, bias.into_option(), spec, &group).into()
+    }
+}
+
+/// Start + resolve on the inner backend, panicking on failure (for backward nodes, which cannot
+/// return errors).
+pub(crate) fn collective_blocking<B: TpBackend>(
+    x: FloatTensor<B>,
+    op: Collective,
+    group: &ProcessGroup,
+) -> FloatTensor<B> {
+    B::tp_resolve(B::tp_start(x, op, group.clone()))
+        .into_result()
+        .unwrap_or_else(|e| panic!("burn-tp: {op:?} in backward failed: {e}"))
+}

@@ -1,0 +1,244 @@
+//! The types the backend ops take and return: which collective, the one pending collective, its
+//! output, and the settings of a parallel linear.
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn::backend::{Backend, ExtensionType, tensor::FloatTensor};
+use burn::config::Config;
+use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
+
+use super::host::InFlight;
+
+/// Which collective a [`PendingCollective`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collective {
+    /// Rank-order concatenation along `dim`: `[.., n_d, ..] -> [.., tp * n_d, ..]`.
+    AllGather {
+        /// The concatenated dimension.
+        dim: usize,
+    },
+    /// Sum over ranks, then chunk `r` of `dim` to rank `r`: `[.., n_d, ..] -> [.., n_d / tp, ..]`.
+    ReduceScatter {
+        /// The scattered dimension.
+        dim: usize,
+    },
+    /// Element-wise reduction to every rank; its backward is the true per-rank adjoint (an
+    /// all-reduce), as data parallelism wants. Tensor parallel code uses the two below.
+    AllReduce(ReduceOp),
+    /// Megatron's `f`: identity forward, all-reduce (sum) backward.
+    CopyToRegion,
+    /// Megatron's `g`: all-reduce (sum) forward, identity backward.
+    ReduceFromRegion,
+    /// All-gather forward, split (keep this rank's chunk) backward: for a gathered output that
+    /// feeds replicated compute (`gather_output`), where every rank holds the full gradient.
+    GatherFromRegion {
+        /// The concatenated dimension.
+        dim: usize,
+    },
+    /// Split forward (keep this rank's chunk, no communication), all-gather backward.
+    ScatterToRegion {
+        /// The split dimension.
+        dim: usize,
+    },
+}
+
+impl Collective {
+    /// The dimension the collective moves, or 0 for element-wise ones.
+    pub(crate) fn dim(self) -> usize {
+        match self {
+            Collective::AllGather { dim }
+            | Collective::ReduceScatter { dim }
+            | Collective::GatherFromRegion { dim }
+            | Collective::ScatterToRegion { dim } => dim,
+            _ => 0,
+        }
+    }
+
+    /// Whether the forward runs without communication on this group (identity or split forwards,
+    /// or a group of one).
+    pub(crate) fn is_local(self, group: &ProcessGroup) -> bool {
+        group.world_size() == 1
+            || matches!(
+                self,
+                Collective::CopyToRegion | Collective::ScatterToRegion { .. }
+            )
+    }
+}
+
+/// What a started collective is doing.
+#[derive(Clone)]
+pub(crate) enum Posted {
+    /// Nothing to communicate ([`Collective::is_local`]).
+    Local,
+    /// Failed before any communication; its resolve returns the error.
+    Failed(CommError),
+    /// Communication in flight (host or device transport). Shared so the handle can cross the
+    /// dispatch boundary by clone.
+    InFlight(Arc<dyn InFlight>),
+}
+
+/// A started collective: the input it was started from and the communication in flight.
+/// [`TpBackend::tp_resolve`](super::TpBackend::tp_resolve) completes it.
+#[derive(ExtensionType)]
+pub struct PendingCollective<B: Backend> {
+    /// The tensor the collective was started from: it routes the resolve to its backend and is
+    /// the autodiff parent of the result.
+    pub input: FloatTensor<B>,
+    /// The collective.
+    pub op: Collective,
+    /// The group it runs on.
+    pub group: ProcessGroup,
+    pub(crate) posted: Posted,
+}
+
+impl<B: Backend> Clone for PendingCollective<B> {
+    fn clone(&self) -> Self {
+        Self {
+            input: self.input.clone(),
+            op: self.op,
+            group: self.group.clone(),
+            posted: self.posted.clone(),
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for PendingCollective<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "PendingCollective({:?} on rank {})",
+            self.op,
+            self.group.rank()
+        )
+    }
+}
+
+impl<B: Backend> PendingCollective<B> {
+    pub(crate) fn new(
+        input: FloatTensor<B>,
+        op: Collective,
+        group: ProcessGroup,
+        posted: Posted,
+    ) -> Self {
+        Self {
+            input,
+            op,
+            group,
+            posted,
+        }
+    }
+
+    /// The same collective, with `input` in place of this one's (another backend's view of it).
+    pub(crate) fn with_input<B2: Backend>(self, input: FloatTensor<B2>) -> PendingCollective<B2> {
+        PendingCollective::new(input, self.op, self.group, self.posted)
+    }
+}
+
+/// The result of a resolved collective at the backend level: a `Result` that can cross the
+/// dispatch boundary. [`into_result`](Self::into_result) and `From<Result<..>>` convert.
+#[derive(ExtensionType)]
+pub enum CollectiveOutput<B: Backend> {
+    /// The collective completed.
+    Done(FloatTensor<B>),
+    /// It failed on this rank (and, by the group's abort, on every rank).
+    Failed(CommError),
+}
+
+impl<B: Backend> CollectiveOutput<B> {
+    /// As a `Result`.
+    pub fn into_result(self) -> Result<FloatTensor<B>, CommError> {
+        match self {
+            CollectiveOutput::Done(t) => Ok(t),
+            CollectiveOutput::Failed(e) => Err(e),
+        }
+    }
+}
+
+impl<B: Backend> From<Result<FloatTensor<B>, CommError>> for CollectiveOutput<B> {
+    fn from(result: Result<FloatTensor<B>, CommError>) -> Self {
+        match result {
+            Ok(t) => CollectiveOutput::Done(t),
+            Err(e) => CollectiveOutput::Failed(e),
+        }
+    }
+}
+
+/// Inputs of a parallel-linear op as they cross the dispatch boundary: an optional bias.
+#[derive(ExtensionType)]
+pub enum Bias<B: Backend> {
+    /// No bias.
+    None,
+    /// The bias: `[d_out / n]` for the column layer, `[d_out]` (replicated) for the row layer.
+    Some(FloatTensor<B>),
+}
+
+impl<B: Backend> Bias<B> {
+    /// As an `Option`.
+    pub fn into_option(self) -> Option<FloatTensor<B>> {
+        match self {
+            Bias::None => None,
+            Bias::Some(b) => Some(b),
+        }
+    }
+}
+
+impl<B: Backend> From<Option<FloatTensor<B>>> for Bias<B> {
+    fn from(bias: Option<FloatTensor<B>>) -> Self {
+        bias.map_or(Bias::None, Bias::Some)
+    }
+}
+
+/// Activation layout of the tensor-parallel region.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum TpMode {
+    /// Activations replicated on every rank; row-parallel all-reduces its partial outputs.
+    AllReduce,
+    /// Sequence parallel: activations sharded on dim 0; column-parallel all-gathers its input,
+    /// row-parallel reduce-scatters its output.
+    ReduceScatter,
+}
+
+/// The overlap schedule for a gather feeding a matmul (see [`overlap`](super::overlap)).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum OverlapSchedule {
+    /// Own shard during the communication, the rest after it (nanotron).
+    Split,
+    /// Chunked ring: each rank's shard is consumed as it arrives (own, r-1, r-2, ...); the row
+    /// backward also accumulates its weight and bias gradients block by block, so nearly all of
+    /// its compute overlaps the gather.
+    Ring,
+}
+
+/// How a parallel linear runs: the one settings type, from the layer configs
+/// (`ColumnParallelLinearConfig`, `RowParallelLinearConfig`) through the layers to the backend
+/// ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearSpec {
+    /// Activation layout.
+    pub mode: TpMode,
+    /// Overlap the communication with compute (the backend's fused op with its own backward
+    /// node); otherwise compose the differentiable collectives with Burn's linear.
+    pub async_communication: bool,
+    /// Column layer, REDUCE_SCATTER mode: save only the local shard of the input and re-gather it
+    /// in backward (less memory, one more all-gather, hidden behind the dgrad matmul).
+    pub recompute_all_gather: bool,
+    /// Column layer, ALL_REDUCE mode: all-gather the output along the last dim.
+    pub gather_output: bool,
+    /// How to overlap a gather with the matmul that consumes it.
+    pub schedule: OverlapSchedule,
+}
+
+impl LinearSpec {
+    /// The defaults of the layer configs in `mode`: async, recompute, no gathered output,
+    /// the split schedule.
+    pub fn new(mode: TpMode) -> Self {
+        Self {
+            mode,
+            async_communication: true,
+            recompute_all_gather: true,
+            gather_output: false,
+            schedule: OverlapSchedule::Split,
+        }
+    }
+}
