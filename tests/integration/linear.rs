@@ -1,24 +1,19 @@
 //! Column/RowParallelLinear: the full grid against an unsharded Burn `Linear`, async vs sync,
-//! non-contiguous inputs, gradcheck, a trained Megatron MLP, and size errors.
+//! non-contiguous inputs (gradcheck, training and errors in `linear_checks.rs`).
 
-use burn::module::{Module, Param};
+use burn::module::Param;
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::{AdamConfig, GradientsParams};
-use burn::tensor::{DType, Device, Tensor, TensorData, activation::gelu};
+use burn::tensor::{DType, Device, Tensor};
 use burn_tp::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule,
-    RowParallelLinear, RowParallelLinearConfig, TpMode, column_parallel_linear,
-    row_parallel_linear,
+    ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
+    RowParallelLinearConfig, TpMode,
 };
 use burn_tp::local::run_local;
-use burn_tp::ops::all_reduce;
-use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
-use burn_tp::{LocalGroup, ProcessGroup, ReduceOp, TpError};
 
 use crate::common::{assert_close, device, f64s, quarters, rng_lock, tensor, uniform};
 
-const D_IN: usize = 12;
-const D_OUT: usize = 12;
+pub(crate) const D_IN: usize = 12;
+pub(crate) const D_OUT: usize = 12;
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -77,7 +72,7 @@ fn reference(linear: &Linear, x: Tensor<3>, g: Tensor<3>) -> Reference {
     }
 }
 
-fn chunk<const D: usize>(t: Tensor<D>, n: usize, dim: usize, r: usize) -> Tensor<D> {
+pub(crate) fn chunk<const D: usize>(t: Tensor<D>, n: usize, dim: usize, r: usize) -> Tensor<D> {
     if n == 1 {
         t
     } else {
@@ -369,7 +364,7 @@ fn init_shards_are_slices_of_burns_linear_init() {
     }
 }
 
-fn int_linear(seed: u64) -> Linear {
+pub(crate) fn int_linear(seed: u64) -> Linear {
     Linear {
         weight: Param::from_tensor(tensor(
             quarters(D_IN * D_OUT, seed),
@@ -515,311 +510,4 @@ fn non_contiguous_inputs_give_correct_results() {
     })
     .unwrap();
     assert!(out.iter().all(|&b| b));
-}
-
-fn f64_tensor<const D: usize>(v: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
-    Tensor::from_data(
-        TensorData::new(v, shape).convert::<f64>(),
-        (&device(), DType::F64),
-    )
-}
-
-#[test]
-fn gradcheck_column_and_row_ops() {
-    for tp in [1usize, 2] {
-        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
-            run_local(tp, move |group| {
-                let (r, n) = (group.rank(), group.world_size());
-                let opts = GradcheckOptions {
-                    rtol: 1e-4,
-                    atol: 1e-6,
-                    ..Default::default()
-                };
-                let spec = LinearSpec {
-                    schedule: OverlapSchedule::Split,
-                    ..LinearSpec::new(mode)
-                };
-                let rs = mode == TpMode::ReduceScatter;
-                let (s, d_in, d_out) = (4usize, 4usize, 4usize);
-                // Column: x (sharded on dim 0 in RS mode, else replicated), W_r, b_r as 2-D.
-                let xs = if rs { s / n } else { s };
-                let x = f64_tensor(
-                    uniform(xs * d_in, if rs { 30 + r as u64 } else { 30 }),
-                    [xs, d_in],
-                );
-                let w = f64_tensor(uniform(d_in * d_out / n, 40 + r as u64), [d_in, d_out / n]);
-                let b = f64_tensor(uniform(d_out / n, 50 + r as u64), [1, d_out / n]);
-                let g = f64_tensor(uniform(s * d_out / n, 60 + r as u64), [s, d_out / n]);
-                let column = |xs: &[Tensor<2>]| {
-                    let y = column_parallel_linear(
-                        xs[0].clone(),
-                        xs[1].clone(),
-                        Some(xs[2].clone().squeeze_dim(0)),
-                        spec,
-                        &group,
-                    )
-                    .unwrap();
-                    let y = y.clone() * y * g.clone(); // nonlinear, weighted
-                    y.sum()
-                };
-                // The column input is replicated in AR mode: check it separately from the weights.
-                if rs {
-                    gradcheck(
-                        &group,
-                        &[x.clone(), w.clone(), b.clone()],
-                        LossKind::Sharded,
-                        opts,
-                        column,
-                    )
-                    .unwrap();
-                } else {
-                    let rep = GradcheckOptions {
-                        replicated_inputs: true,
-                        ..opts
-                    };
-                    gradcheck(
-                        &group,
-                        std::slice::from_ref(&x),
-                        LossKind::Sharded,
-                        rep,
-                        |xs| column(&[xs[0].clone(), w.clone(), b.clone()]),
-                    )
-                    .unwrap();
-                    gradcheck(
-                        &group,
-                        &[w.clone(), b.clone()],
-                        LossKind::Sharded,
-                        opts,
-                        |ps| column(&[x.clone(), ps[0].clone(), ps[1].clone()]),
-                    )
-                    .unwrap();
-                }
-                // Row: x_r [s, d_in/n], W_r [d_in/n, d_out], b replicated [d_out].
-                let xr = f64_tensor(uniform(s * d_in / n, 70 + r as u64), [s, d_in / n]);
-                let wr = f64_tensor(uniform(d_in / n * d_out, 80 + r as u64), [d_in / n, d_out]);
-                let br = f64_tensor(uniform(d_out, 90), [1, d_out]);
-                let gs = if rs { s / n } else { s };
-                let gr = f64_tensor(
-                    uniform(gs * d_out, if rs { 100 + r as u64 } else { 100 }),
-                    [gs, d_out],
-                );
-                let row = |xs: &[Tensor<2>], b: Tensor<2>| {
-                    let y = row_parallel_linear(
-                        xs[0].clone(),
-                        xs[1].clone(),
-                        Some(b.squeeze_dim(0)),
-                        spec,
-                        &group,
-                    )
-                    .unwrap();
-                    (y.clone() * y * gr.clone()).sum()
-                };
-                let kind = if rs {
-                    LossKind::Sharded
-                } else {
-                    LossKind::Replicated
-                };
-                gradcheck(&group, &[xr.clone(), wr.clone()], kind, opts, |xs| {
-                    row(xs, br.clone())
-                })
-                .unwrap();
-                let rep = GradcheckOptions {
-                    replicated_inputs: true,
-                    ..opts
-                };
-                gradcheck(&group, std::slice::from_ref(&br), kind, rep, |bs| {
-                    row(&[xr.clone(), wr.clone()], bs[0].clone())
-                })
-                .unwrap();
-            })
-            .unwrap();
-        }
-    }
-}
-
-#[derive(Module, Debug)]
-struct TpMlp {
-    fc1: ColumnParallelLinear,
-    fc2: RowParallelLinear,
-}
-
-#[derive(Module, Debug)]
-struct RefMlp {
-    fc1: Linear,
-    fc2: Linear,
-}
-
-/// A Megatron MLP (column -> gelu -> row) at tp = 2 and 4 trained for 20 Adam steps equals the
-/// unsharded MLP trained the same way.
-#[test]
-fn megatron_mlp_trains_like_the_unsharded_mlp() {
-    let _rng = rng_lock();
-    let (s, b, d, h) = (8usize, 2usize, 8usize, 16usize);
-    let steps = 20;
-    let x_vals = uniform(s * b * d, 1);
-    let t_vals = uniform(s * b * d, 2);
-    let lr = 1e-2;
-    // Reference.
-    let dev = device();
-    dev.seed(7);
-    let mut model = RefMlp {
-        fc1: LinearConfig::new(d, h).init(&dev),
-        fc2: LinearConfig::new(h, d).init(&dev),
-    };
-    let mut optim = AdamConfig::new().init();
-    let x = tensor(x_vals.clone(), [s, b, d], DType::F32);
-    let t = tensor(t_vals.clone(), [s, b, d], DType::F32);
-    let mut ref_losses = Vec::new();
-    for _ in 0..steps {
-        let y = model.fc2.forward(gelu(model.fc1.forward(x.clone())));
-        let loss = (y - t.clone()).powi_scalar(2).sum() / (s * b * d) as f64;
-        ref_losses.push(f64s(loss.clone())[0]);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr, model, grads);
-    }
-    let ref_params = [
-        f64s(model.fc1.weight.val()),
-        f64s(model.fc1.bias.unwrap().val()),
-        f64s(model.fc2.weight.val()),
-        f64s(model.fc2.bias.unwrap().val()),
-    ];
-
-    for tp in [2usize, 4] {
-        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
-            dev.seed(7);
-            let (xv, tv) = (x_vals.clone(), t_vals.clone());
-            let out = run_local(tp, move |group| {
-                let (r, n) = (group.rank(), group.world_size());
-                let dev = device();
-                let mut model = TpMlp {
-                    fc1: ColumnParallelLinearConfig::new(d, h)
-                        .with_mode(mode)
-                        .init(&group, &dev)
-                        .unwrap(),
-                    fc2: RowParallelLinearConfig::new(h, d)
-                        .with_mode(mode)
-                        .init(&group, &dev)
-                        .unwrap(),
-                };
-                let mut optim = AdamConfig::new().init();
-                let rs = mode == TpMode::ReduceScatter;
-                let x = tensor(xv.clone(), [s, b, d], DType::F32);
-                let t = tensor(tv.clone(), [s, b, d], DType::F32);
-                let (x, t) = if rs {
-                    (chunk(x, n, 0, r), chunk(t, n, 0, r))
-                } else {
-                    (x, t)
-                };
-                let mut losses = Vec::new();
-                for _ in 0..steps {
-                    let y = model
-                        .fc2
-                        .forward(gelu(model.fc1.forward(x.clone()).unwrap()))
-                        .unwrap();
-                    let loss = (y - t.clone()).powi_scalar(2).sum() / (s * b * d) as f64;
-                    // RS: each rank holds its shard's part of the loss.
-                    let total = if rs {
-                        all_reduce(loss.clone().detach(), ReduceOp::Sum, &group).unwrap()
-                    } else {
-                        loss.clone()
-                    };
-                    losses.push(f64s(total)[0]);
-                    let grads = GradientsParams::from_grads(loss.backward(), &model);
-                    model = optim.step(lr, model, grads);
-                }
-                let (f1, f2) = (model.fc1.to_full().unwrap(), model.fc2.to_full().unwrap());
-                (
-                    losses,
-                    [
-                        f64s(f1.weight.val()),
-                        f64s(f1.bias.unwrap().val()),
-                        f64s(f2.weight.val()),
-                        f64s(f2.bias.unwrap().val()),
-                    ],
-                )
-            })
-            .unwrap();
-            for (r, (losses, params)) in out.iter().enumerate() {
-                let tag = format!("tp {tp} {mode:?} rank {r}");
-                assert_close(losses, &ref_losses, 1e-5, &format!("losses {tag}"));
-                for (p, want) in params.iter().zip(&ref_params) {
-                    assert_close(p, want, 1e-5, &format!("params {tag}"));
-                }
-            }
-            assert!(ref_losses[steps - 1] < ref_losses[0], "the MLP learns");
-        }
-    }
-}
-
-#[test]
-fn size_errors_are_typed_errors_naming_the_sizes() {
-    let _rng = rng_lock();
-    let groups = LocalGroup::new(3).unwrap();
-    let g: &ProcessGroup = &groups[0];
-    let dev = device();
-    // Errors before communication: a single rank gets them without the others.
-    let e = ColumnParallelLinearConfig::new(4, 8)
-        .init(g, &dev)
-        .unwrap_err();
-    assert_eq!(
-        e,
-        TpError::NotDivisible {
-            what: "ColumnParallelLinear d_output".into(),
-            size: 8,
-            tp: 3
-        }
-    );
-    assert!(e.to_string().contains('8') && e.to_string().contains('3'));
-    let e = RowParallelLinearConfig::new(10, 6)
-        .init(g, &dev)
-        .unwrap_err();
-    assert_eq!(
-        e,
-        TpError::NotDivisible {
-            what: "RowParallelLinear d_input".into(),
-            size: 10,
-            tp: 3
-        }
-    );
-    let e = ColumnParallelLinearConfig::new(4, 6)
-        .with_mode(TpMode::ReduceScatter)
-        .with_gather_output(true)
-        .init(g, &dev);
-    assert!(matches!(e, Err(TpError::Config(_))));
-    // Errors at the call (tp = 1 group to build layers without peers, then checked shapes).
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let col = ColumnParallelLinearConfig::new(4, 6)
-        .init(&solo, &dev)
-        .unwrap();
-    let e = col
-        .forward(tensor(vec![0.0; 10], [2, 5], DType::F32))
-        .unwrap_err();
-    assert!(
-        matches!(&e, TpError::Shape { got, .. } if got == &vec![2, 5]),
-        "{e}"
-    );
-    let row = RowParallelLinear::from_full(
-        &int_linear(1),
-        g,
-        &RowParallelLinearConfig::new(D_IN, D_OUT).with_mode(TpMode::ReduceScatter),
-    )
-    .unwrap();
-    let e = row
-        .forward(tensor(vec![0.0; 5 * 4], [5, 4], DType::F32))
-        .unwrap_err();
-    assert_eq!(
-        e,
-        TpError::NotDivisible {
-            what: "RowParallelLinear: dim 0 (sequence) of the input".into(),
-            size: 5,
-            tp: 3
-        }
-    );
-    let e = row
-        .forward(tensor(vec![0.0; 6 * 5], [6, 5], DType::F32))
-        .unwrap_err();
-    assert!(
-        matches!(&e, TpError::Shape { expected, .. } if expected.contains('4')),
-        "{e}"
-    );
 }

@@ -4,3 +4,4 @@ mod collectives;
 mod common;
 mod gpt;
 mod linear;
+mod linear_checks;
