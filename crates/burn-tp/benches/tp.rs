@@ -6,7 +6,6 @@
 //! cargo bench -p burn-tp --bench tp -- --quick # < 1 minute, smaller sizes
 //! ```
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::module::Param;
@@ -17,7 +16,7 @@ use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
     RowParallelLinearConfig, TpMode,
 };
-use burn_tp::local::run_ranks;
+use burn_tp::local::{RunOptions, run_ranks_with};
 use burn_tp::ops::all_gather;
 use burn_tp::transformer::{ParallelAttentionConfig, ParallelMlpConfig, TpLayerNorm};
 use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
@@ -39,16 +38,12 @@ fn ranks<T: Send + 'static>(
     threads: usize,
     f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
-    let f = Arc::new(f);
-    run_ranks(
+    run_ranks_with(
         LocalGroup::with_options(world, options).unwrap(),
-        move |g| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| f(g))
+        RunOptions {
+            threads_per_rank: Some(threads),
         },
+        f,
     )
     .unwrap()
 }

@@ -1,12 +1,44 @@
-//! Ranks as threads of one process: the runner that gives each rank its thread and its
-//! [`ProcessGroup`] handle (the embedded default on the CPU; no setup).
+//! Ranks as threads of one process: the runner that gives each rank its thread, its
+//! [`ProcessGroup`] handle and its own share of the cores (the embedded default on the CPU; no
+//! setup).
+//!
+//! Burn's Flex kernels (GEMMs through `gemm`, elementwise through rayon) use the rayon pool they
+//! run in. Rank threads that shared the global pool would oversubscribe the cores `world` times
+//! over; instead each rank runs inside a pool of its own of [`threads_per_rank`] threads.
 
 use std::sync::Arc;
 
 use burn_tp_comm::{LocalGroup, ProcessGroup};
 
-/// Runs `f` once per rank, each on its own thread with its own [`ProcessGroup`], and returns the
-/// results in rank order.
+/// Environment variable overriding the threads of each rank's pool.
+pub const THREADS_PER_RANK_ENV: &str = "BURN_TP_THREADS_PER_RANK";
+
+/// How many threads each of `world` rank threads gets: `BURN_TP_THREADS_PER_RANK` if set (and
+/// positive), else `max(1, cores / world)`.
+pub fn threads_per_rank(world: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    threads_for(
+        std::env::var(THREADS_PER_RANK_ENV).ok().as_deref(),
+        cores,
+        world,
+    )
+}
+
+fn threads_for(env: Option<&str>, cores: usize, world: usize) -> usize {
+    env.and_then(|s| s.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or((cores / world.max(1)).max(1))
+}
+
+/// Options of [`run_ranks_with`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Threads of each rank's rayon pool; `None`: [`threads_per_rank`].
+    pub threads_per_rank: Option<usize>,
+}
+
+/// Runs `f` once per rank, each on its own thread with its own [`ProcessGroup`] and its own rayon
+/// pool of [`threads_per_rank`] threads, and returns the results in rank order.
 ///
 /// # Errors
 /// The panic message of the first rank that panicked, prefixed with its rank.
@@ -14,14 +46,38 @@ pub fn run_ranks<T: Send + 'static>(
     groups: Vec<ProcessGroup>,
     f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
 ) -> Result<Vec<T>, String> {
+    run_ranks_with(groups, RunOptions::default(), f)
+}
+
+/// [`run_ranks`] with options (the threads of each rank's pool).
+///
+/// # Errors
+/// As [`run_ranks`]; a pool that cannot be built.
+pub fn run_ranks_with<T: Send + 'static>(
+    groups: Vec<ProcessGroup>,
+    options: RunOptions,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
+) -> Result<Vec<T>, String> {
+    let threads = options
+        .threads_per_rank
+        .unwrap_or_else(|| threads_per_rank(groups.len()));
     let f = Arc::new(f);
     let handles: Vec<_> = groups
         .into_iter()
         .map(|group| {
             let f = f.clone();
+            let rank = group.rank();
             std::thread::Builder::new()
-                .name(format!("tp-rank-{}", group.rank()))
-                .spawn(move || f(group))
+                .name(format!("tp-rank-{rank}"))
+                .spawn(move || {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .thread_name(move |i| format!("tp-rank-{rank}-worker-{i}"))
+                        .build()
+                        .unwrap_or_else(|e| panic!("building the rayon pool of rank {rank}: {e}"));
+                    // Flex's kernels called from `f` run on this rank's pool.
+                    pool.install(move || f(group))
+                })
                 .expect("spawning a rank thread")
         })
         .collect();
@@ -53,4 +109,38 @@ pub fn run_local<T: Send + 'static>(
 ) -> Result<Vec<T>, String> {
     let groups = LocalGroup::new(world_size).map_err(|e| e.to_string())?;
     run_ranks(groups, f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_rank_runs_in_a_pool_of_its_own_share_of_the_cores() {
+        assert_eq!(threads_for(None, 16, 4), 4);
+        assert_eq!(threads_for(None, 2, 4), 1);
+        assert_eq!(threads_for(Some(" 3 "), 2, 4), 3);
+        assert_eq!(threads_for(Some("0"), 8, 2), 4);
+        assert_eq!(threads_for(Some("many"), 8, 2), 4);
+        let groups = LocalGroup::new(2).unwrap();
+        let options = RunOptions {
+            threads_per_rank: Some(3),
+        };
+        let seen = run_ranks_with(groups, options, |_| {
+            let name = std::thread::current().name().map(str::to_string);
+            (rayon::current_num_threads(), name)
+        })
+        .unwrap();
+        for (rank, (threads, name)) in seen.into_iter().enumerate() {
+            assert_eq!(threads, 3);
+            // `f` itself runs on one of the rank's pool workers.
+            assert!(
+                name.as_deref()
+                    .is_some_and(|n| n.starts_with(&format!("tp-rank-{rank}-worker-"))),
+                "{name:?}"
+            );
+        }
+        let default = run_local(2, |_| rayon::current_num_threads()).unwrap();
+        assert_eq!(default, vec![threads_per_rank(2); 2]);
+    }
 }
