@@ -327,7 +327,7 @@ fn train_rank(
         let (ids, targets) = batch(tokens, args, step);
         let ids = dp_slice(&ids, args, dp_rank, &device);
         let targets = dp_slice(&targets, args, dp_rank, &device);
-        let loss = model.loss(ids, targets)?;
+        let loss = model.try_loss(ids, targets)?;
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
         losses.push(value);

@@ -115,10 +115,9 @@ fn run_case(case: Case, column: bool) {
             let y = if case.one_row {
                 layer
                     .forward(x.clone().squeeze_dim::<2>(1))
-                    .unwrap()
                     .unsqueeze_dim::<3>(1)
             } else {
-                layer.forward(x.clone()).unwrap()
+                layer.forward(x.clone())
             };
             (
                 y,
@@ -140,10 +139,9 @@ fn run_case(case: Case, column: bool) {
             let y = if case.one_row {
                 layer
                     .forward(x.clone().squeeze_dim::<2>(1))
-                    .unwrap()
                     .unsqueeze_dim::<3>(1)
             } else {
-                layer.forward(x.clone()).unwrap()
+                layer.forward(x.clone())
             };
             (
                 y,
@@ -294,7 +292,7 @@ fn column_gather_output_matches_unsharded_linear() {
                     .init(&group, &device())
                     .unwrap();
                 let x = tensor(x_vals.clone(), [12, 2, D_IN], DType::F32).require_grad();
-                let y = layer.forward(x.clone()).unwrap();
+                let y = layer.forward(x.clone());
                 // Replicated output, replicated loss.
                 let grads = (y.clone() * tensor(g_vals.clone(), [12, 2, D_OUT], DType::F32))
                     .sum()
@@ -412,7 +410,7 @@ fn async_and_sync_agree_bitwise_on_integer_data() {
                         x_full
                     }
                     .require_grad();
-                    let y = rw.forward(c.forward(x.clone()).unwrap()).unwrap();
+                    let y = rw.forward(c.forward(x.clone()));
                     // Replicated output (AR) gets the same upstream gradient on every rank.
                     let seed = if mode == TpMode::ReduceScatter {
                         9 + r as u64
@@ -485,8 +483,8 @@ fn non_contiguous_inputs_give_correct_results() {
             DType::F32,
         );
         (
-            f64s(layer.forward(xt).unwrap()) == f64s(layer.forward(contiguous_t).unwrap()),
-            f64s(layer.forward(xs).unwrap()) == f64s(layer.forward(contiguous_s).unwrap()),
+            f64s(layer.forward(xt)) == f64s(layer.forward(contiguous_t)),
+            f64s(layer.forward(xs)) == f64s(layer.forward(contiguous_s)),
         )
     })
     .unwrap();
@@ -506,7 +504,7 @@ fn non_contiguous_inputs_give_correct_results() {
             [3, 2, D_IN],
             DType::F32,
         );
-        f64s(layer.forward(x).unwrap()) == f64s(layer.forward(xc).unwrap())
+        f64s(layer.forward(x)) == f64s(layer.forward(xc))
     })
     .unwrap();
     assert!(out.iter().all(|&b| b));

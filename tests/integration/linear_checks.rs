@@ -213,10 +213,7 @@ fn megatron_mlp_trains_like_the_unsharded_mlp() {
                 };
                 let mut losses = Vec::new();
                 for _ in 0..steps {
-                    let y = model
-                        .fc2
-                        .forward(gelu(model.fc1.forward(x.clone()).unwrap()))
-                        .unwrap();
+                    let y = model.fc2.forward(gelu(model.fc1.forward(x.clone())));
                     let loss = (y - t.clone()).powi_scalar(2).sum() / (s * b * d) as f64;
                     // RS: each rank holds its shard's part of the loss.
                     let total = if rs {
@@ -293,10 +290,20 @@ fn size_errors_are_typed_errors_naming_the_sizes() {
         .init(&solo, &dev)
         .unwrap();
     let e = col
-        .forward(tensor(vec![0.0; 10], [2, 5], DType::F32))
+        .try_forward(tensor(vec![0.0; 10], [2, 5], DType::F32))
         .unwrap_err();
     assert!(
         matches!(&e, TpError::Shape { got, .. } if got == &vec![2, 5]),
+        "{e}"
+    );
+    // `forward` (Burn's convention) panics on the caller's thread with the same message.
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        col.forward(tensor(vec![0.0; 10], [2, 5], DType::F32))
+    }))
+    .unwrap_err();
+    assert_eq!(panic.downcast_ref::<String>(), Some(&e.to_string()));
+    assert!(
+        e.to_string().contains("[2, 5]") && e.to_string().contains("[.., 4]"),
         "{e}"
     );
     let row = RowParallelLinear::from_full(
@@ -306,7 +313,7 @@ fn size_errors_are_typed_errors_naming_the_sizes() {
     )
     .unwrap();
     let e = row
-        .forward(tensor(vec![0.0; 5 * 4], [5, 4], DType::F32))
+        .try_forward(tensor(vec![0.0; 5 * 4], [5, 4], DType::F32))
         .unwrap_err();
     assert_eq!(
         e,
@@ -317,7 +324,7 @@ fn size_errors_are_typed_errors_naming_the_sizes() {
         }
     );
     let e = row
-        .forward(tensor(vec![0.0; 6 * 5], [6, 5], DType::F32))
+        .try_forward(tensor(vec![0.0; 6 * 5], [6, 5], DType::F32))
         .unwrap_err();
     assert!(
         matches!(&e, TpError::Shape { expected, .. } if expected.contains('4')),

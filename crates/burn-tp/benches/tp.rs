@@ -197,11 +197,11 @@ fn bench_zero_cost(quick: bool) {
             // Interleaved, so drift hits both sides alike.
             a.push(timed(&g, 1, || step_burn(&linear, &x)));
             b.push(timed(&g, 1, || {
-                drop(loss_of(col.forward(x.clone().require_grad()).unwrap()).backward())
+                drop(loss_of(col.forward(x.clone().require_grad())).backward())
             }));
             c.push(timed(&g, 1, || step_burn(&linear_t, &xt)));
             d.push(timed(&g, 1, || {
-                drop(loss_of(row.forward(xt.clone().require_grad()).unwrap()).backward())
+                drop(loss_of(row.forward(xt.clone().require_grad())).backward())
             }));
         }
         (median(a), median(b), median(c), median(d))
@@ -330,7 +330,7 @@ fn bench_overlap(quick: bool, schedule: OverlapSchedule) -> Vec<(usize, [Overlap
                             let x = Tensor::<2>::ones([s, d / n], &dev).require_grad();
                             let mut t = Vec::new();
                             for _ in 0..reps {
-                                let loss = loss_of(layer.forward(x.clone()).unwrap());
+                                let loss = loss_of(layer.forward(x.clone()));
                                 t.push(timed(&g, 1, || drop(loss.clone().backward())));
                             }
                             median(t)
@@ -345,13 +345,11 @@ fn bench_overlap(quick: bool, schedule: OverlapSchedule) -> Vec<(usize, [Overlap
                                 .with_schedule(schedule);
                             let x = Tensor::<2>::ones([s / n, d], &dev).require_grad();
                             if case == 1 {
-                                timed(&g, reps, || {
-                                    drop(layer.forward(x.clone()).unwrap().into_data())
-                                })
+                                timed(&g, reps, || drop(layer.forward(x.clone()).into_data()))
                             } else {
                                 let mut t = Vec::new();
                                 for _ in 0..reps {
-                                    let loss = loss_of(layer.forward(x.clone()).unwrap());
+                                    let loss = loss_of(layer.forward(x.clone()));
                                     t.push(timed(&g, 1, || drop(loss.clone().backward())));
                                 }
                                 median(t)
@@ -419,8 +417,8 @@ fn block_step(world: usize, quick: bool) -> f64 {
         };
         let x = Tensor::<3>::ones([s, b, d], &dev) * 0.1;
         timed(&g, reps, || {
-            let h = x.clone() + block.attn.forward(block.ln1.forward(x.clone())).unwrap();
-            let y = h.clone() + block.mlp.forward(block.ln2.forward(h)).unwrap();
+            let h = x.clone() + block.attn.forward(block.ln1.forward(x.clone()));
+            let y = h.clone() + block.mlp.forward(block.ln2.forward(h));
             drop(loss_of(y).backward());
         })
     })[0]

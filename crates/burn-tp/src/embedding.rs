@@ -142,10 +142,18 @@ impl VocabParallelEmbedding {
     /// - ALL_REDUCE: `[d0, d1] -> [d0, d1, d_model]`, replicated
     /// - REDUCE_SCATTER: `[s, b] -> [s / tp, b, d_model]` (ids of the full sequence on every rank)
     ///
-    /// # Errors
+    /// # Panics
     /// [`TpError::OutOfRange`] for an id outside `0..n_vocab`; [`TpError::NotDivisible`] if
     /// `s % tp != 0` in REDUCE_SCATTER mode; a communication error.
-    pub fn forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
         check_ids(&ids, self.n_vocab)?;
         let tp = self.group.world_size();
         let [s, _] = ids.dims();

@@ -72,6 +72,25 @@ pub struct Block {
     pub mlp: ParallelMlp,
 }
 
+impl Block {
+    /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]` (sharded on dim 0 in REDUCE_SCATTER mode).
+    ///
+    /// # Panics
+    /// As the layers' `forward`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As the layers' `try_forward`.
+    pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        let x = x.clone() + self.attn.try_forward(self.ln1.forward(x))?;
+        Ok(x.clone() + self.mlp.try_forward(self.ln2.forward(x))?)
+    }
+}
+
 /// The tiny GPT.
 #[derive(Module, Debug)]
 pub struct Gpt {
@@ -180,10 +199,18 @@ impl Gpt {
     /// - `ids`: `[seq, batch]` (the full sequence on every rank, in both modes)
     /// - output: `[seq, batch, n_vocab / tp]`
     ///
-    /// # Errors
+    /// # Panics
     /// [`TpError::Shape`] for a sequence longer than `max_seq`; ids outside the vocabulary;
     /// sizes not divisible by tp; a communication error.
-    pub fn forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
         let [s, _] = ids.dims();
         let pos = self.pos.val();
         let [max_seq, d] = pos.dims();
@@ -195,7 +222,7 @@ impl Gpt {
             });
         }
         let (mode, group) = (self.options.mode, &self.group);
-        let mut x = self.tok.forward(ids)?;
+        let mut x = self.tok.try_forward(ids)?;
         // Positions of this rank's rows: all of them, or its sequence shard.
         let rows = match mode {
             TpMode::AllReduce => 0..s,
@@ -207,12 +234,11 @@ impl Gpt {
         let pos = replicated_param(pos, mode, group).slice([rows, 0..d]);
         x = x + pos.unsqueeze_dim::<3>(1);
         for block in &self.blocks {
-            x = x.clone() + block.attn.forward(block.ln1.forward(x))?;
-            x = x.clone() + block.mlp.forward(block.ln2.forward(x))?;
+            x = block.try_forward(x)?;
         }
         let x = self.ln_f.forward(x);
         match &self.head {
-            Some(head) => head.forward(x),
+            Some(head) => head.try_forward(x),
             None => {
                 // Tied: the embedding shard `[V/tp, d]` is the column shard `[d, V/tp]` of the head.
                 let spec = LinearSpec {
@@ -229,10 +255,19 @@ impl Gpt {
     /// # Shapes
     /// - `ids`, `targets`: `[seq, batch]`
     ///
-    /// # Errors
+    /// # Panics
     /// As [`forward`](Self::forward) and [`sharded_cross_entropy`].
-    pub fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
-        let logits = self.forward(ids)?;
+    pub fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        self.try_loss(ids, targets)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`loss`](Self::loss), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss)'s panics.
+    pub fn try_loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        let logits = self.try_forward(ids)?;
         let [s, b, v] = logits.dims();
         sharded_cross_entropy(
             logits.reshape([s * b, v]),

@@ -21,6 +21,57 @@
 //! Ranks are [`ProcessGroup`] handles from `burn-tp-comm`; on the CPU every rank is a thread
 //! ([`LocalGroup`]), all on the one Flex device. Each rank must build (or fork) its own module in
 //! its own thread: autodiff graphs that share a node merge and lock together.
+//!
+//! # Usage
+//!
+//! The layers compose like Burn's own: `forward` returns the tensor (and panics with the
+//! [`TpError`] message on misuse), `try_forward` returns the [`Result`].
+//!
+//! ```
+//! use burn::module::Module;
+//! use burn::tensor::{Device, Tensor, activation::gelu};
+//! use burn_tp::linear::{
+//!     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+//!     TpMode,
+//! };
+//! use burn_tp::{ProcessGroup, local::run_local};
+//!
+//! /// A Megatron MLP, written like any Burn module.
+//! #[derive(Module, Debug)]
+//! struct Mlp {
+//!     fc1: ColumnParallelLinear,
+//!     fc2: RowParallelLinear,
+//! }
+//!
+//! impl Mlp {
+//!     fn new(d: usize, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self> {
+//!         let mode = TpMode::ReduceScatter; // sequence parallel: the seed's overlapped path
+//!         Ok(Self {
+//!             fc1: ColumnParallelLinearConfig::new(d, 4 * d).with_mode(mode).init(group, device)?,
+//!             fc2: RowParallelLinearConfig::new(4 * d, d).with_mode(mode).init(group, device)?,
+//!         })
+//!     }
+//!
+//!     /// `[seq / tp, batch, d] -> [seq / tp, batch, d]`
+//!     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+//!         self.fc2.forward(gelu(self.fc1.forward(x)))
+//!     }
+//! }
+//!
+//! let device = Device::flex().autodiff();
+//! device.seed(0); // once, before the rank threads start: the model is then the same at every tp
+//! let losses = run_local(2, move |group| -> burn_tp::Result<f32> {
+//!     // Each rank builds its own shards in its own thread (tp = 2).
+//!     let mlp = Mlp::new(64, &group, &device)?;
+//!     let x = Tensor::<3>::ones([8, 4, 64], &device); // this rank's sequence shard
+//!     let loss = mlp.forward(x).powi_scalar(2).mean();
+//!     let value = loss.clone().into_scalar();
+//!     let _grads = loss.backward(); // overlapped, Megatron-exact gradients
+//!     Ok(value)
+//! })
+//! .expect("no rank panicked");
+//! assert!(losses.iter().all(|l| l.as_ref().is_ok_and(|v| v.is_finite())));
+//! ```
 
 pub mod backend;
 pub mod dp;

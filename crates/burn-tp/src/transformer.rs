@@ -145,10 +145,18 @@ impl ParallelMlpConfig {
 impl ParallelMlp {
     /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]` (sharded on dim 0 in REDUCE_SCATTER mode).
     ///
-    /// # Errors
+    /// # Panics
     /// As the linears' `forward`.
-    pub fn forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
-        self.fc2.forward(gelu(self.fc1.forward(x)?))
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        self.fc2.try_forward(gelu(self.fc1.try_forward(x)?))
     }
 }
 
@@ -247,12 +255,20 @@ impl ParallelAttention {
     /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]`; the attention itself always sees the full
     /// sequence (`[b, heads / tp, s, head_dim]`).
     ///
-    /// # Errors
+    /// # Panics
     /// As the linears' `forward`.
-    pub fn forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
         let (h, hd) = (self.n_local_heads, self.head_dim);
         let (q, k, v) = if self.qkv.len() == 1 {
-            let y = self.qkv[0].forward(x)?; // [s, b, h * 3 * hd]
+            let y = self.qkv[0].try_forward(x)?; // [s, b, h * 3 * hd]
             let [s, b, _] = y.dims();
             let y = y.reshape([s, b, h, 3, hd]);
             let part = |i: usize| {
@@ -263,7 +279,7 @@ impl ParallelAttention {
             (part(0), part(1), part(2))
         } else {
             let heads = |l: &ColumnParallelLinear| -> TpResult<Tensor<4>> {
-                let y = l.forward(x.clone())?;
+                let y = l.try_forward(x.clone())?;
                 let [s, b, _] = y.dims();
                 Ok(y.reshape([s, b, h, hd]))
             };
@@ -284,7 +300,7 @@ impl ParallelAttention {
         let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device()).unsqueeze::<4>();
         let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
         let ctx = att.matmul(v).permute([2, 0, 1, 3]).reshape([s, b, h * hd]);
-        self.out.forward(ctx)
+        self.out.try_forward(ctx)
     }
 }
 

@@ -171,16 +171,26 @@ impl ColumnParallelLinear {
         self
     }
 
-    /// Forward pass.
+    /// Forward pass, panicking with the [`TpError`](crate::TpError) message on misuse or a
+    /// failed collective (Burn's convention); [`try_forward`](Self::try_forward) returns it.
     ///
     /// # Shapes
     /// - ALL_REDUCE: `[.., d_input] -> [.., d_output / tp]` (`[.., d_output]` with `gather_output`)
     /// - REDUCE_SCATTER: `[s / tp, .., d_input] -> [s, .., d_output / tp]`
     ///
-    /// # Errors
+    /// # Panics
     /// [`TpError::Shape`] if the last dim is not `d_input` (or `D < 2` in REDUCE_SCATTER mode);
     /// a communication error.
-    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Forward pass, returning the error instead of panicking. Shapes as
+    /// [`forward`](Self::forward).
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
         let bias = self.bias.as_ref().map(|b| b.val());
         column_parallel_linear(x, self.weight.val(), bias, self.spec, &self.group)
     }

@@ -144,17 +144,27 @@ impl RowParallelLinear {
         self
     }
 
-    /// Forward pass.
+    /// Forward pass, panicking with the [`TpError`](crate::TpError) message on misuse or a
+    /// failed collective (Burn's convention); [`try_forward`](Self::try_forward) returns it.
     ///
     /// # Shapes
     /// - ALL_REDUCE: `[.., d_input / tp] -> [.., d_output]`
     /// - REDUCE_SCATTER: `[s, .., d_input / tp] -> [s / tp, .., d_output]`
     ///
-    /// # Errors
+    /// # Panics
     /// [`TpError::Shape`](crate::TpError::Shape) if the last dim is not `d_input / tp`;
     /// [`TpError::NotDivisible`](crate::TpError::NotDivisible) if `s % tp != 0` in
     /// REDUCE_SCATTER mode; a communication error.
-    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Forward pass, returning the error instead of panicking. Shapes as
+    /// [`forward`](Self::forward).
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
         let bias = self.bias.as_ref().map(|b| b.val());
         row_parallel_linear(x, self.weight.val(), bias, self.spec, &self.group)
     }
