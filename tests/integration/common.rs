@@ -1,7 +1,23 @@
 //! Shared helpers: devices, seeded random tensors, comparisons.
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_tp::local::run_ranks;
+use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup};
 use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// `run_local` over a group with a (very fast) simulated link: collectives then progress in the
+/// background, so the async layers run their real overlap schedules (without a link, ranks as
+/// threads move data inside the wait and the schedules fall back to one block).
+pub fn run_linked<T: Send + 'static>(
+    tp: usize,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
+) -> Result<Vec<T>, String> {
+    let options = LocalGroupOptions {
+        link: Some(LinkModel::new(1000.0, 1.0)),
+        ..Default::default()
+    };
+    run_ranks(LocalGroup::with_options(tp, options).unwrap(), f)
+}
 
 pub fn device() -> Device {
     Device::flex().autodiff()

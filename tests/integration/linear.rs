@@ -10,7 +10,7 @@ use burn_tp::linear::{
 };
 use burn_tp::local::run_local;
 
-use crate::common::{assert_close, device, f64s, quarters, rng_lock, tensor, uniform};
+use crate::common::{assert_close, device, f64s, quarters, rng_lock, run_linked, tensor, uniform};
 
 pub(crate) const D_IN: usize = 12;
 pub(crate) const D_OUT: usize = 12;
@@ -25,6 +25,8 @@ struct Case {
     /// `false`: 3-D `[12, 2, D]`; `true`: 2-D `[tp, D]`, one row per rank in RS mode.
     one_row: bool,
     schedule: OverlapSchedule,
+    /// Over a simulated link, so the async path runs its overlap schedule.
+    linked: bool,
 }
 
 impl Case {
@@ -96,7 +98,8 @@ fn run_case(case: Case, column: bool) {
     let x_vals = uniform(n_lead * D_IN, 11);
     let g_vals = uniform(n_lead * D_OUT, 12);
     let lead2 = lead.clone();
-    let ranks: Vec<RankOut> = run_local(case.tp, move |group| {
+    let run = if case.linked { run_linked } else { run_local };
+    let ranks: Vec<RankOut> = run(case.tp, move |group: burn_tp::ProcessGroup| {
         let (r, n) = (group.rank(), group.world_size());
         let dev = device();
         let x_full = full_tensor(x_vals.clone(), &lead2, D_IN);
@@ -258,17 +261,20 @@ fn full_grid_matches_unsharded_linear() {
                     for bias in [true, false] {
                         for one_row in [false, true] {
                             for schedule in [OverlapSchedule::Split, OverlapSchedule::Ring] {
-                                let case = Case {
-                                    tp,
-                                    mode,
-                                    asynch,
-                                    recompute,
-                                    bias,
-                                    one_row,
-                                    schedule,
-                                };
-                                run_case(case, true);
-                                run_case(case, false);
+                                for linked in [true, false] {
+                                    let case = Case {
+                                        tp,
+                                        mode,
+                                        asynch,
+                                        recompute,
+                                        bias,
+                                        one_row,
+                                        schedule,
+                                        linked,
+                                    };
+                                    run_case(case, true);
+                                    run_case(case, false);
+                                }
                             }
                         }
                     }
@@ -383,7 +389,7 @@ pub(crate) fn int_linear(seed: u64) -> Linear {
 fn async_and_sync_agree_bitwise_on_integer_data() {
     for tp in [1usize, 2, 3, 4] {
         for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
-            let out = run_local(tp, move |group| {
+            let out = run_linked(tp, move |group| {
                 let (r, n) = (group.rank(), group.world_size());
                 let mut results = Vec::new();
                 for asynch in [true, false] {

@@ -15,7 +15,7 @@ use burn_tp::ops::all_reduce;
 use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
 use burn_tp::{LocalGroup, ProcessGroup, ReduceOp, TpError};
 
-use crate::common::{assert_close, device, f64s, rng_lock, tensor, uniform};
+use crate::common::{assert_close, device, f64s, rng_lock, run_linked, tensor, uniform};
 use crate::linear::{D_IN, D_OUT, chunk, int_linear};
 
 fn f64_tensor<const D: usize>(v: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
@@ -29,7 +29,7 @@ fn f64_tensor<const D: usize>(v: Vec<f32>, shape: [usize; D]) -> Tensor<D> {
 fn gradcheck_column_and_row_ops() {
     for tp in [1usize, 2] {
         for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
-            run_local(tp, move |group| {
+            run_linked(tp, move |group| {
                 let (r, n) = (group.rank(), group.world_size());
                 let opts = GradcheckOptions {
                     rtol: 1e-4,

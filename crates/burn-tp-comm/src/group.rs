@@ -123,6 +123,18 @@ impl ProcessGroup {
         }
     }
 
+    /// Whether a collective in flight makes progress without the thread that posted it (NCCL on
+    /// its own stream, or the simulated [`LinkModel`]), so that compute placed between the start
+    /// and the wait hides it. Ranks as threads without a link move the data inside `wait`, on
+    /// the caller's thread: there the overlap schedules would only add work.
+    pub fn progresses_in_background(&self) -> bool {
+        match &self.transport {
+            Transport::Local(shared) => shared.options.link.is_some(),
+            #[cfg(feature = "nccl")]
+            Transport::Nccl(_) => true,
+        }
+    }
+
     /// Posts this rank's `data` for the call `desc` on the local transport; `finish` builds the
     /// output from every rank's posts once they are all there.
     fn post<T: Send + 'static>(

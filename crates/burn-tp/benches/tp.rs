@@ -438,6 +438,120 @@ fn bench_scaling(quick: bool) {
     println!("| {:.1} | {:.1} | {:.3} |", t1 * 1e3, t2 * 1e3, t2 / t1);
 }
 
+/// The layer forward + backward at one shape against its compute floor, and plain Burn `Linear`.
+fn bench_layer_floor(quick: bool) {
+    let (s, b, d) = if quick {
+        (128usize, 2usize, 256usize)
+    } else {
+        (1024, 4, 1024)
+    };
+    let reps = if quick { 3 } else { 10 };
+    println!(
+        "\n## 6. Layers vs their compute floor: x [{s}, {b}, {d}] -> {d}, tp = 2, REDUCE_SCATTER\n"
+    );
+    println!(
+        "One thread per rank, both ranks at once. floor = the layer's three GEMMs alone (forward,"
+    );
+    println!(
+        "dgrad, wgrad) on the same shapes and threads, in this run. Targets: layer / floor <= 1.10,"
+    );
+    println!("async / sync <= 1.02.\n");
+    let times = ranks(2, LocalGroupOptions::default(), 1, move |g| {
+        let n = g.world_size();
+        let dev = device();
+        let flex = Device::flex();
+        let m = s * b;
+        let gemm3 = |a: [usize; 2], w: [usize; 2]| {
+            // y = a @ w; dgrad = gy @ w^T; wgrad = a^T @ gy
+            let x = Tensor::<2>::ones(a, &flex);
+            let w = Tensor::<2>::ones(w, &flex);
+            let gy = Tensor::<2>::ones([a[0], w.dims()[1]], &flex);
+            timed(&g, reps, || {
+                let y = x.clone().matmul(w.clone());
+                let dx = gy.clone().matmul(w.clone().transpose());
+                let dw = x.clone().transpose().matmul(gy.clone());
+                drop((y.into_data(), dx.into_data(), dw.into_data()));
+            })
+        };
+        let floor_row = gemm3([m, d / n], [d / n, d]);
+        let floor_col = gemm3([m, d], [d, d / n]);
+        let linear = Linear {
+            weight: Param::from_tensor(Tensor::ones([d, d], &dev) * 0.01),
+            bias: None,
+        };
+        let layer_time = |column: bool, asynch: bool, schedule: OverlapSchedule| {
+            let mode = TpMode::ReduceScatter;
+            if column {
+                // Without recompute, as the sync path (which keeps the gathered input).
+                let cfg = ColumnParallelLinearConfig::new(d, d)
+                    .with_recompute_all_gather(false)
+                    .with_mode(mode)
+                    .with_async_communication(asynch)
+                    .with_schedule(schedule);
+                let layer = ColumnParallelLinear::from_full(&linear, &g, &cfg).unwrap();
+                let x = Tensor::<3>::ones([s / n, b, d], &dev).require_grad();
+                timed(&g, reps, || drop(layer.forward(x.clone()).sum().backward()))
+            } else {
+                let cfg = RowParallelLinearConfig::new(d, d)
+                    .with_mode(mode)
+                    .with_async_communication(asynch)
+                    .with_schedule(schedule);
+                let layer = RowParallelLinear::from_full(&linear, &g, &cfg).unwrap();
+                let x = Tensor::<3>::ones([s, b, d / n], &dev).require_grad();
+                timed(&g, reps, || drop(layer.forward(x.clone()).sum().backward()))
+            }
+        };
+        let mut out = vec![floor_row, floor_col];
+        for column in [false, true] {
+            out.push(layer_time(column, false, OverlapSchedule::Split));
+            out.push(layer_time(column, true, OverlapSchedule::Split));
+            out.push(layer_time(column, true, OverlapSchedule::Ring));
+        }
+        out
+    })
+    .remove(0);
+    println!(
+        "| layer | floor ms | sync ms | async split ms | async ring ms | sync / floor | split / floor | ring / floor | split / sync | ring / sync |"
+    );
+    println!(
+        "|-------|---------:|--------:|---------------:|--------------:|------:|------:|------:|------:|------:|"
+    );
+    for (i, name) in ["RowParallelLinear", "ColumnParallelLinear"]
+        .iter()
+        .enumerate()
+    {
+        let floor = times[i];
+        let (sync, split, ring) = (times[2 + 3 * i], times[3 + 3 * i], times[4 + 3 * i]);
+        println!(
+            "| {name} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} |",
+            floor * 1e3,
+            sync * 1e3,
+            split * 1e3,
+            ring * 1e3,
+            sync / floor,
+            split / floor,
+            ring / floor,
+            split / sync,
+            ring / sync
+        );
+    }
+    // What a user would pick instead: one Burn Linear over the whole batch, all cores vs one.
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let burn_linear = |threads: usize| {
+        ranks(1, LocalGroupOptions::default(), threads, move |g| {
+            let dev = device();
+            let l = LinearConfig::new(d, d).init(&dev);
+            let x = Tensor::<3>::ones([s, b, d], &dev).require_grad();
+            timed(&g, reps, || drop(l.forward(x.clone()).sum().backward()))
+        })[0]
+    };
+    let (one, all) = (burn_linear(1), burn_linear(cores));
+    println!("\nPlain Burn `Linear` [{s}, {b}, {d}] -> {d}, forward + backward, one process:\n");
+    println!("| 1 thread ms | {cores} threads ms | speed-up |");
+    println!("|------------:|-------------:|------:|");
+    println!("| {:.1} | {:.1} | {:.2} |", one * 1e3, all * 1e3, one / all);
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let start = Instant::now();
@@ -449,6 +563,11 @@ fn main() {
         "machine: {} logical cores",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    let only = std::env::args().find_map(|a| a.strip_prefix("--only=").map(str::to_string));
+    if only.as_deref() == Some("floor") {
+        bench_layer_floor(quick);
+        return;
+    }
     bench_collectives(quick);
     bench_zero_cost(quick);
     let split = bench_overlap(quick, OverlapSchedule::Split);
@@ -477,5 +596,6 @@ fn main() {
             );
         }
     }
+    bench_layer_floor(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }

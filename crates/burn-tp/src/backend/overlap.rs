@@ -107,11 +107,19 @@ pub(crate) fn visit_gathered<B: TpBackend>(
 ) -> Result<Option<FloatTensor<B>>, CommError> {
     let (r, n) = (group.rank(), group.world_size());
     let m = local.shape()[0];
+    if n == 1 || !group.progresses_in_background() {
+        // Nothing to hide: the transport moves the data inside the wait, on this thread (ranks
+        // as threads without a link). One block, the whole matrix: the sync path's work.
+        let gathered = if n == 1 {
+            local
+        } else {
+            flatten::<B>(resolve(pending)?)
+        };
+        visit(0..n * m, gathered.clone());
+        return Ok(keep_gathered.then_some(gathered));
+    }
     // 1. own block while the gather is in flight
     visit(r * m..(r + 1) * m, local.clone());
-    if n == 1 {
-        return Ok(keep_gathered.then_some(local));
-    }
     match schedule {
         OverlapSchedule::Split => {
             // 2. wait for everything; 3. the blocks before and after ours
@@ -171,7 +179,7 @@ pub(crate) fn gather_matmul<B: TpBackend>(
         keep_gathered,
         |range, block| {
             let y = B::float_matmul(block, rhs.clone());
-            if n == 1 {
+            if range.len() == n * m {
                 out = Some(y);
                 return;
             }
@@ -401,7 +409,7 @@ pub(crate) fn row_backward<B: TpBackend>(
                                 y.dtype().into(),
                             )
                         });
-                        gx = Some(if n == 1 {
+                        gx = Some(if range.len() == n * m {
                             y
                         } else {
                             B::float_slice_assign(buf, &row_slices(range.clone()), y)
