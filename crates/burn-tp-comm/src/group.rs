@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::local::{Membership, Payload, Shared, downcast, reduce_in_rank_order};
+use crate::buffer::{RecvBuf, SendBuf};
+use crate::local::{
+    Membership, Payload, Shared, SharedReduce, downcast, payload, reduce_in_rank_order,
+};
 use crate::{CommElement, CommError, DType, LinkModel, OpDesc, OpKind, ReduceOp, Result, Work};
 
 /// How a [`ProcessGroup`]'s collectives travel.
@@ -155,21 +158,53 @@ impl ProcessGroup {
     }
 
     /// On a transport that is not local (NCCL), runs the call at once with the host buffer staged
-    /// through the GPU; `None` on the local transport, which posts instead.
-    fn staged<T: CommElement>(&self, desc: &OpDesc, input: &[T]) -> Option<Work<Vec<T>>> {
+    /// through the GPU, into `out`; `Err(out)` on the local transport, which posts instead.
+    fn staged<T: CommElement, O: RecvBuf<T>>(
+        &self,
+        desc: &OpDesc,
+        input: &[T],
+        out: O,
+    ) -> std::result::Result<Work<O>, O> {
         match &self.transport {
             Transport::Local(_) => {
                 let _ = (desc, input);
-                None
+                Err(out)
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(n) => {
+                let mut out = out;
                 let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-                let out = crate::nccl::RawOp::try_from(desc.kind)
-                    .and_then(|op| n.host_collective(op, input));
-                Some(Work::done(self.clone(), seq, desc.clone(), out))
+                let result = crate::nccl::RawOp::try_from(desc.kind)
+                    .and_then(|op| n.host_collective(op, input))
+                    .map(|v| {
+                        out.as_mut_slice().copy_from_slice(&v);
+                        out
+                    });
+                Ok(Work::done(self.clone(), seq, desc.clone(), result))
             }
         }
+    }
+
+    fn is_local(&self) -> bool {
+        matches!(self.transport, Transport::Local(_))
+    }
+
+    fn check_out(op: &'static str, expected: usize, got: usize) -> Result<()> {
+        if expected != got {
+            return Err(CommError::BufferSize { op, expected, got });
+        }
+        Ok(())
+    }
+
+    fn check_divisible(&self, op: &'static str, len: usize) -> Result<()> {
+        if !len.is_multiple_of(self.world_size()) {
+            return Err(CommError::NotDivisible {
+                op,
+                len,
+                world_size: self.world_size(),
+            });
+        }
+        Ok(())
     }
 
     /// Starts an all-gather: every rank receives the rank-order concatenation of all inputs
@@ -196,11 +231,15 @@ impl ProcessGroup {
         shape: Vec<usize>,
     ) -> Work<Vec<T>> {
         let desc = OpDesc::new(kind, T::DTYPE, shape);
-        if let Some(work) = self.staged(&desc, &input) {
-            return work;
+        if !self.is_local() {
+            // Staged through the GPU into a buffer of the output's length.
+            let out = input.repeat(self.world_size());
+            if let Ok(work) = self.staged(&desc, &input, out) {
+                return work;
+            }
         }
-        self.post(desc, Arc::new(input), |posts| {
-            let parts: Vec<&Vec<T>> = posts.iter().map(downcast::<T>).collect();
+        self.post(desc, payload(input), |posts| {
+            let parts: Vec<&[T]> = posts.iter().map(downcast::<T>).collect();
             let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
             parts.iter().for_each(|p| out.extend_from_slice(p));
             out
@@ -213,25 +252,41 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// [`CommError::BufferSize`] (before any communication) if `out` has the wrong length.
-    pub fn all_gather_into_async<T: CommElement>(
+    pub fn all_gather_into_async<T: CommElement, O: RecvBuf<T>>(
         &self,
         input: Vec<T>,
-        mut out: Vec<T>,
-    ) -> Result<Work<Vec<T>>> {
-        let want = input.len() * self.world_size();
-        if out.len() != want {
-            return Err(CommError::BufferSize {
-                op: "all_gather_into",
-                expected: want,
-                got: out.len(),
-            });
-        }
-        let desc = OpDesc::new(OpKind::AllGather, T::DTYPE, vec![input.len()]);
-        if let Some(work) = self.staged(&desc, &input) {
-            return Ok(work);
-        }
-        Ok(self.post(desc, Arc::new(input), move |posts| {
-            for (chunk, post) in out.chunks_exact_mut(want / posts.len()).zip(posts) {
+        out: O,
+    ) -> Result<Work<O>> {
+        let shape = vec![input.len()];
+        self.all_gather_shaped_into_async(input, shape, out)
+    }
+
+    /// The all-gather in its most general form: `input` (`shape`, read in place until every rank
+    /// has read it) gathered straight into `out` (`world_size` times its length): each byte is
+    /// copied once, by the wait.
+    ///
+    /// # Errors
+    /// [`CommError::BufferSize`] (before any communication) if `out` has the wrong length.
+    pub fn all_gather_shaped_into_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+        &self,
+        input: I,
+        shape: Vec<usize>,
+        mut out: O,
+    ) -> Result<Work<O>> {
+        let len = input.as_slice().len();
+        Self::check_out(
+            "all_gather_into",
+            len * self.world_size(),
+            out.as_mut_slice().len(),
+        )?;
+        let desc = OpDesc::new(OpKind::AllGather, T::DTYPE, shape);
+        let out = match self.staged(&desc, input.as_slice(), out) {
+            Ok(work) => return Ok(work),
+            Err(out) => out,
+        };
+        Ok(self.post(desc, payload(input), move |posts| {
+            let mut out = out;
+            for (chunk, post) in out.as_mut_slice().chunks_exact_mut(len.max(1)).zip(posts) {
                 chunk.copy_from_slice(downcast::<T>(post));
             }
             out
@@ -265,23 +320,38 @@ impl ProcessGroup {
         input: Vec<T>,
         shape: Vec<usize>,
     ) -> Result<Work<Vec<T>>> {
-        let world = self.world_size();
-        if !input.len().is_multiple_of(world) {
-            return Err(CommError::NotDivisible {
-                op: "reduce_scatter",
-                len: input.len(),
-                world_size: world,
-            });
-        }
+        self.check_divisible("reduce_scatter", input.len())?;
+        let out = input[..input.len() / self.world_size()].to_vec();
+        self.reduce_scatter_shaped_into_async(input, shape, out)
+    }
+
+    /// The reduce-scatter in its most general form: every rank's `input` (`shape`) read in place,
+    /// this rank's chunk summed in rank order straight into `out` (`len / world_size`).
+    ///
+    /// # Errors
+    /// [`CommError::NotDivisible`] if `len % world_size != 0`, [`CommError::BufferSize`] if `out`
+    /// has the wrong length (both before any communication).
+    pub fn reduce_scatter_shaped_into_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+        &self,
+        input: I,
+        shape: Vec<usize>,
+        mut out: O,
+    ) -> Result<Work<O>> {
+        let len = input.as_slice().len();
+        self.check_divisible("reduce_scatter", len)?;
+        let chunk = len / self.world_size();
+        Self::check_out("reduce_scatter_into", chunk, out.as_mut_slice().len())?;
         let desc = OpDesc::new(OpKind::ReduceScatter, T::DTYPE, shape);
-        if let Some(work) = self.staged(&desc, &input) {
-            return Ok(work);
-        }
+        let out = match self.staged(&desc, input.as_slice(), out) {
+            Ok(work) => return Ok(work),
+            Err(out) => out,
+        };
         let rank = self.rank;
-        Ok(self.post(desc, Arc::new(input), move |posts| {
-            let chunk = downcast::<T>(&posts[0]).len() / posts.len();
+        Ok(self.post(desc, payload(input), move |posts| {
+            let mut out = out;
             let range = rank * chunk..(rank + 1) * chunk;
-            reduce_in_rank_order(ReduceOp::Sum, posts, range)
+            reduce_in_rank_order(ReduceOp::Sum, posts, range, out.as_mut_slice());
+            out
         }))
     }
 
@@ -307,18 +377,58 @@ impl ProcessGroup {
         shape: Vec<usize>,
         op: ReduceOp,
     ) -> Work<Vec<T>> {
+        let out = input.clone();
+        self.all_reduce_shaped_into_async(input, shape, op, out)
+            .expect("the output has the input's length")
+    }
+
+    /// The all-reduce in its most general form, as a reduce-scatter then an all-gather (the ring
+    /// algorithm's data movement): each of `world_size` chunks is reduced once, in rank order, from
+    /// every rank's input read in place, and every rank copies the reduced chunks straight into
+    /// `out`. A rank reduces its own chunk (and any a slower peer has not reached yet), so it reads
+    /// about `world_size` times less than a full reduction; every rank gets the same bits.
+    ///
+    /// # Errors
+    /// [`CommError::BufferSize`] (before any communication) if `out` is not as long as `input`.
+    pub fn all_reduce_shaped_into_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+        &self,
+        input: I,
+        shape: Vec<usize>,
+        op: ReduceOp,
+        mut out: O,
+    ) -> Result<Work<O>> {
+        let len = input.as_slice().len();
+        Self::check_out("all_reduce_into", len, out.as_mut_slice().len())?;
         let desc = OpDesc::new(OpKind::AllReduce(op), T::DTYPE, shape);
-        if let Some(work) = self.staged(&desc, &input) {
-            return work;
-        }
-        self.post(desc, Arc::new(input), move |posts| {
-            let len = downcast::<T>(&posts[0]).len();
-            let mut out: Vec<T> = reduce_in_rank_order(op, posts, 0..len);
-            if op == ReduceOp::Avg {
-                out.iter_mut().for_each(|v| *v = v.div_count(posts.len()));
+        let out = match self.staged(&desc, input.as_slice(), out) {
+            Ok(work) => return Ok(work),
+            Err(out) => out,
+        };
+        let world = self.world_size();
+        // Chunks of `ceil(len / world)`; the last ones may be shorter (or empty).
+        let chunk = len.div_ceil(world.max(1));
+        let rank = self.rank;
+        let data = Arc::new(SharedReduce::new(Box::new(input), world));
+        Ok(self.post(desc, data, move |posts| {
+            let mut out = out;
+            let dst = out.as_mut_slice();
+            // Rank 0's post holds the reduced chunks, shared by every rank.
+            let shared = posts[0]
+                .downcast_ref::<SharedReduce<T>>()
+                .expect("every rank posted an all-reduce");
+            for c in (0..world).map(|k| (rank + k) % world) {
+                let range = (c * chunk).min(len)..((c + 1) * chunk).min(len);
+                // Reduced once, in rank order, by whichever rank gets there first (its own chunk
+                // first): every rank copies the same bits, and none waits for a peer's wait.
+                let reduced = shared.chunks[c].get_or_init(|| {
+                    let mut v = downcast::<T>(&posts[0])[range.clone()].to_vec();
+                    reduce_in_rank_order(op, posts, range.clone(), &mut v);
+                    v
+                });
+                dst[range].copy_from_slice(reduced);
             }
             out
-        })
+        }))
     }
 
     /// Blocking [`all_reduce_async`](Self::all_reduce_async).
@@ -347,16 +457,20 @@ impl ProcessGroup {
             });
         }
         let desc = OpDesc::new(OpKind::Broadcast { root }, T::DTYPE, vec![input.len()]);
-        if let Some(work) = self.staged(&desc, &input) {
+        if !self.is_local()
+            && let Ok(work) = self.staged(&desc, &input, input.clone())
+        {
             return Ok(work);
         }
         // Non-roots post nothing: their contents are never read.
         let data: Payload = if root == self.rank {
-            Arc::new(input)
+            payload(input)
         } else {
-            Arc::new(Vec::<T>::new())
+            payload(Vec::<T>::new())
         };
-        Ok(self.post(desc, data, move |posts| downcast::<T>(&posts[root]).clone()))
+        Ok(self.post(desc, data, move |posts| {
+            downcast::<T>(&posts[root]).to_vec()
+        }))
     }
 
     /// Blocking [`broadcast_async`](Self::broadcast_async).

@@ -26,6 +26,7 @@
 //! Failures never hang: ranks that disagree on a call, a rank that leaves, or one that never
 //! arrives (timeout) make the call fail on every rank, and abort the group.
 
+mod buffer;
 mod communicator;
 mod element;
 mod error;
@@ -38,6 +39,7 @@ mod op;
 pub mod store;
 mod work;
 
+pub use buffer::{RecvBuf, SendBuf};
 pub use communicator::{CommWork, Communicator};
 pub use element::{CommElement, DType, ReduceOp};
 pub use error::{CommError, Result};

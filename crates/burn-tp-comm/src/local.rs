@@ -8,9 +8,10 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::buffer::{Posted, SendBuf};
 use crate::{CommElement, CommError, LinkModel, OpDesc, ProcessGroup, ReduceOp, Result};
 
 /// Default timeout of every wait, overridden by `BURN_TP_TIMEOUT_S` or [`ProcessGroup::set_timeout`].
@@ -170,21 +171,52 @@ impl Drop for Membership {
     }
 }
 
-pub(crate) fn downcast<T: CommElement>(payload: &Payload) -> &Vec<T> {
+/// A rank's posted buffer as a payload.
+pub(crate) fn payload<T: CommElement>(buf: impl SendBuf<T>) -> Payload {
+    Arc::new(Box::new(buf) as Posted<T>)
+}
+
+/// An all-reduce post: the buffer, and (read from rank 0's post) the reduced chunks, each
+/// computed once by the first rank that needs it.
+pub(crate) struct SharedReduce<T> {
+    buf: Posted<T>,
+    pub(crate) chunks: Box<[OnceLock<Vec<T>>]>,
+}
+
+impl<T> SharedReduce<T> {
+    pub(crate) fn new(buf: Posted<T>, world: usize) -> Self {
+        Self {
+            buf,
+            chunks: (0..world).map(|_| OnceLock::new()).collect(),
+        }
+    }
+}
+
+pub(crate) fn downcast<T: CommElement>(payload: &Payload) -> &[T] {
     payload
-        .downcast_ref::<Vec<T>>()
+        .downcast_ref::<Posted<T>>()
+        .map(|b| b.as_slice())
+        .or_else(|| {
+            payload
+                .downcast_ref::<SharedReduce<T>>()
+                .map(|s| s.buf.as_slice())
+        })
         .expect("dtype was checked across ranks before reading")
 }
 
-/// `op` over `posts[*][range]`, one rank at a time in rank order (deterministic bits).
+/// `op` over `posts[*][range]` into `out`, one rank at a time in rank order (deterministic
+/// bits); `Avg` divides at the end.
 pub(crate) fn reduce_in_rank_order<T: CommElement>(
     op: ReduceOp,
     posts: &[Payload],
     range: std::ops::Range<usize>,
-) -> Vec<T> {
-    let mut out = downcast::<T>(&posts[0])[range.clone()].to_vec();
+    out: &mut [T],
+) {
+    out.copy_from_slice(&downcast::<T>(&posts[0])[range.clone()]);
     for post in &posts[1..] {
-        T::combine(op, &mut out, &downcast::<T>(post)[range.clone()]);
+        T::combine(op, out, &downcast::<T>(post)[range.clone()]);
     }
-    out
+    if op == ReduceOp::Avg {
+        out.iter_mut().for_each(|v| *v = v.div_count(posts.len()));
+    }
 }

@@ -342,7 +342,7 @@ impl<T: CommElement> Work<Vec<T>> {
             return Ok(all[part * n..(part + 1) * n].to_vec());
         }
         let payloads = self.wait_ready(self.group.timeout(), Some(part))?;
-        Ok(downcast::<T>(&payloads[part]).clone())
+        Ok(downcast::<T>(&payloads[part]).to_vec())
     }
 }
 

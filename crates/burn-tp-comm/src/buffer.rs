@@ -1,0 +1,31 @@
+//! Host buffers a collective reads in place ([`SendBuf`]) or writes its output into
+//! ([`RecvBuf`]): a `Vec<T>`, or storage another owner keeps alive (a tensor's, a pool's), so a
+//! collective moves each byte once, from the inputs straight into the output.
+
+/// A read-only host buffer a collective reads in place. The collective keeps it (and so its
+/// storage) alive until every rank has read it.
+pub trait SendBuf<T>: Send + Sync + 'static {
+    /// The elements.
+    fn as_slice(&self) -> &[T];
+}
+
+impl<T: Send + Sync + 'static> SendBuf<T> for Vec<T> {
+    fn as_slice(&self) -> &[T] {
+        self
+    }
+}
+
+/// A host buffer a collective writes its whole output into, handed back by the wait.
+pub trait RecvBuf<T>: Send + 'static {
+    /// The elements, every one of which the collective overwrites.
+    fn as_mut_slice(&mut self) -> &mut [T];
+}
+
+impl<T: Send + 'static> RecvBuf<T> for Vec<T> {
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        self
+    }
+}
+
+/// What the local transport posts: a type-erased [`SendBuf`].
+pub(crate) type Posted<T> = Box<dyn SendBuf<T>>;
