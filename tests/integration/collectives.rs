@@ -429,3 +429,46 @@ fn a_rank_that_never_arrives_times_out_and_a_panicking_rank_is_peer_gone() {
     assert!(msg.contains("rank(s) [1] left the group"), "{msg}");
     assert!(start.elapsed() < Duration::from_secs(30));
 }
+
+/// Outputs come from a pool and inputs are read in place: a pooled buffer is never written while
+/// a tensor still refers to it, an input read in place is never changed under a pending read,
+/// and buffers are reused once their tensors are gone.
+#[test]
+fn pooled_outputs_are_never_aliased_and_inputs_are_read_in_place() {
+    // An odd shape, so no other test's buffers share the pool's size class.
+    const ROWS: usize = 37;
+    let out = run_local(2, |g| {
+        let r = g.rank() as f32;
+        let dev = crate::common::device();
+        let x = |v: f32| Tensor::<2>::full([ROWS, 3], v + r, &dev);
+        let first = all_gather(x(10.0), 0, &g).unwrap();
+        let kept = f64s(first.clone());
+        // More gathers of other values while `first` lives: none may land in its storage.
+        for k in 0..5 {
+            let y = all_gather(x(k as f32), 0, &g).unwrap();
+            assert_eq!(f64s(y)[0], k as f64);
+        }
+        assert_eq!(f64s(first.clone()), kept);
+        // In place on a pooled output (its only owner) is fine and stays private to it.
+        let bumped = first + 1.0;
+        assert_eq!(f64s(bumped)[0], kept[0] + 1.0);
+        // An input read in place: writing to it while the gather is pending copies first.
+        let input = x(100.0);
+        let pending = all_gather_async(input.clone(), 0, &g).unwrap();
+        let changed = input + 5.0;
+        let got = f64s(pending.wait().unwrap());
+        assert_eq!(got[0], 100.0);
+        assert_eq!(got[ROWS * 3], 101.0);
+        assert_eq!(f64s(changed)[0], 105.0 + r as f64);
+        // Steady state: each output's buffer comes back for the next one.
+        let (_, reused_before) = burn_tp::backend::pool_stats();
+        for k in 0..10 {
+            drop(all_gather(x(k as f32), 0, &g).unwrap());
+        }
+        let (_, reused_after) = burn_tp::backend::pool_stats();
+        reused_after - reused_before
+    })
+    .unwrap();
+    // Two ranks each reused (at least) most of their ten buffers; the counter is global.
+    assert!(out.iter().all(|&reused| reused >= 8), "{out:?}");
+}

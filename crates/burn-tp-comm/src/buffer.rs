@@ -19,13 +19,24 @@ impl<T: Send + Sync + 'static> SendBuf<T> for Vec<T> {
 pub trait RecvBuf<T>: Send + 'static {
     /// The elements, every one of which the collective overwrites.
     fn as_mut_slice(&mut self) -> &mut [T];
+    /// The elements, to read the output.
+    fn as_slice(&self) -> &[T];
 }
 
 impl<T: Send + 'static> RecvBuf<T> for Vec<T> {
     fn as_mut_slice(&mut self) -> &mut [T] {
         self
     }
+    fn as_slice(&self) -> &[T] {
+        self
+    }
 }
 
 /// What the local transport posts: a type-erased [`SendBuf`].
 pub(crate) type Posted<T> = Box<dyn SendBuf<T>>;
+
+impl<T: 'static> SendBuf<T> for Box<dyn SendBuf<T>> {
+    fn as_slice(&self) -> &[T] {
+        (**self).as_slice()
+    }
+}

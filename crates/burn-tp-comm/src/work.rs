@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::local::{FinishFn, Payload, Shared, Slot, State, downcast};
-use crate::{CommElement, CommError, LinkModel, OpDesc, OpKind, ProcessGroup, Result};
+use crate::{CommElement, CommError, LinkModel, OpDesc, OpKind, ProcessGroup, RecvBuf, Result};
 
 /// A collective in flight. `wait` completes it; dropping it without waiting releases this rank's
 /// part without reading the result.
@@ -319,7 +319,7 @@ impl<T> Work<T> {
     }
 }
 
-impl<T: CommElement> Work<Vec<T>> {
+impl<O> Work<O> {
     /// For an all-gather: waits (with the group's timeout) until rank `part`'s shard has arrived
     /// and returns a copy of it, without waiting for the others. Shards arrive in ring order
     /// (own, rank - 1, rank - 2, ...): consuming them in that order overlaps compute with the
@@ -328,7 +328,10 @@ impl<T: CommElement> Work<Vec<T>> {
     /// # Errors
     /// As [`Work::wait`]; [`CommError::Backend`] if the call is not an all-gather or `part` is
     /// not a rank.
-    pub fn wait_part(&self, part: usize) -> Result<Vec<T>> {
+    pub fn wait_part<T: CommElement>(&self, part: usize) -> Result<Vec<T>>
+    where
+        O: RecvBuf<T>,
+    {
         if self.desc.kind != OpKind::AllGather || part >= self.group.world_size() {
             return Err(CommError::Backend(format!(
                 "wait_part({part}) on {} of a group of {}: only all-gathers have parts",
@@ -337,7 +340,7 @@ impl<T: CommElement> Work<Vec<T>> {
             )));
         }
         if let Some(done) = &self.done {
-            let all = done.as_ref().map_err(Clone::clone)?;
+            let all = done.as_ref().map_err(Clone::clone)?.as_slice();
             let n = all.len() / self.group.world_size();
             return Ok(all[part * n..(part + 1) * n].to_vec());
         }

@@ -486,6 +486,9 @@ impl burn_tp_comm::RecvBuf<f32> for Into {
     fn as_mut_slice(&mut self) -> &mut [f32] {
         &mut self.0
     }
+    fn as_slice(&self) -> &[f32] {
+        &self.0
+    }
 }
 
 #[test]

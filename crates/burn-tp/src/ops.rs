@@ -11,10 +11,10 @@
 //! sliced) are read in logical order.
 
 use burn::backend::{Dispatch, DispatchTensor};
-use burn::tensor::{Element, Shape, Tensor, TensorData};
-use burn_tp_comm::{CommElement, ProcessGroup, ReduceOp};
+use burn::tensor::{Shape, Tensor, TensorData};
+use burn_tp_comm::{ProcessGroup, ReduceOp, SendBuf};
 
-use crate::backend::host::{HostCall, with_host_values};
+use crate::backend::host::{DataRead, HostCall, HostElement, with_host_values};
 use crate::backend::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 use crate::error::check_divisible;
 use crate::{Result, TpError};
@@ -219,8 +219,8 @@ pub fn broadcast<const D: usize>(
     }
     let device = x.device();
     let data = x.detach().into_data();
-    let dtype = data.dtype();
-    let out = with_host_values(data, Broadcast { root, group })??;
+    let (dtype, shape) = (data.dtype(), data.shape().clone());
+    let out = with_host_values(dtype, shape, DataRead(data), Broadcast { root, group })??;
     Ok(Tensor::from_data(out, (&device, dtype)))
 }
 
@@ -232,7 +232,8 @@ struct Broadcast<'a> {
 impl HostCall for Broadcast<'_> {
     type Output = Result<TensorData>;
 
-    fn call<T: CommElement + Element>(self, values: Vec<T>, shape: Shape) -> Self::Output {
+    fn call<T: HostElement>(self, values: Box<dyn SendBuf<T>>, shape: Shape) -> Self::Output {
+        let values = values.as_slice().to_vec();
         Ok(TensorData::new(
             self.group.broadcast(values, self.root)?,
             shape,

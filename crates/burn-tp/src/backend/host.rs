@@ -6,9 +6,12 @@ use std::sync::{Arc, Mutex};
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{DType, Element, Shape, Slice, TensorData};
-use burn_tp_comm::{CommElement, CommError, DType as CommDType, ProcessGroup, ReduceOp, Work};
+use burn_tp_comm::{
+    CommElement, CommError, DType as CommDType, ProcessGroup, ReduceOp, SendBuf, Work,
+};
 use half::{bf16, f16};
 
+use super::pool::PooledBuf;
 use super::types::{Collective, CollectiveOutput, PendingCollective, Posted};
 
 /// A collective in flight on some transport (`Any`: a device backend finds its own work again).
@@ -19,9 +22,10 @@ pub(crate) trait InFlight: std::any::Any + Send + Sync {
     fn part(&self, part: usize) -> Result<TensorData, CommError>;
 }
 
-/// A `burn-tp-comm` work handle with the shapes of its output and of one input shard.
+/// A `burn-tp-comm` work handle writing into a pooled buffer, with the shapes of its output
+/// and of one input shard.
 struct HostWork<T> {
-    work: Mutex<Option<Work<Vec<T>>>>,
+    work: Mutex<Option<Work<PooledBuf<T>>>>,
     out_shape: Shape,
     shard_shape: Shape,
 }
@@ -31,8 +35,9 @@ impl<T: CommElement + Element> InFlight for HostWork<T> {
         let work = self.work.lock().unwrap_or_else(|e| e.into_inner()).take();
         let work =
             work.ok_or_else(|| CommError::Backend("a collective was resolved twice".into()))?;
+        // The pooled buffer becomes the tensor's storage: no copy.
         work.wait()
-            .map(|v| TensorData::new(v, self.out_shape.clone()))
+            .map(|buf| TensorData::from_bytes(buf.into_bytes(), self.out_shape.clone(), T::dtype()))
     }
     fn part(&self, part: usize) -> Result<TensorData, CommError> {
         let guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
@@ -56,28 +61,50 @@ pub(crate) fn comm_dtype(dtype: DType) -> Option<CommDType> {
     }
 }
 
+/// The element types of the host transport.
+pub(crate) trait HostElement: CommElement + Element + bytemuck::Pod {}
+impl<T: CommElement + Element + bytemuck::Pod> HostElement for T {}
+
+/// A tensor's values as the host transport reads them, typed on demand.
+pub(crate) trait HostRead {
+    /// The values as `T` (the tensor's dtype), read in place where the backend allows.
+    fn values<T: HostElement>(self) -> Result<Box<dyn SendBuf<T>>, CommError>;
+}
+
+/// Values copied out of the backend (any backend: `float_into_data`).
+pub(crate) struct DataRead(pub(crate) TensorData);
+
+impl HostRead for DataRead {
+    fn values<T: HostElement>(self) -> Result<Box<dyn SendBuf<T>>, CommError> {
+        let dtype = self.0.dtype();
+        self.0
+            .try_into_vec::<T>()
+            .map(|v| Box::new(v) as Box<dyn SendBuf<T>>)
+            .map_err(|e| CommError::Backend(format!("reading a {dtype:?} tensor: {e:?}")))
+    }
+}
+
 /// A call on a host buffer of whatever element type the data holds.
 pub(crate) trait HostCall {
     /// What the call returns.
     type Output;
-    /// Runs on the values.
-    fn call<T: CommElement + Element>(self, values: Vec<T>, shape: Shape) -> Self::Output;
+    /// Runs on the values (`shape`).
+    fn call<T: HostElement>(self, values: Box<dyn SendBuf<T>>, shape: Shape) -> Self::Output;
 }
 
-/// The one dtype switch of the host transport: `call` on `data`'s values, typed.
-pub(crate) fn with_host_values<C: HostCall>(
-    data: TensorData,
+/// The one dtype switch of the host transport: `call` on the values `read` gives, typed.
+pub(crate) fn with_host_values<R: HostRead, C: HostCall>(
+    dtype: DType,
+    shape: Shape,
+    read: R,
     call: C,
 ) -> Result<C::Output, CommError> {
-    let shape = data.shape().clone();
-    let dtype = data.dtype();
-    let err = |e| CommError::Backend(format!("reading a {dtype:?} tensor: {e:?}"));
     Ok(match comm_dtype(dtype) {
-        Some(CommDType::F32) => call.call(data.try_into_vec::<f32>().map_err(err)?, shape),
-        Some(CommDType::F64) => call.call(data.try_into_vec::<f64>().map_err(err)?, shape),
-        Some(CommDType::F16) => call.call(data.try_into_vec::<f16>().map_err(err)?, shape),
-        Some(CommDType::BF16) => call.call(data.try_into_vec::<bf16>().map_err(err)?, shape),
-        Some(CommDType::I64) => call.call(data.try_into_vec::<i64>().map_err(err)?, shape),
+        Some(CommDType::F32) => call.call(read.values::<f32>()?, shape),
+        Some(CommDType::F64) => call.call(read.values::<f64>()?, shape),
+        Some(CommDType::F16) => call.call(read.values::<f16>()?, shape),
+        Some(CommDType::BF16) => call.call(read.values::<bf16>()?, shape),
+        Some(CommDType::I64) => call.call(read.values::<i64>()?, shape),
         None => {
             return Err(CommError::Backend(format!(
                 "unsupported dtype {dtype:?} for a collective"
@@ -126,19 +153,38 @@ pub(crate) fn local_chunk<B: Backend>(
     slice_dim::<B>(x, dim, rank * chunk..(rank + 1) * chunk)
 }
 
-/// Posts `op` of `x` through the host.
+/// Posts `op` of `x` through the host, reading the values out of the backend.
 pub(crate) fn host_start<B: Backend>(
     x: FloatTensor<B>,
     op: Collective,
     group: ProcessGroup,
 ) -> PendingCollective<B> {
+    host_start_with::<B, _>(x, op, group, |moved| {
+        burn::tensor::read_sync(B::float_into_data(moved))
+            .map(DataRead)
+            .map_err(|e| CommError::Backend(format!("reading the tensor failed: {e:?}")))
+    })
+}
+
+/// Posts `op` of `x` through the host; `read` gives the values of `x` with the collective's dim
+/// first (a backend that can reads them in place).
+pub(crate) fn host_start_with<B: Backend, R: HostRead>(
+    x: FloatTensor<B>,
+    op: Collective,
+    group: ProcessGroup,
+    read: impl FnOnce(FloatTensor<B>) -> Result<R, CommError>,
+) -> PendingCollective<B> {
     if op.is_local(&group) {
         return PendingCollective::new(x, op, group, Posted::Local);
     }
     let moved = dim_first::<B>(x.clone(), op.dim());
-    let posted = burn::tensor::read_sync(B::float_into_data(moved))
-        .map_err(|e| CommError::Backend(format!("{op:?}: reading the tensor failed: {e:?}")))
-        .and_then(|data| with_host_values(data, PostOnHost { op, group: &group }));
+    let (dtype, shape) = (moved.dtype(), moved.shape());
+    let posted = read(moved)
+        .and_then(|r| with_host_values(dtype, shape, r, PostOnHost { op, group: &group }))
+        .map_err(|e| match e {
+            CommError::Backend(m) => CommError::Backend(format!("{op:?}: {m}")),
+            e => e,
+        });
     let posted = match posted {
         Ok(Ok(work)) => Posted::InFlight(work),
         Ok(Err(e)) | Err(e) => Posted::Failed(e),
@@ -154,23 +200,29 @@ struct PostOnHost<'a> {
 impl HostCall for PostOnHost<'_> {
     type Output = Result<Arc<dyn InFlight>, CommError>;
 
-    fn call<T: CommElement + Element>(self, values: Vec<T>, shard_shape: Shape) -> Self::Output {
+    fn call<T: HostElement>(self, values: Box<dyn SendBuf<T>>, shard_shape: Shape) -> Self::Output {
         let (op, group) = (self.op, self.group);
         let world = group.world_size();
+        let len = shard_shape.num_elements();
         let mut out_shape = shard_shape.clone();
         let dims = shard_shape.to_vec();
-        let work: Work<Vec<T>> = match op {
+        let work = match op {
             Collective::AllGather { .. } | Collective::GatherFromRegion { .. } => {
                 out_shape[0] *= world;
-                group.all_gather_shaped_async(values, dims)
+                let out = PooledBuf::new(len * world);
+                group.all_gather_shaped_into_async(values, dims, out)?
             }
             Collective::ReduceScatter { .. } => {
                 out_shape[0] /= world;
-                group.reduce_scatter_shaped_async(values, dims)?
+                let out = PooledBuf::new(len / world);
+                group.reduce_scatter_shaped_into_async(values, dims, out)?
             }
-            Collective::AllReduce(r) => group.all_reduce_shaped_async(values, dims, r),
+            Collective::AllReduce(r) => {
+                group.all_reduce_shaped_into_async(values, dims, r, PooledBuf::new(len))?
+            }
             Collective::ReduceFromRegion => {
-                group.all_reduce_shaped_async(values, dims, ReduceOp::Sum)
+                let out = PooledBuf::new(len);
+                group.all_reduce_shaped_into_async(values, dims, ReduceOp::Sum, out)?
             }
             Collective::CopyToRegion | Collective::ScatterToRegion { .. } => {
                 unreachable!("local forwards post nothing")

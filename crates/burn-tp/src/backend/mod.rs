@@ -37,7 +37,10 @@ mod cuda;
 mod flex;
 pub(crate) mod host;
 pub mod overlap;
+mod pool;
 mod types;
+
+pub use pool::pool_stats;
 
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
 use burn_tp_comm::ProcessGroup;
