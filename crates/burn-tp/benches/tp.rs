@@ -449,13 +449,16 @@ fn bench_layer_floor(quick: bool) {
     println!(
         "\n## 6. Layers vs their compute floor: x [{s}, {b}, {d}] -> {d}, tp = 2, REDUCE_SCATTER\n"
     );
+    println!("No bias, loss = sum(y), column without recompute_all_gather (as the sync path keeps");
     println!(
-        "One thread per rank, both ranks at once. floor = the layer's three GEMMs alone (forward,"
+        "the gathered input). One thread per rank, both ranks at once. floor = the layer's three"
     );
     println!(
-        "dgrad, wgrad) on the same shapes and threads, in this run. Targets: layer / floor <= 1.10,"
+        "GEMMs alone (forward, dgrad, wgrad) on the same shapes and threads. Every case once per"
     );
-    println!("async / sync <= 1.02.\n");
+    println!(
+        "round, {reps} rounds interleaved, medians. Targets: layer / floor <= 1.10, async / sync <= 1.02.\n"
+    );
     let times = ranks(2, LocalGroupOptions::default(), 1, move |g| {
         let n = g.world_size();
         let dev = device();
@@ -466,48 +469,60 @@ fn bench_layer_floor(quick: bool) {
             let x = Tensor::<2>::ones(a, &flex);
             let w = Tensor::<2>::ones(w, &flex);
             let gy = Tensor::<2>::ones([a[0], w.dims()[1]], &flex);
-            timed(&g, reps, || {
+            timed(&g, 1, || {
                 let y = x.clone().matmul(w.clone());
                 let dx = gy.clone().matmul(w.clone().transpose());
                 let dw = x.clone().transpose().matmul(gy.clone());
                 drop((y.into_data(), dx.into_data(), dw.into_data()));
             })
         };
-        let floor_row = gemm3([m, d / n], [d / n, d]);
-        let floor_col = gemm3([m, d], [d, d / n]);
         let linear = Linear {
             weight: Param::from_tensor(Tensor::ones([d, d], &dev) * 0.01),
             bias: None,
         };
-        let layer_time = |column: bool, asynch: bool, schedule: OverlapSchedule| {
-            let mode = TpMode::ReduceScatter;
-            if column {
-                // Without recompute, as the sync path (which keeps the gathered input).
-                let cfg = ColumnParallelLinearConfig::new(d, d)
-                    .with_recompute_all_gather(false)
-                    .with_mode(mode)
-                    .with_async_communication(asynch)
-                    .with_schedule(schedule);
-                let layer = ColumnParallelLinear::from_full(&linear, &g, &cfg).unwrap();
-                let x = Tensor::<3>::ones([s / n, b, d], &dev).require_grad();
-                timed(&g, reps, || drop(layer.forward(x.clone()).sum().backward()))
-            } else {
-                let cfg = RowParallelLinearConfig::new(d, d)
-                    .with_mode(mode)
-                    .with_async_communication(asynch)
-                    .with_schedule(schedule);
-                let layer = RowParallelLinear::from_full(&linear, &g, &cfg).unwrap();
-                let x = Tensor::<3>::ones([s, b, d / n], &dev).require_grad();
-                timed(&g, reps, || drop(layer.forward(x.clone()).sum().backward()))
-            }
+        let mode = TpMode::ReduceScatter;
+        let rows = |asynch: bool, schedule: OverlapSchedule| {
+            let cfg = RowParallelLinearConfig::new(d, d)
+                .with_mode(mode)
+                .with_async_communication(asynch)
+                .with_schedule(schedule);
+            RowParallelLinear::from_full(&linear, &g, &cfg).unwrap()
         };
-        let mut out = vec![floor_row, floor_col];
-        for column in [false, true] {
-            out.push(layer_time(column, false, OverlapSchedule::Split));
-            out.push(layer_time(column, true, OverlapSchedule::Split));
-            out.push(layer_time(column, true, OverlapSchedule::Ring));
+        // Without recompute, as the sync path (which keeps the gathered input).
+        let cols = |asynch: bool, schedule: OverlapSchedule| {
+            let cfg = ColumnParallelLinearConfig::new(d, d)
+                .with_recompute_all_gather(false)
+                .with_mode(mode)
+                .with_async_communication(asynch)
+                .with_schedule(schedule);
+            ColumnParallelLinear::from_full(&linear, &g, &cfg).unwrap()
+        };
+        let variants = [
+            (false, OverlapSchedule::Split),
+            (true, OverlapSchedule::Split),
+            (true, OverlapSchedule::Ring),
+        ];
+        let row_layers: Vec<_> = variants.iter().map(|&(a, s)| rows(a, s)).collect();
+        let col_layers: Vec<_> = variants.iter().map(|&(a, s)| cols(a, s)).collect();
+        let x_row = Tensor::<3>::ones([s, b, d / n], &dev).require_grad();
+        let x_col = Tensor::<3>::ones([s / n, b, d], &dev).require_grad();
+        // Rounds of every case, interleaved, so the machine's drift hits all alike.
+        let mut t = vec![Vec::new(); 8];
+        for _ in 0..reps {
+            t[0].push(gemm3([m, d / n], [d / n, d]));
+            t[1].push(gemm3([m, d], [d, d / n]));
+            for (i, l) in row_layers.iter().enumerate() {
+                t[2 + i].push(timed(&g, 1, || {
+                    drop(l.forward(x_row.clone()).sum().backward())
+                }));
+            }
+            for (i, l) in col_layers.iter().enumerate() {
+                t[5 + i].push(timed(&g, 1, || {
+                    drop(l.forward(x_col.clone()).sum().backward())
+                }));
+            }
         }
-        out
+        t.into_iter().map(median).collect::<Vec<_>>()
     })
     .remove(0);
     println!(
