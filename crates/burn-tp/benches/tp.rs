@@ -139,14 +139,35 @@ fn bench_collectives(quick: bool) {
                 let ar = timed(&g, reps, || {
                     outputs.push(g.all_reduce(inputs.pop().unwrap(), ReduceOp::Sum).unwrap())
                 });
-                (ag, agi, rs, ar)
+                // What the layers use: the ops on Flex tensors (inputs read in place, outputs in
+                // pooled buffers that become the tensors' storage), steady state: each output is
+                // dropped before the next call, so its buffer is reused.
+                let dev = Device::flex();
+                let t_shard = Tensor::<1>::ones([bytes / 4 / n], &dev);
+                let t_full = Tensor::<1>::ones([bytes / 4], &dev);
+                drop(all_gather(t_shard.clone(), 0, &g).unwrap());
+                let tag = timed(&g, reps, || {
+                    drop(all_gather(t_shard.clone(), 0, &g).unwrap())
+                });
+                drop(burn_tp::ops::reduce_scatter(t_full.clone(), 0, &g).unwrap());
+                let trs = timed(&g, reps, || {
+                    drop(burn_tp::ops::reduce_scatter(t_full.clone(), 0, &g).unwrap())
+                });
+                drop(burn_tp::ops::all_reduce(t_full.clone(), ReduceOp::Sum, &g).unwrap());
+                let tar = timed(&g, reps, || {
+                    drop(burn_tp::ops::all_reduce(t_full.clone(), ReduceOp::Sum, &g).unwrap())
+                });
+                (ag, agi, rs, ar, tag, trs, tar)
             });
-            let (ag, agi, rs, ar) = times[0];
+            let (ag, agi, rs, ar, tag, trs, tar) = times[0];
             for (op, t) in [
                 ("all_gather", ag),
                 ("all_gather_into", agi),
                 ("reduce_scatter", rs),
                 ("all_reduce", ar),
+                ("tensor all_gather (pooled)", tag),
+                ("tensor reduce_scatter (pooled)", trs),
+                ("tensor all_reduce (pooled)", tar),
             ] {
                 println!(
                     "| {op} | {world} | {mib} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
@@ -579,9 +600,10 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let only = std::env::args().find_map(|a| a.strip_prefix("--only=").map(str::to_string));
-    if only.as_deref() == Some("floor") {
-        bench_layer_floor(quick);
-        return;
+    match only.as_deref() {
+        Some("floor") => return bench_layer_floor(quick),
+        Some("collectives") => return bench_collectives(quick),
+        _ => {}
     }
     bench_collectives(quick);
     bench_zero_cost(quick);
