@@ -82,6 +82,13 @@ impl Vocab {
         self.len().div_ceil(VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     }
 
+    /// The text of token ids (ids outside the vocabulary, such as the padding, are skipped).
+    pub fn decode(&self, ids: &[i64]) -> String {
+        ids.iter()
+            .filter_map(|&i| usize::try_from(i).ok().and_then(|i| self.chars.get(i)))
+            .collect()
+    }
+
     /// Token ids of `text` (characters outside the vocabulary are skipped).
     pub fn encode(&self, text: &str) -> Vec<i64> {
         text.chars()

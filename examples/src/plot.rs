@@ -1,48 +1,114 @@
-//! The loss curve as a PNG (plotters, bitmap backend; no fonts needed, so no text).
+//! The loss curves as a PNG a person reads at a glance: axes with tick numbers and labels, a title
+//! with the run's configuration, a legend. Text comes from an embedded font (DejaVu Sans,
+//! `assets/DejaVuSans.ttf`, licence beside it): no system font lookup, works on a fresh machine.
 
 use std::path::Path;
+use std::sync::Once;
 
 use plotters::prelude::*;
+use plotters::style::{FontStyle, register_font};
 
-/// Draws `losses` (one per step) with the unigram entropy as a dashed reference line.
+const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+fn register() -> Result<(), String> {
+    static ONCE: Once = Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = register_font("sans-serif", FontStyle::Normal, FONT)
+            .map_err(|_| "the embedded font does not parse".to_string());
+    });
+    result
+}
+
+/// What the plot shows.
+pub struct LossCurves<'a> {
+    /// Title: the run's configuration.
+    pub title: &'a str,
+    /// Training loss of every step.
+    pub train: &'a [f64],
+    /// `(step, loss)` on the held-out split.
+    pub held_out: &'a [(usize, f64)],
+    /// The unigram entropy of the text (a model that learnt only letter frequencies).
+    pub reference: f64,
+}
+
+/// Draws the curves into `path`.
 ///
 /// # Errors
 /// The drawing or file error, as text.
-pub fn loss_png(path: &Path, losses: &[f64], reference: f64) -> Result<(), String> {
+pub fn loss_png(path: &Path, curves: &LossCurves) -> Result<(), String> {
+    register()?;
     let err = |e: &dyn std::fmt::Display| format!("plotting {}: {e}", path.display());
-    let root = BitMapBackend::new(path, (800, 480)).into_drawing_area();
+    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let max = losses.iter().copied().fold(reference, f64::max) * 1.05;
+    let steps = curves.train.len().max(2) as f64 - 1.0;
+    let max = curves
+        .train
+        .iter()
+        .chain(curves.held_out.iter().map(|(_, l)| l))
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(curves.reference, f64::max)
+        * 1.05;
     let mut chart = ChartBuilder::on(&root)
+        .caption(curves.title, ("sans-serif", 22))
         .margin(20)
-        .build_cartesian_2d(0f64..losses.len().max(2) as f64 - 1.0, 0f64..max)
-        .map_err(|e| err(&e))?;
-    let axes = [
-        (0.0, 0.0),
-        (0.0, max),
-        (0.0, 0.0),
-        ((losses.len().max(2) - 1) as f64, 0.0),
-    ];
-    chart
-        .draw_series(LineSeries::new(axes[..2].to_vec(), BLACK.stroke_width(2)))
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..steps, 0f64..max)
         .map_err(|e| err(&e))?;
     chart
-        .draw_series(LineSeries::new(axes[2..].to_vec(), BLACK.stroke_width(2)))
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("loss (nats)")
+        .axis_desc_style(("sans-serif", 18))
+        .label_style(("sans-serif", 15))
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.1}"))
+        .draw()
         .map_err(|e| err(&e))?;
-    let n = losses.len() as f64;
-    let dashes = (0..40).map(|i| {
-        let x0 = n * i as f64 / 40.0;
-        PathElement::new(
-            vec![(x0, reference), (x0 + n / 80.0, reference)],
-            RED.stroke_width(1),
-        )
-    });
-    chart.draw_series(dashes).map_err(|e| err(&e))?;
     chart
         .draw_series(LineSeries::new(
-            losses.iter().enumerate().map(|(i, l)| (i as f64, *l)),
+            curves.train.iter().enumerate().map(|(i, l)| (i as f64, *l)),
             BLUE.stroke_width(2),
         ))
+        .map_err(|e| err(&e))?
+        .label("train loss")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], BLUE.stroke_width(2)));
+    let held = RGBColor(230, 120, 0);
+    chart
+        .draw_series(LineSeries::new(
+            curves.held_out.iter().map(|&(s, l)| (s as f64, l)),
+            held.stroke_width(3),
+        ))
+        .map_err(|e| err(&e))?
+        .label("held-out loss")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], held.stroke_width(3)));
+    chart
+        .draw_series(
+            curves
+                .held_out
+                .iter()
+                .map(|&(s, l)| Circle::new((s as f64, l), 4, held.filled())),
+        )
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(DashedLineSeries::new(
+            [(0.0, curves.reference), (steps, curves.reference)],
+            8,
+            6,
+            RED.stroke_width(2),
+        ))
+        .map_err(|e| err(&e))?
+        .label(format!("unigram entropy ({:.2})", curves.reference))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], RED.stroke_width(2)));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 16))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())

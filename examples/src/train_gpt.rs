@@ -11,9 +11,9 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
-use burn_tp::linear::TpMode;
+use burn_tp::linear::{OverlapSchedule, TpMode};
 use burn_tp::local::run_ranks;
-use burn_tp::ops::all_reduce;
+use burn_tp::ops::{all_reduce, gather_from_tp_region};
 use burn_tp::reshard::Reshard;
 use burn_tp::{LocalGroup, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
@@ -27,6 +27,15 @@ pub enum Mode {
     AllReduce,
     /// Sequence parallel: activations sharded on the sequence.
     ReduceScatter,
+}
+
+/// Overlap schedule of the parallel linears, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Schedule {
+    /// Own shard during the communication, the rest after it (nanotron).
+    Split,
+    /// Each peer's shard consumed as it arrives.
+    Ring,
 }
 
 /// Where the ranks run.
@@ -52,9 +61,12 @@ pub struct Args {
     /// Data-parallel size (world = tp x dp; gradients averaged over dp).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
-    /// Activation layout.
-    #[arg(long, value_enum, default_value_t = Mode::AllReduce)]
+    /// Activation layout (reduce-scatter: sequence parallel, the overlapped row-linear backward).
+    #[arg(long, value_enum, default_value_t = Mode::ReduceScatter)]
     pub mode: Mode,
+    /// Overlap schedule of the async parallel linears.
+    #[arg(long, value_enum, default_value_t = Schedule::Split)]
+    pub schedule: Schedule,
     /// Use the plain composed collectives instead of the overlapped ops.
     #[arg(long)]
     pub no_async: bool,
@@ -91,6 +103,16 @@ pub struct Args {
     /// Full checkpoint to start from (written by any tp).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Held-out loss every this many steps (and before the first, and after the last), on the
+    /// last tenth of the text, which is never trained on.
+    #[arg(long, default_value_t = 50)]
+    pub eval_every: usize,
+    /// Characters the trained model writes at the end (printed, and out/sample.txt); 0: none.
+    #[arg(long, default_value_t = 300)]
+    pub sample_len: usize,
+    /// Sampling temperature of that text (0: greedy); the draws are seeded by `--seed`.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -101,6 +123,10 @@ pub struct Args {
 pub struct Report {
     /// Loss of every step (mean over the dp ranks).
     pub losses: Vec<f64>,
+    /// `(steps done, loss)` on the held-out text.
+    pub held_out: Vec<(usize, f64)>,
+    /// Text the trained model wrote (`--sample-len` characters).
+    pub sample: String,
     /// Unigram entropy of the training text, in nats.
     pub unigram_entropy: f64,
     /// Tokens processed per second.
@@ -117,6 +143,23 @@ pub fn model_config(args: &Args, n_vocab: usize) -> GptConfig {
             Mode::ReduceScatter => TpMode::ReduceScatter,
         })
         .with_async_communication(!args.no_async)
+        .with_schedule(match args.schedule {
+            Schedule::Split => OverlapSchedule::Split,
+            Schedule::Ring => OverlapSchedule::Ring,
+        })
+}
+
+/// A one-line description of the run, for the plot's title.
+pub fn describe(args: &Args) -> String {
+    format!(
+        "tiny GPT: tp={} dp={} {:?} {}schedule {:?}, f32, {} steps",
+        args.tp,
+        args.dp,
+        args.mode,
+        if args.no_async { "sync, " } else { "async, " },
+        args.schedule,
+        args.steps
+    )
 }
 
 /// Batch `step` of the run: `[seq, batch]` ids and next-token targets, the same on every rank.
@@ -163,6 +206,21 @@ fn check(args: &Args) -> Result<(), String> {
     if args.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
+    if args.seq == 0 || args.batch == 0 || args.eval_every == 0 {
+        return Err(format!(
+            "--seq, --batch and --eval-every must be at least 1 (got {}, {}, {})",
+            args.seq, args.batch, args.eval_every
+        ));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(format!("--lr must be a positive number (got {})", args.lr));
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(format!(
+            "--temperature must be a number >= 0 (got {})",
+            args.temperature
+        ));
+    }
     Ok(())
 }
 
@@ -180,14 +238,21 @@ pub fn run(args: &Args) -> Result<Report, String> {
     };
     let vocab = Vocab::new(&text);
     let tokens = vocab.encode(&text);
-    if tokens.len() < args.seq + 2 {
+    // The last tenth is held out: never trained on, only evaluated.
+    let split = tokens.len() * 9 / 10;
+    if tokens.len() - split < args.seq + 2 {
         return Err(format!(
-            "the data has {} characters; --seq {} needs at least {}",
+            "the data has {} characters; --seq {} needs at least {} (a tenth is held out)",
             tokens.len(),
             args.seq,
-            args.seq + 2
+            10 * (args.seq + 2)
         ));
     }
+    let data = Data {
+        train: tokens[..split].to_vec(),
+        held_out: tokens[split..].to_vec(),
+        vocab: vocab.len(),
+    };
     let unigram_entropy = corpus::unigram_entropy(&tokens, vocab.len());
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
@@ -195,37 +260,53 @@ pub fn run(args: &Args) -> Result<Report, String> {
     let config = model_config(args, vocab.padded_len());
 
     let start = Instant::now();
-    let (rank, losses) = match args.device {
+    let (rank, out) = match args.device {
         DeviceKind::Cpu => {
             let device = Device::flex().autodiff();
             // One device RNG for every rank thread: seed it once, before they start.
             device.seed(args.seed);
             let world = args.tp * args.dp;
             let groups = LocalGroup::new(world).map_err(|e| e.to_string())?;
-            let (args2, tokens, config2, ckpt) = (
+            let (args2, data2, config2, ckpt) = (
                 args.clone(),
-                tokens.clone(),
+                data.clone(),
                 config.clone(),
                 checkpoint.clone(),
             );
             let results = run_ranks(groups, move |world_group| {
-                train_rank(&args2, &config2, &tokens, world_group, &device, &ckpt)
+                train_rank(&args2, &config2, &data2, world_group, &device, &ckpt)
                     .map_err(|e| e.to_string())
             })?;
-            let losses = results.into_iter().next().expect("rank 0");
-            (0, losses.map_err(|e| format!("rank 0: {e}"))?)
+            let out = results.into_iter().next().expect("rank 0");
+            (0, out.map_err(|e| format!("rank 0: {e}"))?)
         }
-        DeviceKind::Cuda => cuda_rank(args, &config, &tokens, &checkpoint)?,
+        DeviceKind::Cuda => cuda_rank(args, &config, &data, &checkpoint)?,
     };
+    let RankOut {
+        losses,
+        held_out,
+        sample,
+    } = out;
+    let sample = vocab.decode(&sample);
     let elapsed = start.elapsed().as_secs_f64();
     // Rank 0 (of the threads, or of a multi-process launch) writes the files.
     if rank == 0 {
-        write_csv(&args.out.join("loss.csv"), &losses)?;
-        crate::plot::loss_png(&args.out.join("loss.png"), &losses, unigram_entropy)?;
+        write_csv(&args.out.join("loss.csv"), &losses, &held_out)?;
+        let curves = crate::plot::LossCurves {
+            title: &describe(args),
+            train: &losses,
+            held_out: &held_out,
+            reference: unigram_entropy,
+        };
+        crate::plot::loss_png(&args.out.join("loss.png"), &curves)?;
+        let path = args.out.join("sample.txt");
+        std::fs::write(&path, &sample).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     let tokens_per_s = (args.steps * args.batch * args.seq) as f64 / elapsed;
     Ok(Report {
         losses,
+        held_out,
+        sample,
         unigram_entropy,
         tokens_per_s,
         checkpoint,
@@ -238,9 +319,9 @@ pub fn run(args: &Args) -> Result<Report, String> {
 fn cuda_rank(
     args: &Args,
     config: &GptConfig,
-    tokens: &[i64],
+    data: &Data,
     checkpoint: &Path,
-) -> Result<(usize, Vec<f64>), String> {
+) -> Result<(usize, RankOut), String> {
     use burn_tp::comm::nccl::NcclGroup;
     use burn_tp::comm::store::LaunchEnv;
     let env = LaunchEnv::from_env().map_err(|e| {
@@ -259,13 +340,13 @@ fn cuda_rank(
     let world = ProcessGroup::from_nccl(nccl);
     let device = Device::cuda(env.local_rank).autodiff();
     device.seed(args.seed);
-    let losses = train_rank(args, config, tokens, world, &device, checkpoint)
+    let out = train_rank(args, config, data, world, &device, checkpoint)
         .map_err(|e| format!("rank {}: {e}", env.rank))?;
-    Ok((env.rank, losses))
+    Ok((env.rank, out))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_rank(_: &Args, _: &GptConfig, _: &[i64], _: &Path) -> Result<(usize, Vec<f64>), String> {
+fn cuda_rank(_: &Args, _: &GptConfig, _: &Data, _: &Path) -> Result<(usize, RankOut), String> {
     Err(
         "--device cuda needs the `cuda` feature: cargo run --release --example train_gpt \
          --features cuda (see README: burn's CUDA backend cannot be linked on machines without \
@@ -274,14 +355,108 @@ fn cuda_rank(_: &Args, _: &GptConfig, _: &[i64], _: &Path) -> Result<(usize, Vec
     )
 }
 
+/// The text, split.
+#[derive(Clone, Debug)]
+struct Data {
+    train: Vec<i64>,
+    held_out: Vec<i64>,
+    /// Real vocabulary size (the model's is padded).
+    vocab: usize,
+}
+
+/// What a rank brings back.
+struct RankOut {
+    losses: Vec<f64>,
+    held_out: Vec<(usize, f64)>,
+    sample: Vec<i64>,
+}
+
+/// Held-out batches per evaluation (fixed, so every evaluation sees the same text).
+const EVAL_BATCHES: usize = 4;
+
+/// Mean loss over the held-out batches (no gradient), averaged over dp.
+fn held_out_loss(
+    model: &Gpt,
+    args: &Args,
+    data: &Data,
+    dp_rank: usize,
+    dp_group: &ProcessGroup,
+    device: &Device,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let mut sum = 0.0;
+    for k in 0..EVAL_BATCHES {
+        let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
+        let ids = dp_slice(&ids, args, dp_rank, device);
+        let targets = dp_slice(&targets, args, dp_rank, device);
+        let loss = model.try_loss(ids, targets)?.detach();
+        sum += all_reduce(loss, ReduceOp::Avg, dp_group)?.into_scalar::<f32>() as f64;
+    }
+    Ok(sum / EVAL_BATCHES as f64)
+}
+
+/// `--sample-len` tokens from the sharded model, seeded: every rank draws the same ones. The
+/// context is the last `--seq` tokens, starting from the beginning of the held-out text.
+fn generate(
+    model: &Gpt,
+    args: &Args,
+    data: &Data,
+    tp_group: &ProcessGroup,
+    device: &Device,
+) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
+    let mut context = data.held_out[..args.seq].to_vec();
+    let mut state = args.seed ^ 0x5eed_5a3b_1e00_0000;
+    let mut uniform = move || {
+        // SplitMix64: the same draws on every rank.
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(args.sample_len);
+    for _ in 0..args.sample_len {
+        let ids =
+            Tensor::<2, Int>::from_data(TensorData::new(context.clone(), [args.seq, 1]), device);
+        let logits = model.try_forward(ids)?.detach(); // [seq, 1, vocab / tp]
+        let [s, _, v] = logits.dims();
+        let last = gather_from_tp_region(logits.slice([s - 1..s, 0..1, 0..v]), 2, tp_group)?;
+        let logits: Vec<f32> = last.into_data().convert::<f32>().try_to_vec::<f32>()?;
+        // Only real characters (the padded vocabulary's extra ids are never drawn).
+        let logits = &logits[..data.vocab];
+        let next = if args.temperature == 0.0 {
+            (0..logits.len())
+                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+                .unwrap_or(0)
+        } else {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let weights: Vec<f64> = logits
+                .iter()
+                .map(|&l| ((l as f64 - max) / args.temperature).exp())
+                .collect();
+            let mut u = uniform() * weights.iter().sum::<f64>();
+            weights
+                .iter()
+                .position(|&w| {
+                    u -= w;
+                    u <= 0.0
+                })
+                .unwrap_or(weights.len() - 1)
+        } as i64;
+        context.remove(0);
+        context.push(next);
+        out.push(next);
+    }
+    Ok(out)
+}
+
 fn train_rank(
     args: &Args,
     config: &GptConfig,
-    tokens: &[i64],
+    data: &Data,
     world: ProcessGroup,
     device: &Device,
     checkpoint: &Path,
-) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
+) -> Result<RankOut, Box<dyn std::error::Error>> {
     let rank = world.rank();
     let (tp_rank, dp_rank) = (rank % args.tp, rank / args.tp);
     // Without data parallelism the world is the tp group (no split: NCCL groups cannot).
@@ -323,8 +498,12 @@ fn train_rank(
     });
     let start = Instant::now();
     let mut losses = Vec::with_capacity(args.steps);
+    let mut held_out = vec![(
+        0,
+        held_out_loss(&model, args, data, dp_rank, &dp_group, &device)?,
+    )];
     for step in 0..args.steps {
-        let (ids, targets) = batch(tokens, args, step);
+        let (ids, targets) = batch(&data.train, args, step);
         let ids = dp_slice(&ids, args, dp_rank, &device);
         let targets = dp_slice(&targets, args, dp_rank, &device);
         let loss = model.try_loss(ids, targets)?;
@@ -334,6 +513,10 @@ fn train_rank(
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         average_gradients(&model, &mut grads, &dp_group)?;
         model = optim.step(args.lr, model, grads);
+        if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
+            let loss = held_out_loss(&model, args, data, dp_rank, &dp_group, &device)?;
+            held_out.push((step + 1, loss));
+        }
         if let Some(bar) = &progress {
             let tokens_per_s =
                 ((step + 1) * args.batch * args.seq) as f64 / start.elapsed().as_secs_f64();
@@ -351,13 +534,25 @@ fn train_rank(
             .map_err(|e| format!("saving {}: {e:?}", checkpoint.display()))?;
     }
     world.barrier()?;
-    Ok(losses)
+    let sample = generate(&model, args, data, &tp_group, &device)?;
+    Ok(RankOut {
+        losses,
+        held_out,
+        sample,
+    })
 }
 
-fn write_csv(path: &Path, losses: &[f64]) -> Result<(), String> {
-    let mut csv = String::from("step,loss\n");
-    for (i, l) in losses.iter().enumerate() {
-        csv.push_str(&format!("{i},{l}\n"));
+/// `step,loss,held_out_loss`: the loss of step `i` (0-based) is the one before its update; the
+/// held-out loss on row `i` is after `i` updates (empty between evaluations).
+fn write_csv(path: &Path, losses: &[f64], held_out: &[(usize, f64)]) -> Result<(), String> {
+    let mut csv = String::from("step,loss,held_out_loss\n");
+    for i in 0..=losses.len() {
+        let train = losses.get(i).map_or(String::new(), |l| l.to_string());
+        let held = held_out
+            .iter()
+            .find(|(s, _)| *s == i)
+            .map_or(String::new(), |(_, l)| l.to_string());
+        csv.push_str(&format!("{i},{train},{held}\n"));
     }
     std::fs::write(path, csv).map_err(|e| format!("writing {}: {e}", path.display()))
 }

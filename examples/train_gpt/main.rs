@@ -9,15 +9,21 @@ fn main() {
         Ok(report) => {
             let first = report.losses.first().copied().unwrap_or(f64::NAN);
             let last = report.losses.last().copied().unwrap_or(f64::NAN);
+            let held = report.held_out.last().map_or(f64::NAN, |h| h.1);
             println!(
-                "tp={} dp={} {:?}: loss {first:.4} -> {last:.4} (unigram entropy {:.4}), {:.0} tokens/s; wrote {}",
-                args.tp,
-                args.dp,
-                args.mode,
+                "{}: train loss {first:.4} -> {last:.4}, held-out {held:.4} (unigram entropy \
+                 {:.4}), {:.0} tokens/s; wrote {}",
+                burn_tp_examples::train_gpt::describe(&args),
                 report.unigram_entropy,
                 report.tokens_per_s,
                 args.out.display()
             );
+            if !report.sample.is_empty() {
+                println!(
+                    "sample (temperature {}):\n{}",
+                    args.temperature, report.sample
+                );
+            }
         }
         Err(e) => {
             eprintln!("train_gpt: {e}");

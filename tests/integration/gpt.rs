@@ -170,24 +170,21 @@ fn temp_dir(name: &str) -> PathBuf {
 }
 
 fn tiny_args(extra: &[&str], out: &std::path::Path) -> Args {
-    let mut argv = vec![
-        "train_gpt",
-        "--quiet",
-        "--batch",
-        "4",
-        "--seq",
-        "8",
-        "--d-model",
-        "16",
-        "--heads",
-        "4",
-        "--layers",
-        "2",
-        "--lr",
-        "1e-2",
+    let mut argv = vec!["train_gpt", "--quiet"];
+    let defaults = [
+        ("--batch", "4"),
+        ("--seq", "8"),
+        ("--d-model", "16"),
+        ("--heads", "4"),
+        ("--layers", "2"),
+        ("--lr", "1e-2"),
+        ("--steps", "10"),
+        ("--sample-len", "8"),
     ];
-    if !extra.contains(&"--steps") {
-        argv.extend_from_slice(&["--steps", "10"]);
+    for (flag, value) in defaults {
+        if !extra.contains(&flag) {
+            argv.extend_from_slice(&[flag, value]);
+        }
     }
     argv.extend_from_slice(extra);
     argv.extend_from_slice(&["--out", out.to_str().unwrap()]);
@@ -336,6 +333,12 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
             "4",
             "--mode",
             "reduce-scatter",
+            "--schedule",
+            "ring",
+            "--eval-every",
+            "3",
+            "--sample-len",
+            "40",
             "--data",
             data.to_str().unwrap(),
         ],
@@ -343,9 +346,21 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
     ))
     .unwrap();
     assert_eq!(report.losses.len(), 4);
+    // Held out before training, every 3 steps, and after the last.
+    let steps: Vec<usize> = report.held_out.iter().map(|h| h.0).collect();
+    assert_eq!(steps, vec![0, 3, 4]);
+    assert!(report.held_out.iter().all(|h| h.1.is_finite() && h.1 > 0.0));
     let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 5, "{csv}");
-    assert!(csv.starts_with("step,loss\n0,"));
+    assert_eq!(csv.lines().count(), 6, "{csv}");
+    assert!(csv.starts_with("step,loss,held_out_loss\n0,"), "{csv}");
+    assert!(csv.lines().nth(5).unwrap().starts_with("4,,"), "{csv}");
+    // The sample: 40 characters of the data's own alphabet, also written to sample.txt.
+    assert_eq!(report.sample.chars().count(), 40, "{:?}", report.sample);
+    assert!(report.sample.chars().all(|c| "helo tnsrpawd.".contains(c)));
+    assert_eq!(
+        std::fs::read_to_string(out.join("sample.txt")).unwrap(),
+        report.sample
+    );
     let png = std::fs::read(out.join("loss.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     assert!(out.join("checkpoint.bpk").metadata().unwrap().len() > 1000);
@@ -356,6 +371,10 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
     assert!(e.contains("--batch 4") && e.contains("--dp 3"), "{e}");
     let e = run(&tiny_args(&["--tp", "3"], &out)).unwrap_err();
     assert!(e.contains("not divisible") && e.contains('3'), "{e}");
+    for (arg, value) in [("--lr", "nan"), ("--seq", "0"), ("--temperature", "inf")] {
+        let e = run(&tiny_args(&[arg, value], &out)).unwrap_err();
+        assert!(e.contains(arg) && e.to_lowercase().contains(value), "{e}");
+    }
     let e = run(&tiny_args(&["--data", "/nonexistent/file.txt"], &out)).unwrap_err();
     assert!(e.contains("/nonexistent/file.txt"), "{e}");
     // `--device cuda`: without the feature, or outside a launch, an error saying what to do.

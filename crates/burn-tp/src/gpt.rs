@@ -13,7 +13,8 @@ use burn_tp_comm::ProcessGroup;
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
 use crate::init::{init_replicated, owned};
 use crate::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, TpMode, column_parallel_linear,
+    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule, TpMode,
+    column_parallel_linear,
 };
 use crate::loss::sharded_cross_entropy;
 use crate::reshard::{Reshard, solo};
@@ -45,6 +46,9 @@ pub struct GptConfig {
     /// Overlapped communication in the parallel linears.
     #[config(default = true)]
     pub async_communication: bool,
+    /// Overlap schedule of the parallel linears.
+    #[config(default = "OverlapSchedule::Split")]
+    pub schedule: OverlapSchedule,
     /// Reuse the embedding table as the lm-head.
     #[config(default = false)]
     pub tie_embeddings: bool,
@@ -117,6 +121,8 @@ pub struct GptOptions {
     pub mode: TpMode,
     /// Overlapped communication.
     pub async_communication: bool,
+    /// Overlap schedule.
+    pub schedule: OverlapSchedule,
     /// z-loss coefficient.
     pub z_loss: f64,
     /// Label smoothing.
@@ -147,11 +153,13 @@ impl GptConfig {
                         .with_mode(mode)
                         .with_fused_qkv(self.fused_qkv)
                         .with_async_communication(asynch)
+                        .with_schedule(self.schedule)
                         .init(group, device)?,
                     ln2: TpLayerNorm::new(d, mode, group, device),
                     mlp: ParallelMlpConfig::new(d, self.d_hidden.unwrap_or(4 * d))
                         .with_mode(mode)
                         .with_async_communication(asynch)
+                        .with_schedule(self.schedule)
                         .init(group, device)?,
                 })
             })
@@ -162,6 +170,7 @@ impl GptConfig {
                     .with_bias(false)
                     .with_mode(mode)
                     .with_async_communication(asynch)
+                    .with_schedule(self.schedule)
                     .init(group, device)
             })
             .transpose()?;
@@ -175,6 +184,7 @@ impl GptConfig {
             options: GptOptions {
                 mode,
                 async_communication: asynch,
+                schedule: self.schedule,
                 z_loss: self.z_loss,
                 label_smoothing: self.label_smoothing,
             },
@@ -243,6 +253,7 @@ impl Gpt {
                 // Tied: the embedding shard `[V/tp, d]` is the column shard `[d, V/tp]` of the head.
                 let spec = LinearSpec {
                     async_communication: self.options.async_communication,
+                    schedule: self.options.schedule,
                     ..LinearSpec::new(mode)
                 };
                 column_parallel_linear(x, self.tok.weight.val().transpose(), None, spec, group)

@@ -11,8 +11,8 @@ use burn_tp_comm::ProcessGroup;
 use crate::error::check_divisible;
 use crate::init::owned;
 use crate::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
-    TpMode,
+    ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
+    RowParallelLinearConfig, TpMode,
 };
 use crate::ops::copy_to_tp_region;
 use crate::reshard::{Reshard, solo};
@@ -112,6 +112,9 @@ pub struct ParallelMlpConfig {
     /// Overlapped communication.
     #[config(default = true)]
     pub async_communication: bool,
+    /// Overlap schedule of the parallel linears.
+    #[config(default = "OverlapSchedule::Split")]
+    pub schedule: OverlapSchedule,
 }
 
 /// Megatron MLP: `ColumnParallelLinear -> GELU -> RowParallelLinear`, one reduction per call.
@@ -133,10 +136,12 @@ impl ParallelMlpConfig {
             fc1: ColumnParallelLinearConfig::new(self.d_model, self.d_hidden)
                 .with_mode(self.mode)
                 .with_async_communication(self.async_communication)
+                .with_schedule(self.schedule)
                 .init(group, device)?,
             fc2: RowParallelLinearConfig::new(self.d_hidden, self.d_model)
                 .with_mode(self.mode)
                 .with_async_communication(self.async_communication)
+                .with_schedule(self.schedule)
                 .init(group, device)?,
         })
     }
@@ -173,6 +178,9 @@ pub struct ParallelAttentionConfig {
     /// Overlapped communication.
     #[config(default = true)]
     pub async_communication: bool,
+    /// Overlap schedule of the parallel linears.
+    #[config(default = "OverlapSchedule::Split")]
+    pub schedule: OverlapSchedule,
     /// One fused QKV projection (`d_model -> 3 d_model`, columns ordered `[head, q|k|v, head_dim]`
     /// so each rank's column block holds its heads' q, k and v) instead of three.
     #[config(default = true)]
@@ -210,6 +218,7 @@ impl ParallelAttentionConfig {
             ColumnParallelLinearConfig::new(self.d_model, d_out)
                 .with_mode(self.mode)
                 .with_async_communication(self.async_communication)
+                .with_schedule(self.schedule)
                 .init(group, device)
         };
         let qkv = if self.fused_qkv {
@@ -224,6 +233,7 @@ impl ParallelAttentionConfig {
         let out = RowParallelLinearConfig::new(self.d_model, self.d_model)
             .with_mode(self.mode)
             .with_async_communication(self.async_communication)
+            .with_schedule(self.schedule)
             .init(group, device)?;
         Ok(ParallelAttention {
             qkv,
