@@ -24,6 +24,8 @@ fn register() -> Result<(), String> {
 pub struct LossCurves<'a> {
     /// Title: the run's configuration.
     pub title: &'a str,
+    /// The step of `train[0]` (after a resume, the steps done before).
+    pub first_step: usize,
     /// Training loss of every step.
     pub train: &'a [f64],
     /// `(step, loss)` on the held-out split.
@@ -41,7 +43,8 @@ pub fn loss_png(path: &Path, curves: &LossCurves) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("plotting {}: {e}", path.display());
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let steps = curves.train.len().max(2) as f64 - 1.0;
+    let x0 = curves.first_step as f64;
+    let steps = x0 + curves.train.len().max(2) as f64 - 1.0;
     let max = curves
         .train
         .iter()
@@ -55,7 +58,7 @@ pub fn loss_png(path: &Path, curves: &LossCurves) -> Result<(), String> {
         .margin(20)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d(0f64..steps, 0f64..max)
+        .build_cartesian_2d(x0..steps, 0f64..max)
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
@@ -69,7 +72,11 @@ pub fn loss_png(path: &Path, curves: &LossCurves) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     chart
         .draw_series(LineSeries::new(
-            curves.train.iter().enumerate().map(|(i, l)| (i as f64, *l)),
+            curves
+                .train
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (x0 + i as f64, *l)),
             BLUE.stroke_width(2),
         ))
         .map_err(|e| err(&e))?
@@ -94,7 +101,7 @@ pub fn loss_png(path: &Path, curves: &LossCurves) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     chart
         .draw_series(DashedLineSeries::new(
-            [(0.0, curves.reference), (steps, curves.reference)],
+            [(x0, curves.reference), (steps, curves.reference)],
             8,
             6,
             RED.stroke_width(2),

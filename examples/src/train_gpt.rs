@@ -1,7 +1,9 @@
 //! Trains the tiny GPT of `burn_tp::gpt` at tp x dp ranks (threads on the CPU), with Burn's AdamW.
 //!
 //! Every rank runs the same loop on its shard; rank 0 reports. The checkpoint written at the end
-//! is the full, unsharded model (a Burn record), so it resumes at any tp.
+//! is the full, unsharded model (a Burn record) with the optimizer state in the same layout
+//! (`checkpoint.optim.bpk`) and the step count (`checkpoint.steps`), so a run resumes at any tp
+//! and continues the curve it left.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -14,7 +16,7 @@ use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{OverlapSchedule, TpMode};
 use burn_tp::local::run_ranks;
 use burn_tp::ops::{all_reduce, gather_from_tp_region};
-use burn_tp::reshard::Reshard;
+use burn_tp::reshard::{FullOptimizerState, Reshard};
 use burn_tp::{LocalGroup, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
 
@@ -100,7 +102,8 @@ pub struct Args {
     /// Output folder: loss.csv, loss.png, checkpoint.bpk.
     #[arg(long, default_value = "out")]
     pub out: PathBuf,
-    /// Full checkpoint to start from (written by any tp).
+    /// Full checkpoint to start from (written by any tp): the model, with its optimizer state
+    /// (`.optim.bpk`) and step count (`.steps`) beside it; the run continues from there.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Held-out loss every this many steps (and before the first, and after the last), on the
@@ -121,6 +124,8 @@ pub struct Args {
 /// What a run measured.
 #[derive(Clone, Debug)]
 pub struct Report {
+    /// Steps done before this run (from `--resume`); step `first_step + i` gave `losses[i]`.
+    pub first_step: usize,
     /// Loss of every step (mean over the dp ranks).
     pub losses: Vec<f64>,
     /// `(steps done, loss)` on the held-out text.
@@ -283,6 +288,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         DeviceKind::Cuda => cuda_rank(args, &config, &data, &checkpoint)?,
     };
     let RankOut {
+        first_step,
         losses,
         held_out,
         sample,
@@ -291,9 +297,10 @@ pub fn run(args: &Args) -> Result<Report, String> {
     let elapsed = start.elapsed().as_secs_f64();
     // Rank 0 (of the threads, or of a multi-process launch) writes the files.
     if rank == 0 {
-        write_csv(&args.out.join("loss.csv"), &losses, &held_out)?;
+        write_csv(&args.out.join("loss.csv"), first_step, &losses, &held_out)?;
         let curves = crate::plot::LossCurves {
             title: &describe(args),
+            first_step,
             train: &losses,
             held_out: &held_out,
             reference: unigram_entropy,
@@ -304,6 +311,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
     }
     let tokens_per_s = (args.steps * args.batch * args.seq) as f64 / elapsed;
     Ok(Report {
+        first_step,
         losses,
         held_out,
         sample,
@@ -366,6 +374,7 @@ struct Data {
 
 /// What a rank brings back.
 struct RankOut {
+    first_step: usize,
     losses: Vec<f64>,
     held_out: Vec<(usize, f64)>,
     sample: Vec<i64>,
@@ -472,22 +481,33 @@ fn train_rank(
     if dp_rank != 0 {
         world.barrier()?;
     }
-    let model = match &args.resume {
+    let (model, resumed) = match &args.resume {
         Some(path) => {
             let solo = LocalGroup::new(1)?.remove(0);
             let full: Gpt = config
                 .init(&solo, &device)?
                 .try_load_file(path)
                 .map_err(|e| format!("loading {}: {e:?}", path.display()))?;
-            Gpt::shard_module(&full, &tp_group)?
+            let model = Gpt::shard_module(&full, &tp_group)?;
+            (model, Some(full))
         }
-        None => config.init(&tp_group, &device)?,
+        None => (config.init(&tp_group, &device)?, None),
     };
     if dp_rank == 0 {
         world.barrier()?;
     }
     let mut model = broadcast_parameters(model, &dp_group)?;
     let mut optim = AdamWConfig::new().init();
+    // A resumed run continues where the checkpoint left off: the optimizer state (resharded to
+    // this tp) and the step count, so the batches and the AdamW bias correction go on.
+    let first_step = match (&args.resume, resumed) {
+        (Some(path), Some(full)) => {
+            let state = FullOptimizerState::load(&optimizer_path(path))?;
+            optim = optim.load_record(state.shard(&full, &model, &tp_group)?);
+            read_steps(path)?
+        }
+        _ => 0,
+    };
     let progress = (rank == 0 && !args.quiet).then(|| {
         let bar = indicatif::ProgressBar::new(args.steps as u64);
         bar.set_style(
@@ -499,10 +519,10 @@ fn train_rank(
     let start = Instant::now();
     let mut losses = Vec::with_capacity(args.steps);
     let mut held_out = vec![(
-        0,
+        first_step,
         held_out_loss(&model, args, data, dp_rank, &dp_group, &device)?,
     )];
-    for step in 0..args.steps {
+    for step in first_step..first_step + args.steps {
         let (ids, targets) = batch(&data.train, args, step);
         let ids = dp_slice(&ids, args, dp_rank, &device);
         let targets = dp_slice(&targets, args, dp_rank, &device);
@@ -513,13 +533,13 @@ fn train_rank(
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         average_gradients(&model, &mut grads, &dp_group)?;
         model = optim.step(args.lr, model, grads);
-        if (step + 1) % args.eval_every == 0 || step + 1 == args.steps {
+        if (step + 1) % args.eval_every == 0 || step + 1 == first_step + args.steps {
             let loss = held_out_loss(&model, args, data, dp_rank, &dp_group, &device)?;
             held_out.push((step + 1, loss));
         }
         if let Some(bar) = &progress {
-            let tokens_per_s =
-                ((step + 1) * args.batch * args.seq) as f64 / start.elapsed().as_secs_f64();
+            let tokens_per_s = ((step + 1 - first_step) * args.batch * args.seq) as f64
+                / start.elapsed().as_secs_f64();
             bar.set_message(format!("loss {value:.4}  {tokens_per_s:.0} tok/s"));
             bar.inc(1);
         }
@@ -527,27 +547,60 @@ fn train_rank(
     if let Some(bar) = progress {
         bar.finish();
     }
-    // The full model on every rank of each tp group; world rank 0 writes it.
+    // The full model and optimizer state on every rank of each tp group; world rank 0 writes
+    // them, with the number of steps done.
     let full = model.to_full_module()?;
+    let optim_state = FullOptimizerState::gather(&optim, &model)?;
     if rank == 0 {
         full.save_file(checkpoint)
             .map_err(|e| format!("saving {}: {e:?}", checkpoint.display()))?;
+        optim_state.save(&optimizer_path(checkpoint))?;
+        let steps = steps_path(checkpoint);
+        std::fs::write(&steps, (first_step + args.steps).to_string())
+            .map_err(|e| format!("writing {}: {e}", steps.display()))?;
     }
     world.barrier()?;
     let sample = generate(&model, args, data, &tp_group, &device)?;
     Ok(RankOut {
+        first_step,
         losses,
         held_out,
         sample,
     })
 }
 
+/// The optimizer state beside a checkpoint: `checkpoint.optim.bpk`.
+pub fn optimizer_path(checkpoint: &Path) -> PathBuf {
+    checkpoint.with_extension("optim.bpk")
+}
+
+/// The number of steps a checkpoint has done, beside it: `checkpoint.steps`.
+pub fn steps_path(checkpoint: &Path) -> PathBuf {
+    checkpoint.with_extension("steps")
+}
+
+fn read_steps(checkpoint: &Path) -> Result<usize, String> {
+    let path = steps_path(checkpoint);
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    text.trim()
+        .parse()
+        .map_err(|e| format!("{}: not a step count ({e})", path.display()))
+}
+
 /// `step,loss,held_out_loss`: the loss of step `i` (0-based) is the one before its update; the
 /// held-out loss on row `i` is after `i` updates (empty between evaluations).
-fn write_csv(path: &Path, losses: &[f64], held_out: &[(usize, f64)]) -> Result<(), String> {
+fn write_csv(
+    path: &Path,
+    first_step: usize,
+    losses: &[f64],
+    held_out: &[(usize, f64)],
+) -> Result<(), String> {
     let mut csv = String::from("step,loss,held_out_loss\n");
-    for i in 0..=losses.len() {
-        let train = losses.get(i).map_or(String::new(), |l| l.to_string());
+    for i in first_step..=first_step + losses.len() {
+        let train = losses
+            .get(i - first_step)
+            .map_or(String::new(), |l| l.to_string());
         let held = held_out
             .iter()
             .find(|(s, _)| *s == i)

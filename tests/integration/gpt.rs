@@ -265,8 +265,9 @@ fn replicated_parameters_stay_bitwise_identical() {
     }
 }
 
-/// A model saved at tp = 2 resumes at tp = 1, 2 and 4 with the same loss; sharding and gathering
-/// round-trips the parameters exactly.
+/// A model saved at tp = 2 resumes at tp = 1, 2 and 4 with the same loss, and continues the run
+/// (optimizer state, step count) as if never interrupted; sharding and gathering round-trips the
+/// parameters exactly.
 #[test]
 fn checkpoints_round_trip_across_tp_sizes() {
     let _rng = rng_lock();
@@ -294,6 +295,61 @@ fn checkpoints_round_trip_across_tp_sizes() {
         "the resumed model is the trained one: {resumed:?} vs {:?}",
         first.losses
     );
+
+    // The checkpoint carries the optimizer state and the step count: 20 steps, then a resume
+    // for 20 more (at tp 2, and at tp 4 and 1), give the losses of 40 steps uninterrupted.
+    let whole = run(&tiny_args(
+        &["--tp", "2", "--steps", "40"],
+        &temp_dir("whole"),
+    ))
+    .unwrap();
+    let half = run(&tiny_args(
+        &["--tp", "2", "--steps", "20"],
+        &temp_dir("half"),
+    ))
+    .unwrap();
+    assert_eq!(half.losses[..], whole.losses[..20]);
+    let ckpt = half.checkpoint.to_str().unwrap().to_string();
+    for tp in ["2", "4", "1"] {
+        let o = temp_dir(&format!("continue-{tp}"));
+        let rest = run(&tiny_args(
+            &["--tp", tp, "--steps", "20", "--resume", &ckpt],
+            &o,
+        ))
+        .unwrap();
+        assert_eq!(rest.first_step, 20);
+        assert_close(
+            &rest.losses,
+            &whole.losses[20..],
+            1e-4,
+            &format!("steps 20..40 resumed at tp {tp} vs uninterrupted"),
+        );
+        assert_eq!(rest.held_out.last().unwrap().0, 40);
+        let csv = std::fs::read_to_string(o.join("loss.csv")).unwrap();
+        assert!(csv.lines().nth(1).unwrap().starts_with("20,"), "{csv}");
+    }
+    // A checkpoint without its optimizer state is an error naming the missing file.
+    let bare = temp_dir("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(&half.checkpoint, bare.join("checkpoint.bpk")).unwrap();
+    std::fs::copy(
+        half.checkpoint.with_extension("steps"),
+        bare.join("checkpoint.steps"),
+    )
+    .unwrap();
+    let e = run(&tiny_args(
+        &[
+            "--tp",
+            "2",
+            "--steps",
+            "1",
+            "--resume",
+            bare.join("checkpoint.bpk").to_str().unwrap(),
+        ],
+        &temp_dir("bare-out"),
+    ))
+    .unwrap_err();
+    assert!(e.contains("checkpoint.optim.bpk"), "{e}");
 
     device().seed(3);
     let out = run_local(2, |g| {

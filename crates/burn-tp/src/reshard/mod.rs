@@ -24,3 +24,7 @@ pub trait Reshard: Sized {
 pub(crate) fn solo() -> ProcessGroup {
     LocalGroup::new(1).expect("a group of one").remove(0)
 }
+
+mod optimizer;
+
+pub use optimizer::FullOptimizerState;

@@ -1,0 +1,256 @@
+//! Optimizer state across tp sizes: a [`ModuleOptimizer`]'s per-parameter state (AdamW's two
+//! moments, its step count, ...) is elementwise over each parameter, so it shards exactly like
+//! the parameter. It is gathered into the full (tp = 1) layout by running each state field
+//! through the model's own [`Reshard`] as if it were the parameters, and sharded back the same
+//! way at any tp. Parameters are matched by their order in the module, not by their ids (which a
+//! fresh or resharded model does not share with the one that was saved).
+//!
+//! Burn keys an optimizer record by parameter id: tensors `"{id}.{field}"`, scalars
+//! `"{id}.{key}"`, and the parameter's path as metadata `"{id}"` (burnpack). The saved file uses
+//! the same layout keyed by the parameter's index instead.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{ModuleOptimizer, OptimizerRecord};
+use burn::tensor::{Tensor, TensorData};
+use burn_pack::{Reader, Scalar, Writer};
+use burn_tp_comm::ProcessGroup;
+
+use super::Reshard;
+use crate::{Result, TpError};
+
+fn err(what: &str, e: impl std::fmt::Debug) -> TpError {
+    TpError::Config(format!("optimizer state: {what}: {e:?}"))
+}
+
+/// Ids of a module's float parameters, in module order.
+fn param_ids<M: Module>(module: &M) -> Vec<u64> {
+    struct Ids(Vec<u64>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id.val());
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+/// A module's float parameters' values, in module order.
+fn param_values<M: Module>(module: &M) -> Vec<TensorData> {
+    struct Values(Vec<TensorData>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.val().into_data());
+        }
+    }
+    let mut values = Values(Vec::new());
+    module.visit(&mut values);
+    values.0
+}
+
+/// `module` with parameter `k` replaced by `values[k]` (kept where `None`).
+fn with_values<M: Module>(module: M, values: Vec<Option<TensorData>>) -> M {
+    struct Replace(std::vec::IntoIter<Option<TensorData>>);
+    impl ModuleMapper for Replace {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            match self.0.next().flatten() {
+                Some(data) => param.map(|t| {
+                    let (device, dtype) = (t.device(), data.dtype());
+                    Tensor::from_data(data, (&device, dtype))
+                }),
+                None => param,
+            }
+        }
+    }
+    module.map(&mut Replace(values.into_iter()))
+}
+
+/// The state of a sharded model's optimizer in the full (tp = 1) layout, keyed by parameter index.
+#[derive(Debug, Default)]
+pub struct FullOptimizerState {
+    /// `(param index, field)` -> the full state tensor.
+    tensors: BTreeMap<(usize, String), TensorData>,
+    /// `"{param index}.{key}"` -> value (step counts, the parameter's rank).
+    scalars: BTreeMap<String, Scalar>,
+    /// `param index` -> the parameter's path (for parameter groups).
+    paths: BTreeMap<usize, String>,
+}
+
+impl FullOptimizerState {
+    /// Gathers `optim`'s state of the sharded `model` into the full layout, on every rank.
+    /// Collective over the model's tensor-parallel group.
+    ///
+    /// # Errors
+    /// A communication error, or a record in a layout this does not know.
+    pub fn gather<M: Module + Reshard + Clone>(optim: &ModuleOptimizer, model: &M) -> Result<Self> {
+        let bytes = optim
+            .to_record()
+            .into_bytes()
+            .map_err(|e| err("encoding", e))?;
+        let reader = Reader::from_bytes(bytes).map_err(|e| err("decoding", e))?;
+        let index: BTreeMap<u64, usize> = param_ids(model)
+            .into_iter()
+            .enumerate()
+            .map(|(k, id)| (id, k))
+            .collect();
+        let n = index.len();
+        let key = |id: &str| {
+            id.parse::<u64>()
+                .ok()
+                .and_then(|id| index.get(&id).copied())
+        };
+        let mut state = Self::default();
+        for (name, value) in reader.scalars() {
+            if let Some((id, rest)) = name.split_once('.')
+                && let Some(k) = key(id)
+            {
+                state.scalars.insert(format!("{k}.{rest}"), *value);
+            }
+        }
+        for (id, path) in reader.metadata() {
+            if let Some(k) = key(id) {
+                state.paths.insert(k, path.clone());
+            }
+        }
+        // Field -> the sharded state tensor of each parameter that has one.
+        let mut fields: BTreeMap<String, Vec<Option<TensorData>>> = BTreeMap::new();
+        for tensor in reader.into_tensors().map_err(|e| err("reading", e))? {
+            let (name, dtype, shape, param_id, bytes) =
+                tensor.into_parts().map_err(|e| err("reading", e))?;
+            let k = param_id.and_then(|id| index.get(&id).copied());
+            let (Some(k), Some((_, field))) = (k, name.split_once('.')) else {
+                return Err(err("a tensor of no parameter of this model", name));
+            };
+            fields
+                .entry(field.to_string())
+                .or_insert_with(|| vec![None; n])[k] =
+                Some(TensorData::from_bytes(bytes, shape, dtype));
+        }
+        // Each field through the model's own resharding, as if it were the parameters. Every
+        // rank has state for the same parameters (the same steps ran everywhere).
+        for (field, values) in fields {
+            let present: Vec<bool> = values.iter().map(Option::is_some).collect();
+            let full = with_values(model.clone(), values).to_full_module()?;
+            for (k, data) in param_values(&full).into_iter().enumerate() {
+                if present[k] {
+                    state.tensors.insert((k, field.clone()), data);
+                }
+            }
+        }
+        Ok(state)
+    }
+
+    /// The optimizer record of this state for `sharded`, this rank's shard of `full` (the full
+    /// model the state belongs to), at any tp and with any parameter ids; load it with
+    /// [`ModuleOptimizer::load_record`].
+    ///
+    /// # Errors
+    /// Sizes not divisible by the group's size; a state that does not fit the model.
+    pub fn shard<M: Module + Reshard + Clone>(
+        &self,
+        full: &M,
+        sharded: &M,
+        group: &ProcessGroup,
+    ) -> Result<OptimizerRecord> {
+        let ids = param_ids(sharded);
+        let n = ids.len();
+        let fields: BTreeSet<&String> = self.tensors.keys().map(|(_, f)| f).collect();
+        let mut tensors = Vec::new();
+        for field in fields {
+            let values: Vec<Option<TensorData>> = (0..n)
+                .map(|k| self.tensors.get(&(k, field.clone())).cloned())
+                .collect();
+            let present: Vec<bool> = values.iter().map(Option::is_some).collect();
+            let shard = M::shard_module(&with_values(full.clone(), values), group)?;
+            for (k, data) in param_values(&shard).into_iter().enumerate() {
+                if present[k] {
+                    let (bytes, shape, dtype) = data.into_parts();
+                    let name = format!("{}.{field}", ids[k]);
+                    tensors.push(burn_pack::Tensor::new(
+                        name,
+                        dtype,
+                        shape,
+                        Some(ids[k]),
+                        bytes,
+                    ));
+                }
+            }
+        }
+        let mut writer = Writer::new(tensors);
+        for (name, value) in &self.scalars {
+            let k = name
+                .split_once('.')
+                .and_then(|(k, _)| k.parse::<usize>().ok());
+            let (Some(k), Some((_, rest))) = (k, name.split_once('.')) else {
+                return Err(err("a scalar key", name));
+            };
+            let id = ids
+                .get(k)
+                .ok_or_else(|| err("a parameter index past the model's", k))?;
+            writer = writer.with_scalar(&format!("{id}.{rest}"), *value);
+        }
+        for (k, path) in &self.paths {
+            if let Some(id) = ids.get(*k) {
+                writer = writer.with_metadata(&id.to_string(), path);
+            }
+        }
+        let bytes = writer.into_bytes().map_err(|e| err("encoding", e))?;
+        OptimizerRecord::from_bytes(bytes).map_err(|e| err("decoding", e))
+    }
+
+    /// Writes the state to `path` (burnpack).
+    ///
+    /// # Errors
+    /// The file error.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|((k, field), data)| {
+                let (bytes, shape, dtype) = data.clone().into_parts();
+                burn_pack::Tensor::new(format!("{k}.{field}"), dtype, shape, None, bytes)
+            })
+            .collect();
+        let mut writer = Writer::new(tensors);
+        for (name, value) in &self.scalars {
+            writer = writer.with_scalar(name, *value);
+        }
+        for (k, path) in &self.paths {
+            writer = writer.with_metadata(&k.to_string(), path);
+        }
+        writer
+            .auto_extension(false)
+            .write_to_file(path)
+            .map_err(|e| err(&format!("writing {}", path.display()), e))
+    }
+
+    /// Reads a state written by [`save`](Self::save).
+    ///
+    /// # Errors
+    /// The file error, or a file of another layout.
+    pub fn load(path: &Path) -> Result<Self> {
+        let what = format!("reading {}", path.display());
+        let reader = Reader::from_file(path).map_err(|e| err(&what, e))?;
+        let mut state = Self {
+            scalars: reader.scalars().clone(),
+            ..Default::default()
+        };
+        for (k, p) in reader.metadata() {
+            let k = k.parse().map_err(|e| err(&what, e))?;
+            state.paths.insert(k, p.clone());
+        }
+        for tensor in reader.into_tensors().map_err(|e| err(&what, e))? {
+            let (name, dtype, shape, _, bytes) = tensor.into_parts().map_err(|e| err(&what, e))?;
+            let (k, field) = name.split_once('.').ok_or_else(|| err(&what, &name))?;
+            let k = k.parse().map_err(|e| err(&what, e))?;
+            state.tensors.insert(
+                (k, field.to_string()),
+                TensorData::from_bytes(bytes, shape, dtype),
+            );
+        }
+        Ok(state)
+    }
+}
