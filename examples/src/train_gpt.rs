@@ -11,13 +11,14 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_tp::comm::Profile;
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{OverlapSchedule, TpMode};
 use burn_tp::local::run_ranks;
 use burn_tp::ops::{all_reduce, gather_from_tp_region};
 use burn_tp::reshard::{FullOptimizerState, Reshard};
-use burn_tp::{LocalGroup, ProcessGroup, ReduceOp};
+use burn_tp::{LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
 
 use crate::corpus::{self, Vocab};
@@ -116,6 +117,10 @@ pub struct Args {
     /// Sampling temperature of that text (0: greedy); the draws are seeded by `--seed`.
     #[arg(long, default_value_t = 0.8)]
     pub temperature: f64,
+    /// Profile the communication: a table per layer and op at the end (bytes, time in flight,
+    /// time waited, fraction hidden), and out/comm.csv.
+    #[arg(long)]
+    pub profile: bool,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -138,6 +143,8 @@ pub struct Report {
     pub tokens_per_s: f64,
     /// Where the full checkpoint was written.
     pub checkpoint: PathBuf,
+    /// Rank 0's communication profile (`--profile`).
+    pub profile: Option<Profile>,
 }
 
 /// The model configuration the arguments describe.
@@ -271,7 +278,11 @@ pub fn run(args: &Args) -> Result<Report, String> {
             // One device RNG for every rank thread: seed it once, before they start.
             device.seed(args.seed);
             let world = args.tp * args.dp;
-            let groups = LocalGroup::new(world).map_err(|e| e.to_string())?;
+            let options = LocalGroupOptions {
+                profile: args.profile,
+                ..Default::default()
+            };
+            let groups = LocalGroup::with_options(world, options).map_err(|e| e.to_string())?;
             let (args2, data2, config2, ckpt) = (
                 args.clone(),
                 data.clone(),
@@ -292,6 +303,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         losses,
         held_out,
         sample,
+        profile,
     } = out;
     let sample = vocab.decode(&sample);
     let elapsed = start.elapsed().as_secs_f64();
@@ -306,6 +318,11 @@ pub fn run(args: &Args) -> Result<Report, String> {
             reference: unigram_entropy,
         };
         crate::plot::loss_png(&args.out.join("loss.png"), &curves)?;
+        if let Some(profile) = &profile {
+            let path = args.out.join("comm.csv");
+            std::fs::write(&path, profile.to_csv())
+                .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        }
         let path = args.out.join("sample.txt");
         std::fs::write(&path, &sample).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
@@ -318,6 +335,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         unigram_entropy,
         tokens_per_s,
         checkpoint,
+        profile,
     })
 }
 
@@ -374,6 +392,7 @@ struct Data {
 
 /// What a rank brings back.
 struct RankOut {
+    profile: Option<Profile>,
     first_step: usize,
     losses: Vec<f64>,
     held_out: Vec<(usize, f64)>,
@@ -560,8 +579,11 @@ fn train_rank(
             .map_err(|e| format!("writing {}: {e}", steps.display()))?;
     }
     world.barrier()?;
+    // The profile covers training only (not the sample below).
+    let profile = world.profile();
     let sample = generate(&model, args, data, &tp_group, &device)?;
     Ok(RankOut {
+        profile,
         first_step,
         losses,
         held_out,

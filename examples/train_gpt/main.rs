@@ -18,6 +18,9 @@ fn main() {
                 report.tokens_per_s,
                 args.out.display()
             );
+            if let Some(profile) = &report.profile {
+                println!("communication of rank 0 (also in comm.csv):\n{profile}");
+            }
             if !report.sample.is_empty() {
                 println!(
                     "sample (temperature {}):\n{}",

@@ -395,6 +395,7 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
             "3",
             "--sample-len",
             "40",
+            "--profile",
             "--data",
             data.to_str().unwrap(),
         ],
@@ -410,6 +411,33 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
     assert_eq!(csv.lines().count(), 6, "{csv}");
     assert!(csv.starts_with("step,loss,held_out_loss\n0,"), "{csv}");
     assert!(csv.lines().nth(5).unwrap().starts_with("4,,"), "{csv}");
+    // The communication profile: the seed's path is there, and in comm.csv.
+    let profile = report.profile.as_ref().expect("--profile");
+    let row = |label: &str, op: &str| {
+        profile
+            .rows
+            .iter()
+            .find(|r| r.label == label && r.op == op)
+            .unwrap_or_else(|| panic!("{label} {op} in\n{profile}"))
+    };
+    // 2 blocks x 2 row layers (attention out, MLP fc2) x 4 steps; the forward also runs in the
+    // 3 held-out evaluations of 4 batches each.
+    assert_eq!(
+        row("RowParallelLinear.backward", "AllGather").calls,
+        16,
+        "{profile}"
+    );
+    let forwards = 4 * (4 + 3 * 4);
+    assert_eq!(
+        row("RowParallelLinear.forward", "ReduceScatter").calls,
+        forwards
+    );
+    assert!(row("RowParallelLinear.backward", "AllGather").bytes > 0);
+    let comm_csv = std::fs::read_to_string(out.join("comm.csv")).unwrap();
+    assert!(
+        comm_csv.contains("RowParallelLinear.backward,AllGather,16,"),
+        "{comm_csv}"
+    );
     // The sample: 40 characters of the data's own alphabet, also written to sample.txt.
     assert_eq!(report.sample.chars().count(), 40, "{:?}", report.sample);
     assert!(report.sample.chars().all(|c| "helo tnsrpawd.".contains(c)));

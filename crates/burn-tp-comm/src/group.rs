@@ -10,6 +10,7 @@ use crate::buffer::{RecvBuf, SendBuf};
 use crate::local::{
     Membership, Payload, Shared, SharedReduce, downcast, payload, reduce_in_rank_order,
 };
+use crate::profile::{Profile, ProfileStore};
 use crate::{CommElement, CommError, DType, LinkModel, OpDesc, OpKind, ReduceOp, Result, Work};
 
 /// How a [`ProcessGroup`]'s collectives travel.
@@ -36,6 +37,8 @@ pub struct ProcessGroup {
     /// `None` for [`ProcessGroup::weak`] handles and NCCL groups; held for its `Drop`.
     #[allow(dead_code)]
     membership: Option<Arc<Membership>>,
+    /// This rank's communication profile, when on (shared with the groups split from this one).
+    pub(crate) profile: Option<Arc<ProfileStore>>,
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -48,8 +51,14 @@ impl fmt::Debug for ProcessGroup {
 }
 
 impl ProcessGroup {
-    pub(crate) fn member(shared: Arc<Shared>, rank: usize, timeout: Duration) -> Self {
+    pub(crate) fn member(
+        shared: Arc<Shared>,
+        rank: usize,
+        timeout: Duration,
+        profile: Option<Arc<ProfileStore>>,
+    ) -> Self {
         Self {
+            profile,
             rank,
             world: shared.world,
             membership: Some(Arc::new(Membership {
@@ -75,6 +84,7 @@ impl ProcessGroup {
             transport: Transport::Nccl(Arc::new(group)),
             seq: Arc::new(AtomicU64::new(0)),
             membership: None,
+            profile: None,
         }
     }
 
@@ -124,6 +134,12 @@ impl ProcessGroup {
             #[cfg(feature = "nccl")]
             Transport::Nccl(_) => None,
         }
+    }
+
+    /// This rank's communication profile so far (of this group and the groups split from it),
+    /// or `None` when profiling is off.
+    pub fn profile(&self) -> Option<Profile> {
+        self.profile.as_ref().map(|p| p.snapshot())
     }
 
     /// Whether a collective in flight makes progress without the thread that posted it (NCCL on
@@ -545,6 +561,11 @@ impl ProcessGroup {
             st.splits.remove(&(seq, color));
         }
         drop(st);
-        Ok(ProcessGroup::member(shared, new_rank, self.timeout()))
+        Ok(ProcessGroup::member(
+            shared,
+            new_rank,
+            self.timeout(),
+            self.profile.clone(),
+        ))
     }
 }

@@ -36,6 +36,7 @@ mod local;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod op;
+pub mod profile;
 pub mod store;
 mod work;
 
@@ -47,4 +48,5 @@ pub use group::ProcessGroup;
 pub use link::LinkModel;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup, LocalGroupOptions};
 pub use op::{OpDesc, OpKind};
+pub use profile::{Profile, ProfileRow};
 pub use work::Work;

@@ -26,6 +26,8 @@ pub struct LocalGroupOptions {
     pub poll_interval: Duration,
     /// Optional simulated link (off by default).
     pub link: Option<LinkModel>,
+    /// Count every call in a [`Profile`](crate::Profile) (off by default, or `BURN_TP_PROFILE=1`).
+    pub profile: bool,
 }
 
 impl Default for LocalGroupOptions {
@@ -36,10 +38,12 @@ impl Default for LocalGroupOptions {
             .filter(|s| *s > 0.0)
             .map(Duration::from_secs_f64)
             .unwrap_or(DEFAULT_TIMEOUT);
+        let profile = std::env::var("BURN_TP_PROFILE").is_ok_and(|v| v.trim() == "1");
         Self {
             timeout,
             poll_interval: Duration::from_millis(50),
             link: None,
+            profile,
         }
     }
 }
@@ -70,7 +74,10 @@ impl LocalGroup {
         }
         let shared = Shared::new(world_size, options.clone());
         Ok((0..world_size)
-            .map(|rank| ProcessGroup::member(shared.clone(), rank, options.timeout))
+            .map(|rank| {
+                let profile = options.profile.then(Default::default);
+                ProcessGroup::member(shared.clone(), rank, options.timeout, profile)
+            })
             .collect())
     }
 }

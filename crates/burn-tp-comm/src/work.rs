@@ -17,6 +17,8 @@ pub struct Work<T> {
     /// The local transport's meeting place; `None` for a call that completed when it was issued.
     shared: Option<Arc<Shared>>,
     finish: Option<FinishFn<T>>,
+    /// With profiling on: the label the call was issued under, and when it was posted.
+    profiled: Option<(&'static str, Instant)>,
     consumed: bool,
     /// A call that completed when it was issued (staged through NCCL).
     done: Option<Result<T>>,
@@ -51,10 +53,15 @@ impl<T> Work<T> {
         desc: OpDesc,
         finish: FinishFn<T>,
     ) -> Self {
+        let profiled = group
+            .profile
+            .is_some()
+            .then(|| (crate::profile::current_scope(), Instant::now()));
         Work {
             group,
             seq,
             desc,
+            profiled,
             shared: Some(shared),
             finish: Some(finish),
             consumed: false,
@@ -70,10 +77,22 @@ impl<T> Work<T> {
             seq,
             desc,
             shared: None,
+            profiled: None,
             finish: None,
             consumed: true,
             done: Some(result),
         }
+    }
+
+    /// When the last rank posted this call (for the profile).
+    fn last_post(&self) -> Option<Instant> {
+        let st = self.shared().lock();
+        st.slots
+            .get(&self.seq)?
+            .posts
+            .iter()
+            .filter_map(|p| p.as_ref().map(|p| p.at))
+            .max()
     }
 
     fn shared(&self) -> &Arc<Shared> {
@@ -117,10 +136,38 @@ impl<T> Work<T> {
         if let Some(done) = self.done.take() {
             return done;
         }
+        if self.profiled.is_none() {
+            let payloads = self.wait_ready(timeout, None)?;
+            let finish = self.finish.take().expect("a Work completes once");
+            let out = finish(&payloads);
+            drop(payloads);
+            self.consume();
+            return Ok(out);
+        }
+        let entered = Instant::now();
         let payloads = self.wait_ready(timeout, None)?;
+        let ready = Instant::now();
+        // Without blocking, the data was complete when the last rank posted plus the simulated
+        // link's delivery time, if any (before this wait began).
+        let bytes = self
+            .desc
+            .recv_bytes(self.group.rank(), self.group.world_size());
+        let completed = if ready - entered > Duration::from_micros(50) {
+            ready
+        } else {
+            let link = self.shared().options.link;
+            let delay = link.map_or(Duration::ZERO, |l| l.delay(bytes));
+            (self.last_post().unwrap_or(entered) + delay).min(entered)
+        };
         let finish = self.finish.take().expect("a Work completes once");
         let out = finish(&payloads);
         drop(payloads);
+        if let (Some((label, posted)), Some(store)) = (self.profiled, &self.group.profile) {
+            // The copy into the output is communication done by this thread.
+            let copy = entered.elapsed() - (ready - entered);
+            let comm = completed.saturating_duration_since(posted) + copy;
+            store.record(label, self.desc.kind, bytes, comm, entered.elapsed());
+        }
         self.consume();
         Ok(out)
     }

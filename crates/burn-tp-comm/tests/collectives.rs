@@ -573,3 +573,57 @@ fn in_place_collectives_match_references_at_any_length_and_all_reduce_is_bit_ide
     });
     assert_eq!(out, vec![vec![3.0, 3.0], vec![3.0, 3.0]]);
 }
+
+/// The profile counts calls and bytes per label and op, and tells hidden communication (compute
+/// between the start and the wait, over a simulated link) from waited communication.
+#[test]
+fn the_profile_counts_calls_bytes_and_the_hidden_fraction() {
+    use burn_tp_comm::{LinkModel, profile::scope};
+    let options = LocalGroupOptions {
+        // 1 MiB per delivery takes ~20 ms.
+        link: Some(LinkModel::new(0.05, 10.0)),
+        profile: true,
+        ..Default::default()
+    };
+    let out = run(2, options, |pg| {
+        let x = vec![1.0f32; 1 << 18]; // 1 MiB
+        {
+            let _s = scope("hidden");
+            let w = pg.all_gather_async(x.clone());
+            std::thread::sleep(Duration::from_millis(60)); // "compute" longer than the transfer
+            w.wait().unwrap();
+        }
+        {
+            let _s = scope("waited");
+            pg.all_gather(x.clone()).unwrap();
+        }
+        pg.all_gather(x).unwrap(); // no scope: "direct"
+        pg.profile().unwrap()
+    });
+    for profile in out {
+        let profile = profile.unwrap();
+        let row = |label: &str| {
+            profile
+                .rows
+                .iter()
+                .find(|r| r.label == label)
+                .unwrap_or_else(|| panic!("{label} in {profile}"))
+                .clone()
+        };
+        let (hidden, waited) = (row("hidden"), row("waited"));
+        assert_eq!(row("direct").calls, 1);
+        assert_eq!((hidden.calls, hidden.bytes), (1, 1 << 20), "{profile}");
+        assert_eq!(hidden.op, "AllGather");
+        assert!(hidden.hidden() > 0.8, "{profile}");
+        assert!(waited.hidden() < 0.2, "{profile}");
+        assert!(waited.comm >= Duration::from_millis(15), "{profile}");
+        assert!(
+            profile.to_csv().lines().count() == 4,
+            "{}",
+            profile.to_csv()
+        );
+    }
+    // Off by default: no profile.
+    let off = run_ok(1, |pg| pg.profile().is_none());
+    assert!(off[0]);
+}

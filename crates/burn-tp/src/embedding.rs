@@ -155,6 +155,7 @@ impl VocabParallelEmbedding {
     /// As [`forward`](Self::forward)'s panics.
     pub fn try_forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
         check_ids(&ids, self.n_vocab)?;
+        let _scope = burn_tp_comm::profile::scope("VocabParallelEmbedding.forward");
         let tp = self.group.world_size();
         let [s, _] = ids.dims();
         if self.mode == TpMode::ReduceScatter {

@@ -32,6 +32,7 @@ pub fn sharded_cross_entropy(
     z_loss_coef: f64,
     label_smoothing: f64,
 ) -> Result<Tensor<1>> {
+    let _scope = burn_tp_comm::profile::scope("sharded_cross_entropy");
     let [n, v_local] = sharded_logits.dims();
     let [n_t] = targets.dims();
     if n != n_t {

@@ -37,6 +37,7 @@ impl<B: TpBackend> Backward<B, 1> for CollectiveBackward {
             group,
             extremum,
         } = ops.state;
+        let _scope = burn_tp_comm::profile::scope("collective backward");
         unary::<B, _>(ops.parents, ops.node, grads, |grad| match op {
             Collective::AllGather { dim } => {
                 collective_blocking::<B>(grad, Collective::ReduceScatter { dim }, &group)

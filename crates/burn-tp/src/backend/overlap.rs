@@ -44,6 +44,7 @@
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{Shape, Slice};
+use burn_tp_comm::profile::scope;
 use burn_tp_comm::{CommError, ProcessGroup};
 
 use super::host::rows;
@@ -218,6 +219,7 @@ pub(crate) fn column_forward<B: TpBackend>(
     spec: LinearSpec,
     group: &ProcessGroup,
 ) -> Result<(FloatTensor<B>, ColumnSaved<B>), CommError> {
+    let _scope = scope("ColumnParallelLinear.forward");
     let mut lead = x.shape().to_vec();
     lead.pop();
     match spec.mode {
@@ -290,6 +292,7 @@ pub(crate) fn column_backward<B: TpBackend>(
     group: &ProcessGroup,
     needs: Needs,
 ) -> Result<LinearGrads<B>, CommError> {
+    let _scope = scope("ColumnParallelLinear.backward");
     let mut gathered_lead = grad.shape().to_vec();
     gathered_lead.pop();
     let g2 = flatten::<B>(grad);
@@ -336,6 +339,7 @@ pub(crate) fn row_forward<B: TpBackend>(
     spec: LinearSpec,
     group: &ProcessGroup,
 ) -> Result<FloatTensor<B>, CommError> {
+    let _scope = scope("RowParallelLinear.forward");
     let mut lead = x.shape().to_vec();
     lead.pop();
     let partial = unflatten::<B>(B::float_matmul(flatten::<B>(x), weight), &lead);
@@ -362,6 +366,7 @@ pub(crate) fn row_backward<B: TpBackend>(
     group: &ProcessGroup,
     needs: Needs,
 ) -> Result<LinearGrads<B>, CommError> {
+    let _scope = scope("RowParallelLinear.backward");
     let mut lead = input.shape().to_vec();
     lead.pop();
     let w_t = B::float_transpose(weight);

@@ -5,6 +5,7 @@ use burn::backend::Dispatch;
 use burn::tensor::Tensor;
 use burn::tensor::module::linear;
 use burn_tp_comm::ProcessGroup;
+use burn_tp_comm::profile::scope;
 
 use crate::backend::{LinearSpec, TpBackend, TpMode};
 use crate::error::check_divisible;
@@ -86,6 +87,7 @@ pub fn column_parallel_linear<const D: usize>(
         );
         into_tensor(out)?
     } else {
+        let _scope = scope("ColumnParallelLinear.forward (sync)");
         let x = match spec.mode {
             TpMode::AllReduce => copy_to_tp_region(x, group),
             TpMode::ReduceScatter => all_gather(x, 0, group)?,
@@ -136,6 +138,7 @@ pub fn row_parallel_linear<const D: usize>(
         );
         return into_tensor(out);
     }
+    let _scope = scope("RowParallelLinear.forward (sync)");
     let partial = linear(x, weight, None);
     let y = match spec.mode {
         TpMode::AllReduce => reduce_from_tp_region(partial, group)?,
