@@ -35,9 +35,13 @@
 //! - column forward: `out = all_gather(x) @ W_r`.
 //!
 //! The column backward overlaps differently: the dgrad (`grad_out @ W_r^T`) hides the
-//! re-gather of `x` (`recompute_all_gather`), and the wgrad (`X^T @ grad_out`) hides the
-//! reduce-scatter of dgrad. In ALL_REDUCE mode the column backward hides the all-reduce of dgrad
-//! behind the wgrad.
+//! re-gather of `x` (`recompute_all_gather`), and dgrad is computed in `n` column blocks, each
+//! reduce-scattered (all-reduced in ALL_REDUCE mode) as soon as it is computed, so the reductions
+//! fly during the later blocks and the wgrad (`X^T @ grad_out`).
+//!
+//! Where the transport moves data inside the wait, on the caller's thread (ranks as threads
+//! without a link), nothing can be hidden: every schedule then takes one block, the sync path's
+//! work ([`ProcessGroup::progresses_in_background`]).
 //!
 //! Every buffer here is a fresh tensor owned by one call: no scratch is shared between layers,
 //! calls in flight, or gradient accumulations.
@@ -300,19 +304,38 @@ pub(crate) fn column_backward<B: TpBackend>(
     let pending_x = saved
         .needs_gather
         .then(|| start::<B>(saved.input.clone(), Collective::AllGather { dim: 0 }, group));
-    let dgrad = needs.input.then(|| {
-        let gx = B::float_matmul(g2.clone(), B::float_transpose(weight));
-        let d_in = gx.shape()[1];
-        let mut dims = gathered_lead.clone();
-        dims.push(d_in);
-        B::float_reshape(gx, Shape::from(dims))
-    });
-    // The reduction of dgrad flies during the wgrad matmul.
+    // The reduction of dgrad flies during the wgrad matmul. Where the transport progresses in the
+    // background, dgrad is computed and posted in column blocks (`d_in / n` each, a reduction of
+    // its own), so the first blocks' reductions also fly while the next blocks are computed.
     let op = match spec.mode {
         TpMode::AllReduce => Collective::AllReduce(burn_tp_comm::ReduceOp::Sum),
         TpMode::ReduceScatter => Collective::ReduceScatter { dim: 0 },
     };
-    let pending_dx = dgrad.map(|gx| start::<B>(gx, op, group));
+    let n = group.world_size();
+    let blocks = if n > 1 && group.progresses_in_background() {
+        n
+    } else {
+        1
+    };
+    let pending_dx = needs.input.then(|| {
+        let w_t = B::float_transpose(weight);
+        let d_in = w_t.shape()[1];
+        (0..blocks)
+            .map(|k| k * d_in / blocks..(k + 1) * d_in / blocks)
+            .filter(|cols| !cols.is_empty())
+            .map(|cols| {
+                let w_k = if cols.len() == d_in {
+                    w_t.clone()
+                } else {
+                    super::host::slice_dim::<B>(w_t.clone(), 1, cols.clone())
+                };
+                let mut dims = gathered_lead.clone();
+                dims.push(cols.len());
+                let gx = B::float_reshape(B::float_matmul(g2.clone(), w_k), Shape::from(dims));
+                start::<B>(gx, op, group)
+            })
+            .collect::<Vec<_>>()
+    });
     let input = match pending_x {
         Some(p) => resolve(p)?,
         None => saved.input,
@@ -321,7 +344,21 @@ pub(crate) fn column_backward<B: TpBackend>(
         .weight
         .then(|| B::float_matmul(B::float_transpose(flatten::<B>(input)), g2.clone()));
     let bias_grad = needs.bias.then(|| sum_rows::<B>(g2));
-    let input_grad = pending_dx.map(resolve).transpose()?;
+    let input_grad = match pending_dx {
+        Some(pending) => {
+            let mut parts = pending
+                .into_iter()
+                .map(resolve)
+                .collect::<Result<Vec<_>, CommError>>()?;
+            Some(if parts.len() == 1 {
+                parts.remove(0)
+            } else {
+                let last = parts[0].shape().num_dims() - 1;
+                B::float_cat(parts, last)
+            })
+        }
+        None => None,
+    };
     Ok(LinearGrads {
         input: input_grad,
         weight: weight_grad,
