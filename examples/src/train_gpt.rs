@@ -68,7 +68,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Mode::ReduceScatter)]
     pub mode: Mode,
     /// Overlap schedule of the async parallel linears.
-    #[arg(long, value_enum, default_value_t = Schedule::Split)]
+    #[arg(long, value_enum, default_value_t = Schedule::Ring)]
     pub schedule: Schedule,
     /// Use the plain composed collectives instead of the overlapped ops.
     #[arg(long)]

@@ -47,7 +47,7 @@ pub struct GptConfig {
     #[config(default = true)]
     pub async_communication: bool,
     /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Split")]
+    #[config(default = "OverlapSchedule::Ring")]
     pub schedule: OverlapSchedule,
     /// Reuse the embedding table as the lm-head.
     #[config(default = false)]

@@ -113,7 +113,7 @@ pub struct ParallelMlpConfig {
     #[config(default = true)]
     pub async_communication: bool,
     /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Split")]
+    #[config(default = "OverlapSchedule::Ring")]
     pub schedule: OverlapSchedule,
 }
 
@@ -179,7 +179,7 @@ pub struct ParallelAttentionConfig {
     #[config(default = true)]
     pub async_communication: bool,
     /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Split")]
+    #[config(default = "OverlapSchedule::Ring")]
     pub schedule: OverlapSchedule,
     /// One fused QKV projection (`d_model -> 3 d_model`, columns ordered `[head, q|k|v, head_dim]`
     /// so each rank's column block holds its heads' q, k and v) instead of three.

@@ -231,14 +231,14 @@ pub struct LinearSpec {
 
 impl LinearSpec {
     /// The defaults of the layer configs in `mode`: async, recompute, no gathered output,
-    /// the split schedule.
+    /// the ring schedule (measured faster: docs/PERFORMANCE.md).
     pub fn new(mode: TpMode) -> Self {
         Self {
             mode,
             async_communication: true,
             recompute_all_gather: true,
             gather_output: false,
-            schedule: OverlapSchedule::Split,
+            schedule: OverlapSchedule::Ring,
         }
     }
 }

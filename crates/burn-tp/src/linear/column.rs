@@ -37,7 +37,7 @@ pub struct ColumnParallelLinearConfig {
     #[config(default = false)]
     pub gather_output: bool,
     /// How the async path overlaps the all-gather of the input with the matmul.
-    #[config(default = "OverlapSchedule::Split")]
+    #[config(default = "OverlapSchedule::Ring")]
     pub schedule: OverlapSchedule,
     /// Initializer of the full weight; the same as Burn's `LinearConfig` default.
     #[config(default = "Initializer::KaimingUniform{gain: INIT_GAIN, fan_out_only:false}")]

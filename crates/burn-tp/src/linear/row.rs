@@ -30,7 +30,7 @@ pub struct RowParallelLinearConfig {
     #[config(default = true)]
     pub async_communication: bool,
     /// How the async backward overlaps the all-gather of `grad_output` with its matmuls.
-    #[config(default = "OverlapSchedule::Split")]
+    #[config(default = "OverlapSchedule::Ring")]
     pub schedule: OverlapSchedule,
     /// Initializer of the full weight; the same as Burn's `LinearConfig` default.
     #[config(default = "Initializer::KaimingUniform{gain: INIT_GAIN, fan_out_only:false}")]
