@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use crate::buffer::{RecvBuf, SendBuf};
 use crate::local::{
-    Membership, Payload, Shared, SharedReduce, downcast, payload, reduce_in_rank_order,
+    Membership, Payload, Shared, SharedReduce, downcast, fold_rest_in_rank_order, payload,
+    reduce_in_rank_order, take_chunk,
 };
 use crate::profile::{Profile, ProfileStore};
 use crate::{CommElement, CommError, DType, LinkModel, OpDesc, OpKind, ReduceOp, Result, Work};
@@ -437,8 +438,9 @@ impl ProcessGroup {
                 // Reduced once, in rank order, by whichever rank gets there first (its own chunk
                 // first): every rank copies the same bits, and none waits for a peer's wait.
                 let reduced = shared.chunks[c].get_or_init(|| {
-                    let mut v = downcast::<T>(&posts[0])[range.clone()].to_vec();
-                    reduce_in_rank_order(op, posts, range.clone(), &mut v);
+                    let mut v = take_chunk::<T>(range.len());
+                    v.extend_from_slice(&downcast::<T>(&posts[0])[range.clone()]);
+                    fold_rest_in_rank_order(op, posts, range.clone(), &mut v);
                     v
                 });
                 dst[range].copy_from_slice(reduced);

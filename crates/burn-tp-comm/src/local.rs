@@ -185,17 +185,56 @@ pub(crate) fn payload<T: CommElement>(buf: impl SendBuf<T>) -> Payload {
 
 /// An all-reduce post: the buffer, and (read from rank 0's post) the reduced chunks, each
 /// computed once by the first rank that needs it.
-pub(crate) struct SharedReduce<T> {
+pub(crate) struct SharedReduce<T: Send + 'static> {
     buf: Posted<T>,
     pub(crate) chunks: Box<[OnceLock<Vec<T>>]>,
 }
 
-impl<T> SharedReduce<T> {
+impl<T: Send + 'static> SharedReduce<T> {
     pub(crate) fn new(buf: Posted<T>, world: usize) -> Self {
         Self {
             buf,
             chunks: (0..world).map(|_| OnceLock::new()).collect(),
         }
+    }
+}
+
+impl<T: Send + 'static> Drop for SharedReduce<T> {
+    fn drop(&mut self) {
+        for chunk in self.chunks.iter_mut() {
+            if let Some(v) = chunk.take() {
+                give_chunk(v);
+            }
+        }
+    }
+}
+
+/// Free buffers of reduced chunks by (element type, capacity): the all-reduce reuses warm memory
+/// instead of allocating (and page-faulting) a fresh chunk every call.
+type ChunkPool = HashMap<(std::any::TypeId, usize), Vec<Box<dyn Any + Send>>>;
+static CHUNK_POOL: std::sync::LazyLock<Mutex<ChunkPool>> =
+    std::sync::LazyLock::new(Default::default);
+const CHUNKS_KEPT: usize = 8;
+
+/// An empty `Vec<T>` with room for `len` elements, reused when one is free.
+pub(crate) fn take_chunk<T: Send + 'static>(len: usize) -> Vec<T> {
+    let key = (std::any::TypeId::of::<T>(), len);
+    let reused = CHUNK_POOL
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_mut(&key)
+        .and_then(Vec::pop)
+        .and_then(|b| b.downcast::<Vec<T>>().ok());
+    reused.map_or_else(|| Vec::with_capacity(len), |b| *b)
+}
+
+fn give_chunk<T: Send + 'static>(mut v: Vec<T>) {
+    v.clear();
+    let key = (std::any::TypeId::of::<T>(), v.capacity());
+    let mut pool = CHUNK_POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let free = pool.entry(key).or_default();
+    if free.len() < CHUNKS_KEPT {
+        free.push(Box::new(v));
     }
 }
 
@@ -220,10 +259,20 @@ pub(crate) fn reduce_in_rank_order<T: CommElement>(
     out: &mut [T],
 ) {
     out.copy_from_slice(&downcast::<T>(&posts[0])[range.clone()]);
+    fold_rest_in_rank_order(op, posts, range, out);
+}
+
+/// [`reduce_in_rank_order`] where `acc` already holds rank 0's `range`.
+pub(crate) fn fold_rest_in_rank_order<T: CommElement>(
+    op: ReduceOp,
+    posts: &[Payload],
+    range: std::ops::Range<usize>,
+    acc: &mut [T],
+) {
     for post in &posts[1..] {
-        T::combine(op, out, &downcast::<T>(post)[range.clone()]);
+        T::combine(op, acc, &downcast::<T>(post)[range.clone()]);
     }
     if op == ReduceOp::Avg {
-        out.iter_mut().for_each(|v| *v = v.div_count(posts.len()));
+        acc.iter_mut().for_each(|v| *v = v.div_count(posts.len()));
     }
 }
