@@ -331,3 +331,83 @@ fn size_errors_are_typed_errors_naming_the_sizes() {
         "{e}"
     );
 }
+
+/// 1-D inputs, as Burn's `Linear` takes them, in ALL_REDUCE mode, async and sync.
+#[test]
+fn one_dimensional_inputs_match_burns_linear() {
+    let _rng = rng_lock();
+    let x_vals = uniform(D_IN, 71);
+    let xs = x_vals.clone();
+    let reference = {
+        let l = int_linear(5);
+        let y = l.forward(tensor(xs.clone(), [D_IN], DType::F32));
+        f64s(y)
+    };
+    for tp in [1usize, 2, 3] {
+        for asynch in [true, false] {
+            let xs = x_vals.clone();
+            let out = run_local(tp, move |group| {
+                let (r, n) = (group.rank(), group.world_size());
+                let full = int_linear(5);
+                let col = ColumnParallelLinear::from_full(
+                    &full,
+                    &group,
+                    &ColumnParallelLinearConfig::new(D_IN, D_OUT)
+                        .with_async_communication(asynch)
+                        .with_gather_output(true),
+                )
+                .unwrap();
+                let row = RowParallelLinear::from_full(
+                    &full,
+                    &group,
+                    &RowParallelLinearConfig::new(D_IN, D_OUT).with_async_communication(asynch),
+                )
+                .unwrap();
+                let x = tensor(xs.clone(), [D_IN], DType::F32);
+                let y_col = col.forward(x.clone());
+                let x_r = chunk(x, n, 0, r);
+                let y_row = row.forward(x_r);
+                (f64s(y_col), f64s(y_row))
+            })
+            .unwrap();
+            for (y_col, y_row) in out {
+                assert_close(&y_col, &reference, 1e-5, "column, 1-D");
+                assert_close(&y_row, &reference, 1e-5, "row, 1-D");
+            }
+        }
+    }
+}
+
+/// Whether a rank's input needs a gradient does not change which collectives it posts: rank 0's
+/// input requires grad and rank 1's does not, and the backward completes with the right grads.
+#[test]
+fn ranks_with_different_requires_grad_post_the_same_collectives() {
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        for linked in [false, true] {
+            let run = if linked { run_linked } else { run_local };
+            let out = run(2, move |group: ProcessGroup| {
+                let r = group.rank();
+                group.set_timeout(std::time::Duration::from_secs(5));
+                let col = ColumnParallelLinear::from_full(
+                    &int_linear(2),
+                    &group,
+                    &ColumnParallelLinearConfig::new(D_IN, D_OUT).with_mode(mode),
+                )
+                .unwrap();
+                let rows = if mode == TpMode::ReduceScatter { 2 } else { 4 };
+                let x = tensor(uniform(rows * D_IN, 9), [rows, D_IN], DType::F32);
+                let x = if r == 0 { x.require_grad() } else { x };
+                let y = col.try_forward(x.clone()).unwrap();
+                let grads = y.sum().backward();
+                let wgrad = col.weight.grad(&grads).map(f64s);
+                (x.grad(&grads).is_some(), wgrad.is_some())
+            })
+            .unwrap();
+            assert_eq!(
+                out,
+                vec![(true, true), (false, true)],
+                "{mode:?} linked {linked}"
+            );
+        }
+    }
+}

@@ -317,7 +317,9 @@ pub(crate) fn column_backward<B: TpBackend>(
     } else {
         1
     };
-    let pending_dx = needs.input.then(|| {
+    // Run always, as Megatron does, even when this rank's input needs no gradient: every rank
+    // must post the same collectives whatever its own requires-grad state.
+    let pending_dx = (needs.input || n > 1).then(|| {
         let w_t = B::float_transpose(weight);
         let d_in = w_t.shape()[1];
         (0..blocks)
@@ -345,7 +347,7 @@ pub(crate) fn column_backward<B: TpBackend>(
         .then(|| B::float_matmul(B::float_transpose(flatten::<B>(input)), g2.clone()));
     let bias_grad = needs.bias.then(|| sum_rows::<B>(g2));
     let input_grad = match pending_dx {
-        Some(pending) => {
+        Some(pending) if needs.input => {
             let mut parts = pending
                 .into_iter()
                 .map(resolve)
@@ -356,6 +358,13 @@ pub(crate) fn column_backward<B: TpBackend>(
                 let last = parts[0].shape().num_dims() - 1;
                 B::float_cat(parts, last)
             })
+        }
+        Some(pending) => {
+            // Completed and dropped: the peers' reductions need this rank's part.
+            for p in pending {
+                resolve(p)?;
+            }
+            None
         }
         None => None,
     };
