@@ -472,3 +472,39 @@ fn pooled_outputs_are_never_aliased_and_inputs_are_read_in_place() {
     // Two ranks each reused (at least) most of their ten buffers; the counter is global.
     assert!(out.iter().all(|&reused| reused >= 8), "{out:?}");
 }
+
+/// A collective that fails on one rank before it is posted aborts the group: the peer's pending
+/// call fails at once, naming that rank, long before its timeout.
+#[test]
+fn a_start_error_on_one_rank_reaches_every_rank_at_once() {
+    use burn::backend::Dispatch;
+    use burn_tp::backend::{Collective, TpBackend};
+    let out = run_local(2, |g| {
+        g.set_timeout(Duration::from_secs(60));
+        let dev = crate::common::device();
+        let start = Instant::now();
+        // Rank 0 asks the backend directly for a reduce-scatter of 3 rows over 2 ranks: it fails
+        // before posting. Rank 1 posts a valid one and waits.
+        let rows = if g.rank() == 0 { 3 } else { 4 };
+        let x = Tensor::<2>::ones([rows, 2], &dev);
+        let pending = <Dispatch as TpBackend>::tp_start(
+            x.into_dispatch(),
+            Collective::ReduceScatter { dim: 0 },
+            g.clone(),
+        );
+        let result = <Dispatch as TpBackend>::tp_resolve(pending).into_result();
+        (result.err().map(|e| e.to_string()), start.elapsed())
+    })
+    .unwrap();
+    for (rank, (error, elapsed)) in out.into_iter().enumerate() {
+        let error = error.unwrap_or_else(|| panic!("rank {rank} succeeded"));
+        assert!(error.contains("reduce_scatter"), "rank {rank}: {error}");
+        if rank == 1 {
+            assert!(error.contains("rank 0"), "{error}");
+        }
+        assert!(
+            elapsed < Duration::from_secs(1),
+            "rank {rank} waited {elapsed:?}"
+        );
+    }
+}

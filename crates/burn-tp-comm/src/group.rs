@@ -137,6 +137,21 @@ impl ProcessGroup {
         }
     }
 
+    /// Aborts the group because of `error` on this rank (say, a collective that failed before it
+    /// could be posted): every peer's pending and next call fails at once with
+    /// [`CommError::Aborted`] naming this rank and the error, instead of waiting for a post that
+    /// never comes. A no-op on NCCL groups (their calls fail by their own timeout).
+    pub fn abort(&self, error: &CommError) {
+        match &self.transport {
+            Transport::Local(shared) => {
+                let mut st = shared.lock();
+                shared.abort_with(&mut st, format!("rank {}: {error}", self.rank));
+            }
+            #[cfg(feature = "nccl")]
+            Transport::Nccl(_) => {}
+        }
+    }
+
     /// This rank's communication profile so far (of this group and the groups split from it),
     /// or `None` when profiling is off.
     pub fn profile(&self) -> Option<Profile> {

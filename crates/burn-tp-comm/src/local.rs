@@ -153,7 +153,11 @@ impl Shared {
     }
 
     pub(crate) fn abort(&self, st: &mut State, reason: &CommError) {
-        st.aborted.get_or_insert_with(|| reason.to_string());
+        self.abort_with(st, reason.to_string());
+    }
+
+    pub(crate) fn abort_with(&self, st: &mut State, reason: String) {
+        st.aborted.get_or_insert(reason);
         for slot in st.slots.values_mut() {
             if slot.posts.iter().any(Option::is_none) {
                 slot.dead = true;

@@ -187,7 +187,11 @@ pub(crate) fn host_start_with<B: Backend, R: HostRead>(
         });
     let posted = match posted {
         Ok(Ok(work)) => Posted::InFlight(work),
-        Ok(Err(e)) | Err(e) => Posted::Failed(e),
+        Ok(Err(e)) | Err(e) => {
+            // This rank will not post: its peers must hear now, not at their timeout.
+            group.abort(&e);
+            Posted::Failed(e)
+        }
     };
     PendingCollective::new(x, op, group, posted)
 }
