@@ -411,3 +411,62 @@ fn ranks_with_different_requires_grad_post_the_same_collectives() {
         }
     }
 }
+
+/// Sharding keeps the dtype: an f64 `Linear` gives f64 shards, and the layers run in f64 and
+/// match Burn's `Linear` in f64 (before, the shards were silently f32 and the forward panicked).
+#[test]
+fn sharding_keeps_the_dtype() {
+    let x_vals = uniform(4 * D_IN, 81);
+    for tp in [1usize, 2] {
+        let xs = x_vals.clone();
+        let out = run_local(tp, move |group| {
+            let (r, n) = (group.rank(), group.world_size());
+            let f = int_linear(7);
+            let to64 = |t: Tensor<2>| {
+                f64_tensor(
+                    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap(),
+                    [D_IN, D_OUT],
+                )
+            };
+            let full = Linear {
+                weight: burn::module::Param::from_tensor(to64(f.weight.val())),
+                bias: f.bias.as_ref().map(|b| {
+                    burn::module::Param::from_tensor(f64_tensor(
+                        b.val()
+                            .into_data()
+                            .convert::<f32>()
+                            .try_to_vec::<f32>()
+                            .unwrap(),
+                        [D_OUT],
+                    ))
+                }),
+            };
+            let col = ColumnParallelLinear::from_full(
+                &full,
+                &group,
+                &ColumnParallelLinearConfig::new(D_IN, D_OUT).with_gather_output(true),
+            )
+            .unwrap();
+            let row = RowParallelLinear::from_full(
+                &full,
+                &group,
+                &RowParallelLinearConfig::new(D_IN, D_OUT),
+            )
+            .unwrap();
+            assert_eq!(col.weight.val().dtype(), DType::F64);
+            assert_eq!(row.weight.val().dtype(), DType::F64);
+            assert_eq!(col.to_full().unwrap().weight.val().dtype(), DType::F64);
+            let x = f64_tensor(xs.clone(), [4, D_IN]);
+            let want = f64s(full.forward(x.clone()));
+            let y_col = col.forward(x.clone());
+            let y_row = row.forward(chunk(x, n, 1, r));
+            assert_eq!((y_col.dtype(), y_row.dtype()), (DType::F64, DType::F64));
+            (f64s(y_col), f64s(y_row), want)
+        })
+        .unwrap();
+        for (c, rw, want) in out {
+            assert_close(&c, &want, 1e-12, "column f64");
+            assert_close(&rw, &want, 1e-12, "row f64");
+        }
+    }
+}

@@ -39,8 +39,9 @@ pub fn init_replicated<const D: usize>(
 /// A detached copy of `t` with its own storage: a rank's parameters must not share storage or
 /// graph nodes with a tensor another rank holds (graphs that share a node merge and lock together).
 pub fn owned<const D: usize>(t: Tensor<D>) -> Tensor<D> {
-    let device = t.device();
-    Tensor::from_data(t.detach().to_data(), &device)
+    let (device, dtype) = (t.device(), t.dtype());
+    // The dtype too: `from_data` with a bare device would convert to the default float type.
+    Tensor::from_data(t.detach().to_data(), (&device, dtype))
 }
 
 /// A rank-owned copy of chunk `rank` of `dim` (the whole tensor at tp = 1).
