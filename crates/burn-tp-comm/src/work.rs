@@ -174,7 +174,7 @@ impl<T> Work<T> {
 
     /// Blocks until the call is complete (`part = None`) or rank `part`'s buffer has arrived,
     /// and returns the posted buffers (only `part`'s is meaningful in the second case).
-    fn wait_ready(&self, timeout: Duration, part: Option<usize>) -> Result<Vec<Payload>> {
+    fn wait_ready(&self, timeout: Duration, part: Option<(usize, f64)>) -> Result<Vec<Payload>> {
         let shared = self.shared().clone();
         let deadline = Instant::now() + timeout;
         let mut st = shared.lock();
@@ -218,10 +218,11 @@ impl<T> Work<T> {
         }
     }
 
-    /// With the link model, when rank `p`'s all-gather shard reaches this rank: a ring moves it
-    /// `k = (rank - p) mod n` hops, each `latency + shard / bandwidth`, after every rank on its
-    /// path has posted.
-    fn ring_arrival(&self, slot: &Slot, link: &LinkModel, p: usize) -> Option<Instant> {
+    /// With the link model, when the first `frac` of rank `p`'s all-gather shard reaches this
+    /// rank: a ring moves it `k = (rank - p) mod n` hops, each `latency + shard / bandwidth`,
+    /// after every rank on its path has posted, pipelined (the last hop delivers the shard
+    /// progressively, as a chunked ring does).
+    fn ring_arrival(&self, slot: &Slot, link: &LinkModel, p: usize, frac: f64) -> Option<Instant> {
         let n = slot.posts.len();
         let rank = self.group.rank();
         let hops = (rank + n - p) % n;
@@ -232,10 +233,11 @@ impl<T> Work<T> {
         let start = (0..hops)
             .filter_map(|h| slot.posts[(p + h) % n].as_ref().map(|q| q.at))
             .max()?;
-        Some(start + (link.delay(shard)) * hops as u32)
+        let last = link.delay((shard as f64 * frac).ceil() as usize);
+        Some(start + link.delay(shard) * (hops as u32 - 1) + last)
     }
 
-    fn poll(&self, st: &State, part: Option<usize>) -> Result<Ready> {
+    fn poll(&self, st: &State, part: Option<(usize, f64)>) -> Result<Ready> {
         let rank = self.group.rank();
         let slot = st
             .slots
@@ -261,12 +263,12 @@ impl<T> Work<T> {
                 },
             }
         }
-        if let Some(p) = part.filter(|p| !slot.dead && !missing.contains(p)) {
+        if let Some((p, frac)) = part.filter(|(p, _)| !slot.dead && !missing.contains(p)) {
             if let Some(ready) = self
                 .shared()
                 .options
                 .link
-                .and_then(|l| self.ring_arrival(slot, &l, p))
+                .and_then(|l| self.ring_arrival(slot, &l, p, frac))
                 && Instant::now() < ready
             {
                 return Ok(Ready::No {
@@ -293,7 +295,7 @@ impl<T> Work<T> {
             {
                 // Ring all-gather: complete when the farthest shard has arrived.
                 let ready = (0..slot.posts.len())
-                    .filter_map(|p| self.ring_arrival(slot, &link, p))
+                    .filter_map(|p| self.ring_arrival(slot, &link, p, 1.0))
                     .max();
                 if let Some(ready) = ready.filter(|r| Instant::now() < *r) {
                     return Ok(Ready::No {
@@ -379,20 +381,43 @@ impl<O> Work<O> {
     where
         O: RecvBuf<T>,
     {
-        if self.desc.kind != OpKind::AllGather || part >= self.group.world_size() {
+        self.wait_part_range(part, 0..self.desc.len())
+    }
+
+    /// For an all-gather: waits until elements `range` of rank `part`'s shard have arrived and
+    /// returns a copy of them (a ring delivers a shard progressively: the first chunks come
+    /// first).
+    ///
+    /// # Errors
+    /// As [`wait_part`](Self::wait_part); [`CommError::Backend`] for a range past the shard.
+    pub fn wait_part_range<T: CommElement>(
+        &self,
+        part: usize,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<T>>
+    where
+        O: RecvBuf<T>,
+    {
+        let shard = self.desc.len();
+        if self.desc.kind != OpKind::AllGather
+            || part >= self.group.world_size()
+            || range.end > shard
+            || range.start > range.end
+        {
             return Err(CommError::Backend(format!(
-                "wait_part({part}) on {} of a group of {}: only all-gathers have parts",
+                "wait_part_range({part}, {range:?}) on {} of a group of {}: only all-gathers \
+                 have parts, of {shard} elements",
                 self.desc,
                 self.group.world_size()
             )));
         }
         if let Some(done) = &self.done {
             let all = done.as_ref().map_err(Clone::clone)?.as_slice();
-            let n = all.len() / self.group.world_size();
-            return Ok(all[part * n..(part + 1) * n].to_vec());
+            return Ok(all[part * shard..(part + 1) * shard][range].to_vec());
         }
-        let payloads = self.wait_ready(self.group.timeout(), Some(part))?;
-        Ok(downcast::<T>(&payloads[part]).to_vec())
+        let frac = range.end as f64 / shard.max(1) as f64;
+        let payloads = self.wait_ready(self.group.timeout(), Some((part, frac)))?;
+        Ok(downcast::<T>(&payloads[part])[range].to_vec())
     }
 }
 

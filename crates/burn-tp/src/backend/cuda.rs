@@ -33,8 +33,8 @@ use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 use cubecl_runtime::runtime::Runtime;
 
 use super::host::{
-    InFlight, comm_dtype, dim_first, host_resolve, host_resolve_part, host_start, part_unsupported,
-    rows,
+    InFlight, chunk_rows, comm_dtype, dim_first, host_resolve, host_resolve_part, host_start,
+    part_unsupported, rows,
 };
 use super::types::Posted;
 use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
@@ -56,9 +56,14 @@ impl TpBackend for CubeBackend {
         }
     }
 
-    fn tp_resolve_part(pending: PendingCollective<Self>, part: usize) -> CollectiveOutput<Self> {
+    fn tp_resolve_part(
+        pending: PendingCollective<Self>,
+        part: usize,
+        chunk: usize,
+        chunks: usize,
+    ) -> CollectiveOutput<Self> {
         let Some(work) = device_work(&pending) else {
-            return host_resolve_part::<Self>(pending, part);
+            return host_resolve_part::<Self>(pending, part, chunk, chunks);
         };
         if let Some(e) = part_unsupported(pending.op) {
             return CollectiveOutput::Failed(e);
@@ -68,7 +73,8 @@ impl TpBackend for CubeBackend {
         work.completed()
             .map(|out| {
                 let n = out.shape()[0] / world;
-                rows::<Self>(out, part * n..(part + 1) * n)
+                let r = chunk_rows(n, chunk, chunks);
+                rows::<Self>(out, part * n + r.start..part * n + r.end)
             })
             .into()
     }
@@ -110,7 +116,11 @@ impl InFlight for DeviceWork {
             "a device collective resolved through the host".into(),
         ))
     }
-    fn part(&self, _: usize) -> Result<burn::tensor::TensorData, CommError> {
+    fn part(
+        &self,
+        _: usize,
+        _: std::ops::Range<usize>,
+    ) -> Result<burn::tensor::TensorData, CommError> {
         self.finish()
     }
 }

@@ -18,8 +18,8 @@ use super::types::{Collective, CollectiveOutput, PendingCollective, Posted};
 pub(crate) trait InFlight: std::any::Any + Send + Sync {
     /// Waits for the whole result (once), collective dim first.
     fn finish(&self) -> Result<TensorData, CommError>;
-    /// For an all-gather: waits for rank `part`'s shard only.
-    fn part(&self, part: usize) -> Result<TensorData, CommError>;
+    /// For an all-gather: waits for rows `rows` (dim 0) of rank `part`'s shard only.
+    fn part(&self, part: usize, rows: std::ops::Range<usize>) -> Result<TensorData, CommError>;
 }
 
 /// A `burn-tp-comm` work handle writing into a pooled buffer, with the shapes of its output
@@ -39,13 +39,16 @@ impl<T: CommElement + Element> InFlight for HostWork<T> {
         work.wait()
             .map(|buf| TensorData::from_bytes(buf.into_bytes(), self.out_shape.clone(), T::dtype()))
     }
-    fn part(&self, part: usize) -> Result<TensorData, CommError> {
+    fn part(&self, part: usize, rows: std::ops::Range<usize>) -> Result<TensorData, CommError> {
         let guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
         let work = guard
             .as_ref()
             .ok_or_else(|| CommError::Backend("a part of a resolved collective".into()))?;
-        work.wait_part(part)
-            .map(|v| TensorData::new(v, self.shard_shape.clone()))
+        let row = self.shard_shape.num_elements() / self.shard_shape[0].max(1);
+        let mut shape = self.shard_shape.clone();
+        shape[0] = rows.len();
+        work.wait_part_range(part, rows.start * row..rows.end * row)
+            .map(|v| TensorData::new(v, shape))
     }
 }
 
@@ -261,21 +264,31 @@ pub(crate) fn host_resolve<B: Backend>(pending: PendingCollective<B>) -> Collect
     }
 }
 
-/// Rank `part`'s shard of an all-gather started by [`host_start`], as soon as it has arrived.
+/// Rows of chunk `chunk` of `chunks` of `m` rows.
+pub(crate) fn chunk_rows(m: usize, chunk: usize, chunks: usize) -> std::ops::Range<usize> {
+    let chunks = chunks.max(1);
+    chunk * m / chunks..(chunk + 1) * m / chunks
+}
+
+/// Chunk `chunk` of `chunks` (rows, dim 0) of rank `part`'s shard of an all-gather started by
+/// [`host_start`], as soon as it has arrived.
 pub(crate) fn host_resolve_part<B: Backend>(
     pending: PendingCollective<B>,
     part: usize,
+    chunk: usize,
+    chunks: usize,
 ) -> CollectiveOutput<B> {
     if let Some(e) = part_unsupported(pending.op) {
         return CollectiveOutput::Failed(e);
     }
     let device = pending.input.device();
+    let rows = chunk_rows(pending.input.shape()[0], chunk, chunks);
     match pending.posted {
         // Nothing in flight: a group of one, whose only part is the input.
-        Posted::Local => CollectiveOutput::Done(pending.input),
+        Posted::Local => CollectiveOutput::Done(super::host::rows::<B>(pending.input, rows)),
         Posted::Failed(e) => CollectiveOutput::Failed(e),
         Posted::InFlight(inner) => inner
-            .part(part)
+            .part(part, rows)
             .map(|data| B::float_from_data(data, &device))
             .into(),
     }

@@ -68,14 +68,17 @@ pub trait TpBackend: Backend {
         host::host_resolve::<Self>(pending)
     }
 
-    /// For a started all-gather along dim 0: rank `part`'s shard (`[n, ..]`), as soon as it has
-    /// arrived, without waiting for the rest. Not differentiable (used inside backward nodes and
-    /// the overlapped linear ops); the pending collective is still resolved or dropped after.
+    /// For a started all-gather along dim 0: chunk `chunk` of `chunks` (rows) of rank `part`'s
+    /// shard (`[n, ..]`), as soon as it has arrived, without waiting for the rest. Not
+    /// differentiable (used inside backward nodes and the overlapped linear ops); the pending
+    /// collective is still resolved or dropped after.
     fn tp_resolve_part(
         #[extension_type] pending: PendingCollective<Self>,
         part: usize,
+        chunk: usize,
+        chunks: usize,
     ) -> CollectiveOutput<Self> {
-        host::host_resolve_part::<Self>(pending, part)
+        host::host_resolve_part::<Self>(pending, part, chunk, chunks)
     }
 
     /// A row-wise loss with a precomputed gradient: returns `value` (`[n]`); its backward

@@ -54,6 +54,9 @@ use burn_tp_comm::{CommError, ProcessGroup};
 use super::host::rows;
 use super::{Collective, LinearSpec, OverlapSchedule, PendingCollective, TpBackend, TpMode};
 
+/// Chunks of each peer's shard in the ring schedule.
+const RING_CHUNKS: usize = 4;
+
 fn resolve<B: TpBackend>(p: PendingCollective<B>) -> Result<FloatTensor<B>, CommError> {
     B::tp_resolve(p).into_result()
 }
@@ -141,22 +144,33 @@ pub(crate) fn visit_gathered<B: TpBackend>(
             Ok(keep_gathered.then_some(gathered))
         }
         OverlapSchedule::Ring => {
-            // 2. each peer's shard as it arrives, in ring order (r-1, r-2, ...)
-            let mut parts: Vec<Option<FloatTensor<B>>> = vec![None; n];
-            parts[r] = Some(local);
+            // 2. each peer's shard as it arrives, in ring order (r-1, r-2, ...), chunk by chunk
+            // (a ring delivers a shard progressively): compute waits only for the last chunk.
+            // Chunks are of dim 0 of the gathered tensor (`m0` rows a shard, each `m / m0`
+            // rows once flattened).
+            let m0 = pending.input.shape()[0].max(1);
+            let per = m / m0;
+            let chunks = RING_CHUNKS.min(m0);
+            let mut parts: Vec<Vec<FloatTensor<B>>> = vec![Vec::new(); n];
+            parts[r].push(local);
             for k in 1..n {
                 let p = (r + n - k) % n;
-                let part = flatten::<B>(B::tp_resolve_part(pending.clone(), p).into_result()?);
-                visit(p * m..(p + 1) * m, part.clone());
-                parts[p] = Some(part);
+                for c in 0..chunks {
+                    let rows = super::host::chunk_rows(m0, c, chunks);
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let part = B::tp_resolve_part(pending.clone(), p, c, chunks).into_result()?;
+                    let part = flatten::<B>(part);
+                    visit(
+                        p * m + rows.start * per..p * m + rows.end * per,
+                        part.clone(),
+                    );
+                    parts[p].push(part);
+                }
             }
             drop(pending);
-            Ok(keep_gathered.then(|| {
-                B::float_cat(
-                    parts.into_iter().map(|p| p.expect("every part")).collect(),
-                    0,
-                )
-            }))
+            Ok(keep_gathered.then(|| B::float_cat(parts.into_iter().flatten().collect(), 0)))
         }
     }
 }
