@@ -29,6 +29,10 @@
 //!   "before" is empty on rank 0 and "after" on rank n-1.
 //! ```
 //!
+//! The ring schedule visits the blocks in arrival order instead: own, then rank r-1, r-2, ...,
+//! each peer's shard in chunks of rows as the ring delivers them, so compute waits only for the
+//! last chunk.
+//!
 //! Uses of the schedule:
 //! - row backward: `grad_input = all_gather(grad_output) @ W_r^T`, then
 //!   `grad_weight = input^T @ total_grad_output`, `grad_bias = sum(total_grad_output)`;

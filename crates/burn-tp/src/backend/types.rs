@@ -204,9 +204,9 @@ pub enum TpMode {
 pub enum OverlapSchedule {
     /// Own shard during the communication, the rest after it (nanotron).
     Split,
-    /// Chunked ring: each rank's shard is consumed as it arrives (own, r-1, r-2, ...); the row
-    /// backward also accumulates its weight and bias gradients block by block, so nearly all of
-    /// its compute overlaps the gather.
+    /// Chunked ring: each rank's shard is consumed as it arrives (own, r-1, r-2, ...), in chunks
+    /// as a ring delivers them; the row backward also accumulates its weight and bias gradients
+    /// block by block, so nearly all of its compute overlaps the gather.
     Ring,
 }
 
