@@ -4,5 +4,6 @@
 //! - [`train_gpt`]: a tiny character-level GPT trained with tensor (and data) parallelism.
 
 pub mod corpus;
+mod eval;
 pub mod plot;
 pub mod train_gpt;

@@ -10,18 +10,19 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::Device;
 use burn_tp::comm::Profile;
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{OverlapSchedule, TpMode};
 use burn_tp::local::run_ranks;
-use burn_tp::ops::{all_reduce, gather_from_tp_region};
+use burn_tp::ops::all_reduce;
 use burn_tp::reshard::{FullOptimizerState, Reshard};
 use burn_tp::{LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
 
 use crate::corpus::{self, Vocab};
+use crate::eval::{Data, batch, dp_slice, generate, held_out_loss};
 
 /// Activation layout, as the command line spells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -172,34 +173,6 @@ pub fn describe(args: &Args) -> String {
         args.schedule,
         args.steps
     )
-}
-
-/// Batch `step` of the run: `[seq, batch]` ids and next-token targets, the same on every rank.
-fn batch(tokens: &[i64], args: &Args, step: usize) -> (Vec<i64>, Vec<i64>) {
-    let span = tokens.len() - args.seq - 1;
-    let mut ids = vec![0; args.seq * args.batch];
-    let mut targets = ids.clone();
-    for b in 0..args.batch {
-        // SplitMix64 of (seed, step, b): any rank computes any batch without shared state.
-        let mut z = args.seed ^ ((step as u64) << 20) ^ b as u64;
-        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        let start = ((z ^ (z >> 31)) % span as u64) as usize;
-        for s in 0..args.seq {
-            ids[s * args.batch + b] = tokens[start + s];
-            targets[s * args.batch + b] = tokens[start + s + 1];
-        }
-    }
-    (ids, targets)
-}
-
-/// This dp rank's columns of a `[seq, batch]` batch.
-fn dp_slice(v: &[i64], args: &Args, dp_rank: usize, device: &Device) -> Tensor<2, Int> {
-    let t =
-        Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), [args.seq, args.batch]), device);
-    let per = args.batch / args.dp;
-    t.slice([0..args.seq, dp_rank * per..(dp_rank + 1) * per])
 }
 
 fn check(args: &Args) -> Result<(), String> {
@@ -381,15 +354,6 @@ fn cuda_rank(_: &Args, _: &GptConfig, _: &Data, _: &Path) -> Result<(usize, Rank
     )
 }
 
-/// The text, split.
-#[derive(Clone, Debug)]
-struct Data {
-    train: Vec<i64>,
-    held_out: Vec<i64>,
-    /// Real vocabulary size (the model's is padded).
-    vocab: usize,
-}
-
 /// What a rank brings back.
 struct RankOut {
     profile: Option<Profile>,
@@ -397,84 +361,6 @@ struct RankOut {
     losses: Vec<f64>,
     held_out: Vec<(usize, f64)>,
     sample: Vec<i64>,
-}
-
-/// Held-out batches per evaluation (fixed, so every evaluation sees the same text).
-const EVAL_BATCHES: usize = 4;
-
-/// Mean loss over the held-out batches (no gradient), averaged over dp.
-fn held_out_loss(
-    model: &Gpt,
-    args: &Args,
-    data: &Data,
-    dp_rank: usize,
-    dp_group: &ProcessGroup,
-    device: &Device,
-) -> Result<f64, Box<dyn std::error::Error>> {
-    let mut sum = 0.0;
-    for k in 0..EVAL_BATCHES {
-        let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
-        let ids = dp_slice(&ids, args, dp_rank, device);
-        let targets = dp_slice(&targets, args, dp_rank, device);
-        let loss = model.try_loss(ids, targets)?.detach();
-        sum += all_reduce(loss, ReduceOp::Avg, dp_group)?.into_scalar::<f32>() as f64;
-    }
-    Ok(sum / EVAL_BATCHES as f64)
-}
-
-/// `--sample-len` tokens from the sharded model, seeded: every rank draws the same ones. The
-/// context is the last `--seq` tokens, starting from the beginning of the held-out text.
-fn generate(
-    model: &Gpt,
-    args: &Args,
-    data: &Data,
-    tp_group: &ProcessGroup,
-    device: &Device,
-) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
-    let mut context = data.held_out[..args.seq].to_vec();
-    let mut state = args.seed ^ 0x5eed_5a3b_1e00_0000;
-    let mut uniform = move || {
-        // SplitMix64: the same draws on every rank.
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    };
-    let mut out = Vec::with_capacity(args.sample_len);
-    for _ in 0..args.sample_len {
-        let ids =
-            Tensor::<2, Int>::from_data(TensorData::new(context.clone(), [args.seq, 1]), device);
-        let logits = model.try_forward(ids)?.detach(); // [seq, 1, vocab / tp]
-        let [s, _, v] = logits.dims();
-        let last = gather_from_tp_region(logits.slice([s - 1..s, 0..1, 0..v]), 2, tp_group)?;
-        let logits: Vec<f32> = last.into_data().convert::<f32>().try_to_vec::<f32>()?;
-        // Only real characters (the padded vocabulary's extra ids are never drawn).
-        let logits = &logits[..data.vocab];
-        let next = if args.temperature == 0.0 {
-            (0..logits.len())
-                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
-                .unwrap_or(0)
-        } else {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let weights: Vec<f64> = logits
-                .iter()
-                .map(|&l| ((l as f64 - max) / args.temperature).exp())
-                .collect();
-            let mut u = uniform() * weights.iter().sum::<f64>();
-            weights
-                .iter()
-                .position(|&w| {
-                    u -= w;
-                    u <= 0.0
-                })
-                .unwrap_or(weights.len() - 1)
-        } as i64;
-        context.remove(0);
-        context.push(next);
-        out.push(next);
-    }
-    Ok(out)
 }
 
 fn train_rank(

@@ -27,6 +27,7 @@
 //! arrives (timeout) make the call fail on every rank, and abort the group.
 
 mod buffer;
+mod collectives;
 mod communicator;
 mod element;
 mod error;

@@ -1,10 +1,13 @@
 //! One conformance check of the `Communicator` trait, run on every transport.
 
-use burn_tp_comm::{CommError, CommWork, Communicator, ReduceOp};
+use burn_tp_comm::{
+    CommError, CommWork, Communicator, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp,
+};
 
 /// Every collective of the trait on one rank, with values that differ per rank and position, so a
 /// wrong order, a missing rank or a wrong chunk changes the result. `to` / `from` move host values
 /// into and out of the transport's buffers.
+#[allow(dead_code)] // not every test binary checks a transport
 pub fn conformance<C: Communicator<f32>>(
     c: &C,
     to: impl Fn(&[f32]) -> C::Buffer,
@@ -47,4 +50,33 @@ pub fn conformance<C: Communicator<f32>>(
         Err(CommError::InvalidRoot { root, world_size, .. }) if root == n && world_size == n
     ));
     c.barrier().unwrap();
+}
+
+#[allow(dead_code)] // not every test binary runs ranks
+/// Runs `f` on every rank of a fresh group, one thread per rank, and returns the results in rank order.
+pub fn run<T: Send + 'static>(
+    world: usize,
+    options: LocalGroupOptions,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<std::thread::Result<T>> {
+    let groups = LocalGroup::with_options(world, options).unwrap();
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|pg| {
+            let f = f.clone();
+            std::thread::spawn(move || f(pg))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join()).collect()
+}
+
+#[allow(dead_code)]
+pub fn run_ok<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    run(world, LocalGroupOptions::default(), f)
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
 }

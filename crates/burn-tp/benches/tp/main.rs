@@ -21,18 +21,18 @@ use burn_tp::ops::all_gather;
 use burn_tp::transformer::{ParallelAttentionConfig, ParallelMlpConfig, TpLayerNorm};
 use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
 
-fn device() -> Device {
+pub(crate) fn device() -> Device {
     Device::flex().autodiff()
 }
 
 /// Runs `f` on every rank of a group with `options`, each rank inside its own rayon pool of
 /// `threads` threads (Flex's GEMMs run on the current rayon pool).
-fn ranks<T: Send + 'static>(
+pub(crate) fn ranks<T: Send + 'static>(
     world: usize,
     options: LocalGroupOptions,
     threads: usize,
@@ -49,7 +49,7 @@ fn ranks<T: Send + 'static>(
 }
 
 /// Median over `reps` of `f`, every rank starting together; the slowest rank's median.
-fn timed(g: &ProcessGroup, reps: usize, mut f: impl FnMut()) -> f64 {
+pub(crate) fn timed(g: &ProcessGroup, reps: usize, mut f: impl FnMut()) -> f64 {
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps {
         g.barrier().unwrap();
@@ -459,134 +459,9 @@ fn bench_scaling(quick: bool) {
     println!("| {:.1} | {:.1} | {:.3} |", t1 * 1e3, t2 * 1e3, t2 / t1);
 }
 
-/// The layer forward + backward at one shape against its compute floor, and plain Burn `Linear`.
-fn bench_layer_floor(quick: bool) {
-    let (s, b, d) = if quick {
-        (128usize, 2usize, 256usize)
-    } else {
-        (1024, 4, 1024)
-    };
-    let reps = if quick { 3 } else { 10 };
-    println!(
-        "\n## 6. Layers vs their compute floor: x [{s}, {b}, {d}] -> {d}, tp = 2, REDUCE_SCATTER\n"
-    );
-    println!("No bias, loss = sum(y), column without recompute_all_gather (as the sync path keeps");
-    println!(
-        "the gathered input). One thread per rank, both ranks at once. floor = the layer's three"
-    );
-    println!(
-        "GEMMs alone (forward, dgrad, wgrad) on the same shapes and threads. Every case once per"
-    );
-    println!(
-        "round, {reps} rounds interleaved, medians. Targets: layer / floor <= 1.10, async / sync <= 1.02.\n"
-    );
-    let times = ranks(2, LocalGroupOptions::default(), 1, move |g| {
-        let n = g.world_size();
-        let dev = device();
-        let flex = Device::flex();
-        let m = s * b;
-        let gemm3 = |a: [usize; 2], w: [usize; 2]| {
-            // y = a @ w; dgrad = gy @ w^T; wgrad = a^T @ gy
-            let x = Tensor::<2>::ones(a, &flex);
-            let w = Tensor::<2>::ones(w, &flex);
-            let gy = Tensor::<2>::ones([a[0], w.dims()[1]], &flex);
-            timed(&g, 1, || {
-                let y = x.clone().matmul(w.clone());
-                let dx = gy.clone().matmul(w.clone().transpose());
-                let dw = x.clone().transpose().matmul(gy.clone());
-                drop((y.into_data(), dx.into_data(), dw.into_data()));
-            })
-        };
-        let linear = Linear {
-            weight: Param::from_tensor(Tensor::ones([d, d], &dev) * 0.01),
-            bias: None,
-        };
-        let mode = TpMode::ReduceScatter;
-        let rows = |asynch: bool, schedule: OverlapSchedule| {
-            let cfg = RowParallelLinearConfig::new(d, d)
-                .with_mode(mode)
-                .with_async_communication(asynch)
-                .with_schedule(schedule);
-            RowParallelLinear::from_full(&linear, &g, &cfg).unwrap()
-        };
-        // Without recompute, as the sync path (which keeps the gathered input).
-        let cols = |asynch: bool, schedule: OverlapSchedule| {
-            let cfg = ColumnParallelLinearConfig::new(d, d)
-                .with_recompute_all_gather(false)
-                .with_mode(mode)
-                .with_async_communication(asynch)
-                .with_schedule(schedule);
-            ColumnParallelLinear::from_full(&linear, &g, &cfg).unwrap()
-        };
-        let variants = [
-            (false, OverlapSchedule::Split),
-            (true, OverlapSchedule::Split),
-            (true, OverlapSchedule::Ring),
-        ];
-        let row_layers: Vec<_> = variants.iter().map(|&(a, s)| rows(a, s)).collect();
-        let col_layers: Vec<_> = variants.iter().map(|&(a, s)| cols(a, s)).collect();
-        let x_row = Tensor::<3>::ones([s, b, d / n], &dev).require_grad();
-        let x_col = Tensor::<3>::ones([s / n, b, d], &dev).require_grad();
-        // Rounds of every case, interleaved, so the machine's drift hits all alike.
-        let mut t = vec![Vec::new(); 8];
-        for _ in 0..reps {
-            t[0].push(gemm3([m, d / n], [d / n, d]));
-            t[1].push(gemm3([m, d], [d, d / n]));
-            for (i, l) in row_layers.iter().enumerate() {
-                t[2 + i].push(timed(&g, 1, || {
-                    drop(l.forward(x_row.clone()).sum().backward())
-                }));
-            }
-            for (i, l) in col_layers.iter().enumerate() {
-                t[5 + i].push(timed(&g, 1, || {
-                    drop(l.forward(x_col.clone()).sum().backward())
-                }));
-            }
-        }
-        t.into_iter().map(median).collect::<Vec<_>>()
-    })
-    .remove(0);
-    println!(
-        "| layer | floor ms | sync ms | async split ms | async ring ms | sync / floor | split / floor | ring / floor | split / sync | ring / sync |"
-    );
-    println!(
-        "|-------|---------:|--------:|---------------:|--------------:|------:|------:|------:|------:|------:|"
-    );
-    for (i, name) in ["RowParallelLinear", "ColumnParallelLinear"]
-        .iter()
-        .enumerate()
-    {
-        let floor = times[i];
-        let (sync, split, ring) = (times[2 + 3 * i], times[3 + 3 * i], times[4 + 3 * i]);
-        println!(
-            "| {name} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} |",
-            floor * 1e3,
-            sync * 1e3,
-            split * 1e3,
-            ring * 1e3,
-            sync / floor,
-            split / floor,
-            ring / floor,
-            split / sync,
-            ring / sync
-        );
-    }
-    // What a user would pick instead: one Burn Linear over the whole batch, all cores vs one.
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let burn_linear = |threads: usize| {
-        ranks(1, LocalGroupOptions::default(), threads, move |g| {
-            let dev = device();
-            let l = LinearConfig::new(d, d).init(&dev);
-            let x = Tensor::<3>::ones([s, b, d], &dev).require_grad();
-            timed(&g, reps, || drop(l.forward(x.clone()).sum().backward()))
-        })[0]
-    };
-    let (one, all) = (burn_linear(1), burn_linear(cores));
-    println!("\nPlain Burn `Linear` [{s}, {b}, {d}] -> {d}, forward + backward, one process:\n");
-    println!("| 1 thread ms | {cores} threads ms | speed-up |");
-    println!("|------------:|-------------:|------:|");
-    println!("| {:.1} | {:.1} | {:.2} |", one * 1e3, all * 1e3, one / all);
-}
+mod floor;
+
+use floor::bench_layer_floor;
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
