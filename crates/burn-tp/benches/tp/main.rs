@@ -357,9 +357,12 @@ fn bench_overlap(quick: bool, schedule: OverlapSchedule) -> Vec<(usize, [Overlap
                             median(t)
                         }
                         _ => {
+                            // Without recompute, as the sync path keeps the gathered input (a
+                            // re-gather is a second collective the sync path does not have).
                             let cfg = ColumnParallelLinearConfig::new(d, d)
                                 .with_bias(false)
                                 .with_mode(TpMode::ReduceScatter)
+                                .with_recompute_all_gather(false)
                                 .with_async_communication(asynch);
                             let layer = ColumnParallelLinear::from_full(&linear, &g, &cfg)
                                 .unwrap()
@@ -478,6 +481,10 @@ fn main() {
     match only.as_deref() {
         Some("floor") => return bench_layer_floor(quick),
         Some("collectives") => return bench_collectives(quick),
+        Some("overlap") => {
+            let ring = bench_overlap(quick, OverlapSchedule::Ring);
+            return print_overlap("5a. Overlap with the chunked ring schedule", &ring);
+        }
         _ => {}
     }
     bench_collectives(quick);
