@@ -155,22 +155,6 @@ impl ColumnParallelLinear {
         })
     }
 
-    /// The group this layer is sharded over.
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
-    /// The settings it runs with.
-    pub fn spec(&self) -> LinearSpec {
-        self.spec
-    }
-
-    /// Sets the overlap schedule of the async path.
-    pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
-        self.spec.schedule = schedule;
-        self
-    }
-
     /// Forward pass, panicking with the [`TpError`](crate::TpError) message on misuse or a
     /// failed collective (Burn's convention); [`try_forward`](Self::try_forward) returns it.
     ///
@@ -184,23 +168,6 @@ impl ColumnParallelLinear {
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
     }
-
-    /// Forward pass, returning the error instead of panicking. Shapes as
-    /// [`forward`](Self::forward).
-    ///
-    /// # Errors
-    /// As [`forward`](Self::forward)'s panics.
-    pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
-        let bias = self.bias.as_ref().map(|b| b.val());
-        column_parallel_linear(x, self.weight.val(), bias, self.spec, &self.group)
-    }
 }
 
-impl Reshard for ColumnParallelLinear {
-    fn to_full_module(&self) -> crate::Result<Self> {
-        Self::shard(&self.to_full()?, &solo(), self.spec)
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
-        Self::shard(&full.to_full()?, group, full.spec)
-    }
-}
+super::parallel_linear_common!(ColumnParallelLinear, column_parallel_linear);

@@ -35,6 +35,50 @@ pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use functional::{column_parallel_linear, row_parallel_linear};
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
+/// What both parallel linears share: the accessors, `try_forward` through their functional form,
+/// and [`Reshard`](crate::reshard::Reshard) through their own `shard`.
+macro_rules! parallel_linear_common {
+    ($layer:ident, $functional:ident) => {
+        impl $layer {
+            /// The group this layer is sharded over.
+            pub fn group(&self) -> &ProcessGroup {
+                &self.group
+            }
+
+            /// The settings it runs with.
+            pub fn spec(&self) -> LinearSpec {
+                self.spec
+            }
+
+            /// Sets the overlap schedule of the async path.
+            pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
+                self.spec.schedule = schedule;
+                self
+            }
+
+            /// Forward pass, returning the error instead of panicking. Shapes as
+            /// [`forward`](Self::forward).
+            ///
+            /// # Errors
+            /// As [`forward`](Self::forward)'s panics.
+            pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
+                let bias = self.bias.as_ref().map(|b| b.val());
+                $functional(x, self.weight.val(), bias, self.spec, &self.group)
+            }
+        }
+
+        impl Reshard for $layer {
+            fn to_full_module(&self) -> crate::Result<Self> {
+                Self::shard(&self.to_full()?, &solo(), self.spec)
+            }
+            fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
+                Self::shard(&full.to_full()?, group, full.spec)
+            }
+        }
+    };
+}
+use parallel_linear_common;
+
 /// Burn's `LinearConfig` default gain, `1 / sqrt(3)`.
 const INIT_GAIN: f64 = 0.577_350_269_189_625_8;
 
