@@ -508,3 +508,35 @@ fn a_start_error_on_one_rank_reaches_every_rank_at_once() {
         );
     }
 }
+
+/// Max / min all-reduce backward: the gradient of each element goes to one rank, the lowest of
+/// those whose input equals the result (as a single max gives it to one element).
+#[test]
+fn max_and_min_backward_give_ties_to_the_lowest_rank() {
+    for op in [ReduceOp::Max, ReduceOp::Min] {
+        let out = run_local(3, move |g| {
+            let dev = crate::common::device();
+            // Element 0: all three tie. Element 1: ranks 1 and 2 tie. Element 2: rank 2 alone.
+            let v = match (g.rank(), op) {
+                (0, ReduceOp::Max) => [5.0f32, 1.0, 0.0],
+                (1, ReduceOp::Max) => [5.0, 7.0, 0.0],
+                (_, ReduceOp::Max) => [5.0, 7.0, 9.0],
+                (0, _) => [5.0, 9.0, 9.0],
+                (1, _) => [5.0, 1.0, 9.0],
+                (_, _) => [5.0, 1.0, 0.0],
+            };
+            let x = Tensor::<1>::from_floats(v, &dev).require_grad();
+            let y = all_reduce(x.clone(), op, &g).unwrap();
+            // Each rank's loss weighs the elements differently; the upstream gradients sum.
+            let w = Tensor::<1>::from_floats([1.0, 2.0, 3.0], &dev) * (g.rank() as f32 + 1.0);
+            let grads = (y * w).sum().backward();
+            f64s(x.grad(&grads).unwrap())
+        })
+        .unwrap();
+        // Sum of the upstream gradients over 3 ranks: [1, 2, 3] * (1 + 2 + 3).
+        let total = [6.0, 12.0, 18.0];
+        assert_eq!(out[0], vec![total[0], 0.0, 0.0], "{op:?}");
+        assert_eq!(out[1], vec![0.0, total[1], 0.0], "{op:?}");
+        assert_eq!(out[2], vec![0.0, 0.0, total[2]], "{op:?}");
+    }
+}

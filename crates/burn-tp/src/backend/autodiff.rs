@@ -20,6 +20,40 @@ use super::{
 #[derive(Debug)]
 struct CollectiveBackward;
 
+/// Of `eq` (1 where this rank's input equals the max / min), the elements where no lower rank's
+/// does: the gradient of a tie goes to one rank, the lowest, as it would for one rank's max.
+fn first_tied_rank<B: TpBackend>(
+    eq: FloatTensor<B>,
+    group: &ProcessGroup,
+    bool_dtype: burn::tensor::BoolDType,
+) -> FloatTensor<B> {
+    let (r, n) = (group.rank(), group.world_size());
+    if n == 1 {
+        return eq;
+    }
+    // Every rank gathers every rank's `eq` (all must post, rank 0 included) and counts the lower
+    // ranks tied on each element.
+    let m = eq.shape()[0];
+    let all = collective_blocking::<B>(eq.clone(), Collective::AllGather { dim: 0 }, group);
+    if r == 0 {
+        return eq;
+    }
+    let lower = (1..r).fold(
+        crate::backend::host::rows::<B>(all.clone(), 0..m),
+        |acc, k| {
+            B::float_add(
+                acc,
+                crate::backend::host::rows::<B>(all.clone(), k * m..(k + 1) * m),
+            )
+        },
+    );
+    let none_lower = B::float_equal_elem(lower, burn_std::Scalar::Float(0.0), bool_dtype);
+    B::float_mul(
+        eq.clone(),
+        B::bool_into_float(none_lower, eq.dtype().into()),
+    )
+}
+
 #[derive(Clone, Debug)]
 struct CollectiveState<P> {
     op: Collective,
@@ -58,9 +92,9 @@ impl<B: TpBackend> Backward<B, 1> for CollectiveBackward {
                 let device = x.device();
                 let bool_dtype =
                     burn::backend::get_or_init_device_settings::<B>(&device).bool_dtype;
-                let mask =
-                    B::bool_into_float(B::float_equal(x, y, bool_dtype), total.dtype().into());
-                B::float_mul(total, mask)
+                let float_dtype = total.dtype().into();
+                let eq = B::bool_into_float(B::float_equal(x, y, bool_dtype), float_dtype);
+                B::float_mul(total, first_tied_rank::<B>(eq, &group, bool_dtype))
             }
             Collective::ReduceFromRegion => grad,
             Collective::GatherFromRegion { dim } => local_chunk::<B>(grad, dim, &group),

@@ -27,7 +27,7 @@
 //! | copy-to-tp-region (id)  | all-reduce (sum)                 |
 //! | reduce-from-tp-region   | identity                         |
 //! | all-reduce(sum / avg)   | all-reduce(sum / avg)            |
-//! | all-reduce(max / min)   | all-reduce(sum) x [input == out] |
+//! | all-reduce(max / min)   | all-reduce(sum) x [input == out, lowest tied rank] |
 //! | gather-from-region(dim) | split(dim): keep own chunk       |
 //! | scatter-to-region(dim)  | all-gather(dim)                  |
 
