@@ -122,6 +122,9 @@ pub struct Args {
     /// time waited, fraction hidden), and out/comm.csv.
     #[arg(long)]
     pub profile: bool,
+    /// Go on when the loss is not finite (by default the run stops with an error naming the step).
+    #[arg(long)]
+    pub keep_going: bool,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -272,6 +275,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         DeviceKind::Cuda => cuda_rank(args, &config, &data, &checkpoint)?,
     };
     let RankOut {
+        stopped,
         first_step,
         losses,
         held_out,
@@ -280,6 +284,12 @@ pub fn run(args: &Args) -> Result<Report, String> {
     } = out;
     let sample = vocab.decode(&sample);
     let elapsed = start.elapsed().as_secs_f64();
+    if let Some(why) = stopped {
+        if rank == 0 {
+            write_csv(&args.out.join("loss.csv"), first_step, &losses, &held_out)?;
+        }
+        return Err(why);
+    }
     // Rank 0 (of the threads, or of a multi-process launch) writes the files.
     if rank == 0 {
         write_csv(&args.out.join("loss.csv"), first_step, &losses, &held_out)?;
@@ -356,6 +366,8 @@ fn cuda_rank(_: &Args, _: &GptConfig, _: &Data, _: &Path) -> Result<(usize, Rank
 
 /// What a rank brings back.
 struct RankOut {
+    /// Why training stopped early (a non-finite loss).
+    stopped: Option<String>,
     profile: Option<Profile>,
     first_step: usize,
     losses: Vec<f64>,
@@ -427,6 +439,7 @@ fn train_rank(
         first_step,
         held_out_loss(&model, args, data, dp_rank, &dp_group, &device)?,
     )];
+    let mut stopped = None;
     for step in first_step..first_step + args.steps {
         let (ids, targets) = batch(&data.train, args, step);
         let ids = dp_slice(&ids, args, dp_rank, &device);
@@ -435,6 +448,14 @@ fn train_rank(
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
         losses.push(value);
+        // Every rank sees the same (dp-averaged) value, so all stop at the same step.
+        if !value.is_finite() && !args.keep_going {
+            stopped = Some(format!(
+                "the loss is {value} at step {step}: training stopped (--keep-going to go on); \
+                 loss.csv has the steps up to there"
+            ));
+            break;
+        }
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         average_gradients(&model, &mut grads, &dp_group)?;
         model = optim.step(args.lr, model, grads);
@@ -451,6 +472,17 @@ fn train_rank(
     }
     if let Some(bar) = progress {
         bar.finish();
+    }
+    if stopped.is_some() {
+        // No checkpoint or sample of a diverged model: only the curve up to there.
+        return Ok(RankOut {
+            profile: world.profile(),
+            first_step,
+            losses,
+            held_out,
+            sample: Vec::new(),
+            stopped,
+        });
     }
     // The full model and optimizer state on every rank of each tp group; world rank 0 writes
     // them, with the number of steps done.
@@ -469,6 +501,7 @@ fn train_rank(
     let profile = world.profile();
     let sample = generate(&model, args, data, &tp_group, &device)?;
     Ok(RankOut {
+        stopped: None,
         profile,
         first_step,
         losses,

@@ -459,6 +459,31 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
         let e = run(&tiny_args(&[arg, value], &out)).unwrap_err();
         assert!(e.contains(arg) && e.to_lowercase().contains(value), "{e}");
     }
+    // A diverging run stops with an error naming the step, and keeps its curve up to there.
+    let diverge = temp_dir("diverge");
+    let e = run(&tiny_args(&["--lr", "1e30", "--steps", "20"], &diverge)).unwrap_err();
+    assert!(e.contains("at step") && e.contains("--keep-going"), "{e}");
+    let step: usize = e
+        .split("at step ")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{e}"));
+    let csv = std::fs::read_to_string(diverge.join("loss.csv")).unwrap();
+    let last_loss = csv
+        .lines()
+        .nth(step + 1)
+        .unwrap()
+        .split(',')
+        .nth(1)
+        .unwrap();
+    assert!(!last_loss.parse::<f64>().unwrap().is_finite(), "{csv}");
+    let kept = run(&tiny_args(
+        &["--lr", "1e30", "--steps", "20", "--keep-going"],
+        &temp_dir("keep-going"),
+    ))
+    .unwrap();
+    assert_eq!(kept.losses.len(), 20);
     let e = run(&tiny_args(&["--data", "/nonexistent/file.txt"], &out)).unwrap_err();
     assert!(e.contains("/nonexistent/file.txt"), "{e}");
     // `--device cuda`: without the feature, or outside a launch, an error saying what to do.
