@@ -466,52 +466,72 @@ fn async_and_sync_agree_bitwise_on_integer_data() {
 
 #[test]
 fn non_contiguous_inputs_give_correct_results() {
+    // Against Burn's `Linear` on contiguous copies: outputs and input gradients.
     let out = run_local(2, |group| {
+        let full = int_linear(1);
         let layer = ColumnParallelLinear::from_full(
-            &int_linear(1),
+            &full,
             &group,
-            &ColumnParallelLinearConfig::new(D_IN, D_OUT),
+            &ColumnParallelLinearConfig::new(D_IN, D_OUT).with_gather_output(true),
         )
         .unwrap();
+        let weights = tensor(quarters(6 * D_OUT, 5), [6, D_OUT], DType::F32);
         // A [D_IN, 6] tensor transposed, and a sliced window.
         let base = tensor(quarters(D_IN * 6, 3), [D_IN, 6], DType::F32);
-        let xt = base.clone().transpose();
-        let contiguous_t = tensor(
-            f64s(xt.clone()).iter().map(|v| *v as f32).collect(),
-            [6, D_IN],
-            DType::F32,
-        );
         let wide = tensor(quarters(6 * 2 * D_IN, 4), [6, 2 * D_IN], DType::F32);
-        let xs = wide.clone().slice([0..6, 3..3 + D_IN]);
-        let contiguous_s = tensor(
-            f64s(xs.clone()).iter().map(|v| *v as f32).collect(),
-            [6, D_IN],
-            DType::F32,
-        );
-        (
-            f64s(layer.forward(xt)) == f64s(layer.forward(contiguous_t)),
-            f64s(layer.forward(xs)) == f64s(layer.forward(contiguous_s)),
-        )
+        let mut checks = Vec::new();
+        for strided in [base.transpose(), wide.slice([0..6, 3..3 + D_IN])] {
+            let contiguous = tensor(
+                f64s(strided.clone()).iter().map(|v| *v as f32).collect(),
+                [6, D_IN],
+                DType::F32,
+            );
+            let x = strided.require_grad();
+            let y = layer.forward(x.clone());
+            let g = (y.clone() * weights.clone()).sum().backward();
+            let xr = contiguous.require_grad();
+            let yr = full.forward(xr.clone());
+            let gr = (yr.clone() * weights.clone()).sum().backward();
+            checks.push((
+                f64s(y),
+                f64s(yr),
+                f64s(x.grad(&g).unwrap()),
+                f64s(xr.grad(&gr).unwrap()),
+            ));
+        }
+        checks
     })
     .unwrap();
-    assert!(out.iter().all(|&(a, b)| a && b), "{out:?}");
-    // The RS-mode column layer on a transposed sequence shard.
-    let out = run_local(2, |group| {
-        let cfg = ColumnParallelLinearConfig::new(D_IN, D_OUT).with_mode(TpMode::ReduceScatter);
-        let layer = ColumnParallelLinear::from_full(&int_linear(1), &group, &cfg).unwrap();
-        let base = tensor(
-            quarters(D_IN * 2 * 3, 8 + group.rank() as u64),
+    for checks in out {
+        for (y, yr, gx, gxr) in checks {
+            assert_close(&y, &yr, 1e-6, "strided input: output");
+            assert_close(&gx, &gxr, 1e-6, "strided input: input gradient");
+        }
+    }
+    // The RS-mode column layer on transposed sequence shards, against the full sequence.
+    let shard = |r: usize| {
+        tensor(
+            quarters(D_IN * 2 * 3, 8 + r as u64),
             [D_IN, 2, 3],
             DType::F32,
-        );
-        let x = base.clone().swap_dims(0, 2); // [3, 2, D_IN], strided
-        let xc = tensor(
-            f64s(x.clone()).iter().map(|v| *v as f32).collect(),
-            [3, 2, D_IN],
-            DType::F32,
-        );
-        f64s(layer.forward(x)) == f64s(layer.forward(xc))
+        )
+        .swap_dims(0, 2)
+    };
+    let full_x = Tensor::cat(vec![shard(0), shard(1)], 0); // [6, 2, D_IN]
+    let want = f64s(int_linear(1).forward(full_x));
+    let out = run_local(2, move |group| {
+        let cfg = ColumnParallelLinearConfig::new(D_IN, D_OUT).with_mode(TpMode::ReduceScatter);
+        let layer = ColumnParallelLinear::from_full(&int_linear(1), &group, &cfg).unwrap();
+        let x = shard(group.rank()); // [3, 2, D_IN], strided
+        f64s(layer.forward(x)) // [6, 2, D_OUT / 2]
     })
     .unwrap();
-    assert!(out.iter().all(|&b| b));
+    for (r, y) in out.iter().enumerate() {
+        // This rank's columns of the full output.
+        let mine: Vec<f64> = want
+            .chunks(D_OUT)
+            .flat_map(|row| row[r * D_OUT / 2..(r + 1) * D_OUT / 2].to_vec())
+            .collect();
+        assert_close(y, &mine, 1e-6, "RS strided shard");
+    }
 }

@@ -127,7 +127,7 @@ fn the_profile_counts_calls_bytes_and_the_hidden_fraction() {
         {
             let _s = scope("hidden");
             let w = pg.all_gather_async(x.clone());
-            std::thread::sleep(Duration::from_millis(60)); // "compute" longer than the transfer
+            std::thread::sleep(Duration::from_millis(150)); // "compute" longer than the transfer
             w.wait().unwrap();
         }
         {
