@@ -470,3 +470,100 @@ fn sharding_keeps_the_dtype() {
         }
     }
 }
+
+/// Both layers in bf16 and f16 (what large models train in): shards, outputs and input gradients
+/// keep the dtype and match Burn's `Linear` in the same dtype, in both modes, async and sync.
+/// Tolerance: relative 2e-2 (bf16 has 8 bits of mantissa; sums of 12 products round differently
+/// in a different order).
+#[test]
+fn half_precision_layers_match_burns_linear() {
+    for dtype in [DType::BF16, DType::F16] {
+        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+            for asynch in [true, false] {
+                let out = run_linked(2, move |group| {
+                    let (r, n) = (group.rank(), group.world_size());
+                    let f = int_linear(3);
+                    let cast = |t: Tensor<2>| {
+                        Tensor::<2>::from_data(
+                            t.into_data().convert_dtype(dtype),
+                            (&device(), dtype),
+                        )
+                    };
+                    let full = Linear {
+                        weight: burn::module::Param::from_tensor(cast(f.weight.val()) * 0.125),
+                        bias: None,
+                    };
+                    let col = ColumnParallelLinear::from_full(
+                        &full,
+                        &group,
+                        &ColumnParallelLinearConfig::new(D_IN, D_OUT)
+                            .with_mode(mode)
+                            .with_async_communication(asynch),
+                    )
+                    .unwrap();
+                    assert_eq!(col.weight.val().dtype(), dtype);
+                    let x_full = cast(tensor(uniform(4 * D_IN, 17), [4, D_IN], DType::F32));
+                    let x = if mode == TpMode::ReduceScatter {
+                        chunk(x_full.clone(), n, 0, r)
+                    } else {
+                        x_full.clone()
+                    };
+                    let x = x.require_grad();
+                    let y = col.forward(x.clone());
+                    assert_eq!(y.dtype(), dtype);
+                    let grads = y.clone().sum().backward();
+                    let gx = x.grad(&grads).unwrap();
+                    assert_eq!(gx.dtype(), dtype);
+                    // Reference: Burn's Linear in the same dtype; this rank's columns. The
+                    // logical loss is the sum over ranks of sum(y_r) = sum(full y), so the input
+                    // gradient is that of sum(full y): all of it (ALL_REDUCE), or this rank's
+                    // rows (REDUCE_SCATTER).
+                    let xr = x_full.clone().require_grad();
+                    let yr = full.forward(xr.clone());
+                    let cols = D_OUT / n;
+                    let yr_mine = yr.clone().slice([0..4, r * cols..(r + 1) * cols]);
+                    let gxr_full = xr.grad(&yr.clone().sum().backward()).unwrap();
+                    let gxr = if mode == TpMode::ReduceScatter {
+                        chunk(gxr_full.clone(), n, 0, r)
+                    } else {
+                        gxr_full.clone()
+                    };
+                    // The row layer: input sharded on features, output reduced.
+                    let row = RowParallelLinear::from_full(
+                        &full,
+                        &group,
+                        &RowParallelLinearConfig::new(D_IN, D_OUT)
+                            .with_mode(mode)
+                            .with_async_communication(asynch),
+                    )
+                    .unwrap();
+                    let xw = chunk(x_full.clone(), n, 1, r).require_grad();
+                    let yw = row.forward(xw.clone());
+                    assert_eq!(yw.dtype(), dtype);
+                    let gw = xw.grad(&yw.clone().sum().backward()).unwrap();
+                    let yw_ref = if mode == TpMode::ReduceScatter {
+                        chunk(yr.clone(), n, 0, r)
+                    } else {
+                        yr.clone()
+                    };
+                    let gw_ref = chunk(gxr_full.clone(), n, 1, r);
+                    let mut got = f64s(y);
+                    got.extend(f64s(yw));
+                    let mut want = f64s(yr_mine);
+                    want.extend(f64s(yw_ref));
+                    let mut g_got = f64s(gx);
+                    g_got.extend(f64s(gw));
+                    let mut g_want = f64s(gxr);
+                    g_want.extend(f64s(gw_ref));
+                    (got, want, g_got, g_want)
+                })
+                .unwrap();
+                for (y, yr, gx, gxr) in out {
+                    let tag = format!("{dtype:?} {mode:?} async {asynch}");
+                    assert_close(&y, &yr, 2e-2, &format!("{tag}: output"));
+                    assert_close(&gx, &gxr, 2e-2, &format!("{tag}: input gradient"));
+                }
+            }
+        }
+    }
+}
