@@ -552,3 +552,155 @@ fn max_and_min_backward_give_ties_to_the_lowest_rank() {
         assert_eq!(out[2], vec![0.0, 0.0, total[2]], "{op:?}");
     }
 }
+
+/// Every rank posts the same collectives in the backward whatever its own requires-grad state.
+/// Rank 0's input requires grad; on rank 1 nothing on the op's input side does (its loss is
+/// tracked only through a weight applied after the op). Rank 1 still runs each adjoint, so rank 0
+/// gets its full gradient instead of waiting for rank 1's part until the timeout.
+#[test]
+fn adjoints_run_on_every_rank_whatever_its_requires_grad() {
+    #[derive(Clone, Copy, Debug)]
+    enum Op {
+        AllGather,
+        ReduceScatter,
+        AllReduce,
+        CopyTo,
+        ScatterTo,
+    }
+    const N: usize = 2;
+    let ops = [
+        Op::AllGather,
+        Op::ReduceScatter,
+        Op::AllReduce,
+        Op::CopyTo,
+        Op::ScatterTo,
+    ];
+    for op in ops {
+        let in_shape = match op {
+            Op::ReduceScatter | Op::ScatterTo => [SHAPE[0] * N, SHAPE[1], SHAPE[2]],
+            _ => SHAPE,
+        };
+        let out_shape = match op {
+            Op::AllGather => [SHAPE[0] * N, SHAPE[1], SHAPE[2]],
+            _ => SHAPE,
+        };
+        let numel = |s: [usize; 3]| s.iter().product::<usize>();
+        let w = move |r: usize| {
+            tensor(
+                uniform(numel(out_shape), 300 + r as u64),
+                out_shape,
+                DType::F32,
+            )
+        };
+        let out = run_local(N, move |g| {
+            g.set_timeout(Duration::from_secs(5));
+            let r = g.rank();
+            let x = tensor(uniform(numel(in_shape), 7), in_shape, DType::F32);
+            let x = if r == 0 { x.require_grad() } else { x };
+            let y = match op {
+                Op::AllGather => all_gather(x.clone(), 0, &g).unwrap(),
+                Op::ReduceScatter => reduce_scatter(x.clone(), 0, &g).unwrap(),
+                Op::AllReduce => all_reduce(x.clone(), ReduceOp::Sum, &g).unwrap(),
+                Op::CopyTo => copy_to_tp_region(x.clone(), &g),
+                Op::ScatterTo => scatter_to_tp_region(x.clone(), 0, &g).unwrap(),
+            };
+            let weight = w(r).require_grad();
+            let grads = (y * weight).sum().backward();
+            x.grad(&grads).map(f64s)
+        })
+        .unwrap();
+        assert!(out[1].is_none(), "{op:?}: rank 1's input has no gradient");
+        let got = out[0].clone().expect("rank 0's input has a gradient");
+        // d(sum_r <y_r, w_r>) / d x_0, from the op's definition.
+        let expected = match op {
+            Op::AllGather => (w(0) + w(1)).slice(0..SHAPE[0]),
+            Op::ReduceScatter | Op::ScatterTo => Tensor::cat(vec![w(0), w(1)], 0),
+            Op::AllReduce | Op::CopyTo => w(0) + w(1),
+        };
+        assert_close(&got, &f64s(expected), 1e-6, &format!("{op:?}"));
+    }
+}
+
+/// The same for the parallel linears (functional form, both modes, async and sync): rank 1's
+/// input and weight require no grad, so nothing on rank 1 is tracked before the layer; rank 0's
+/// input gradient still sums both ranks' contributions, `sum_r v_r W_r^T`.
+#[test]
+fn linear_backward_runs_on_every_rank_whatever_its_requires_grad() {
+    use burn_tp::linear::{LinearSpec, TpMode, column_parallel_linear, row_parallel_linear};
+    const N: usize = 2;
+    let (s, d_in, d_out) = (4usize, 4usize, 6usize);
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        for asynch in [true, false] {
+            for column in [true, false] {
+                // Column: W_r [d_in, d_out / N]; row: W_r [d_in / N, d_out].
+                let w_shape = if column {
+                    [d_in, d_out / N]
+                } else {
+                    [d_in / N, d_out]
+                };
+                let w = move |r: usize| {
+                    tensor(
+                        uniform(w_shape[0] * w_shape[1], 40 + r as u64),
+                        w_shape,
+                        DType::F32,
+                    )
+                };
+                let rs = mode == TpMode::ReduceScatter;
+                let x_rows = if column && rs { s / N } else { s };
+                let y_rows = if !column && rs { s / N } else { s };
+                let y_cols = w_shape[1];
+                let v = move |r: usize| {
+                    tensor(
+                        uniform(y_rows * y_cols, 60 + r as u64),
+                        [y_rows, y_cols],
+                        DType::F32,
+                    )
+                };
+                let out = run_local(N, move |g| {
+                    g.set_timeout(Duration::from_secs(5));
+                    let r = g.rank();
+                    let x = tensor(
+                        uniform(x_rows * w_shape[0], 80 + r as u64),
+                        [x_rows, w_shape[0]],
+                        DType::F32,
+                    );
+                    let x = if r == 0 { x.require_grad() } else { x };
+                    let spec = LinearSpec {
+                        async_communication: asynch,
+                        ..LinearSpec::new(mode)
+                    };
+                    let y = if column {
+                        column_parallel_linear(x.clone(), w(r), None, spec, &g)
+                    } else {
+                        row_parallel_linear(x.clone(), w(r), None, spec, &g)
+                    }
+                    .unwrap();
+                    // Rank 1's loss is tracked only through `k`, after the layer.
+                    let k = Tensor::<2>::ones(y.dims(), &crate::common::device()).require_grad();
+                    let grads = (y * k * v(r)).sum().backward();
+                    x.grad(&grads).map(f64s)
+                })
+                .unwrap();
+                let tag = format!("{mode:?} async {asynch} column {column}");
+                assert!(out[1].is_none(), "{tag}");
+                let got = out[0]
+                    .clone()
+                    .unwrap_or_else(|| panic!("{tag}: no gradient"));
+                let expected = if column {
+                    // dX = sum_r v_r W_r^T over the full sequence; rank 0 holds rows 0..s/N in RS.
+                    let dx = v(0).matmul(w(0).transpose()) + v(1).matmul(w(1).transpose());
+                    dx.slice(0..x_rows)
+                } else {
+                    // Rank 0's own input: its gradient is v (all of it: gathered in RS) times W_0^T.
+                    let v_full = if rs {
+                        Tensor::cat(vec![v(0), v(1)], 0)
+                    } else {
+                        v(0)
+                    };
+                    v_full.matmul(w(0).transpose())
+                };
+                assert_close(&got, &f64s(expected), 1e-5, &tag);
+            }
+        }
+    }
+}

@@ -5,7 +5,7 @@
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
-use burn::backend::{Autodiff, Backend, TensorMetadata, tensor::FloatTensor};
+use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, tensor::FloatTensor};
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 
 use super::host::local_chunk;
@@ -177,8 +177,8 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
     }
 
     fn tp_resolve(pending: PendingCollective<Self>) -> CollectiveOutput<Self> {
-        let input = pending.input.clone();
         let (op, group) = (pending.op, pending.group.clone());
+        let input = tracked_if::<B, C>(pending.input.clone(), adjoint_communicates(op));
         let out = match B::tp_resolve(pending.with_input(input.primitive().clone())).into_result() {
             Ok(out) => out,
             Err(e) => return CollectiveOutput::Failed(e),
@@ -306,6 +306,30 @@ fn linear_op<B: TpBackend, C: CheckpointStrategy>(
     ))
 }
 
+/// Whether the backward of `op` posts a collective (so every rank must run it).
+fn adjoint_communicates(op: Collective) -> bool {
+    !matches!(
+        op,
+        Collective::ReduceFromRegion | Collective::GatherFromRegion { .. }
+    )
+}
+
+/// `x`, or, when `x` is untracked and `force`, a fresh leaf of it that requires grad. Every rank
+/// must post the same collectives in the backward whatever its own requires-grad state (a peer
+/// whose input is tracked runs the adjoint and waits for this rank's part), so an op whose adjoint
+/// communicates is always part of the graph, as in Megatron where every rank's activations require
+/// grad. A fresh leaf (new id), never the caller's tensor: a tensor shared by rank threads must not
+/// join their graphs, and the caller's tensor keeps its own state.
+fn tracked_if<B: Backend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    force: bool,
+) -> FloatTensor<Autodiff<B, C>> {
+    if !force || x.is_tracked() {
+        return x;
+    }
+    <Autodiff<B, C> as AutodiffBackend>::from_inner(x.primitive().clone()).require_grad()
+}
+
 fn finish_linear<B: TpBackend, C: CheckpointStrategy>(
     node: LinearBackward,
     state: LinearState<B>,
@@ -314,6 +338,13 @@ fn finish_linear<B: TpBackend, C: CheckpointStrategy>(
     bias: Option<FloatTensor<Autodiff<B, C>>>,
     y: FloatTensor<B>,
 ) -> FloatTensor<Autodiff<B, C>> {
+    // The column backward always reduces dgrad and the row backward all-gathers its grad_output
+    // in REDUCE_SCATTER mode: a rank with nothing to differentiate still takes part.
+    let untracked =
+        !x.is_tracked() && !weight.is_tracked() && bias.as_ref().is_none_or(|b| !b.is_tracked());
+    let communicates = matches!(state.kind, LinearKind::Column(_))
+        || state.spec.mode == super::TpMode::ReduceScatter;
+    let x = tracked_if::<B, C>(x, untracked && communicates);
     match bias {
         Some(b) => match node
             .prepare::<C>([x.node(), weight.node(), b.node()])
