@@ -704,3 +704,56 @@ fn linear_backward_runs_on_every_rank_whatever_its_requires_grad() {
         }
     }
 }
+
+/// A rank that fails without posting (it panics, or it drops its group handle while its thread
+/// lives on) reaches every peer within a second: the peer's pending collective and its next one
+/// fail naming the failed rank, long before the 60 s timeout. The panic unwinds with
+/// `resume_unwind`, which skips the panic hook: the test times burn-tp, not the printing of a
+/// backtrace.
+#[test]
+fn a_panicking_or_departing_rank_reaches_every_peer_within_a_second() {
+    use std::sync::{Arc, Mutex};
+    type Seen = (usize, String, String, Instant);
+    for panics in [true, false] {
+        let failed_at = Arc::new(Mutex::new(None::<Instant>));
+        let seen = Arc::new(Mutex::new(Vec::<Seen>::new()));
+        let (at, log) = (failed_at.clone(), seen.clone());
+        let result = run_ranks(LocalGroup::new(3).unwrap(), move |g| {
+            g.set_timeout(Duration::from_secs(60));
+            if g.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(200));
+                *at.lock().unwrap() = Some(Instant::now());
+                if panics {
+                    std::panic::resume_unwind(Box::new("rank 1 fails"));
+                }
+                drop(g);
+                std::thread::sleep(Duration::from_secs(2));
+                return;
+            }
+            let pending = all_reduce(input(g.rank(), DType::F32), ReduceOp::Sum, &g);
+            let heard = Instant::now();
+            let next = all_gather(input(g.rank(), DType::F32), 0, &g);
+            let err = |r: Result<Tensor<3>, TpError>| r.map(|_| ()).unwrap_err().to_string();
+            log.lock()
+                .unwrap()
+                .push((g.rank(), err(pending), err(next), heard));
+        });
+        assert_eq!(result.is_err(), panics, "{result:?}");
+        let failed_at = failed_at.lock().unwrap().expect("rank 1 ran");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 2, "panics {panics}: both peers report");
+        for (rank, pending, next, heard) in seen.iter() {
+            let tag = format!("panics {panics}, rank {rank}");
+            assert!(pending.contains("[1]"), "{tag}: {pending}");
+            assert!(
+                next.contains("[1]") || next.contains("rank 1"),
+                "{tag}: {next}"
+            );
+            let delay = heard.saturating_duration_since(failed_at);
+            assert!(
+                delay < Duration::from_secs(1),
+                "{tag}: heard after {delay:?}"
+            );
+        }
+    }
+}
