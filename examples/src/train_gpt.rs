@@ -10,13 +10,14 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::Device;
+use burn::tensor::{Device, FloatDType};
 use burn_tp::comm::Profile;
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{OverlapSchedule, TpMode};
 use burn_tp::local::run_ranks;
 use burn_tp::ops::all_reduce;
+use burn_tp::precision::{cast_grads, cast_params};
 use burn_tp::reshard::{FullOptimizerState, Reshard};
 use burn_tp::{LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
@@ -40,6 +41,27 @@ pub enum Schedule {
     Split,
     /// Each peer's shard consumed as it arrives.
     Ring,
+}
+
+/// Compute dtype, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// f32 throughout.
+    F32,
+    /// bf16 forward and backward (weights, activations, gradients, collectives) on f32 master
+    /// weights: the gradients are cast to f32 for the dp average and the AdamW step (Megatron's
+    /// mixed precision). The cross-entropy computes in f32.
+    Bf16,
+}
+
+impl Precision {
+    /// The dtype of the forward and backward.
+    pub fn dtype(self) -> FloatDType {
+        match self {
+            Precision::F32 => FloatDType::F32,
+            Precision::Bf16 => FloatDType::BF16,
+        }
+    }
 }
 
 /// Where the ranks run.
@@ -71,6 +93,9 @@ pub struct Args {
     /// Overlap schedule of the async parallel linears.
     #[arg(long, value_enum, default_value_t = Schedule::Ring)]
     pub schedule: Schedule,
+    /// Compute dtype (the master weights and the optimizer stay f32).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub dtype: Precision,
     /// Use the plain composed collectives instead of the overlapped ops.
     #[arg(long)]
     pub no_async: bool,
@@ -168,12 +193,13 @@ pub fn model_config(args: &Args, n_vocab: usize) -> GptConfig {
 /// A one-line description of the run, for the plot's title.
 pub fn describe(args: &Args) -> String {
     format!(
-        "tiny GPT: tp={} dp={} {:?} {}schedule {:?}, f32, {} steps",
+        "tiny GPT: tp={} dp={} {:?} {}schedule {:?}, {:?}, {} steps",
         args.tp,
         args.dp,
         args.mode,
         if args.no_async { "sync, " } else { "async, " },
         args.schedule,
+        args.dtype.dtype(),
         args.steps
     )
 }
@@ -435,16 +461,20 @@ fn train_rank(
     });
     let start = Instant::now();
     let mut losses = Vec::with_capacity(args.steps);
+    // The model the forward and backward run: the master weights, or a bf16 copy of them.
+    let dtype = args.dtype.dtype();
+    let compute = |model: &Gpt| cast_params(model.clone(), dtype);
     let mut held_out = vec![(
         first_step,
-        held_out_loss(&model, args, data, dp_rank, &dp_group, &device)?,
+        held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?,
     )];
     let mut stopped = None;
     for step in first_step..first_step + args.steps {
         let (ids, targets) = batch(&data.train, args, step);
         let ids = dp_slice(&ids, args, dp_rank, &device);
         let targets = dp_slice(&targets, args, dp_rank, &device);
-        let loss = model.try_loss(ids, targets)?;
+        let working = compute(&model);
+        let loss = working.try_loss(ids, targets)?;
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
         losses.push(value);
@@ -456,11 +486,13 @@ fn train_rank(
             ));
             break;
         }
-        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        // The copy's parameters have the master's ids: its gradients, in f32, step the master.
+        let mut grads = GradientsParams::from_grads(loss.backward(), &working);
+        cast_grads(&working, &mut grads, FloatDType::F32);
         average_gradients(&model, &mut grads, &dp_group)?;
         model = optim.step(args.lr, model, grads);
         if (step + 1) % args.eval_every == 0 || step + 1 == first_step + args.steps {
-            let loss = held_out_loss(&model, args, data, dp_rank, &dp_group, &device)?;
+            let loss = held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?;
             held_out.push((step + 1, loss));
         }
         if let Some(bar) = &progress {
@@ -499,7 +531,7 @@ fn train_rank(
     world.barrier()?;
     // The profile covers training only (not the sample below).
     let profile = world.profile();
-    let sample = generate(&model, args, data, &tp_group, &device)?;
+    let sample = generate(&compute(&model), args, data, &tp_group, &device)?;
     Ok(RankOut {
         stopped: None,
         profile,

@@ -2,6 +2,7 @@
 
 mod collectives;
 mod common;
+mod dtype;
 mod gpt;
 mod linear;
 mod linear_checks;

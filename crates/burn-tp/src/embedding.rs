@@ -3,7 +3,7 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Initializer};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, FloatDType, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::error::check_divisible;
@@ -166,8 +166,10 @@ impl VocabParallelEmbedding {
             return Ok(burn::tensor::module::embedding(weight, ids));
         }
         let (local, mine) = local_ids(ids, weight.dims()[0], &self.group);
-        let partial =
-            burn::tensor::module::embedding(weight, local) * mine.float().unsqueeze_dim::<3>(2);
+        let mask = mine
+            .cast(FloatDType::from(weight.dtype()))
+            .unsqueeze_dim::<3>(2);
+        let partial = burn::tensor::module::embedding(weight, local) * mask;
         match self.mode {
             TpMode::AllReduce => reduce_from_tp_region(partial, &self.group),
             TpMode::ReduceScatter => reduce_scatter(partial, 0, &self.group),

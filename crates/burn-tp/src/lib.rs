@@ -14,7 +14,8 @@
 //!   parallel) mode, and their functional forms.
 //! - [`embedding`]: the vocabulary-parallel embedding; [`loss`]: the sharded cross-entropy.
 //! - [`transformer`]: parallel attention, MLP, and a replicated layer norm; [`gpt`]: a tiny GPT.
-//! - [`reshard`]: moving a module between tp sizes; [`dp`]: data-parallel gradient averaging.
+//! - [`reshard`]: moving a module between tp sizes; [`dp`]: data-parallel gradient averaging;
+//!   [`precision`]: bf16 / f16 copies of a module and its gradients (mixed precision).
 //! - `init`: initialisation identical at every tp (internal); [`local`]: the runner of ranks as threads;
 //!   [`testing`]: a gradient checker by finite differences.
 //!
@@ -83,6 +84,7 @@ pub mod linear;
 pub mod local;
 pub mod loss;
 pub mod ops;
+pub mod precision;
 pub mod reshard;
 pub mod testing;
 pub mod transformer;

@@ -1,7 +1,7 @@
 //! Vocab-parallel cross-entropy: the logits stay sharded over the vocabulary.
 
 use burn::backend::Dispatch;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, FloatDType, Int, Tensor};
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use crate::backend::TpBackend;
@@ -16,6 +16,9 @@ use crate::{Result, TpError};
 /// logits) are all-reduced over `group`: two all-reduces of `[n]` / `[n, 3]`, never the logits.
 /// Backward: `softmax * (1 + 2 z lse) - (1 - eps) one_hot - eps / V`, computed locally on each
 /// shard, no communication.
+///
+/// Computed in f32 for f32 / bf16 / f16 logits (as Megatron does), in f64 for f64; the loss and the logits'
+/// gradient come back in the logits' dtype.
 ///
 /// # Shapes
 /// - `sharded_logits`: `[n, V / tp]`, rank `r` holding vocab ids `r * V/tp .. (r+1) * V/tp`
@@ -51,12 +54,20 @@ pub fn sharded_cross_entropy(
     let vocab = v_local * tp;
     crate::embedding::check_ids(&targets.clone().unsqueeze::<2>(), vocab)?;
 
-    let logits = sharded_logits.clone().detach();
+    // Statistics and jacobian in f32 for half-precision logits (as Megatron does): a bf16 sum
+    // of exponentials over the vocabulary loses the target's share. f64 stays f64.
+    let dtype = sharded_logits.dtype();
+    let compute = if dtype == DType::F64 {
+        FloatDType::F64
+    } else {
+        FloatDType::F32
+    };
+    let logits = sharded_logits.clone().detach().cast(compute);
     let m = all_reduce(logits.clone().max_dim(1), ReduceOp::Max, group)?; // [n, 1]
     let shifted = logits - m.clone();
     let exp = shifted.clone().exp();
     let (idx, mine) = crate::embedding::local_ids(targets, v_local, group);
-    let mine_f = mine.float().unsqueeze_dim::<2>(1); // [n, 1]
+    let mine_f = mine.cast(compute).unsqueeze_dim::<2>(1); // [n, 1]
     let picked = shifted.clone().gather(1, idx.clone().unsqueeze_dim(1)) * mine_f.clone();
     let stats = Tensor::cat(vec![picked, exp.clone().sum_dim(1), shifted.sum_dim(1)], 1);
     let stats = all_reduce(stats, ReduceOp::Sum, group)?; // [n, 3]
@@ -68,15 +79,19 @@ pub fn sharded_cross_entropy(
     let mut loss =
         (lse.clone() - target) * (1.0 - eps) + (lse.clone() - sum_shifted / vocab as f64) * eps;
     let lse_full = lse + m;
-    let mut softmax_scale = Tensor::ones([n, 1], &lse_full.device());
+    let mut softmax_scale = lse_full.ones_like();
     if z_loss_coef != 0.0 {
         loss = loss + lse_full.clone().powi_scalar(2) * z_loss_coef;
         softmax_scale = softmax_scale + lse_full * (2.0 * z_loss_coef);
     }
-    let one_hot: Tensor<2> = idx.one_hot::<2>(v_local).float() * mine_f;
+    let one_hot: Tensor<2> = idx.one_hot::<2>(v_local).cast(compute) * mine_f;
     let jacobian = exp / sum_exp * softmax_scale - one_hot * (1.0 - eps) - eps / vocab as f64;
     // Mean over tokens: the 1/n is applied to the per-token losses (and flows into the gradient).
-    let per_token = rowwise_loss(sharded_logits, loss.reshape([n]), jacobian);
+    let per_token = rowwise_loss(
+        sharded_logits,
+        loss.reshape([n]).cast(dtype),
+        jacobian.cast(dtype),
+    );
     Ok(per_token.mean())
 }
 

@@ -62,12 +62,10 @@ impl TpLayerNorm {
     /// From a Burn `LayerNorm` (its `gamma` and `beta`).
     pub fn from_full(norm: &LayerNorm, mode: TpMode, group: &ProcessGroup) -> Self {
         let gamma = norm.gamma.val();
-        let device = gamma.device();
-        let d = gamma.dims()[0];
         let beta = norm
             .beta
             .as_ref()
-            .map_or_else(|| Tensor::zeros([d], &device), |b| b.val());
+            .map_or_else(|| gamma.zeros_like(), |b| b.val());
         Self {
             gamma: Param::from_tensor(owned(gamma)),
             beta: Param::from_tensor(owned(beta)),
