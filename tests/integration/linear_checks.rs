@@ -471,8 +471,9 @@ fn sharding_keeps_the_dtype() {
     }
 }
 
-/// Both layers in bf16 and f16 (what large models train in): shards, outputs and input gradients
-/// keep the dtype and match Burn's `Linear` in the same dtype, in both modes, async and sync.
+/// Both layers in bf16 and f16 (what large models train in): shards, outputs, input and weight
+/// gradients keep the dtype and match Burn's `Linear` in the same dtype, in both modes, async and
+/// sync.
 /// Tolerance: relative 2e-2 (bf16 has 8 bits of mantissa; sums of 12 products round differently
 /// in a different order).
 #[test]
@@ -514,6 +515,8 @@ fn half_precision_layers_match_burns_linear() {
                     let grads = y.clone().sum().backward();
                     let gx = x.grad(&grads).unwrap();
                     assert_eq!(gx.dtype(), dtype);
+                    let gw_col = col.weight.val().grad(&grads).unwrap();
+                    assert_eq!(gw_col.dtype(), dtype);
                     // Reference: Burn's Linear in the same dtype; this rank's columns. The
                     // logical loss is the sum over ranks of sum(y_r) = sum(full y), so the input
                     // gradient is that of sum(full y): all of it (ALL_REDUCE), or this rank's
@@ -522,7 +525,12 @@ fn half_precision_layers_match_burns_linear() {
                     let yr = full.forward(xr.clone());
                     let cols = D_OUT / n;
                     let yr_mine = yr.clone().slice([0..4, r * cols..(r + 1) * cols]);
-                    let gxr_full = xr.grad(&yr.clone().sum().backward()).unwrap();
+                    let ref_grads = yr.clone().sum().backward();
+                    let gxr_full = xr.grad(&ref_grads).unwrap();
+                    // The reference weight gradient `[d_in, d_out]`: the column shard is this
+                    // rank's columns, the row shard its rows (the same in both modes: the logical
+                    // loss is the full output's sum).
+                    let gw_full = full.weight.val().grad(&ref_grads).unwrap();
                     let gxr = if mode == TpMode::ReduceScatter {
                         chunk(gxr_full.clone(), n, 0, r)
                     } else {
@@ -540,7 +548,10 @@ fn half_precision_layers_match_burns_linear() {
                     let xw = chunk(x_full.clone(), n, 1, r).require_grad();
                     let yw = row.forward(xw.clone());
                     assert_eq!(yw.dtype(), dtype);
-                    let gw = xw.grad(&yw.clone().sum().backward()).unwrap();
+                    let row_grads = yw.clone().sum().backward();
+                    let gw = xw.grad(&row_grads).unwrap();
+                    let gw_row = row.weight.val().grad(&row_grads).unwrap();
+                    assert_eq!(gw_row.dtype(), dtype);
                     let yw_ref = if mode == TpMode::ReduceScatter {
                         chunk(yr.clone(), n, 0, r)
                     } else {
@@ -555,13 +566,22 @@ fn half_precision_layers_match_burns_linear() {
                     g_got.extend(f64s(gw));
                     let mut g_want = f64s(gxr);
                     g_want.extend(f64s(gw_ref));
+                    g_got.extend(f64s(gw_col));
+                    g_want.extend(f64s(chunk(gw_full.clone(), n, 1, r)));
+                    g_got.extend(f64s(gw_row));
+                    g_want.extend(f64s(chunk(gw_full, n, 0, r)));
                     (got, want, g_got, g_want)
                 })
                 .unwrap();
                 for (y, yr, gx, gxr) in out {
                     let tag = format!("{dtype:?} {mode:?} async {asynch}");
                     assert_close(&y, &yr, 2e-2, &format!("{tag}: output"));
-                    assert_close(&gx, &gxr, 2e-2, &format!("{tag}: input gradient"));
+                    assert_close(
+                        &gx,
+                        &gxr,
+                        2e-2,
+                        &format!("{tag}: input and weight gradients"),
+                    );
                 }
             }
         }
