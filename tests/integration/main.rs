@@ -6,3 +6,4 @@ mod dtype;
 mod gpt;
 mod linear;
 mod linear_checks;
+mod reference;

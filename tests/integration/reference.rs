@@ -1,0 +1,377 @@
+//! The sharded GPT against an independent reference written only with burn-nn's own modules
+//! (`Embedding`, `LayerNorm`, `MultiHeadAttention`, `Linear`, `Gelu`, `CrossEntropyLoss`; no burn-tp
+//! code in its forward), loaded with the same full weights: the same loss and the same gradient
+//! for every parameter at tp = 1, 2 and 4, in both modes.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::attention::{
+    MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
+};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Embedding, Gelu, LayerNorm, Linear};
+use burn::tensor::{Gradients, Int, Tensor, TensorData};
+use burn_tp::gpt::{Gpt, GptConfig};
+use burn_tp::linear::TpMode;
+use burn_tp::local::run_local;
+use burn_tp::reshard::Reshard;
+
+use crate::common::{assert_close, device, f64s, rng_lock};
+
+const V: usize = 16;
+const S: usize = 8;
+const B: usize = 2;
+const D: usize = 16;
+const H: usize = 4;
+
+/// A pre-norm GPT block in plain burn-nn, batch-major (`[b, s, d]`).
+#[derive(Module, Debug)]
+struct RefBlock {
+    ln1: LayerNorm,
+    attn: MultiHeadAttention,
+    ln2: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+#[derive(Module, Debug)]
+struct RefGpt {
+    tok: Embedding,
+    pos: Param<Tensor<2>>,
+    blocks: Vec<RefBlock>,
+    ln_f: LayerNorm,
+    head: Linear,
+}
+
+/// Part `i` of 3 (q, k, v) of the fused QKV weight, whose columns are `[head, q|k|v, head_dim]`:
+/// `[d_in, 3 d] -> [d_in, d]`.
+fn unfuse(w: Tensor<2>, i: usize) -> Tensor<2> {
+    let [d_in, d3] = w.dims();
+    let hd = d3 / 3 / H;
+    let w: Tensor<4> = w.reshape([d_in, H, 3, hd]);
+    w.narrow(2, i, 1).reshape([d_in, d3 / 3])
+}
+
+/// The same for the fused bias: `[3 d] -> [d]`.
+fn unfuse_bias(b: Tensor<1>, i: usize) -> Tensor<1> {
+    let d = b.dims()[0] / 3;
+    unfuse(b.unsqueeze(), i).reshape([d])
+}
+
+impl RefGpt {
+    /// The reference with the weights of `full` (a tp = 1 model).
+    fn load(full: &Gpt) -> Self {
+        let dev = device();
+        let linear = |w: Tensor<2>, b: Option<Tensor<1>>| Linear {
+            weight: Param::from_tensor(w.detach()),
+            bias: b.map(|b| Param::from_tensor(b.detach())),
+        };
+        let blocks = full
+            .blocks
+            .iter()
+            .map(|blk| {
+                let qkv = blk.attn.qkv[0].to_full().unwrap();
+                let (w, b) = (qkv.weight.val(), qkv.bias.as_ref().unwrap().val());
+                let mut attn = MultiHeadAttentionConfig::new(D, H)
+                    .with_dropout(0.0)
+                    .init(&dev);
+                let part = |i| linear(unfuse(w.clone(), i), Some(unfuse_bias(b.clone(), i)));
+                attn.query = part(0);
+                attn.key = part(1);
+                attn.value = part(2);
+                attn.output = blk.attn.out.to_full().unwrap();
+                RefBlock {
+                    ln1: blk.ln1.to_full(),
+                    attn,
+                    ln2: blk.ln2.to_full(),
+                    fc1: blk.mlp.fc1.to_full().unwrap(),
+                    fc2: blk.mlp.fc2.to_full().unwrap(),
+                }
+            })
+            .collect();
+        RefGpt {
+            tok: full.tok.to_full().unwrap(),
+            pos: Param::from_tensor(full.pos.val()),
+            blocks,
+            ln_f: full.ln_f.to_full(),
+            head: full.head.as_ref().unwrap().to_full().unwrap(),
+        }
+    }
+
+    /// Mean next-token cross-entropy of `ids` / `targets` (`[seq, batch]`).
+    fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let dev = device();
+        let [s, b] = ids.dims();
+        let mut x = self.tok.forward(ids.transpose()) // [b, s, d]
+            + self.pos.val().slice(0..s).unsqueeze::<3>();
+        let mask = generate_autoregressive_mask(b, s, &dev);
+        for blk in &self.blocks {
+            let a = blk
+                .attn
+                .forward(MhaInput::self_attn(blk.ln1.forward(x.clone())).mask_attn(mask.clone()));
+            x = x + a.context;
+            let h = Gelu::new().forward(blk.fc1.forward(blk.ln2.forward(x.clone())));
+            x = x.clone() + blk.fc2.forward(h);
+        }
+        let logits = self.head.forward(self.ln_f.forward(x)).swap_dims(0, 1); // [s, b, V]
+        CrossEntropyLossConfig::new()
+            .init(&dev)
+            .forward(logits.reshape([s * b, V]), targets.reshape([s * b]))
+    }
+}
+
+/// Replaces every parameter of a module by its gradient.
+struct ToGrads<'a>(&'a Gradients);
+
+impl ModuleMapper for ToGrads<'_> {
+    fn map_float<const R: usize>(&mut self, param: Param<Tensor<R>>) -> Param<Tensor<R>> {
+        let grads = self.0;
+        param.map(|t| t.grad(grads).expect("every parameter has a gradient"))
+    }
+}
+
+fn ids(values: Vec<i64>) -> Tensor<2, Int> {
+    Tensor::from_data(TensorData::new(values, [S, B]), &device())
+}
+
+/// `(name, full gradient)` of every parameter, in the reference's layout, from the sharded
+/// model's gradients gathered to tp = 1 (`grads`) or from the reference's (`reference`).
+fn named_grads(grads: &Gpt) -> Vec<(String, Vec<f64>)> {
+    let mut out = vec![
+        ("tok".to_string(), f64s(grads.tok.weight.val())),
+        ("pos".into(), f64s(grads.pos.val())),
+        ("ln_f.gamma".into(), f64s(grads.ln_f.gamma.val())),
+        ("ln_f.beta".into(), f64s(grads.ln_f.beta.val())),
+        (
+            "head".into(),
+            f64s(grads.head.as_ref().unwrap().weight.val()),
+        ),
+    ];
+    for (i, blk) in grads.blocks.iter().enumerate() {
+        let qkv = &blk.attn.qkv[0];
+        let (w, b) = (qkv.weight.val(), qkv.bias.as_ref().unwrap().val());
+        for (k, name) in ["q", "k", "v"].iter().enumerate() {
+            out.push((format!("{i}.{name}.weight"), f64s(unfuse(w.clone(), k))));
+            out.push((format!("{i}.{name}.bias"), f64s(unfuse_bias(b.clone(), k))));
+        }
+        let lin = |name: &str, w: Tensor<2>, b: Tensor<1>| {
+            [
+                (format!("{i}.{name}.weight"), f64s(w)),
+                (format!("{i}.{name}.bias"), f64s(b)),
+            ]
+        };
+        out.extend(lin(
+            "out",
+            blk.attn.out.weight.val(),
+            blk.attn.out.bias.as_ref().unwrap().val(),
+        ));
+        out.extend(lin(
+            "fc1",
+            blk.mlp.fc1.weight.val(),
+            blk.mlp.fc1.bias.as_ref().unwrap().val(),
+        ));
+        out.extend(lin(
+            "fc2",
+            blk.mlp.fc2.weight.val(),
+            blk.mlp.fc2.bias.as_ref().unwrap().val(),
+        ));
+        out.extend(lin(
+            "ln1",
+            blk.ln1.gamma.val().unsqueeze(),
+            blk.ln1.beta.val(),
+        ));
+        out.extend(lin(
+            "ln2",
+            blk.ln2.gamma.val().unsqueeze(),
+            blk.ln2.beta.val(),
+        ));
+    }
+    out
+}
+
+fn reference_grads(r: &RefGpt, grads: &Gradients) -> Vec<(String, Vec<f64>)> {
+    let g = |t: Tensor<2>| f64s(t.grad(grads).unwrap());
+    let g1 = |t: Tensor<1>| f64s(t.grad(grads).unwrap());
+    let mut out = vec![
+        ("tok".to_string(), g(r.tok.weight.val())),
+        ("pos".into(), g(r.pos.val())),
+        ("ln_f.gamma".into(), g1(r.ln_f.gamma.val())),
+        ("ln_f.beta".into(), g1(r.ln_f.beta.as_ref().unwrap().val())),
+        ("head".into(), g(r.head.weight.val())),
+    ];
+    for (i, blk) in r.blocks.iter().enumerate() {
+        let a = &blk.attn;
+        for (name, l) in [("q", &a.query), ("k", &a.key), ("v", &a.value)] {
+            out.push((format!("{i}.{name}.weight"), g(l.weight.val())));
+            out.push((
+                format!("{i}.{name}.bias"),
+                g1(l.bias.as_ref().unwrap().val()),
+            ));
+        }
+        for (name, l) in [("out", &a.output), ("fc1", &blk.fc1), ("fc2", &blk.fc2)] {
+            out.push((format!("{i}.{name}.weight"), g(l.weight.val())));
+            out.push((
+                format!("{i}.{name}.bias"),
+                g1(l.bias.as_ref().unwrap().val()),
+            ));
+        }
+        for (name, n) in [("ln1", &blk.ln1), ("ln2", &blk.ln2)] {
+            out.push((format!("{i}.{name}.weight"), g1(n.gamma.val())));
+            out.push((
+                format!("{i}.{name}.bias"),
+                g1(n.beta.as_ref().unwrap().val()),
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
+    let _rng = rng_lock();
+    let x: Vec<i64> = (0..(S * B) as i64)
+        .map(|i| (i * 7 + 3) % V as i64)
+        .collect();
+    let y: Vec<i64> = (0..(S * B) as i64)
+        .map(|i| (i * 5 + 1) % V as i64)
+        .collect();
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        for tp in [1usize, 2, 4] {
+            device().seed(23);
+            let (x, y) = (x.clone(), y.clone());
+            let out = run_local(tp, move |g| {
+                let model = GptConfig::new(V, S, D, H, 2)
+                    .with_mode(mode)
+                    .init(&g, &device())
+                    .unwrap();
+                let loss = model.loss(ids(x.clone()), ids(y.clone()));
+                let grads = loss.backward();
+                let full_grads = model
+                    .clone()
+                    .map(&mut ToGrads(&grads))
+                    .to_full_module()
+                    .unwrap();
+                // The reference, on this rank's thread (its own leaves), from the same weights.
+                let reference = RefGpt::load(&model.to_full_module().unwrap());
+                let ref_loss = reference.loss(ids(x.clone()), ids(y.clone()));
+                let ref_grads = ref_loss.backward();
+                (
+                    f64s(loss),
+                    f64s(ref_loss),
+                    named_grads(&full_grads),
+                    reference_grads(&reference, &ref_grads),
+                )
+            })
+            .unwrap();
+            for (r, (loss, ref_loss, grads, ref_grads)) in out.into_iter().enumerate() {
+                let tag = format!("{mode:?} tp {tp} rank {r}");
+                assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));
+                assert_eq!(grads.len(), ref_grads.len());
+                for ((name, got), (ref_name, want)) in grads.iter().zip(&ref_grads) {
+                    assert_eq!(name, ref_name);
+                    // The key bias shifts every score of a query equally: softmax ignores it, so
+                    // its gradient is zero; every other gradient must be non-trivial.
+                    if !name.ends_with("k.bias") {
+                        assert!(want.iter().any(|v| v.abs() > 1e-6), "{tag}: {name} is zero");
+                    }
+                    assert_close(got, want, 1e-4, &format!("{tag}: grad {name}"));
+                }
+            }
+        }
+    }
+}
+
+/// Every parameter of a module, in visiting order.
+fn params<M: Module>(module: &M) -> Vec<Vec<f64>> {
+    struct Collect(Vec<Vec<f64>>);
+    impl burn::module::ModuleVisitor for Collect {
+        fn visit_float<const R: usize>(&mut self, param: &Param<Tensor<R>>) {
+            self.0.push(f64s(param.val()));
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    module.visit(&mut collect);
+    collect.0
+}
+
+/// `average_gradients` with SGD, which (unlike Adam) sees the gradient's scale: two SGD steps at
+/// tp = 2 x dp = 2, each dp replica on half of the batch, give the parameters of two full-batch
+/// steps of the unsharded model (an average that summed would step twice as far).
+#[test]
+fn average_gradients_with_sgd_equals_full_batch_steps() {
+    use burn::optim::{GradientsParams, SgdConfig};
+    use burn_tp::LocalGroup;
+    use burn_tp::dp::{average_gradients, broadcast_parameters};
+    use burn_tp::local::run_ranks;
+    const LR: f64 = 0.5;
+    const BATCH: usize = 4;
+    let _rng = rng_lock();
+    let batch = |step: i64, cols: std::ops::Range<usize>| {
+        let all = |k: i64| -> Vec<i64> {
+            (0..(S * BATCH) as i64)
+                .map(|i| (i * k + step * 3 + 1) % V as i64)
+                .collect()
+        };
+        let pick = |v: Vec<i64>| -> Tensor<2, Int> {
+            let t = Tensor::<2, Int>::from_data(TensorData::new(v, [S, BATCH]), &device());
+            t.slice([0..S, cols.clone()])
+        };
+        (pick(all(7)), pick(all(5)))
+    };
+    let config = GptConfig::new(V, S, D, H, 2).with_mode(TpMode::ReduceScatter);
+    let (c1, c2) = (config.clone(), config);
+    device().seed(31);
+    let want = run_local(1, move |g| {
+        let mut model = c1.init(&g, &device()).unwrap();
+        let initial = params(&model);
+        let mut optim = SgdConfig::new().init();
+        for step in 0..2 {
+            let (x, y) = batch(step, 0..BATCH);
+            let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+            model = optim.step(LR, model, grads);
+        }
+        (initial, params(&model))
+    })
+    .unwrap()
+    .remove(0);
+    device().seed(31);
+    let got = run_ranks(LocalGroup::new(4).unwrap(), move |world| {
+        let (tp, rank) = (2, world.rank());
+        let (tp_rank, dp_rank) = (rank % tp, rank / tp);
+        let tp_group = world.split(dp_rank, rank).unwrap();
+        let dp_group = world.split(tp_rank, rank).unwrap();
+        // Replica 0 draws the weights (the same draws as at tp = 1); replica 1 takes them.
+        if dp_rank != 0 {
+            world.barrier().unwrap();
+        }
+        let model = c2.init(&tp_group, &device()).unwrap();
+        if dp_rank == 0 {
+            world.barrier().unwrap();
+        }
+        let mut model = broadcast_parameters(model, &dp_group).unwrap();
+        let mut optim = SgdConfig::new().init();
+        for step in 0..2 {
+            let half = BATCH / 2;
+            let (x, y) = batch(step, dp_rank * half..(dp_rank + 1) * half);
+            let mut grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+            average_gradients(&model, &mut grads, &dp_group).unwrap();
+            model = optim.step(LR, model, grads);
+        }
+        params(&model.to_full_module().unwrap())
+    })
+    .unwrap();
+    let (initial, want) = want;
+    // The steps are large enough that a gradient off by 2x would be far outside the tolerance.
+    let moved: f64 = initial
+        .iter()
+        .flatten()
+        .zip(want.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(moved > 1e-2, "SGD moved the parameters by at most {moved}");
+    for (rank, p) in got.iter().enumerate() {
+        assert_eq!(p.len(), want.len());
+        for (i, (a, b)) in p.iter().zip(&want).enumerate() {
+            assert_close(a, b, 1e-4, &format!("rank {rank} parameter {i}"));
+        }
+    }
+}
