@@ -6,9 +6,12 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use super::chunks::{
+    ChunkPlacement, ColumnChunk, place, replica_group, shard_columns, unshard_columns,
+    with_replicas,
+};
 use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpMode, column_parallel_linear, init_full};
 use crate::TpError;
-use crate::error::check_divisible;
 use crate::init::{owned, shard};
 use crate::ops::all_gather;
 use crate::reshard::{Reshard, solo};
@@ -42,6 +45,10 @@ pub struct ColumnParallelLinearConfig {
     /// Initializer of the full weight; the same as Burn's `LinearConfig` default.
     #[config(default = "Initializer::KaimingUniform{gain: INIT_GAIN, fan_out_only:false}")]
     pub initializer: Initializer,
+    /// Contiguous chunks of the output features, each sharded on its own (a fused projection of
+    /// parts of different widths); empty: one chunk. See [`ColumnChunk`].
+    #[config(default = "Vec::new()")]
+    pub chunks: Vec<ColumnChunk>,
 }
 
 /// Linear layer whose weight is split by output features over the tensor-parallel group.
@@ -57,6 +64,15 @@ pub struct ColumnParallelLinear {
     group: ProcessGroup,
     #[module(skip)]
     spec: LinearSpec,
+    /// The chunks of the full output features (empty: one).
+    #[module(skip)]
+    chunks: Vec<ColumnChunk>,
+    /// This rank's columns of each chunk.
+    #[module(skip)]
+    placement: Vec<ChunkPlacement>,
+    /// The ranks holding the same replicated blocks, if a chunk is replicated.
+    #[module(skip)]
+    replicas: Option<ProcessGroup>,
 }
 
 impl ColumnParallelLinearConfig {
@@ -72,7 +88,7 @@ impl ColumnParallelLinearConfig {
     }
 
     fn validate(&self, tp: usize) -> crate::Result<()> {
-        check_divisible("ColumnParallelLinear d_output", self.d_output, tp)?;
+        place(&self.chunks, self.d_output, tp, 0)?;
         if self.gather_output && self.mode == TpMode::ReduceScatter {
             return Err(TpError::Config(
                 "ColumnParallelLinear: gather_output needs TpMode::AllReduce".into(),
@@ -101,7 +117,7 @@ impl ColumnParallelLinearConfig {
             group,
             device,
         )?;
-        ColumnParallelLinear::shard(&full, group, self.spec())
+        ColumnParallelLinear::shard(&full, group, self.spec(), &self.chunks)
     }
 }
 
@@ -117,25 +133,60 @@ impl ColumnParallelLinear {
         config: &ColumnParallelLinearConfig,
     ) -> crate::Result<Self> {
         config.validate(group.world_size())?;
-        Self::shard(linear, group, config.spec())
+        Self::shard(linear, group, config.spec(), &config.chunks)
     }
 
-    fn shard(linear: &Linear, group: &ProcessGroup, spec: LinearSpec) -> crate::Result<Self> {
+    fn shard(
+        linear: &Linear,
+        group: &ProcessGroup,
+        spec: LinearSpec,
+        chunks: &[ColumnChunk],
+    ) -> crate::Result<Self> {
         let [_, d_output] = linear.weight.val().dims();
-        check_divisible(
-            "ColumnParallelLinear d_output",
-            d_output,
-            group.world_size(),
-        )?;
+        let (tp, r) = (group.world_size(), group.rank());
+        let placement = place(chunks, d_output, tp, r)?;
+        let cut = |t, dim| {
+            if chunks.is_empty() {
+                shard(t, dim, group)
+            } else {
+                owned(shard_columns(t, dim, &placement))
+            }
+        };
         Ok(Self {
-            weight: Param::from_tensor(shard(linear.weight.val(), 1, group)),
+            weight: Param::from_tensor(cut(linear.weight.val(), 1)),
             bias: linear
                 .bias
                 .as_ref()
-                .map(|b| Param::from_tensor(shard(b.val(), 0, group))),
+                .map(|b| Param::from_tensor(cut_bias(b.val(), &placement, chunks, group))),
             group: group.clone(),
             spec,
+            chunks: chunks.to_vec(),
+            replicas: replica_group(chunks, group)?,
+            placement,
         })
+    }
+
+    /// The contiguous chunks of the output features (empty: one).
+    pub fn chunks(&self) -> &[ColumnChunk] {
+        &self.chunks
+    }
+
+    fn compute_weights(&self) -> (Tensor<2>, Option<Tensor<1>>) {
+        let (weight, bias) = (self.weight.val(), self.bias.as_ref().map(|b| b.val()));
+        match &self.replicas {
+            None => (weight, bias),
+            Some(replicas) => (
+                with_replicas(weight, 1, &self.placement, replicas),
+                bias.map(|b| with_replicas(b, 0, &self.placement, replicas)),
+            ),
+        }
+    }
+
+    /// Every rank's placement (for gathering).
+    fn placements(&self) -> crate::Result<Vec<Vec<ChunkPlacement>>> {
+        let tp = self.group.world_size();
+        let d_output = self.chunks.iter().map(|c| c.width).sum();
+        (0..tp).map(|r| place(&self.chunks, d_output, tp, r)).collect()
     }
 
     /// Gathers the shards into the full Burn `Linear` on every rank (detached). Collective.
@@ -143,11 +194,14 @@ impl ColumnParallelLinear {
     /// # Errors
     /// A communication error.
     pub fn to_full(&self) -> crate::Result<Linear> {
-        let weight = owned(all_gather(self.weight.val(), 1, &self.group)?);
+        let placements = (!self.chunks.is_empty())
+            .then(|| self.placements())
+            .transpose()?;
+        let weight = gather_columns(self.weight.val(), 1, &self.group, placements.as_deref())?;
         let bias = self
             .bias
             .as_ref()
-            .map(|b| all_gather(b.val(), 0, &self.group).map(owned))
+            .map(|b| gather_columns(b.val(), 0, &self.group, placements.as_deref()))
             .transpose()?;
         Ok(Linear {
             weight: Param::from_tensor(weight),
@@ -167,6 +221,43 @@ impl ColumnParallelLinear {
     /// a communication error.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// The full tensor from every rank's columns along `dim` (detached, owned).
+fn gather_columns<const D: usize>(
+    t: Tensor<D>,
+    dim: usize,
+    group: &ProcessGroup,
+    placements: Option<&[Vec<ChunkPlacement>]>,
+) -> crate::Result<Tensor<D>> {
+    let all = all_gather(t, dim, group)?;
+    Ok(owned(match placements {
+        None => all,
+        Some(p) => unshard_columns(all, dim, p),
+    }))
+}
+
+/// The rank's shard of a full bias `[d_output]`.
+fn cut_bias(
+    b: Tensor<1>,
+    placement: &[ChunkPlacement],
+    chunks: &[ColumnChunk],
+    group: &ProcessGroup,
+) -> Tensor<1> {
+    if chunks.is_empty() {
+        shard(b, 0, group)
+    } else {
+        owned(shard_columns(b, 0, placement))
+    }
+}
+
+impl Reshard for ColumnParallelLinear {
+    fn to_full_module(&self) -> crate::Result<Self> {
+        Self::shard(&self.to_full()?, &solo(), self.spec, &self.chunks)
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
+        Self::shard(&full.to_full()?, group, full.spec, &full.chunks)
     }
 }
 

@@ -15,9 +15,12 @@
 //! rank. The overlap schedule and its diagram are in [`crate::backend::overlap`].
 //!
 //! - `column.rs`, `row.rs`: config, module, its [`Reshard`](crate::reshard::Reshard) impl;
+//! - `chunks.rs`: a column layer's contiguous chunks ([`ColumnChunk`]: fused q / k / v of
+//!   grouped-query attention, gate / up of SwiGLU), each sharded on its own;
 //! - `functional.rs`: [`column_parallel_linear`] / [`row_parallel_linear`] on tensors, the one
 //!   forward both modules (and the tied lm-head of the GPT) run.
 
+mod chunks;
 mod column;
 mod functional;
 mod row;
@@ -31,12 +34,13 @@ use crate::Result;
 use crate::init::init_replicated;
 
 pub use crate::backend::{LinearSpec, OverlapSchedule, TpMode};
+pub use chunks::ColumnChunk;
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use functional::{column_parallel_linear, row_parallel_linear};
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
-/// What both parallel linears share: the accessors, `try_forward` through their functional form,
-/// and [`Reshard`](crate::reshard::Reshard) through their own `shard`.
+/// What both parallel linears share: the accessors and `try_forward` through their functional
+/// form.
 macro_rules! parallel_linear_common {
     ($layer:ident, $functional:ident) => {
         impl $layer {
@@ -62,17 +66,8 @@ macro_rules! parallel_linear_common {
             /// # Errors
             /// As [`forward`](Self::forward)'s panics.
             pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
-                let bias = self.bias.as_ref().map(|b| b.val());
-                $functional(x, self.weight.val(), bias, self.spec, &self.group)
-            }
-        }
-
-        impl Reshard for $layer {
-            fn to_full_module(&self) -> crate::Result<Self> {
-                Self::shard(&self.to_full()?, &solo(), self.spec)
-            }
-            fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
-                Self::shard(&full.to_full()?, group, full.spec)
+                let (weight, bias) = self.compute_weights();
+                $functional(x, weight, bias, self.spec, &self.group)
             }
         }
     };

@@ -144,4 +144,19 @@ impl RowParallelLinear {
     }
 }
 
+impl RowParallelLinear {
+    fn compute_weights(&self) -> (Tensor<2>, Option<Tensor<1>>) {
+        (self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+}
+
+impl Reshard for RowParallelLinear {
+    fn to_full_module(&self) -> crate::Result<Self> {
+        Self::shard(&self.to_full()?, &solo(), self.spec)
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
+        Self::shard(&full.to_full()?, group, full.spec)
+    }
+}
+
 super::parallel_linear_common!(RowParallelLinear, row_parallel_linear);

@@ -1,0 +1,222 @@
+//! Contiguous chunks of a column-parallel layer's output features (nanotron's
+//! `contiguous_chunks`): a fused projection whose parts have different widths (q, k, v of
+//! grouped-query attention; gate and up of SwiGLU) is sharded part by part, so every rank holds a
+//! piece of each part.
+//!
+//! ```text
+//! full columns:   [ q: 8 heads          | k: 2 heads | v: 2 heads ]      (tp = 4)
+//! rank r shard:   [ q heads 2r, 2r+1 | k head r/2 | v head r/2 ]      k, v: 2 blocks < tp,
+//!                                                                      each on 2 ranks
+//! ```
+//!
+//! A chunk of `blocks` equal blocks (heads) gives each rank `blocks / tp` consecutive blocks when
+//! `tp` divides `blocks`; when `blocks` divides `tp` (grouped-query attention with fewer key /
+//! value heads than ranks), block `r / (tp / blocks)` is replicated on `tp / blocks` consecutive
+//! ranks: each keeps the heads its query heads use, and the replicas' gradients are summed over
+//! the group of ranks that hold the same block.
+
+use std::ops::Range;
+
+use burn::config::Config;
+use burn::tensor::Tensor;
+use burn_tp_comm::ProcessGroup;
+
+use crate::ops::copy_to_tp_region;
+use crate::TpError;
+
+type TpResult<T> = std::result::Result<T, TpError>;
+
+/// One contiguous chunk of output features; see [the module docs](self).
+#[derive(Config, Debug, PartialEq, Eq)]
+pub struct ColumnChunk {
+    /// Columns of the chunk in the full weight.
+    pub width: usize,
+    /// Equal blocks the chunk is made of (its heads); `None`: split in `tp` blocks.
+    #[config(default = "None")]
+    pub blocks: Option<usize>,
+}
+
+/// Where rank `r`'s columns of each chunk are, in the full weight and in its shard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ChunkPlacement {
+    /// Columns of the full weight.
+    pub full: Range<usize>,
+    /// Columns of the rank's shard.
+    pub local: Range<usize>,
+    /// The block is replicated on `tp / blocks > 1` ranks.
+    pub replicated: bool,
+}
+
+/// The chunks of `d_output` columns (one chunk of all of them when `chunks` is empty) placed for
+/// `rank` of `tp`.
+///
+/// # Errors
+/// [`TpError::Config`] if the widths do not add up to `d_output`, a width is not a multiple of its
+/// blocks, blocks and tp do not divide one another, or two replicated chunks have different
+/// block counts; [`TpError::NotDivisible`] for a plain chunk not divisible by tp.
+pub(crate) fn place(
+    chunks: &[ColumnChunk],
+    d_output: usize,
+    tp: usize,
+    rank: usize,
+) -> TpResult<Vec<ChunkPlacement>> {
+    let whole = [ColumnChunk::new(d_output)];
+    let chunks = if chunks.is_empty() { &whole[..] } else { chunks };
+    let total: usize = chunks.iter().map(|c| c.width).sum();
+    if total != d_output {
+        return Err(TpError::Config(format!(
+            "ColumnParallelLinear: chunk widths {:?} add up to {total}, not d_output = {d_output}",
+            chunks.iter().map(|c| c.width).collect::<Vec<_>>()
+        )));
+    }
+    let mut replicated_blocks = None;
+    let (mut full_at, mut local_at) = (0, 0);
+    let mut out = Vec::with_capacity(chunks.len());
+    for c in chunks {
+        let blocks = c.blocks.unwrap_or(tp);
+        if c.blocks.is_none() && !c.width.is_multiple_of(tp) {
+            return Err(TpError::NotDivisible {
+                what: "ColumnParallelLinear d_output".into(),
+                size: c.width,
+                tp,
+            });
+        }
+        if blocks == 0 || !c.width.is_multiple_of(blocks) {
+            return Err(TpError::Config(format!(
+                "ColumnParallelLinear: a chunk of width {} cannot be cut in {blocks} blocks",
+                c.width
+            )));
+        }
+        let bw = c.width / blocks;
+        let (full, replicated) = if blocks.is_multiple_of(tp) {
+            let per = blocks / tp;
+            (rank * per * bw..(rank + 1) * per * bw, false)
+        } else if tp.is_multiple_of(blocks) {
+            if *replicated_blocks.get_or_insert(blocks) != blocks {
+                return Err(TpError::Config(format!(
+                    "ColumnParallelLinear: replicated chunks must have the same number of blocks \
+                     (got {} and {blocks})",
+                    replicated_blocks.unwrap_or(blocks)
+                )));
+            }
+            let g = rank / (tp / blocks);
+            (g * bw..(g + 1) * bw, true)
+        } else {
+            return Err(TpError::Config(format!(
+                "ColumnParallelLinear: a chunk of {blocks} blocks (heads) at tp = {tp}: one must \
+                 divide the other"
+            )));
+        };
+        let w = full.len();
+        out.push(ChunkPlacement {
+            full: full.start + full_at..full.end + full_at,
+            local: local_at..local_at + w,
+            replicated,
+        });
+        full_at += c.width;
+        local_at += w;
+    }
+    Ok(out)
+}
+
+/// The group of ranks holding the same replicated blocks (`None` when no chunk is replicated).
+/// Collective over `group` when some chunk is.
+pub(crate) fn replica_group(
+    chunks: &[ColumnChunk],
+    group: &ProcessGroup,
+) -> TpResult<Option<ProcessGroup>> {
+    let (tp, r) = (group.world_size(), group.rank());
+    let blocks = chunks
+        .iter()
+        .filter_map(|c| c.blocks)
+        .find(|&b| b < tp && tp.is_multiple_of(b));
+    match blocks {
+        Some(b) => Ok(Some(group.split(r / (tp / b), r)?)),
+        None => Ok(None),
+    }
+}
+
+/// The rank's shard of a full tensor whose `dim` holds the columns.
+pub(crate) fn shard_columns<const D: usize>(
+    full: Tensor<D>,
+    dim: usize,
+    placement: &[ChunkPlacement],
+) -> Tensor<D> {
+    let parts = placement
+        .iter()
+        .map(|p| full.clone().narrow(dim, p.full.start, p.full.len()))
+        .collect::<Vec<_>>();
+    Tensor::cat(parts, dim)
+}
+
+/// The full tensor from every rank's shard gathered along `dim` (`[.., tp * local, ..]`), given
+/// every rank's placement.
+pub(crate) fn unshard_columns<const D: usize>(
+    gathered: Tensor<D>,
+    dim: usize,
+    placements: &[Vec<ChunkPlacement>],
+) -> Tensor<D> {
+    let local = gathered.dims()[dim] / placements.len();
+    let chunks = placements[0].len();
+    let mut parts = Vec::new();
+    for c in 0..chunks {
+        // Each full column range once, in order: ranks holding a replica after the first skip it.
+        let mut next = placements[0][c].full.start;
+        for (r, p) in placements.iter().enumerate() {
+            let p = &p[c];
+            if p.full.start == next {
+                parts.push(gathered.clone().narrow(dim, r * local + p.local.start, p.local.len()));
+                next = p.full.end;
+            }
+        }
+    }
+    Tensor::cat(parts, dim)
+}
+
+/// The weight (or bias) a rank computes with: its shard, with the replicated columns passed
+/// through `copy_to_tp_region` over `replicas` so their gradients are summed over the ranks that
+/// hold the same blocks.
+pub(crate) fn with_replicas<const D: usize>(
+    shard: Tensor<D>,
+    dim: usize,
+    placement: &[ChunkPlacement],
+    replicas: &ProcessGroup,
+) -> Tensor<D> {
+    let parts = placement
+        .iter()
+        .map(|p| {
+            let part = shard.clone().narrow(dim, p.local.start, p.local.len());
+            if p.replicated {
+                copy_to_tp_region(part, replicas)
+            } else {
+                part
+            }
+        })
+        .collect::<Vec<_>>();
+    Tensor::cat(parts, dim)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gqa_chunks_place_heads_and_replicas() {
+        // q: 8 heads of 2, k and v: 2 heads of 2, at tp = 4.
+        let chunks = [
+            ColumnChunk::new(16).with_blocks(Some(8)),
+            ColumnChunk::new(4).with_blocks(Some(2)),
+            ColumnChunk::new(4).with_blocks(Some(2)),
+        ];
+        let p = place(&chunks, 24, 4, 3).unwrap();
+        assert_eq!(p[0].full, 12..16);
+        assert_eq!(p[1].full, 18..20); // k head 1
+        assert_eq!(p[2].full, 22..24); // v head 1
+        assert_eq!((p[1].local.clone(), p[1].replicated), (4..6, true));
+        assert!(!p[0].replicated);
+        let e = place(&chunks, 24, 3, 0).unwrap_err();
+        assert!(e.to_string().contains("8 blocks"), "{e}");
+        let e = place(&chunks, 25, 4, 0).unwrap_err();
+        assert!(e.to_string().contains("add up to 24"), "{e}");
+    }
+}
