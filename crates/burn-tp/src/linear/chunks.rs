@@ -21,8 +21,8 @@ use burn::config::Config;
 use burn::tensor::Tensor;
 use burn_tp_comm::ProcessGroup;
 
-use crate::ops::copy_to_tp_region;
 use crate::TpError;
+use crate::ops::copy_to_tp_region;
 
 type TpResult<T> = std::result::Result<T, TpError>;
 
@@ -61,7 +61,11 @@ pub(crate) fn place(
     rank: usize,
 ) -> TpResult<Vec<ChunkPlacement>> {
     let whole = [ColumnChunk::new(d_output)];
-    let chunks = if chunks.is_empty() { &whole[..] } else { chunks };
+    let chunks = if chunks.is_empty() {
+        &whole[..]
+    } else {
+        chunks
+    };
     let total: usize = chunks.iter().map(|c| c.width).sum();
     if total != d_output {
         return Err(TpError::Config(format!(
@@ -165,7 +169,11 @@ pub(crate) fn unshard_columns<const D: usize>(
         for (r, p) in placements.iter().enumerate() {
             let p = &p[c];
             if p.full.start == next {
-                parts.push(gathered.clone().narrow(dim, r * local + p.local.start, p.local.len()));
+                parts.push(
+                    gathered
+                        .clone()
+                        .narrow(dim, r * local + p.local.start, p.local.len()),
+                );
                 next = p.full.end;
             }
         }

@@ -186,7 +186,9 @@ impl ColumnParallelLinear {
     fn placements(&self) -> crate::Result<Vec<Vec<ChunkPlacement>>> {
         let tp = self.group.world_size();
         let d_output = self.chunks.iter().map(|c| c.width).sum();
-        (0..tp).map(|r| place(&self.chunks, d_output, tp, r)).collect()
+        (0..tp)
+            .map(|r| place(&self.chunks, d_output, tp, r))
+            .collect()
     }
 
     /// Gathers the shards into the full Burn `Linear` on every rank (detached). Collective.
