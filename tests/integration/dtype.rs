@@ -1,4 +1,4 @@
-//! Every dtype end to end: the sharded cross-entropy (f32 compute for half logits), the
+//! Every dtype end to end, and the masked loss: the sharded cross-entropy (f32 compute for half logits), the
 //! vocab-parallel embedding, the whole GPT in bf16 / f16 against f32, and `train_gpt --dtype bf16`
 //! against f32 over 100 steps. The parallel linears' own dtype grid is in `linear_checks.rs`.
 //!
@@ -242,4 +242,117 @@ fn train_gpt_in_bf16_follows_the_f32_curve() {
         "{f32_run:?} vs {bf16_run:?}"
     );
     assert_ne!(f32_run, bf16_run, "the bf16 run computes in bf16");
+}
+
+/// A padded vocabulary (5 real ids in 8 columns; at tp = 4 rank 2 holds one real id and rank 3
+/// none), an ignore index and a loss mask: the mean equals Burn's `CrossEntropyLoss` on the real
+/// columns of the kept rows (with and without smoothing), the per-token losses equal its
+/// per-row values, and the padded columns and dropped rows get no gradient.
+#[test]
+fn sharded_cross_entropy_masks_padding_ignored_targets_and_masked_tokens() {
+    use burn_tp::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
+    let (n, v, v_pad) = (6usize, 5usize, 8usize);
+    // Padded columns hold large logits: a loss that let them in would be far off.
+    let vals: Vec<f32> = uniform(n * v_pad, 31)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| if i % v_pad >= v { 50.0 } else { x * 4.0 })
+        .collect();
+    let targets = vec![0i64, 4, -100, 2, 3, 1];
+    let mask = vec![1.0f32, 1.0, 1.0, 0.0, 1.0, 1.0]; // row 3 masked, row 2 ignored
+    let kept = [0usize, 1, 4, 5];
+    for smoothing in [0.0, 0.1] {
+        let real = tensor(vals.clone(), [n, v_pad], DType::F32).slice([0..n, 0..v]);
+        let kept_idx = ids(kept.iter().map(|&k| k as i64).collect(), [kept.len()]);
+        let rows = real.select(0, kept_idx).detach().require_grad();
+        let kept_targets = ids(kept.iter().map(|&k| targets[k]).collect(), [kept.len()]);
+        let ce = burn::nn::loss::CrossEntropyLossConfig::new()
+            .with_smoothing((smoothing > 0.0).then_some(smoothing as f32));
+        let want = ce
+            .init(&device())
+            .forward(rows.clone(), kept_targets.clone());
+        let want_grad = f64s(rows.grad(&want.backward()).unwrap());
+        // Per row: the same loss of each kept row alone.
+        let want_rows: Vec<f64> = (0..kept.len())
+            .map(|i| {
+                let one = ids(vec![i as i64], [1]);
+                let row = rows.clone().detach().select(0, one.clone());
+                f64s(
+                    ce.init(&device())
+                        .forward(row, kept_targets.clone().select(0, one)),
+                )[0]
+            })
+            .collect();
+        for tp in [1usize, 2, 4] {
+            let (vals, targets, mask) = (vals.clone(), targets.clone(), mask.clone());
+            let out = run_local(tp, move |g| {
+                let full = tensor(vals.clone(), [n, v_pad], DType::F32);
+                let shard = full
+                    .chunk(g.world_size(), 1)
+                    .swap_remove(g.rank())
+                    .require_grad();
+                let options = CrossEntropyOptions {
+                    label_smoothing: smoothing,
+                    n_vocab: Some(v),
+                    ignore_index: Some(-100),
+                    ..Default::default()
+                };
+                let out = sharded_cross_entropy_with(
+                    shard.clone(),
+                    ids(targets.clone(), [n]),
+                    Some(tensor(mask.clone(), [n], DType::F32)),
+                    &g,
+                    &options,
+                )
+                .unwrap();
+                let grad = shard.grad(&out.mean.backward()).unwrap();
+                (f64s(out.mean), f64s(out.per_token), f64s(grad))
+            })
+            .unwrap();
+            // The gathered gradient [n, v_pad], from the shards [n, v_pad / tp].
+            let w = v_pad / tp;
+            let grad: Vec<f64> = (0..n)
+                .flat_map(|i| (0..v_pad).map(move |c| (i, c)))
+                .map(|(i, c)| out[c / w].2[i * w + c % w])
+                .collect();
+            let tag = format!("tp {tp} smoothing {smoothing}");
+            for (r, (mean, per_token, _)) in out.iter().enumerate() {
+                assert_close(
+                    mean,
+                    &f64s(want.clone()),
+                    1e-5,
+                    &format!("{tag} rank {r}: mean"),
+                );
+                for (k, &row) in kept.iter().enumerate() {
+                    assert_close(
+                        &[per_token[row]],
+                        &[want_rows[k]],
+                        1e-5,
+                        &format!("{tag}: row {row}"),
+                    );
+                }
+                assert_eq!(
+                    (per_token[2], per_token[3]),
+                    (0.0, 0.0),
+                    "{tag}: dropped rows"
+                );
+            }
+            for i in 0..n {
+                let row = &grad[i * v_pad..(i + 1) * v_pad];
+                assert!(
+                    row[v..].iter().all(|&g| g == 0.0),
+                    "{tag}: padded columns of row {i}"
+                );
+                match kept.iter().position(|&k| k == i) {
+                    Some(k) => assert_close(
+                        &row[..v],
+                        &want_grad[k * v..(k + 1) * v],
+                        1e-5,
+                        &format!("{tag}: gradient of row {i}"),
+                    ),
+                    None => assert!(row.iter().all(|&g| g == 0.0), "{tag}: dropped row {i}"),
+                }
+            }
+        }
+    }
 }
