@@ -2,21 +2,28 @@
 
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::nn::{Embedding, Initializer};
+use burn::nn::{Embedding, Initializer, Linear};
 use burn::tensor::{Device, FloatDType, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
-use crate::linear::TpMode;
+use crate::linear::{LinearSpec, TpMode};
 use crate::ops::{all_gather, reduce_from_tp_region, reduce_scatter};
 use crate::reshard::{Reshard, solo};
 use crate::{Result as TpResult, TpError};
 
+/// The vocabulary padded to a multiple of `multiple * tp` (Megatron's
+/// `make_vocab_size_divisible_by`), so any tokenizer size shards at any tp.
+pub fn padded_vocab(n_vocab: usize, multiple: usize, tp: usize) -> usize {
+    n_vocab.next_multiple_of(multiple.max(1) * tp)
+}
+
 /// Configuration of a [`VocabParallelEmbedding`]; mirrors Burn's `EmbeddingConfig`.
 #[derive(Config, Debug)]
 pub struct VocabParallelEmbeddingConfig {
-    /// Vocabulary size over all ranks (a multiple of tp).
+    /// Vocabulary size (any: the table is padded to a multiple of `vocab_multiple * tp` rows,
+    /// zero and never looked up).
     pub n_vocab: usize,
     /// Embedding width.
     pub d_model: usize,
@@ -26,14 +33,19 @@ pub struct VocabParallelEmbeddingConfig {
     /// Initializer of the full table (Burn's `EmbeddingConfig` default).
     #[config(default = "Initializer::Normal{mean:0.0, std:1.0}")]
     pub initializer: Initializer,
+    /// The padded vocabulary is a multiple of `vocab_multiple * tp` (see [`padded_vocab`]).
+    #[config(default = 1)]
+    pub vocab_multiple: usize,
 }
 
 /// Embedding whose rows are split over the tensor-parallel group: rank `r` holds ids
-/// `r * V/tp .. (r+1) * V/tp`. Ids outside that range look up zero; the partial embeddings are
-/// then summed over the group (all-reduce, or reduce-scatter over dim 0 in REDUCE_SCATTER mode).
+/// `r * V_p/tp .. (r+1) * V_p/tp` of the padded vocabulary `V_p` (see [`padded_vocab`]; the
+/// padding rows are zero and never looked up). Ids outside that range look up zero; the partial
+/// embeddings are then summed over the group (all-reduce, or reduce-scatter over dim 0 in
+/// REDUCE_SCATTER mode).
 #[derive(Module, Debug)]
 pub struct VocabParallelEmbedding {
-    /// `[n_vocab / tp, d_model]`.
+    /// `[V_p / tp, d_model]`.
     pub weight: Param<Tensor<2>>,
     #[module(skip)]
     group: ProcessGroup,
@@ -41,6 +53,28 @@ pub struct VocabParallelEmbedding {
     mode: TpMode,
     #[module(skip)]
     n_vocab: usize,
+    #[module(skip)]
+    vocab_multiple: usize,
+}
+
+/// `full` (`[n_vocab, ..]` along `dim`) padded with zeros to `padded` along `dim`, and this rank's
+/// chunk of it.
+pub(crate) fn pad_and_shard(
+    full: Tensor<2>,
+    dim: usize,
+    padded: usize,
+    group: &ProcessGroup,
+) -> Tensor<2> {
+    let mut dims = full.dims();
+    let extra = padded - dims[dim];
+    let full = if extra > 0 {
+        dims[dim] = extra;
+        let zeros = Tensor::zeros(dims, (&full.device(), full.dtype()));
+        Tensor::cat(vec![full, zeros], dim)
+    } else {
+        full
+    };
+    shard(full, dim, group)
 }
 
 /// Maps global vocabulary ids to this rank's rows: `(ids - r * v_local)` clamped into
@@ -74,14 +108,12 @@ pub(crate) fn check_ids(ids: &Tensor<2, Int>, vocab: usize) -> TpResult<()> {
 }
 
 impl VocabParallelEmbeddingConfig {
-    /// Initializes this rank's rows of the table Burn's `EmbeddingConfig::init` gives at tp = 1.
-    /// Collective over `group`.
+    /// Initializes this rank's rows of the table Burn's `EmbeddingConfig::init` gives at tp = 1
+    /// (then padded). Collective over `group`.
     ///
     /// # Errors
-    /// [`TpError::NotDivisible`] if `n_vocab % tp != 0`; a communication error.
+    /// A communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<VocabParallelEmbedding> {
-        let tp = group.world_size();
-        check_divisible("VocabParallelEmbedding n_vocab", self.n_vocab, tp)?;
         let full = init_replicated(
             &self.initializer,
             [self.n_vocab, self.d_model],
@@ -90,40 +122,51 @@ impl VocabParallelEmbeddingConfig {
             group,
             device,
         )?;
-        Ok(VocabParallelEmbedding {
-            weight: Param::from_tensor(shard(full, 0, group)),
-            group: group.clone(),
-            mode: self.mode,
-            n_vocab: self.n_vocab,
-        })
+        Ok(VocabParallelEmbedding::build(
+            full,
+            group,
+            self.mode,
+            self.vocab_multiple,
+        ))
     }
 }
 
 impl VocabParallelEmbedding {
-    /// Shards a full Burn `Embedding` (`[n_vocab, d_model]`).
+    /// Shards a full Burn `Embedding` (`[n_vocab, d_model]`), padded to a multiple of tp rows.
     ///
     /// # Errors
-    /// [`TpError::NotDivisible`] if `n_vocab % tp != 0`.
+    /// None today (kept for the configs' symmetry).
     pub fn from_full(embedding: &Embedding, group: &ProcessGroup, mode: TpMode) -> TpResult<Self> {
-        let [n_vocab, _] = embedding.weight.val().dims();
-        let tp = group.world_size();
-        check_divisible("VocabParallelEmbedding n_vocab", n_vocab, tp)?;
-        Ok(Self {
-            weight: Param::from_tensor(shard(embedding.weight.val(), 0, group)),
+        Ok(Self::build(embedding.weight.val(), group, mode, 1))
+    }
+
+    fn build(full: Tensor<2>, group: &ProcessGroup, mode: TpMode, vocab_multiple: usize) -> Self {
+        let [n_vocab, _] = full.dims();
+        let padded = padded_vocab(n_vocab, vocab_multiple, group.world_size());
+        Self {
+            weight: Param::from_tensor(pad_and_shard(full, 0, padded, group)),
             group: group.clone(),
             mode,
             n_vocab,
-        })
+            vocab_multiple,
+        }
     }
 
-    /// Gathers the full Burn `Embedding` on every rank (detached). Collective.
+    /// Gathers the full Burn `Embedding` (`[n_vocab, d_model]`, without the padding) on every
+    /// rank (detached). Collective.
     ///
     /// # Errors
     /// A communication error.
     pub fn to_full(&self) -> TpResult<Embedding> {
+        let all = all_gather(self.weight.val(), 0, &self.group)?;
         Ok(Embedding {
-            weight: Param::from_tensor(owned(all_gather(self.weight.val(), 0, &self.group)?)),
+            weight: Param::from_tensor(owned(all.narrow(0, 0, self.n_vocab))),
         })
+    }
+
+    /// The padded vocabulary (rows over all ranks).
+    pub fn padded_vocab(&self) -> usize {
+        self.weight.dims()[0] * self.group.world_size()
     }
 
     /// Output layout.
@@ -143,7 +186,7 @@ impl VocabParallelEmbedding {
     /// - REDUCE_SCATTER: `[s, b] -> [s / tp, b, d_model]` (ids of the full sequence on every rank)
     ///
     /// # Panics
-    /// [`TpError::OutOfRange`] for an id outside `0..n_vocab`; [`TpError::NotDivisible`] if
+    /// [`TpError::OutOfRange`] for an id outside `0..n_vocab` (the real one); [`TpError::NotDivisible`] if
     /// `s % tp != 0` in REDUCE_SCATTER mode; a communication error.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
@@ -179,9 +222,127 @@ impl VocabParallelEmbedding {
 
 impl Reshard for VocabParallelEmbedding {
     fn to_full_module(&self) -> TpResult<Self> {
-        Self::from_full(&self.to_full()?, &solo(), self.mode())
+        let full = self.to_full()?.weight.val();
+        Ok(Self::build(full, &solo(), self.mode, self.vocab_multiple))
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Self::from_full(&full.to_full()?, group, full.mode())
+        let table = full.to_full()?.weight.val();
+        Ok(Self::build(table, group, full.mode, full.vocab_multiple))
+    }
+}
+
+/// The vocab-parallel lm-head over a padded vocabulary: a column-parallel linear
+/// `d_model -> V_p` without bias, whose padding columns are zero (mask them out of the loss with
+/// [`CrossEntropyOptions::n_vocab`](crate::loss::CrossEntropyOptions)). Its full form is the
+/// unpadded Burn `Linear` `[d_model, n_vocab]`, so checkpoints move between tp sizes whose
+/// paddings differ.
+#[derive(Module, Debug)]
+pub struct VocabParallelHead {
+    /// `[d_model, V_p / tp]`.
+    pub weight: Param<Tensor<2>>,
+    #[module(skip)]
+    group: ProcessGroup,
+    #[module(skip)]
+    spec: LinearSpec,
+    #[module(skip)]
+    n_vocab: usize,
+    #[module(skip)]
+    vocab_multiple: usize,
+}
+
+impl VocabParallelHead {
+    /// The head Burn's `LinearConfig::new(d_model, n_vocab).with_bias(false)` gives at tp = 1
+    /// (same seed, same draws), padded and sharded. Collective over `group`.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn init(
+        d_model: usize,
+        n_vocab: usize,
+        vocab_multiple: usize,
+        spec: LinearSpec,
+        group: &ProcessGroup,
+        device: &Device,
+    ) -> TpResult<Self> {
+        let initializer = Initializer::KaimingUniform {
+            gain: crate::linear::INIT_GAIN,
+            fan_out_only: false,
+        };
+        let full = crate::linear::init_full(d_model, n_vocab, false, &initializer, group, device)?;
+        Self::from_full(&full, group, spec, vocab_multiple)
+    }
+
+    /// Pads and shards a full Burn `Linear` (`[d_model, n_vocab]`; its bias, if any, is
+    /// rejected).
+    ///
+    /// # Errors
+    /// [`TpError::Config`] for a `Linear` with a bias.
+    pub fn from_full(
+        linear: &Linear,
+        group: &ProcessGroup,
+        spec: LinearSpec,
+        vocab_multiple: usize,
+    ) -> TpResult<Self> {
+        if linear.bias.is_some() {
+            return Err(TpError::Config(
+                "VocabParallelHead: the lm-head has no bias".into(),
+            ));
+        }
+        let [_, n_vocab] = linear.weight.dims();
+        let padded = padded_vocab(n_vocab, vocab_multiple, group.world_size());
+        Ok(Self {
+            weight: Param::from_tensor(pad_and_shard(linear.weight.val(), 1, padded, group)),
+            group: group.clone(),
+            spec,
+            n_vocab,
+            vocab_multiple,
+        })
+    }
+
+    /// The full, unpadded Burn `Linear` `[d_model, n_vocab]` on every rank (detached).
+    /// Collective.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn to_full(&self) -> TpResult<Linear> {
+        let all = all_gather(self.weight.val(), 1, &self.group)?;
+        Ok(Linear {
+            weight: Param::from_tensor(owned(all.narrow(1, 0, self.n_vocab))),
+            bias: None,
+        })
+    }
+
+    /// The real vocabulary.
+    pub fn n_vocab(&self) -> usize {
+        self.n_vocab
+    }
+
+    /// Vocab-sharded logits, padding columns included (zero weights).
+    ///
+    /// # Shapes
+    /// - ALL_REDUCE: `[.., d_model] -> [.., V_p / tp]`
+    /// - REDUCE_SCATTER: `[s / tp, .., d_model] -> [s, .., V_p / tp]`
+    ///
+    /// # Panics
+    /// As [`ColumnParallelLinear::forward`](crate::linear::ColumnParallelLinear::forward).
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> TpResult<Tensor<D>> {
+        crate::linear::column_parallel_linear(x, self.weight.val(), None, self.spec, &self.group)
+    }
+}
+
+impl Reshard for VocabParallelHead {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Self::from_full(&self.to_full()?, &solo(), self.spec, self.vocab_multiple)
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Self::from_full(&full.to_full()?, group, full.spec, full.vocab_multiple)
     }
 }

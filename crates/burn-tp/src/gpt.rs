@@ -16,7 +16,7 @@ use crate::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule, TpMode,
     column_parallel_linear,
 };
-use crate::loss::sharded_cross_entropy;
+use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
 use crate::reshard::{Reshard, solo};
 use crate::transformer::{
     ParallelAttention, ParallelAttentionConfig, ParallelMlp, ParallelMlpConfig, TpLayerNorm,
@@ -267,7 +267,7 @@ impl Gpt {
     /// - `ids`, `targets`: `[seq, batch]`
     ///
     /// # Panics
-    /// As [`forward`](Self::forward) and [`sharded_cross_entropy`].
+    /// As [`forward`](Self::forward) and [`sharded_cross_entropy_with`].
     pub fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
         self.try_loss(ids, targets)
             .unwrap_or_else(|e| panic!("{e}"))
@@ -280,13 +280,21 @@ impl Gpt {
     pub fn try_loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
         let logits = self.try_forward(ids)?;
         let [s, b, v] = logits.dims();
-        sharded_cross_entropy(
+        // The tied head's logits cover the embedding's padded vocabulary: mask the padding.
+        let options = CrossEntropyOptions {
+            z_loss: self.options.z_loss,
+            label_smoothing: self.options.label_smoothing,
+            n_vocab: Some(self.tok.n_vocab()),
+            ignore_index: None,
+        };
+        let out = sharded_cross_entropy_with(
             logits.reshape([s * b, v]),
             targets.reshape([s * b]),
+            None,
             &self.group,
-            self.options.z_loss,
-            self.options.label_smoothing,
-        )
+            &options,
+        )?;
+        Ok(out.mean)
     }
 }
 

@@ -75,11 +75,11 @@ macro_rules! parallel_linear_common {
 use parallel_linear_common;
 
 /// Burn's `LinearConfig` default gain, `1 / sqrt(3)`.
-const INIT_GAIN: f64 = 0.577_350_269_189_625_8;
+pub(crate) const INIT_GAIN: f64 = 0.577_350_269_189_625_8;
 
 /// The full `Linear` that Burn's `LinearConfig::init` gives, drawn on rank 0 and broadcast
 /// (see [`init_replicated`]): same draws, same order (weight, then bias).
-fn init_full(
+pub(crate) fn init_full(
     d_input: usize,
     d_output: usize,
     bias: bool,
