@@ -6,4 +6,5 @@ mod dtype;
 mod gpt;
 mod linear;
 mod linear_checks;
+mod llama;
 mod reference;

@@ -13,7 +13,8 @@
 //!   [`RowParallelLinear`](linear::RowParallelLinear) in ALL_REDUCE and REDUCE_SCATTER (sequence
 //!   parallel) mode, and their functional forms.
 //! - [`embedding`]: the vocabulary-parallel embedding; [`loss`]: the sharded cross-entropy.
-//! - [`transformer`]: parallel attention, MLP, and a replicated layer norm; [`gpt`]: a tiny GPT.
+//! - [`transformer`]: parallel attention, MLP, and a replicated layer norm; [`gpt`]: a tiny GPT;
+//!   [`llama`]: a Llama-class model (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary, dropout).
 //! - [`reshard`]: moving a module between tp sizes; [`dp`]: data-parallel gradient averaging;
 //!   [`precision`]: bf16 / f16 copies of a module and its gradients (mixed precision).
 //! - `init`: initialisation identical at every tp (internal); [`local`]: the runner of ranks as threads;
@@ -81,6 +82,7 @@ mod error;
 pub mod gpt;
 pub(crate) mod init;
 pub mod linear;
+pub mod llama;
 pub mod local;
 pub mod loss;
 pub mod ops;

@@ -1,0 +1,143 @@
+//! Dropout with a tensor-parallel RNG tracker (Megatron's `CudaRNGStatesTracker`), counter-based:
+//! the keep decision of element `i` of a *logical* (unsharded) tensor at dropout site `site` and
+//! training step `step` is a hash of `(seed, site, step, i)`. So a replicated activation gets the
+//! same mask on every rank, a sharded one (a sequence shard, a rank's heads) its own part of the
+//! logical mask, and the masks are the same at every tp: a run is reproducible from its seed
+//! whatever the parallelism, and an unsharded reference can apply the very same masks
+//! ([`dropout_mask`] of the full region).
+//!
+//! Each rank computes only its own region's mask (no communication), on the host: one hash per
+//! element.
+
+use std::ops::Range;
+
+use burn::tensor::{Device, Tensor, TensorData};
+
+/// Seed and step of the dropout masks; `None` where a forward takes one: no dropout (evaluation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropoutKey {
+    /// The run's dropout seed.
+    pub seed: u64,
+    /// The training step (new masks every step).
+    pub step: u64,
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Uniform in `[0, 1)` for element `index` of `site` at `key`.
+fn uniform(key: DropoutKey, site: u64, index: u64) -> f64 {
+    let stream = splitmix64(splitmix64(splitmix64(key.seed) ^ site) ^ key.step);
+    (splitmix64(stream ^ index) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The scaled keep mask (`0` or `1 / (1 - p)`) of `region` of a logical tensor of shape `full`,
+/// in the region's shape, on `device` in the device's default float type.
+///
+/// # Panics
+/// If `region` does not fit in `full`, or `p` is not in `[0, 1)`.
+pub fn dropout_mask<const D: usize>(
+    key: DropoutKey,
+    site: u64,
+    full: [usize; D],
+    region: [Range<usize>; D],
+    p: f64,
+    device: &Device,
+) -> Tensor<D> {
+    assert!(
+        (0.0..1.0).contains(&p),
+        "dropout probability {p} not in [0, 1)"
+    );
+    let shape: [usize; D] = std::array::from_fn(|d| region[d].len());
+    for d in 0..D {
+        assert!(
+            region[d].end <= full[d],
+            "region {region:?} outside {full:?}"
+        );
+    }
+    let mut strides = [1u64; D];
+    for d in (0..D.saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * full[d + 1] as u64;
+    }
+    let n: usize = shape.iter().product();
+    let scale = (1.0 / (1.0 - p)) as f32;
+    let mut values = Vec::with_capacity(n);
+    let mut idx = [0usize; D];
+    for _ in 0..n {
+        let global: u64 = (0..D)
+            .map(|d| (region[d].start + idx[d]) as u64 * strides[d])
+            .sum();
+        values.push(if uniform(key, site, global) >= p {
+            scale
+        } else {
+            0.0
+        });
+        for d in (0..D).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Dropout of `x`, the `region` of a logical tensor of shape `full`, at `site`: `x` times its
+/// part of the logical mask, or `x` itself when `key` is `None` or `p == 0`.
+pub fn tp_dropout<const D: usize>(
+    x: Tensor<D>,
+    p: f64,
+    key: Option<DropoutKey>,
+    site: u64,
+    full: [usize; D],
+    region: [Range<usize>; D],
+) -> Tensor<D> {
+    match key {
+        Some(key) if p > 0.0 => {
+            let mask = dropout_mask(key, site, full, region, p, &x.device()).cast(x.dtype());
+            x * mask
+        }
+        _ => x,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_region_is_its_part_of_the_full_mask_and_the_rate_is_p() {
+        let device = Device::flex();
+        let key = DropoutKey { seed: 7, step: 3 };
+        let full = dropout_mask(key, 1, [4, 3, 50], [0..4, 0..3, 0..50], 0.25, &device);
+        let part = dropout_mask(key, 1, [4, 3, 50], [2..4, 0..3, 10..30], 0.25, &device);
+        let want = full.clone().slice([2..4, 0..3, 10..30]);
+        assert_eq!(part.into_data(), want.into_data());
+        let kept = full
+            .clone()
+            .greater_elem(0.0)
+            .int()
+            .sum()
+            .into_scalar::<i64>() as f64;
+        let rate = 1.0 - kept / 600.0;
+        assert!((rate - 0.25).abs() < 0.06, "dropped {rate}");
+        let other = dropout_mask(
+            DropoutKey { seed: 7, step: 4 },
+            1,
+            [4, 3, 50],
+            [0..4, 0..3, 0..50],
+            0.25,
+            &device,
+        );
+        assert_ne!(
+            full.into_data(),
+            other.into_data(),
+            "a new step, a new mask"
+        );
+    }
+}

@@ -1,0 +1,108 @@
+//! SwiGLU MLP: gate and up as one fused column-parallel layer of two contiguous chunks.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::tensor::activation::silu;
+use burn::tensor::{Device, Tensor};
+use burn_tp_comm::ProcessGroup;
+
+use crate::Result as TpResult;
+use crate::linear::{
+    ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule,
+    RowParallelLinear, RowParallelLinearConfig, TpMode,
+};
+use crate::reshard::Reshard;
+
+/// Configuration of a [`ParallelSwiGlu`].
+#[derive(Config, Debug)]
+pub struct ParallelSwiGluConfig {
+    /// Model width.
+    pub d_model: usize,
+    /// Hidden width over all ranks (a multiple of tp).
+    pub d_ff: usize,
+    /// Activation layout.
+    #[config(default = "TpMode::AllReduce")]
+    pub mode: TpMode,
+    /// Overlapped communication.
+    #[config(default = true)]
+    pub async_communication: bool,
+    /// Overlap schedule of the parallel linears.
+    #[config(default = "OverlapSchedule::Ring")]
+    pub schedule: OverlapSchedule,
+}
+
+/// `down(silu(x W_gate) * (x W_up))` (Burn's `SwiGlu` with `linear_inner` = gate and
+/// `linear_outer` = up, then a down projection; no biases). Gate and up are one column-parallel
+/// layer `d_model -> 2 d_ff` with full columns `[gate | up]`, each chunk sharded on its own, so a
+/// rank's shard is `[gate_r | up_r]`; down is row-parallel. One reduction per call.
+#[derive(Module, Debug)]
+pub struct ParallelSwiGlu {
+    /// `d_model -> 2 d_ff / tp` (`[gate_r | up_r]`).
+    pub gate_up: ColumnParallelLinear,
+    /// `d_ff / tp -> d_model`.
+    pub down: RowParallelLinear,
+}
+
+impl ParallelSwiGluConfig {
+    /// Initializes this rank's shards. Collective.
+    ///
+    /// # Errors
+    /// [`TpError::NotDivisible`](crate::TpError::NotDivisible) if `d_ff % tp != 0`; a
+    /// communication error.
+    pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<ParallelSwiGlu> {
+        Ok(ParallelSwiGlu {
+            gate_up: ColumnParallelLinearConfig::new(self.d_model, 2 * self.d_ff)
+                .with_bias(false)
+                .with_chunks(vec![
+                    ColumnChunk::new(self.d_ff),
+                    ColumnChunk::new(self.d_ff),
+                ])
+                .with_mode(self.mode)
+                .with_async_communication(self.async_communication)
+                .with_schedule(self.schedule)
+                .init(group, device)?,
+            down: RowParallelLinearConfig::new(self.d_ff, self.d_model)
+                .with_bias(false)
+                .with_mode(self.mode)
+                .with_async_communication(self.async_communication)
+                .with_schedule(self.schedule)
+                .init(group, device)?,
+        })
+    }
+}
+
+impl ParallelSwiGlu {
+    /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]`.
+    ///
+    /// # Panics
+    /// As the linears' `forward`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning the error instead of panicking.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        let y = self.gate_up.try_forward(x)?;
+        let f = y.dims()[2] / 2;
+        let (gate, up) = (y.clone().narrow(2, 0, f), y.narrow(2, f, f));
+        self.down.try_forward(silu(gate) * up)
+    }
+}
+
+impl Reshard for ParallelSwiGlu {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self {
+            gate_up: self.gate_up.to_full_module()?,
+            down: self.down.to_full_module()?,
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            gate_up: Reshard::shard_module(&full.gate_up, group)?,
+            down: Reshard::shard_module(&full.down, group)?,
+        })
+    }
+}

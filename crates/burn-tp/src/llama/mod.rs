@@ -1,0 +1,425 @@
+//! A Llama-class model with tensor parallelism: grouped-query attention with rotary positions,
+//! RMSNorm, a SwiGLU MLP, a padded vocabulary masked out of the loss, a loss mask / ignore index,
+//! dropout from a tensor-parallel RNG tracker, and a tied or untied head.
+//!
+//! Activations are `[seq, batch, d_model]` like [`Gpt`](crate::gpt::Gpt)'s, sharded on dim 0
+//! between the parallel regions in REDUCE_SCATTER mode. The model is identical at every tp (the
+//! same seed gives the same weights; dropout masks are the same logical masks) and [`Reshard`]
+//! moves it between tp sizes, the padding included.
+//!
+//! | file           | what                                                             |
+//! |----------------|------------------------------------------------------------------|
+//! | `mod.rs`       | [`LlamaConfig`], [`Llama`], [`LlamaBlock`]                       |
+//! | `attention.rs` | [`ParallelGqa`]: fused QKV in contiguous chunks, RoPE, GQA       |
+//! | `mlp.rs`       | [`ParallelSwiGlu`]: fused gate / up, down                        |
+//! | `norm.rs`      | [`TpRmsNorm`]: replicated weight                                 |
+//! | `dropout.rs`   | [`DropoutKey`], [`tp_dropout`]: counter-based, tp-invariant masks |
+
+mod attention;
+mod dropout;
+mod mlp;
+mod norm;
+
+pub use attention::{ParallelGqa, ParallelGqaConfig};
+pub use dropout::{DropoutKey, dropout_mask, tp_dropout};
+pub use mlp::{ParallelSwiGlu, ParallelSwiGluConfig};
+pub use norm::TpRmsNorm;
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor};
+use burn_tp_comm::ProcessGroup;
+
+use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
+use crate::linear::{LinearSpec, OverlapSchedule, TpMode, column_parallel_linear};
+use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
+use crate::reshard::{Reshard, solo};
+use crate::{Result as TpResult, TpError};
+
+/// Configuration of a [`Llama`].
+#[derive(Config, Debug)]
+pub struct LlamaConfig {
+    /// Vocabulary size (any: padded to a multiple of `vocab_multiple * tp`).
+    pub n_vocab: usize,
+    /// Longest sequence.
+    pub max_seq: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Query heads (a multiple of tp).
+    pub n_heads: usize,
+    /// Key / value heads (divides `n_heads`; a multiple or a divisor of tp).
+    pub n_kv_heads: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// SwiGLU hidden width (a multiple of tp).
+    pub d_ff: usize,
+    /// Rotary base.
+    #[config(default = 10000.0)]
+    pub rope_theta: f32,
+    /// RMSNorm epsilon.
+    #[config(default = 1e-5)]
+    pub norm_eps: f64,
+    /// Dropout of the attention probabilities and of each residual branch (0: none).
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    /// Seed of the dropout masks.
+    #[config(default = 0)]
+    pub dropout_seed: u64,
+    /// The padded vocabulary is a multiple of `vocab_multiple * tp`.
+    #[config(default = 1)]
+    pub vocab_multiple: usize,
+    /// Reuse the embedding table as the lm-head.
+    #[config(default = false)]
+    pub tie_embeddings: bool,
+    /// Targets equal to this id are ignored by the loss.
+    #[config(default = "None")]
+    pub ignore_index: Option<i64>,
+    /// Activation layout.
+    #[config(default = "TpMode::AllReduce")]
+    pub mode: TpMode,
+    /// Overlapped communication in the parallel linears.
+    #[config(default = true)]
+    pub async_communication: bool,
+    /// Overlap schedule of the parallel linears.
+    #[config(default = "OverlapSchedule::Ring")]
+    pub schedule: OverlapSchedule,
+}
+
+/// Pre-norm Llama block: `x + drop(attn(norm(x)))`, then `x + drop(mlp(norm(x)))`.
+#[derive(Module, Debug)]
+pub struct LlamaBlock {
+    /// Before attention.
+    pub attn_norm: TpRmsNorm,
+    /// Grouped-query attention.
+    pub attn: ParallelGqa,
+    /// Before the MLP.
+    pub mlp_norm: TpRmsNorm,
+    /// SwiGLU MLP.
+    pub mlp: ParallelSwiGlu,
+}
+
+/// What a [`Llama`] keeps of its config at run time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LlamaOptions {
+    /// Activation layout.
+    pub mode: TpMode,
+    /// Overlapped communication.
+    pub async_communication: bool,
+    /// Overlap schedule.
+    pub schedule: OverlapSchedule,
+    /// Residual dropout.
+    pub dropout: f64,
+    /// Seed of the dropout masks.
+    pub dropout_seed: u64,
+    /// The loss's ignore index.
+    pub ignore_index: Option<i64>,
+}
+
+/// The Llama-class model.
+#[derive(Module, Debug)]
+pub struct Llama {
+    /// Token embedding, `[V_p / tp, d_model]`.
+    pub tok: VocabParallelEmbedding,
+    /// The blocks.
+    pub blocks: Vec<LlamaBlock>,
+    /// Final norm.
+    pub norm: TpRmsNorm,
+    /// lm-head `d_model -> V_p / tp` (absent when tied to `tok`).
+    pub head: Option<VocabParallelHead>,
+    #[module(skip)]
+    group: ProcessGroup,
+    #[module(skip)]
+    options: LlamaOptions,
+}
+
+impl LlamaConfig {
+    /// Initializes this rank's shards; the same seed gives the same model at every tp.
+    /// Collective over `group`.
+    ///
+    /// # Errors
+    /// Head counts or widths that do not fit tp; a communication error.
+    pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Llama> {
+        let (d, mode, asynch) = (self.d_model, self.mode, self.async_communication);
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(TpError::Config(format!(
+                "Llama: dropout must be in [0, 1), got {}",
+                self.dropout
+            )));
+        }
+        let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
+            .with_mode(mode)
+            .with_vocab_multiple(self.vocab_multiple)
+            .init(group, device)?;
+        let norm = |g: &ProcessGroup| TpRmsNorm::new(d, self.norm_eps, mode, g, device);
+        let blocks = (0..self.n_layers)
+            .map(|_| {
+                Ok(LlamaBlock {
+                    attn_norm: norm(group),
+                    attn: ParallelGqaConfig::new(d, self.n_heads, self.n_kv_heads, self.max_seq)
+                        .with_rope_theta(self.rope_theta)
+                        .with_dropout(self.dropout)
+                        .with_mode(mode)
+                        .with_async_communication(asynch)
+                        .with_schedule(self.schedule)
+                        .init(group, device)?,
+                    mlp_norm: norm(group),
+                    mlp: ParallelSwiGluConfig::new(d, self.d_ff)
+                        .with_mode(mode)
+                        .with_async_communication(asynch)
+                        .with_schedule(self.schedule)
+                        .init(group, device)?,
+                })
+            })
+            .collect::<TpResult<Vec<_>>>()?;
+        let spec = LinearSpec {
+            async_communication: asynch,
+            schedule: self.schedule,
+            ..LinearSpec::new(mode)
+        };
+        let head = (!self.tie_embeddings)
+            .then(|| {
+                VocabParallelHead::init(d, self.n_vocab, self.vocab_multiple, spec, group, device)
+            })
+            .transpose()?;
+        Ok(Llama {
+            tok,
+            blocks,
+            norm: norm(group),
+            head,
+            group: group.clone(),
+            options: LlamaOptions {
+                mode,
+                async_communication: asynch,
+                schedule: self.schedule,
+                dropout: self.dropout,
+                dropout_seed: self.dropout_seed,
+                ignore_index: self.ignore_index,
+            },
+        })
+    }
+}
+
+impl LlamaBlock {
+    /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]`; with `dropout`, block `index`'s sites.
+    ///
+    /// # Errors
+    /// As the layers' `try_forward`.
+    pub fn try_forward(
+        &self,
+        x: Tensor<3>,
+        dropout: Option<DropoutKey>,
+        p: f64,
+        index: usize,
+        group: &ProcessGroup,
+        mode: TpMode,
+    ) -> TpResult<Tensor<3>> {
+        let site = 1 + 3 * index as u64;
+        let a = self
+            .attn
+            .try_forward(self.attn_norm.forward(x.clone()), dropout, site)?;
+        let x = x + residual_dropout(a, p, dropout, site + 1, group, mode);
+        let m = self.mlp.try_forward(self.mlp_norm.forward(x.clone()))?;
+        Ok(x + residual_dropout(m, p, dropout, site + 2, group, mode))
+    }
+}
+
+/// Dropout of a residual branch `[s(/tp), b, d]`: replicated in ALL_REDUCE mode (the same mask on
+/// every rank), this rank's sequence shard of the logical mask in REDUCE_SCATTER mode.
+fn residual_dropout(
+    x: Tensor<3>,
+    p: f64,
+    key: Option<DropoutKey>,
+    site: u64,
+    group: &ProcessGroup,
+    mode: TpMode,
+) -> Tensor<3> {
+    let [s, b, d] = x.dims();
+    let (full_s, rows) = match mode {
+        TpMode::AllReduce => (s, 0..s),
+        TpMode::ReduceScatter => (
+            s * group.world_size(),
+            group.rank() * s..(group.rank() + 1) * s,
+        ),
+    };
+    tp_dropout(x, p, key, site, [full_s, b, d], [rows, 0..b, 0..d])
+}
+
+impl Llama {
+    /// The tensor-parallel group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Run-time options.
+    pub fn options(&self) -> LlamaOptions {
+        self.options
+    }
+
+    /// The real vocabulary.
+    pub fn n_vocab(&self) -> usize {
+        self.tok.n_vocab()
+    }
+
+    /// Vocab-sharded logits without dropout (evaluation).
+    ///
+    /// # Shapes
+    /// - `ids`: `[seq, batch]` (the full sequence on every rank, in both modes)
+    /// - output: `[seq, batch, V_p / tp]` (padding columns included: see
+    ///   [`CrossEntropyOptions::n_vocab`])
+    ///
+    /// # Panics
+    /// Ids outside the vocabulary; a sequence longer than `max_seq`; sizes not divisible by tp; a
+    /// communication error.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.try_forward(ids, None)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Logits; with `step = Some(step)` dropout is on, with the masks of that training step.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward(&self, ids: Tensor<2, Int>, step: Option<u64>) -> TpResult<Tensor<3>> {
+        let [s, _] = ids.dims();
+        let max_seq = self
+            .blocks
+            .first()
+            .map_or(usize::MAX, |b| b.attn.rope.freq_complex.dims()[0]);
+        if s > max_seq {
+            return Err(TpError::Shape {
+                op: "Llama",
+                expected: format!("[seq <= {max_seq}, batch]"),
+                got: ids.dims().to_vec(),
+            });
+        }
+        let o = self.options;
+        let key = step.map(|step| DropoutKey {
+            seed: o.dropout_seed,
+            step,
+        });
+        let mut x = self.tok.try_forward(ids)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = block.try_forward(x, key, o.dropout, i, &self.group, o.mode)?;
+        }
+        let x = self.norm.forward(x);
+        match &self.head {
+            Some(head) => head.try_forward(x),
+            None => {
+                // Tied: the embedding shard `[V_p/tp, d]` is the column shard of the head.
+                let spec = LinearSpec {
+                    async_communication: o.async_communication,
+                    schedule: o.schedule,
+                    ..LinearSpec::new(o.mode)
+                };
+                column_parallel_linear(
+                    x,
+                    self.tok.weight.val().transpose(),
+                    None,
+                    spec,
+                    &self.group,
+                )
+            }
+        }
+    }
+
+    /// Mean next-token cross-entropy over every target (replicated on every rank), no dropout.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward) and [`sharded_cross_entropy_with`].
+    pub fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        self.try_loss(ids, targets, None, None)
+            .map(|out| out.mean)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The loss with a mask and dropout: per-token losses and the mean over the kept tokens
+    /// (`loss_mask` 1 to keep, 0 to drop; targets equal to the config's `ignore_index` are
+    /// dropped too); the padded vocabulary is masked out of the softmax.
+    ///
+    /// # Shapes
+    /// - `ids`, `targets`, `loss_mask`: `[seq, batch]`
+    /// - output: `per_token` `[seq * batch]`, `mean` `[1]`
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss)'s panics.
+    pub fn try_loss(
+        &self,
+        ids: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        loss_mask: Option<Tensor<2>>,
+        step: Option<u64>,
+    ) -> TpResult<CrossEntropyOutput> {
+        let logits = self.try_forward(ids, step)?;
+        let [s, b, v] = logits.dims();
+        let options = CrossEntropyOptions {
+            n_vocab: Some(self.n_vocab()),
+            ignore_index: self.options.ignore_index,
+            ..Default::default()
+        };
+        sharded_cross_entropy_with(
+            logits.reshape([s * b, v]),
+            targets.reshape([s * b]),
+            loss_mask.map(|m| m.reshape([s * b])),
+            &self.group,
+            &options,
+        )
+    }
+}
+
+impl Reshard for LlamaBlock {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self {
+            attn_norm: self.attn_norm.to_full_module()?,
+            attn: self.attn.to_full_module()?,
+            mlp_norm: self.mlp_norm.to_full_module()?,
+            mlp: self.mlp.to_full_module()?,
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            attn_norm: Reshard::shard_module(&full.attn_norm, group)?,
+            attn: Reshard::shard_module(&full.attn, group)?,
+            mlp_norm: Reshard::shard_module(&full.mlp_norm, group)?,
+            mlp: Reshard::shard_module(&full.mlp, group)?,
+        })
+    }
+}
+
+impl Reshard for Llama {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self {
+            tok: self.tok.to_full_module()?,
+            blocks: self
+                .blocks
+                .iter()
+                .map(Reshard::to_full_module)
+                .collect::<TpResult<Vec<_>>>()?,
+            norm: self.norm.to_full_module()?,
+            head: self
+                .head
+                .as_ref()
+                .map(Reshard::to_full_module)
+                .transpose()?,
+            group: solo(),
+            options: self.options,
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            tok: Reshard::shard_module(&full.tok, group)?,
+            blocks: full
+                .blocks
+                .iter()
+                .map(|b| Reshard::shard_module(b, group))
+                .collect::<TpResult<Vec<_>>>()?,
+            norm: Reshard::shard_module(&full.norm, group)?,
+            head: full
+                .head
+                .as_ref()
+                .map(|h| Reshard::shard_module(h, group))
+                .transpose()?,
+            group: group.clone(),
+            options: full.options,
+        })
+    }
+}

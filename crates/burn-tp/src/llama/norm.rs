@@ -1,0 +1,81 @@
+//! RMSNorm with a replicated weight (see [`replicated_param`]).
+
+use burn::module::{Module, Param};
+use burn::nn::{RmsNorm, RmsNormConfig};
+use burn::tensor::{DType, Device, Tensor};
+use burn_tp_comm::ProcessGroup;
+
+use crate::Result as TpResult;
+use crate::init::owned;
+use crate::linear::TpMode;
+use crate::reshard::{Reshard, solo};
+use crate::transformer::replicated_param;
+
+/// RMSNorm over the last dim, as Burn's `RmsNorm` (the mean square in f32), with a replicated
+/// `gamma` whose gradient is summed over the group in REDUCE_SCATTER mode, where each rank
+/// normalizes its own sequence shard (like [`TpLayerNorm`](crate::transformer::TpLayerNorm)).
+#[derive(Module, Debug)]
+pub struct TpRmsNorm {
+    /// `[d_model]`.
+    pub gamma: Param<Tensor<1>>,
+    #[module(skip)]
+    group: ProcessGroup,
+    #[module(skip)]
+    mode: TpMode,
+    epsilon: f64,
+}
+
+impl TpRmsNorm {
+    /// Ones, like Burn's `RmsNormConfig::init`.
+    pub fn new(
+        d_model: usize,
+        epsilon: f64,
+        mode: TpMode,
+        group: &ProcessGroup,
+        device: &Device,
+    ) -> Self {
+        Self {
+            gamma: Param::from_tensor(Tensor::ones([d_model], device)),
+            group: group.clone(),
+            mode,
+            epsilon,
+        }
+    }
+
+    /// From a Burn `RmsNorm`.
+    pub fn from_full(norm: &RmsNorm, mode: TpMode, group: &ProcessGroup) -> Self {
+        Self {
+            gamma: Param::from_tensor(owned(norm.gamma.val())),
+            group: group.clone(),
+            mode,
+            epsilon: norm.epsilon,
+        }
+    }
+
+    /// As a Burn `RmsNorm` (a detached copy).
+    pub fn to_full(&self) -> RmsNorm {
+        let gamma = self.gamma.val();
+        let mut norm = RmsNormConfig::new(gamma.dims()[0])
+            .with_epsilon(self.epsilon)
+            .init(&gamma.device());
+        norm.gamma = Param::from_tensor(owned(gamma));
+        norm
+    }
+
+    /// `[.., d_model] -> [.., d_model]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let gamma = replicated_param(self.gamma.val(), self.mode, &self.group);
+        let dtype = x.dtype();
+        let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + self.epsilon).sqrt();
+        (x / rms.cast(dtype)) * gamma.unsqueeze()
+    }
+}
+
+impl Reshard for TpRmsNorm {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self::from_full(&self.to_full(), self.mode, &solo()))
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self::from_full(&full.to_full(), full.mode, group))
+    }
+}

@@ -1,0 +1,310 @@
+//! The Llama-class model against an independent reference written only with burn-nn's own
+//! modules and Burn's tensor ops (`Embedding`, `RmsNorm`, `Linear`, `RotaryEncoding`, `SwiGlu`,
+//! `softmax`, `CrossEntropyLoss`), loaded with the same full weights, applying the same logical
+//! dropout masks: the loss and every gradient at tp = 1, 2, 4, both modes, with `n_kv_heads` = 1,
+//! < tp, = tp and > tp, a vocabulary tp does not divide, masked and ignored tokens, dropout on and
+//! off, tied and untied heads. And checkpoints that move between tp sizes.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Embedding, Linear, RmsNorm, RotaryEncoding, RotaryEncodingConfig, SwiGlu};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Gradients, Int, Tensor, TensorData};
+use burn_tp::linear::TpMode;
+use burn_tp::llama::{DropoutKey, Llama, LlamaConfig, dropout_mask};
+use burn_tp::local::run_local;
+use burn_tp::reshard::Reshard;
+
+use crate::common::{assert_close, device, f64s, rng_lock};
+
+const V: usize = 11; // not a multiple of 2 or 4: padded to 12
+const S: usize = 8;
+const B: usize = 2;
+const D: usize = 16;
+const H: usize = 4;
+const HD: usize = D / H;
+const FF: usize = 8;
+const P: f64 = 0.2;
+const SEED: u64 = 99;
+const IGNORE: i64 = -100;
+
+fn config(n_kv: usize, mode: TpMode, dropout: bool, tied: bool) -> LlamaConfig {
+    LlamaConfig::new(V, S, D, H, n_kv, 2, FF)
+        .with_mode(mode)
+        .with_dropout(if dropout { P } else { 0.0 })
+        .with_dropout_seed(SEED)
+        .with_tie_embeddings(tied)
+        .with_ignore_index(Some(IGNORE))
+}
+
+/// A Llama block in plain burn-nn, batch-major (`[b, s, d]`).
+struct RefBlock {
+    attn_norm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: RmsNorm,
+    swiglu: SwiGlu,
+    down: Linear,
+}
+
+struct RefLlama {
+    tok: Embedding,
+    blocks: Vec<RefBlock>,
+    norm: RmsNorm,
+    /// `None`: tied to `tok`.
+    head: Option<Linear>,
+    rope: RotaryEncoding,
+    n_kv: usize,
+}
+
+fn linear(w: Tensor<2>) -> Linear {
+    Linear {
+        weight: Param::from_tensor(w.detach()),
+        bias: None,
+    }
+}
+
+/// Columns `from..from + n` of a `Linear`'s weight.
+fn columns(l: &Linear, from: usize, n: usize) -> Linear {
+    linear(l.weight.val().narrow(1, from, n))
+}
+
+impl RefLlama {
+    fn load(full: &Llama, n_kv: usize) -> Self {
+        let blocks = full
+            .blocks
+            .iter()
+            .map(|b| {
+                let qkv = b.attn.qkv.to_full().unwrap();
+                let gate_up = b.mlp.gate_up.to_full().unwrap();
+                RefBlock {
+                    attn_norm: b.attn_norm.to_full(),
+                    q: columns(&qkv, 0, H * HD),
+                    k: columns(&qkv, H * HD, n_kv * HD),
+                    v: columns(&qkv, (H + n_kv) * HD, n_kv * HD),
+                    o: b.attn.out.to_full().unwrap(),
+                    mlp_norm: b.mlp_norm.to_full(),
+                    swiglu: SwiGlu {
+                        linear_inner: columns(&gate_up, 0, FF),
+                        linear_outer: columns(&gate_up, FF, FF),
+                    },
+                    down: b.mlp.down.to_full().unwrap(),
+                }
+            })
+            .collect();
+        RefLlama {
+            tok: full.tok.to_full().unwrap(),
+            blocks,
+            norm: full.norm.to_full(),
+            head: full.head.as_ref().map(|h| h.to_full().unwrap()),
+            rope: RotaryEncodingConfig::new(S, HD).init(&device()),
+            n_kv,
+        }
+    }
+
+    /// Mean loss over the kept tokens; `step`: dropout on with that step's masks.
+    fn loss(
+        &self,
+        ids: Tensor<2, Int>,
+        targets: &[i64],
+        mask: &[f32],
+        step: Option<u64>,
+    ) -> Tensor<1> {
+        let dev = device();
+        let key = step.map(|step| DropoutKey { seed: SEED, step });
+        // The logical masks: `[s, b, d]` for the residual branches (seq-major, as the model's
+        // activations), `[b, H, s, s]` for the attention probabilities.
+        let drop = |x: Tensor<3>, site: u64| match key {
+            Some(key) => {
+                x * dropout_mask(key, site, [S, B, D], [0..S, 0..B, 0..D], P, &dev).swap_dims(0, 1)
+            }
+            None => x,
+        };
+        let mut x = self.tok.forward(ids.transpose()); // [b, s, d]
+        let causal = Tensor::<2, Bool>::tril_mask([S, S], 0, &dev).unsqueeze::<4>();
+        // Query head h reads key / value head h / (H / n_kv).
+        let kv_of = Tensor::<1, Int>::from_data(
+            TensorData::new(
+                (0..H)
+                    .map(|h| (h / (H / self.n_kv)) as i64)
+                    .collect::<Vec<_>>(),
+                [H],
+            ),
+            &dev,
+        );
+        for (i, blk) in self.blocks.iter().enumerate() {
+            let site = 1 + 3 * i as u64;
+            let h = blk.attn_norm.forward(x.clone());
+            let heads =
+                |l: &Linear, n: usize| l.forward(h.clone()).reshape([B, S, n, HD]).swap_dims(1, 2);
+            let q = self.rope.forward(heads(&blk.q, H));
+            let k = self
+                .rope
+                .forward(heads(&blk.k, self.n_kv))
+                .select(1, kv_of.clone());
+            let v = heads(&blk.v, self.n_kv).select(1, kv_of.clone());
+            let scores = q.matmul(k.swap_dims(2, 3)) / (HD as f64).sqrt();
+            let mut att = softmax(scores.mask_fill(causal.clone(), f32::NEG_INFINITY), 3);
+            if let Some(key) = key {
+                att =
+                    att * dropout_mask(key, site, [B, H, S, S], [0..B, 0..H, 0..S, 0..S], P, &dev);
+            }
+            let ctx = att.matmul(v).swap_dims(1, 2).reshape([B, S, H * HD]);
+            x = x.clone() + drop(blk.o.forward(ctx), site + 1);
+            let m = blk
+                .down
+                .forward(blk.swiglu.forward(blk.mlp_norm.forward(x.clone())));
+            x = x + drop(m, site + 2);
+        }
+        let x = self.norm.forward(x);
+        let logits = match &self.head {
+            Some(head) => head.forward(x),
+            None => x.matmul(self.tok.weight.val().transpose().unsqueeze::<3>()),
+        };
+        let logits = logits.swap_dims(0, 1).reshape([S * B, V]); // seq-major rows
+        // The kept rows: mask 1 and target not ignored.
+        let kept: Vec<i64> = (0..S * B)
+            .filter(|&i| mask[i] > 0.0 && targets[i] != IGNORE)
+            .map(|i| i as i64)
+            .collect();
+        let n = kept.len();
+        let rows = Tensor::<1, Int>::from_data(TensorData::new(kept.clone(), [n]), &dev);
+        let kept_targets: Vec<i64> = kept.iter().map(|&i| targets[i as usize]).collect();
+        CrossEntropyLossConfig::new().init(&dev).forward(
+            logits.select(0, rows),
+            Tensor::from_data(TensorData::new(kept_targets, [n]), &dev),
+        )
+    }
+
+    fn grads(&self, grads: &Gradients) -> Vec<(String, Vec<f64>)> {
+        let g = |t: Tensor<2>| f64s(t.grad(grads).unwrap());
+        let g1 = |t: Tensor<1>| f64s(t.grad(grads).unwrap());
+        let mut out = vec![("tok".to_string(), g(self.tok.weight.val()))];
+        for (i, b) in self.blocks.iter().enumerate() {
+            out.push((format!("{i}.attn_norm"), g1(b.attn_norm.gamma.val())));
+            for (name, l) in [("q", &b.q), ("k", &b.k), ("v", &b.v), ("o", &b.o)] {
+                out.push((format!("{i}.{name}"), g(l.weight.val())));
+            }
+            out.push((format!("{i}.mlp_norm"), g1(b.mlp_norm.gamma.val())));
+            out.push((format!("{i}.gate"), g(b.swiglu.linear_inner.weight.val())));
+            out.push((format!("{i}.up"), g(b.swiglu.linear_outer.weight.val())));
+            out.push((format!("{i}.down"), g(b.down.weight.val())));
+        }
+        out.push(("norm".into(), g1(self.norm.gamma.val())));
+        if let Some(h) = &self.head {
+            out.push(("head".into(), g(h.weight.val())));
+        }
+        out
+    }
+}
+
+/// The same names from the sharded model's gradients gathered to tp = 1.
+fn model_grads(full: &Llama, n_kv: usize) -> Vec<(String, Vec<f64>)> {
+    let r = RefLlama::load(full, n_kv);
+    let w = |l: &Linear| f64s(l.weight.val());
+    let mut out = vec![("tok".to_string(), f64s(r.tok.weight.val()))];
+    for (i, b) in r.blocks.iter().enumerate() {
+        out.push((format!("{i}.attn_norm"), f64s(b.attn_norm.gamma.val())));
+        for (name, l) in [("q", &b.q), ("k", &b.k), ("v", &b.v), ("o", &b.o)] {
+            out.push((format!("{i}.{name}"), w(l)));
+        }
+        out.push((format!("{i}.mlp_norm"), f64s(b.mlp_norm.gamma.val())));
+        out.push((format!("{i}.gate"), w(&b.swiglu.linear_inner)));
+        out.push((format!("{i}.up"), w(&b.swiglu.linear_outer)));
+        out.push((format!("{i}.down"), w(&b.down)));
+    }
+    out.push(("norm".into(), f64s(r.norm.gamma.val())));
+    if let Some(h) = &r.head {
+        out.push(("head".into(), w(h)));
+    }
+    out
+}
+
+/// Replaces every parameter of a module by its gradient.
+struct ToGrads<'a>(&'a Gradients);
+
+impl ModuleMapper for ToGrads<'_> {
+    fn map_float<const R: usize>(&mut self, param: Param<Tensor<R>>) -> Param<Tensor<R>> {
+        let grads = self.0;
+        param.map(|t| t.grad(grads).expect("every parameter has a gradient"))
+    }
+}
+
+fn batch() -> (Vec<i64>, Vec<i64>, Vec<f32>) {
+    let ids = (0..(S * B) as i64)
+        .map(|i| (i * 7 + 3) % V as i64)
+        .collect();
+    let mut targets: Vec<i64> = (0..(S * B) as i64)
+        .map(|i| (i * 5 + 1) % V as i64)
+        .collect();
+    targets[3] = IGNORE;
+    targets[10] = V as i64 - 1; // the last real id: next to the padding
+    let mut mask = vec![1.0f32; S * B];
+    mask[6] = 0.0;
+    mask[13] = 0.0;
+    (ids, targets, mask)
+}
+
+fn int2(values: Vec<i64>) -> Tensor<2, Int> {
+    Tensor::from_data(TensorData::new(values, [S, B]), &device())
+}
+
+#[test]
+fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
+    let _rng = rng_lock();
+    let (ids, targets, mask) = batch();
+    for n_kv in [1usize, 2, 4] {
+        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+            for dropout in [false, true] {
+                let tied = n_kv == 2 && dropout;
+                for tp in [1usize, 2, 4] {
+                    device().seed(41);
+                    let (ids, targets, mask) = (ids.clone(), targets.clone(), mask.clone());
+                    let out = run_local(tp, move |g| {
+                        let model = config(n_kv, mode, dropout, tied)
+                            .init(&g, &device())
+                            .unwrap();
+                        let step = dropout.then_some(3);
+                        let m =
+                            Tensor::<1>::from_floats(mask.as_slice(), &device()).reshape([S, B]);
+                        let loss = model
+                            .try_loss(int2(ids.clone()), int2(targets.clone()), Some(m), step)
+                            .unwrap()
+                            .mean;
+                        let grads = loss.backward();
+                        let full_grads = model
+                            .clone()
+                            .map(&mut ToGrads(&grads))
+                            .to_full_module()
+                            .unwrap();
+                        // The reference, on this rank's thread, from the same full weights.
+                        let reference = RefLlama::load(&model.to_full_module().unwrap(), n_kv);
+                        let ref_loss = reference.loss(int2(ids.clone()), &targets, &mask, step);
+                        let ref_grads = ref_loss.backward();
+                        (
+                            f64s(loss),
+                            f64s(ref_loss),
+                            model_grads(&full_grads, n_kv),
+                            reference.grads(&ref_grads),
+                        )
+                    })
+                    .unwrap();
+                    for (r, (loss, ref_loss, grads, ref_grads)) in out.into_iter().enumerate() {
+                        let tag = format!(
+                            "n_kv {n_kv} {mode:?} dropout {dropout} tied {tied} tp {tp} rank {r}"
+                        );
+                        assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));
+                        assert_eq!(grads.len(), ref_grads.len(), "{tag}");
+                        for ((name, got), (ref_name, want)) in grads.iter().zip(&ref_grads) {
+                            assert_eq!(name, ref_name);
+                            assert!(want.iter().any(|v| v.abs() > 1e-7), "{tag}: {name} is zero");
+                            assert_close(got, want, 1e-4, &format!("{tag}: grad {name}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
