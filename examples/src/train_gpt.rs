@@ -1,4 +1,5 @@
-//! Trains the tiny GPT of `burn_tp::gpt` at tp x dp ranks (threads on the CPU), with Burn's AdamW.
+//! Trains the tiny GPT of `burn_tp::gpt` (or, with `--arch llama`, the Llama-class model of
+//! `burn_tp::llama`) at tp x dp ranks (threads on the CPU), with Burn's AdamW.
 //!
 //! Every rank runs the same loop on its shard; rank 0 reports. The checkpoint written at the end
 //! is the full, unsharded model (a Burn record) with the optimizer state in the same layout
@@ -8,22 +9,23 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, FloatDType};
 use burn_tp::comm::Profile;
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{OverlapSchedule, TpMode};
+use burn_tp::llama::{DropoutStep, Llama, LlamaConfig};
 use burn_tp::local::run_ranks;
 use burn_tp::ops::all_reduce;
 use burn_tp::precision::{cast_grads, cast_params};
-use burn_tp::reshard::{FullOptimizerState, Reshard};
+use burn_tp::reshard::FullOptimizerState;
 use burn_tp::{LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
 
 use crate::corpus::{self, Vocab};
 use crate::eval::{Data, batch, dp_slice, generate, held_out_loss};
+use crate::model::LanguageModel;
 
 /// Activation layout, as the command line spells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -41,6 +43,16 @@ pub enum Schedule {
     Split,
     /// Each peer's shard consumed as it arrives.
     Ring,
+}
+
+/// Model architecture, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Arch {
+    /// The tiny GPT: learned positions, layer norms, GELU MLP, multi-head attention.
+    Gpt,
+    /// Llama-class: grouped-query attention (`--kv-heads`), RoPE, RMSNorm, SwiGLU, dropout, an
+    /// untied head, the real (padded) vocabulary.
+    Llama,
 }
 
 /// Compute dtype, as the command line spells it.
@@ -78,6 +90,9 @@ pub enum DeviceKind {
 #[derive(Parser, Clone, Debug)]
 #[command(about = "Train a tiny character-level GPT with tensor parallelism (ranks are threads)")]
 pub struct Args {
+    /// Model architecture.
+    #[arg(long, value_enum, default_value_t = Arch::Gpt)]
+    pub arch: Arch,
     /// Tensor-parallel size (with `--device cuda`: the launch's WORLD_SIZE).
     #[arg(long, default_value_t = 2)]
     pub tp: usize,
@@ -117,6 +132,16 @@ pub struct Args {
     /// Transformer blocks.
     #[arg(long, default_value_t = 2)]
     pub layers: usize,
+    /// Llama: key / value heads (default: half the heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Llama: SwiGLU hidden width (default: 8/3 d_model rounded up to a multiple of 32).
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// Llama: dropout of the attention probabilities and residual branches (default 0.1); the
+    /// masks are the same at every tp.
+    #[arg(long)]
+    pub dropout: Option<f64>,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
@@ -179,21 +204,59 @@ pub struct Report {
 /// The model configuration the arguments describe.
 pub fn model_config(args: &Args, n_vocab: usize) -> GptConfig {
     GptConfig::new(n_vocab, args.seq, args.d_model, args.heads, args.layers)
-        .with_mode(match args.mode {
-            Mode::AllReduce => TpMode::AllReduce,
-            Mode::ReduceScatter => TpMode::ReduceScatter,
-        })
+        .with_mode(tp_mode(args))
         .with_async_communication(!args.no_async)
-        .with_schedule(match args.schedule {
-            Schedule::Split => OverlapSchedule::Split,
-            Schedule::Ring => OverlapSchedule::Ring,
-        })
+        .with_schedule(schedule(args))
+}
+
+fn tp_mode(args: &Args) -> TpMode {
+    match args.mode {
+        Mode::AllReduce => TpMode::AllReduce,
+        Mode::ReduceScatter => TpMode::ReduceScatter,
+    }
+}
+
+fn schedule(args: &Args) -> OverlapSchedule {
+    match args.schedule {
+        Schedule::Split => OverlapSchedule::Split,
+        Schedule::Ring => OverlapSchedule::Ring,
+    }
+}
+
+/// The Llama configuration the arguments describe, for the real vocabulary `n_vocab` (the model
+/// pads it itself).
+pub fn llama_config(args: &Args, n_vocab: usize) -> LlamaConfig {
+    let d_ff = args
+        .d_ff
+        .unwrap_or_else(|| (8 * args.d_model / 3).next_multiple_of(32));
+    LlamaConfig::new(
+        n_vocab,
+        args.seq,
+        args.d_model,
+        args.heads,
+        args.kv_heads.unwrap_or((args.heads / 2).max(1)),
+        args.layers,
+        d_ff,
+    )
+    .with_dropout(args.dropout.unwrap_or(0.1))
+    .with_dropout_seed(args.seed)
+    .with_mode(tp_mode(args))
+    .with_async_communication(!args.no_async)
+    .with_schedule(schedule(args))
 }
 
 /// A one-line description of the run, for the plot's title.
 pub fn describe(args: &Args) -> String {
+    let arch = match args.arch {
+        Arch::Gpt => "tiny GPT".to_string(),
+        Arch::Llama => format!(
+            "Llama (kv heads {}, dropout {})",
+            args.kv_heads.unwrap_or((args.heads / 2).max(1)),
+            args.dropout.unwrap_or(0.1)
+        ),
+    };
     format!(
-        "tiny GPT: tp={} dp={} {:?} {}schedule {:?}, {:?}, {} steps",
+        "{arch}: tp={} dp={} {:?} {}schedule {:?}, {:?}, {} steps",
         args.tp,
         args.dp,
         args.mode,
@@ -228,6 +291,19 @@ fn check(args: &Args) -> Result<(), String> {
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(format!("--lr must be a positive number (got {})", args.lr));
+    }
+    if let Some(p) = args.dropout {
+        if args.arch == Arch::Gpt && p != 0.0 {
+            return Err(format!(
+                "--dropout {p}: the GPT has no dropout (use --arch llama)"
+            ));
+        }
+        if !(0.0..1.0).contains(&p) {
+            return Err(format!("--dropout must be in [0, 1) (got {p})"));
+        }
+    }
+    if args.arch == Arch::Gpt && (args.kv_heads.is_some() || args.d_ff.is_some()) {
+        return Err("--kv-heads and --d-ff are Llama options (use --arch llama)".into());
     }
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         return Err(format!(
@@ -271,34 +347,15 @@ pub fn run(args: &Args) -> Result<Report, String> {
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
     let checkpoint = args.out.join("checkpoint.bpk");
-    let config = model_config(args, vocab.padded_len());
-
     let start = Instant::now();
-    let (rank, out) = match args.device {
-        DeviceKind::Cpu => {
-            let device = Device::flex().autodiff();
-            // One device RNG for every rank thread: seed it once, before they start.
-            device.seed(args.seed);
-            let world = args.tp * args.dp;
-            let options = LocalGroupOptions {
-                profile: args.profile,
-                ..Default::default()
-            };
-            let groups = LocalGroup::with_options(world, options).map_err(|e| e.to_string())?;
-            let (args2, data2, config2, ckpt) = (
-                args.clone(),
-                data.clone(),
-                config.clone(),
-                checkpoint.clone(),
-            );
-            let results = run_ranks(groups, move |world_group| {
-                train_rank(&args2, &config2, &data2, world_group, &device, &ckpt)
-                    .map_err(|e| e.to_string())
-            })?;
-            let out = results.into_iter().next().expect("rank 0");
-            (0, out.map_err(|e| format!("rank 0: {e}"))?)
-        }
-        DeviceKind::Cuda => cuda_rank(args, &config, &data, &checkpoint)?,
+    let (rank, out) = match args.arch {
+        Arch::Gpt => launch::<Gpt>(
+            args,
+            model_config(args, vocab.padded_len()),
+            &data,
+            &checkpoint,
+        )?,
+        Arch::Llama => launch::<Llama>(args, llama_config(args, vocab.len()), &data, &checkpoint)?,
     };
     let RankOut {
         stopped,
@@ -348,12 +405,43 @@ pub fn run(args: &Args) -> Result<Report, String> {
     })
 }
 
+/// Runs every rank of the run (threads on the CPU, or this process's GPU) with model `M`;
+/// returns (this process's rank, what it brought back).
+fn launch<M: LanguageModel>(
+    args: &Args,
+    config: M::Config,
+    data: &Data,
+    checkpoint: &Path,
+) -> Result<(usize, RankOut), String> {
+    match args.device {
+        DeviceKind::Cpu => {
+            let device = Device::flex().autodiff();
+            // One device RNG for every rank thread: seed it once, before they start.
+            device.seed(args.seed);
+            let world = args.tp * args.dp;
+            let options = LocalGroupOptions {
+                profile: args.profile,
+                ..Default::default()
+            };
+            let groups = LocalGroup::with_options(world, options).map_err(|e| e.to_string())?;
+            let (args2, data2, ckpt) = (args.clone(), data.clone(), checkpoint.to_path_buf());
+            let results = run_ranks(groups, move |world_group| {
+                train_rank::<M>(&args2, &config, &data2, world_group, &device, &ckpt)
+                    .map_err(|e| e.to_string())
+            })?;
+            let out = results.into_iter().next().expect("rank 0");
+            Ok((0, out.map_err(|e| format!("rank 0: {e}"))?))
+        }
+        DeviceKind::Cuda => cuda_rank::<M>(args, &config, data, checkpoint),
+    }
+}
+
 /// This process's rank of a `--device cuda` launch: one GPU (`LOCAL_RANK`), NCCL over the
 /// launch's store. Returns (rank, losses).
 #[cfg(feature = "cuda")]
-fn cuda_rank(
+fn cuda_rank<M: LanguageModel>(
     args: &Args,
-    config: &GptConfig,
+    config: &M::Config,
     data: &Data,
     checkpoint: &Path,
 ) -> Result<(usize, RankOut), String> {
@@ -375,13 +463,18 @@ fn cuda_rank(
     let world = ProcessGroup::from_nccl(nccl);
     let device = Device::cuda(env.local_rank).autodiff();
     device.seed(args.seed);
-    let out = train_rank(args, config, data, world, &device, checkpoint)
+    let out = train_rank::<M>(args, config, data, world, &device, checkpoint)
         .map_err(|e| format!("rank {}: {e}", env.rank))?;
     Ok((env.rank, out))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_rank(_: &Args, _: &GptConfig, _: &Data, _: &Path) -> Result<(usize, RankOut), String> {
+fn cuda_rank<M: LanguageModel>(
+    _: &Args,
+    _: &M::Config,
+    _: &Data,
+    _: &Path,
+) -> Result<(usize, RankOut), String> {
     Err(
         "--device cuda needs the `cuda` feature: cargo run --release --example train_gpt \
          --features cuda (see README: burn's CUDA backend cannot be linked on machines without \
@@ -401,9 +494,9 @@ struct RankOut {
     sample: Vec<i64>,
 }
 
-fn train_rank(
+fn train_rank<M: LanguageModel>(
     args: &Args,
-    config: &GptConfig,
+    config: &M::Config,
     data: &Data,
     world: ProcessGroup,
     device: &Device,
@@ -427,14 +520,13 @@ fn train_rank(
     let (model, resumed) = match &args.resume {
         Some(path) => {
             let solo = LocalGroup::new(1)?.remove(0);
-            let full: Gpt = config
-                .init(&solo, &device)?
+            let full: M = M::init(config, &solo, &device)?
                 .try_load_file(path)
                 .map_err(|e| format!("loading {}: {e:?}", path.display()))?;
-            let model = Gpt::shard_module(&full, &tp_group)?;
+            let model = M::shard_module(&full, &tp_group)?;
             (model, Some(full))
         }
-        None => (config.init(&tp_group, &device)?, None),
+        None => (M::init(config, &tp_group, &device)?, None),
     };
     if dp_rank == 0 {
         world.barrier()?;
@@ -463,7 +555,7 @@ fn train_rank(
     let mut losses = Vec::with_capacity(args.steps);
     // The model the forward and backward run: the master weights, or a bf16 copy of them.
     let dtype = args.dtype.dtype();
-    let compute = |model: &Gpt| cast_params(model.clone(), dtype);
+    let compute = |model: &M| cast_params(model.clone(), dtype);
     let mut held_out = vec![(
         first_step,
         held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?,
@@ -474,7 +566,9 @@ fn train_rank(
         let ids = dp_slice(&ids, args, dp_rank, &device);
         let targets = dp_slice(&targets, args, dp_rank, &device);
         let working = compute(&model);
-        let loss = working.try_loss(ids, targets)?;
+        let per = args.batch / args.dp;
+        let dropout = DropoutStep::new(step as u64).with_batch(dp_rank * per, args.batch);
+        let loss = working.loss(ids, targets, Some(dropout))?;
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
         losses.push(value);

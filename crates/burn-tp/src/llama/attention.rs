@@ -155,7 +155,8 @@ impl ParallelGqa {
     }
 
     /// Forward; with `dropout = Some(key)`, the attention probabilities are dropped with the
-    /// logical mask of site `site` (`[b, n_heads, s, s]`, this rank's heads).
+    /// logical mask of site `site` (`[global batch, n_heads, s, s]`: this rank's sequences and
+    /// heads).
     ///
     /// # Errors
     /// As [`forward`](Self::forward)'s panics.
@@ -196,13 +197,14 @@ impl ParallelGqa {
         let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
         let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device()).unsqueeze::<4>();
         let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+        let (b_total, batch) = dropout.map_or((b, 0..b), |k| k.batch(b));
         let att = tp_dropout(
             att,
             self.dropout,
             dropout,
             site,
-            [b, self.n_heads, s, s],
-            [0..b, rank * hq..(rank + 1) * hq, 0..s, 0..s],
+            [b_total, self.n_heads, s, s],
+            [batch, rank * hq..(rank + 1) * hq, 0..s, 0..s],
         );
         let ctx = att.matmul(v).permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
         self.out.try_forward(ctx)

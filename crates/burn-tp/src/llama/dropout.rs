@@ -13,13 +13,54 @@ use std::ops::Range;
 
 use burn::tensor::{Device, Tensor, TensorData};
 
-/// Seed and step of the dropout masks; `None` where a forward takes one: no dropout (evaluation).
+/// The training step a forward runs (dropout on, with that step's masks), and where this
+/// data-parallel rank's batch sits in the global batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropoutStep {
+    /// The training step.
+    pub step: u64,
+    /// This data-parallel rank's first sequence in the global batch.
+    pub batch_offset: usize,
+    /// Sequences in the global batch (`None`: this rank's batch is all of it).
+    pub batch_total: Option<usize>,
+}
+
+impl DropoutStep {
+    /// Step `step` of a run without data parallelism.
+    pub fn new(step: u64) -> Self {
+        Self {
+            step,
+            batch_offset: 0,
+            batch_total: None,
+        }
+    }
+
+    /// This rank's sequences `offset..` of a global batch of `total`.
+    pub fn with_batch(self, offset: usize, total: usize) -> Self {
+        Self {
+            batch_offset: offset,
+            batch_total: Some(total),
+            ..self
+        }
+    }
+}
+
+/// Seed and step of the dropout masks; `None` where a forward takes one: no dropout
+/// (evaluation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DropoutKey {
     /// The run's dropout seed.
     pub seed: u64,
-    /// The training step (new masks every step).
-    pub step: u64,
+    /// The step, and this rank's part of the global batch.
+    pub at: DropoutStep,
+}
+
+impl DropoutKey {
+    /// The batch dim of the logical tensor and this rank's range of it, for a local batch `b`.
+    pub fn batch(&self, b: usize) -> (usize, Range<usize>) {
+        let total = self.at.batch_total.unwrap_or(b);
+        (total, self.at.batch_offset..self.at.batch_offset + b)
+    }
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -31,7 +72,7 @@ fn splitmix64(mut z: u64) -> u64 {
 
 /// Uniform in `[0, 1)` for element `index` of `site` at `key`.
 fn uniform(key: DropoutKey, site: u64, index: u64) -> f64 {
-    let stream = splitmix64(splitmix64(splitmix64(key.seed) ^ site) ^ key.step);
+    let stream = splitmix64(splitmix64(splitmix64(key.seed) ^ site) ^ key.at.step);
     (splitmix64(stream ^ index) >> 11) as f64 / (1u64 << 53) as f64
 }
 
@@ -113,7 +154,10 @@ mod tests {
     #[test]
     fn a_region_is_its_part_of_the_full_mask_and_the_rate_is_p() {
         let device = Device::flex();
-        let key = DropoutKey { seed: 7, step: 3 };
+        let key = DropoutKey {
+            seed: 7,
+            at: DropoutStep::new(3),
+        };
         let full = dropout_mask(key, 1, [4, 3, 50], [0..4, 0..3, 0..50], 0.25, &device);
         let part = dropout_mask(key, 1, [4, 3, 50], [2..4, 0..3, 10..30], 0.25, &device);
         let want = full.clone().slice([2..4, 0..3, 10..30]);
@@ -127,7 +171,10 @@ mod tests {
         let rate = 1.0 - kept / 600.0;
         assert!((rate - 0.25).abs() < 0.06, "dropped {rate}");
         let other = dropout_mask(
-            DropoutKey { seed: 7, step: 4 },
+            DropoutKey {
+                at: DropoutStep::new(4),
+                ..key
+            },
             1,
             [4, 3, 50],
             [0..4, 0..3, 0..50],

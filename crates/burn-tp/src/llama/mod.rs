@@ -21,7 +21,7 @@ mod mlp;
 mod norm;
 
 pub use attention::{ParallelGqa, ParallelGqaConfig};
-pub use dropout::{DropoutKey, dropout_mask, tp_dropout};
+pub use dropout::{DropoutKey, DropoutStep, dropout_mask, tp_dropout};
 pub use mlp::{ParallelSwiGlu, ParallelSwiGluConfig};
 pub use norm::TpRmsNorm;
 
@@ -224,7 +224,8 @@ impl LlamaBlock {
 }
 
 /// Dropout of a residual branch `[s(/tp), b, d]`: replicated in ALL_REDUCE mode (the same mask on
-/// every rank), this rank's sequence shard of the logical mask in REDUCE_SCATTER mode.
+/// every rank), this rank's sequence shard of the logical mask in REDUCE_SCATTER mode; the
+/// batch dim is this data-parallel rank's part of the global batch.
 fn residual_dropout(
     x: Tensor<3>,
     p: f64,
@@ -241,7 +242,8 @@ fn residual_dropout(
             group.rank() * s..(group.rank() + 1) * s,
         ),
     };
-    tp_dropout(x, p, key, site, [full_s, b, d], [rows, 0..b, 0..d])
+    let (b_total, batch) = key.map_or((b, 0..b), |k| k.batch(b));
+    tp_dropout(x, p, key, site, [full_s, b_total, d], [rows, batch, 0..d])
 }
 
 impl Llama {
@@ -275,11 +277,16 @@ impl Llama {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// Logits; with `step = Some(step)` dropout is on, with the masks of that training step.
+    /// Logits; with `step = Some(..)` dropout is on, with the masks of that training step (and
+    /// this data-parallel rank's part of the global batch).
     ///
     /// # Errors
     /// As [`forward`](Self::forward)'s panics.
-    pub fn try_forward(&self, ids: Tensor<2, Int>, step: Option<u64>) -> TpResult<Tensor<3>> {
+    pub fn try_forward(
+        &self,
+        ids: Tensor<2, Int>,
+        step: Option<DropoutStep>,
+    ) -> TpResult<Tensor<3>> {
         let [s, _] = ids.dims();
         let max_seq = self
             .blocks
@@ -293,9 +300,9 @@ impl Llama {
             });
         }
         let o = self.options;
-        let key = step.map(|step| DropoutKey {
+        let key = step.map(|at| DropoutKey {
             seed: o.dropout_seed,
-            step,
+            at,
         });
         let mut x = self.tok.try_forward(ids)?;
         for (i, block) in self.blocks.iter().enumerate() {
@@ -347,7 +354,7 @@ impl Llama {
         ids: Tensor<2, Int>,
         targets: Tensor<2, Int>,
         loss_mask: Option<Tensor<2>>,
-        step: Option<u64>,
+        step: Option<DropoutStep>,
     ) -> TpResult<CrossEntropyOutput> {
         let logits = self.try_forward(ids, step)?;
         let [s, b, v] = logits.dims();

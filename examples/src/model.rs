@@ -1,0 +1,82 @@
+//! The two architectures `train_gpt` trains (`--arch gpt|llama`), behind one trait so the training
+//! loop, the checkpoints and the evaluation are written once.
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor};
+use burn_tp::ProcessGroup;
+use burn_tp::gpt::{Gpt, GptConfig};
+use burn_tp::llama::{DropoutStep, Llama, LlamaConfig};
+use burn_tp::reshard::Reshard;
+
+/// A sharded language model `train_gpt` can train.
+pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
+    /// Its configuration.
+    type Config: Clone + Send + Sync + 'static;
+
+    /// This rank's shards (the same model at every tp for one seed). Collective.
+    ///
+    /// # Errors
+    /// Sizes that do not fit tp; a communication error.
+    fn init(config: &Self::Config, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self>;
+
+    /// Mean next-token loss of `[seq, batch]` ids and targets; `step`: training step (dropout on
+    /// with that step's masks, for this dp rank's part of the global batch), `None`:
+    /// evaluation.
+    ///
+    /// # Errors
+    /// As the model's `try_loss`.
+    fn loss(
+        &self,
+        ids: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        step: Option<DropoutStep>,
+    ) -> burn_tp::Result<Tensor<1>>;
+
+    /// Vocab-sharded logits `[seq, batch, V_p / tp]` (evaluation).
+    ///
+    /// # Errors
+    /// As the model's `try_forward`.
+    fn logits(&self, ids: Tensor<2, Int>) -> burn_tp::Result<Tensor<3>>;
+}
+
+impl LanguageModel for Gpt {
+    type Config = GptConfig;
+
+    fn init(config: &GptConfig, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self> {
+        config.init(group, device)
+    }
+
+    fn loss(
+        &self,
+        ids: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        _step: Option<DropoutStep>,
+    ) -> burn_tp::Result<Tensor<1>> {
+        self.try_loss(ids, targets)
+    }
+
+    fn logits(&self, ids: Tensor<2, Int>) -> burn_tp::Result<Tensor<3>> {
+        self.try_forward(ids)
+    }
+}
+
+impl LanguageModel for Llama {
+    type Config = LlamaConfig;
+
+    fn init(config: &LlamaConfig, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self> {
+        config.init(group, device)
+    }
+
+    fn loss(
+        &self,
+        ids: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        step: Option<DropoutStep>,
+    ) -> burn_tp::Result<Tensor<1>> {
+        Ok(self.try_loss(ids, targets, None, step)?.mean)
+    }
+
+    fn logits(&self, ids: Tensor<2, Int>) -> burn_tp::Result<Tensor<3>> {
+        self.try_forward(ids, None)
+    }
+}
