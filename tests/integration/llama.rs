@@ -1,7 +1,7 @@
 //! The Llama-class model against an independent reference written only with burn-nn's own
 //! modules and Burn's tensor ops (`Embedding`, `RmsNorm`, `Linear`, `RotaryEncoding`, `SwiGlu`,
 //! `softmax`, `CrossEntropyLoss`), loaded with the same full weights, applying the same logical
-//! dropout masks: the loss and every gradient at tp = 1, 2, 4, both modes, with `n_kv_heads` = 1,
+//! dropout masks: the logits, the loss and every gradient at tp = 1, 2, 4, both modes, with `n_kv_heads` = 1,
 //! < tp, = tp and > tp, a vocabulary tp does not divide, masked and ignored tokens, dropout on and
 //! off, tied and untied heads. And checkpoints that move between tp sizes.
 
@@ -13,6 +13,7 @@ use burn::tensor::{Bool, Gradients, Int, Tensor, TensorData};
 use burn_tp::linear::TpMode;
 use burn_tp::llama::{DropoutKey, DropoutStep, Llama, LlamaConfig, dropout_mask};
 use burn_tp::local::run_local;
+use burn_tp::ops::gather_from_tp_region;
 use burn_tp::reshard::Reshard;
 
 use crate::common::{assert_close, device, f64s, rng_lock};
@@ -104,14 +105,15 @@ impl RefLlama {
         }
     }
 
-    /// Mean loss over the kept tokens; `step`: dropout on with that step's masks.
+    /// Logits `[s * b, V]` (seq-major rows) and the mean loss over the kept tokens; `step`:
+    /// dropout on with that step's masks.
     fn loss(
         &self,
         ids: Tensor<2, Int>,
         targets: &[i64],
         mask: &[f32],
         step: Option<u64>,
-    ) -> Tensor<1> {
+    ) -> (Tensor<2>, Tensor<1>) {
         let dev = device();
         let key = step.map(|step| DropoutKey {
             seed: SEED,
@@ -175,10 +177,11 @@ impl RefLlama {
         let n = kept.len();
         let rows = Tensor::<1, Int>::from_data(TensorData::new(kept.clone(), [n]), &dev);
         let kept_targets: Vec<i64> = kept.iter().map(|&i| targets[i as usize]).collect();
-        CrossEntropyLossConfig::new().init(&dev).forward(
-            logits.select(0, rows),
+        let loss = CrossEntropyLossConfig::new().init(&dev).forward(
+            logits.clone().select(0, rows),
             Tensor::from_data(TensorData::new(kept_targets, [n]), &dev),
-        )
+        );
+        (logits, loss)
     }
 
     fn grads(&self, grads: &Gradients) -> Vec<(String, Vec<f64>)> {
@@ -276,6 +279,10 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                             .try_loss(int2(ids.clone()), int2(targets.clone()), Some(m), step)
                             .unwrap()
                             .mean;
+                        // The logits, gathered over the vocabulary, without the padding.
+                        let logits = model.try_forward(int2(ids.clone()), step).unwrap();
+                        let logits = gather_from_tp_region(logits, 2, &g).unwrap();
+                        let logits = logits.narrow(2, 0, V).reshape([S * B, V]).detach();
                         let grads = loss.backward();
                         let full_grads = model
                             .clone()
@@ -284,7 +291,7 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                             .unwrap();
                         // The reference, on this rank's thread, from the same full weights.
                         let reference = RefLlama::load(&model.to_full_module().unwrap(), n_kv);
-                        let ref_loss = reference.loss(
+                        let (ref_logits, ref_loss) = reference.loss(
                             int2(ids.clone()),
                             &targets,
                             &mask,
@@ -292,6 +299,7 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                         );
                         let ref_grads = ref_loss.backward();
                         (
+                            [f64s(logits), f64s(ref_logits.detach())],
                             f64s(loss),
                             f64s(ref_loss),
                             model_grads(&full_grads, n_kv),
@@ -299,10 +307,13 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                         )
                     })
                     .unwrap();
-                    for (r, (loss, ref_loss, grads, ref_grads)) in out.into_iter().enumerate() {
+                    for (r, (logits, loss, ref_loss, grads, ref_grads)) in
+                        out.into_iter().enumerate()
+                    {
                         let tag = format!(
                             "n_kv {n_kv} {mode:?} dropout {dropout} tied {tied} tp {tp} rank {r}"
                         );
+                        assert_close(&logits[0], &logits[1], 1e-5, &format!("{tag}: logits"));
                         assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));
                         assert_eq!(grads.len(), ref_grads.len(), "{tag}");
                         for ((name, got), (ref_name, want)) in grads.iter().zip(&ref_grads) {
