@@ -129,26 +129,27 @@ fn vocab_parallel_embedding_keeps_the_dtype() {
     }
 }
 
-/// The whole GPT cast to bf16 / f16 (both modes, tp 1 and 2): logits, loss and every gradient
-/// stay in that dtype, and agree with the f32 model (loss relative 2e-2 / 5e-3; gradients in norm
+/// Logits and mean loss of a model on a fixed batch (`[8, 2]` ids below 15).
+type Run<M> = fn(&M, Tensor<2, Int>, Tensor<2, Int>) -> (Tensor<3>, Tensor<1>);
+
+/// A model cast to bf16 / f16 (both modes, tp 1 and 2): logits, loss and every gradient stay in
+/// that dtype, and agree with the f32 model (loss relative 2e-2 / 5e-3; gradients in norm
 /// 5e-2 / 1e-2 of the f32 gradient's norm, parameter by parameter).
-#[test]
-fn the_gpt_runs_in_bf16_and_f16_close_to_f32() {
+fn runs_in_half_precision_close_to_f32<M: Module + 'static>(
+    build: fn(TpMode, &burn_tp::ProcessGroup) -> M,
+    run: Run<M>,
+) {
     let _rng = rng_lock();
     for (dtype, loss_tol, grad_tol) in [(DType::BF16, 2e-2, 5e-2), (DType::F16, 5e-3, 1e-2)] {
         for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
             for tp in [1usize, 2] {
                 device().seed(11);
                 let out = run_local(tp, move |g| {
-                    let model = GptConfig::new(16, 8, 16, 4, 2)
-                        .with_mode(mode)
-                        .init(&g, &device())
-                        .unwrap();
-                    let x: Vec<i64> = (0..16).map(|i| (i * 7 + 3) % 16).collect();
-                    let y: Vec<i64> = (0..16).map(|i| (i * 5 + 1) % 16).collect();
-                    let grads_of = |m: &burn_tp::gpt::Gpt| {
-                        let logits = m.forward(ids(x.clone(), [8, 2]));
-                        let loss = m.loss(ids(x.clone(), [8, 2]), ids(y.clone(), [8, 2]));
+                    let model = build(mode, &g);
+                    let x: Vec<i64> = (0..16).map(|i| (i * 7 + 3) % 15).collect();
+                    let y: Vec<i64> = (0..16).map(|i| (i * 5 + 1) % 15).collect();
+                    let grads_of = |m: &M| {
+                        let (logits, loss) = run(m, ids(x.clone(), [8, 2]), ids(y.clone(), [8, 2]));
                         let grads = loss.backward();
                         let mut per_param = Vec::new();
                         let mut dtypes = vec![logits.dtype(), loss.dtype()];
@@ -180,6 +181,34 @@ fn the_gpt_runs_in_bf16_and_f16_close_to_f32() {
             }
         }
     }
+}
+
+#[test]
+fn the_gpt_runs_in_bf16_and_f16_close_to_f32() {
+    runs_in_half_precision_close_to_f32(
+        |mode, g| {
+            GptConfig::new(16, 8, 16, 4, 2)
+                .with_mode(mode)
+                .init(g, &device())
+                .unwrap()
+        },
+        |m: &burn_tp::gpt::Gpt, x, y| (m.forward(x.clone()), m.loss(x, y)),
+    );
+}
+
+/// The Llama (GQA with 2 key / value heads, RoPE, RMSNorm, SwiGLU, a padded vocabulary of 15):
+/// the rotary table stays f32 and the rotation comes back in the activations' dtype.
+#[test]
+fn the_llama_runs_in_bf16_and_f16_close_to_f32() {
+    runs_in_half_precision_close_to_f32(
+        |mode, g| {
+            burn_tp::llama::LlamaConfig::new(15, 8, 16, 4, 2, 2, 16)
+                .with_mode(mode)
+                .init(g, &device())
+                .unwrap()
+        },
+        |m: &burn_tp::llama::Llama, x, y| (m.forward(x.clone()), m.loss(x, y)),
+    );
 }
 
 /// `train_gpt --dtype bf16` (bf16 forward and backward on f32 master weights) follows the f32 run:

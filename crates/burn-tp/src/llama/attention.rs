@@ -183,8 +183,16 @@ impl ParallelGqa {
                 .reshape([s, b, n, hd])
                 .permute([1, 2, 0, 3]) // [b, n, s, hd]
         };
-        let q = self.rope.forward(heads(0, hq));
-        let k = self.rope.forward(heads(hq, hkv));
+        // The rotation in the rotary table's dtype (f32; it is a constant, not a parameter, so a
+        // bf16 copy of the model keeps it), back to the activations' dtype after.
+        let rotate = |t: Tensor<4>| {
+            let dtype = t.dtype();
+            self.rope
+                .forward(t.cast(self.rope.freq_complex.dtype()))
+                .cast(dtype)
+        };
+        let q = rotate(heads(0, hq));
+        let k = rotate(heads(hq, hkv));
         let v = heads(hq + hkv, hkv);
         // Each local key / value head serves `hq / hkv` consecutive local query heads.
         let group = hq / hkv;
