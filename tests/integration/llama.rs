@@ -412,3 +412,38 @@ fn train_gpt_llama_agrees_across_tp_and_resumes_across_tp() {
         );
     }
 }
+
+/// Head counts that do not fit are typed errors naming the values, before any communication.
+#[test]
+fn bad_head_counts_are_errors_naming_them() {
+    use burn_tp::{LocalGroup, TpError};
+    let _rng = rng_lock();
+    let groups = LocalGroup::new(3).unwrap();
+    let g = &groups[0];
+    let err = |c: LlamaConfig, g: &burn_tp::ProcessGroup| c.init(g, &device()).unwrap_err();
+    // 4 query heads at tp 3.
+    let e = err(LlamaConfig::new(V, S, 16, 4, 2, 1, 6), g);
+    assert!(
+        matches!(e, TpError::NotDivisible { size: 4, tp: 3, .. }),
+        "{e}"
+    );
+    // 2 key / value heads at tp 3: neither divides the other.
+    let e = err(LlamaConfig::new(V, S, 24, 6, 2, 1, 6), g);
+    assert!(e.to_string().contains("n_kv_heads = 2 at tp = 3"), "{e}");
+    let solo = &LocalGroup::new(1).unwrap()[0];
+    // 3 key / value heads for 4 query heads.
+    let e = err(LlamaConfig::new(V, S, 16, 4, 3, 1, 8), solo);
+    assert!(
+        e.to_string()
+            .contains("n_kv_heads = 3 must divide n_heads = 4"),
+        "{e}"
+    );
+    // An odd head_dim (RoPE rotates pairs).
+    let e = err(LlamaConfig::new(V, S, 12, 4, 2, 1, 8), solo);
+    assert!(e.to_string().contains("even head_dim"), "{e}");
+    let e = err(
+        LlamaConfig::new(V, S, 16, 4, 2, 1, 8).with_dropout(1.0),
+        solo,
+    );
+    assert!(e.to_string().contains("dropout"), "{e}");
+}

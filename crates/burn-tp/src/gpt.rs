@@ -22,6 +22,7 @@ use crate::transformer::{
     ParallelAttention, ParallelAttentionConfig, ParallelMlp, ParallelMlpConfig, TpLayerNorm,
     replicated_param,
 };
+use crate::error::check_divisible;
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`Gpt`].
@@ -137,6 +138,20 @@ impl GptConfig {
     /// Sizes not divisible by tp (vocabulary, heads, hidden width); a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Gpt> {
         let (d, mode, asynch) = (self.d_model, self.mode, self.async_communication);
+        // Every size is checked before the first collective, so a bad config fails on each rank
+        // at once instead of leaving its peers waiting.
+        let tp = group.world_size();
+        check_divisible("ParallelAttention n_heads", self.n_heads, tp)?;
+        check_divisible("ParallelMlp d_hidden", self.d_hidden.unwrap_or(4 * d), tp)?;
+        if !self.tie_embeddings {
+            check_divisible("ColumnParallelLinear d_output", self.n_vocab, tp)?;
+        }
+        if !d.is_multiple_of(self.n_heads) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: d_model = {d} is not divisible by n_heads = {}",
+                self.n_heads
+            )));
+        }
         let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
             .with_mode(mode)
             .init(group, device)?;

@@ -74,7 +74,7 @@ fn qkv_chunks(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Vec<ColumnC
 }
 
 impl ParallelGqaConfig {
-    fn validate(&self, tp: usize) -> TpResult<()> {
+    pub(crate) fn validate(&self, tp: usize) -> TpResult<()> {
         check_divisible("ParallelGqa n_heads", self.n_heads, tp)?;
         let (h, kv, d) = (self.n_heads, self.n_kv_heads, self.d_model);
         if kv == 0 || !h.is_multiple_of(kv) {

@@ -140,12 +140,17 @@ impl LlamaConfig {
     /// Head counts or widths that do not fit tp; a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Llama> {
         let (d, mode, asynch) = (self.d_model, self.mode, self.async_communication);
+        // Every size is checked before the first collective, so a bad config fails on each rank
+        // at once instead of leaving its peers waiting.
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(TpError::Config(format!(
                 "Llama: dropout must be in [0, 1), got {}",
                 self.dropout
             )));
         }
+        let tp = group.world_size();
+        ParallelGqaConfig::new(d, self.n_heads, self.n_kv_heads, self.max_seq).validate(tp)?;
+        crate::error::check_divisible("Llama d_ff", self.d_ff, tp)?;
         let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
             .with_mode(mode)
             .with_vocab_multiple(self.vocab_multiple)
