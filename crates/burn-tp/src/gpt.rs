@@ -11,6 +11,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
+use crate::error::check_divisible;
 use crate::init::{init_replicated, owned};
 use crate::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule, TpMode,
@@ -22,7 +23,6 @@ use crate::transformer::{
     ParallelAttention, ParallelAttentionConfig, ParallelMlp, ParallelMlpConfig, TpLayerNorm,
     replicated_param,
 };
-use crate::error::check_divisible;
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`Gpt`].
