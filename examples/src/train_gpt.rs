@@ -450,11 +450,13 @@ fn cuda_rank<M: LanguageModel>(
     let env = LaunchEnv::from_env().map_err(|e| {
         format!("--device cuda runs one process per GPU: start it with burn-tp-launch ({e})")
     })?;
-    if env.world_size != args.tp || args.dp != 1 {
+    if env.world_size != args.tp * args.dp {
         return Err(format!(
-            "--device cuda: the launch has WORLD_SIZE {} but --tp {} --dp {}; on GPUs world = tp \
-             and dp = 1 (NCCL groups cannot be split yet)",
-            env.world_size, args.tp, args.dp
+            "--device cuda: the launch has WORLD_SIZE {} but --tp {} x --dp {} = {}",
+            env.world_size,
+            args.tp,
+            args.dp,
+            args.tp * args.dp
         ));
     }
     let timeout = burn_tp::comm::DEFAULT_TIMEOUT;
@@ -504,7 +506,7 @@ fn train_rank<M: LanguageModel>(
 ) -> Result<RankOut, Box<dyn std::error::Error>> {
     let rank = world.rank();
     let (tp_rank, dp_rank) = (rank % args.tp, rank / args.tp);
-    // Without data parallelism the world is the tp group (no split: NCCL groups cannot).
+    // Without data parallelism the world is the tp group (no new communicator to make).
     let (tp_group, dp_group) = if args.dp == 1 {
         (world.clone(), LocalGroup::new(1)?.remove(0))
     } else {

@@ -66,3 +66,17 @@ pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// Replaces every parameter of a module by its gradient (then `to_full_module` gathers the
+/// gradients of a sharded model into the full layout).
+pub struct ToGrads<'a>(pub &'a burn::tensor::Gradients);
+
+impl burn::module::ModuleMapper for ToGrads<'_> {
+    fn map_float<const R: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<R>>,
+    ) -> burn::module::Param<Tensor<R>> {
+        let grads = self.0;
+        param.map(|t| t.grad(grads).expect("every parameter has a gradient"))
+    }
+}

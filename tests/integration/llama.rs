@@ -5,7 +5,7 @@
 //! < tp, = tp and > tp, a vocabulary tp does not divide, masked and ignored tokens, dropout on and
 //! off, tied and untied heads. And checkpoints that move between tp sizes.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, Linear, RmsNorm, RotaryEncoding, RotaryEncodingConfig, SwiGlu};
 use burn::tensor::activation::softmax;
@@ -16,7 +16,7 @@ use burn_tp::local::run_local;
 use burn_tp::ops::gather_from_tp_region;
 use burn_tp::reshard::Reshard;
 
-use crate::common::{assert_close, device, f64s, rng_lock};
+use crate::common::{ToGrads, assert_close, device, f64s, rng_lock};
 
 const V: usize = 11; // not a multiple of 2 or 4: padded to 12
 const S: usize = 8;
@@ -226,16 +226,6 @@ fn model_grads(full: &Llama, n_kv: usize) -> Vec<(String, Vec<f64>)> {
         out.push(("head".into(), w(h)));
     }
     out
-}
-
-/// Replaces every parameter of a module by its gradient.
-struct ToGrads<'a>(&'a Gradients);
-
-impl ModuleMapper for ToGrads<'_> {
-    fn map_float<const R: usize>(&mut self, param: Param<Tensor<R>>) -> Param<Tensor<R>> {
-        let grads = self.0;
-        param.map(|t| t.grad(grads).expect("every parameter has a gradient"))
-    }
 }
 
 fn batch() -> (Vec<i64>, Vec<i64>, Vec<f32>) {

@@ -3,7 +3,7 @@
 //! code in its forward), loaded with the same full weights: the same loss and the same gradient
 //! for every parameter at tp = 1, 2 and 4, in both modes.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, Param};
 use burn::nn::attention::{
     MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
 };
@@ -15,7 +15,7 @@ use burn_tp::linear::TpMode;
 use burn_tp::local::run_local;
 use burn_tp::reshard::Reshard;
 
-use crate::common::{assert_close, device, f64s, rng_lock};
+use crate::common::{ToGrads, assert_close, device, f64s, rng_lock};
 
 const V: usize = 16;
 const S: usize = 8;
@@ -116,16 +116,6 @@ impl RefGpt {
         CrossEntropyLossConfig::new()
             .init(&dev)
             .forward(logits.reshape([s * b, V]), targets.reshape([s * b]))
-    }
-}
-
-/// Replaces every parameter of a module by its gradient.
-struct ToGrads<'a>(&'a Gradients);
-
-impl ModuleMapper for ToGrads<'_> {
-    fn map_float<const R: usize>(&mut self, param: Param<Tensor<R>>) -> Param<Tensor<R>> {
-        let grads = self.0;
-        param.map(|t| t.grad(grads).expect("every parameter has a gradient"))
     }
 }
 

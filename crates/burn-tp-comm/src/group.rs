@@ -237,7 +237,8 @@ impl ProcessGroup {
     }
 
     /// Splits the group like `MPI_Comm_split`: ranks passing the same `color` form a new group,
-    /// ordered by `(key, rank)`. Collective over this group. A world of 4 split with
+    /// ordered by `(key, rank)`. Collective over this group. Over NCCL the new group is a new
+    /// communicator ([`NcclGroup::split`](crate::nccl::NcclGroup::split)). A world of 4 split with
     /// `color = rank / 2` gives two groups of 2 (tensor parallel), `color = rank % 2` the
     /// orthogonal ones (data parallel).
     ///
@@ -247,25 +248,16 @@ impl ProcessGroup {
         let parent = match &self.transport {
             Transport::Local(shared) => shared.clone(),
             #[cfg(feature = "nccl")]
-            Transport::Nccl(_) => {
-                return Err(CommError::Backend(format!(
-                    "split({color}, {key}) of an NCCL group is not supported yet: run one job \
-                     per tensor-parallel group (world = tp)"
-                )));
+            Transport::Nccl(n) => {
+                let group = ProcessGroup::from_nccl(n.split(color, key)?);
+                group.set_timeout(self.timeout());
+                return Ok(group);
             }
         };
         let work = self.gather_kind(OpKind::Split, vec![color as i64, key as i64], vec![2]);
         let seq = work.seq();
         let all = work.wait()?;
-        let mut members: Vec<(i64, usize)> = (0..self.world_size())
-            .filter(|&r| all[2 * r] == color as i64)
-            .map(|r| (all[2 * r + 1], r))
-            .collect();
-        members.sort_unstable();
-        let new_rank = members
-            .iter()
-            .position(|&(_, r)| r == self.rank)
-            .expect("this rank is a member of its colour");
+        let (members, new_rank) = crate::op::split_members(&all, color, self.rank);
         let mut st = parent.lock();
         let entry = st.splits.entry((seq, color)).or_insert_with(|| {
             (

@@ -71,3 +71,19 @@ impl fmt::Display for OpDesc {
         write!(f, "{kind} of {:?} {:?}", self.dtype, self.shape)
     }
 }
+
+/// The members of `rank`'s new group in a split, from every rank's `[color, key]` (gathered in
+/// rank order): the parent ranks of `color`, ordered by `(key, rank)`, and `rank`'s position
+/// among them.
+pub(crate) fn split_members(all: &[i64], color: usize, rank: usize) -> (Vec<usize>, usize) {
+    let mut members: Vec<(i64, usize)> = (0..all.len() / 2)
+        .filter(|&r| all[2 * r] == color as i64)
+        .map(|r| (all[2 * r + 1], r))
+        .collect();
+    members.sort_unstable();
+    let new_rank = members
+        .iter()
+        .position(|&(_, r)| r == rank)
+        .expect("this rank is a member of its colour");
+    (members.into_iter().map(|(_, r)| r).collect(), new_rank)
+}

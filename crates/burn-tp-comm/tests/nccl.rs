@@ -78,7 +78,15 @@ fn collectives_at_world_size_one_on_the_gpu() {
     let pg = ProcessGroup::from_nccl(group);
     assert!(pg.nccl().is_some());
     common::conformance(&pg, |v| v.to_vec(), |b| b);
-    assert!(matches!(pg.split(0, 0), Err(CommError::Backend(_))));
+
+    // A split: a new communicator of the ranks of one colour (here, this one), which runs the
+    // same conformance on its own stream.
+    let sub = pg.split(0, 0).unwrap();
+    assert_eq!((sub.rank(), sub.world_size()), (0, 1));
+    assert!(sub.nccl().is_some());
+    common::conformance(&sub, |v| v.to_vec(), |b| b);
+    let again = sub.nccl().unwrap().split(7, 3).unwrap();
+    assert_eq!((again.rank(), again.world_size()), (0, 1));
 }
 
 /// The stream-overlap check: an all-gather posted before a long stretch of compute-stream work

@@ -383,6 +383,64 @@ impl NcclGroup {
         Ok(out)
     }
 
+    /// The sub-group of the ranks that pass the same `color`, ranked by `(key, rank)`: a new
+    /// NCCL communicator on this rank's GPU, with its own communication stream. Collective over
+    /// this group (every rank calls it, in the same order as its other collectives).
+    ///
+    /// `ncclCommSplit` is not reachable through cudarc's `Comm` (it keeps the raw handle
+    /// private), so the sub-group is made as NCCL makes any group: each sub-group's first member
+    /// draws a unique id, every rank gets its own sub-group's id by an all-gather over this
+    /// group (with the colours and keys), and the members call `ncclCommInitRank` together.
+    ///
+    /// # Errors
+    /// An NCCL or CUDA error, or a timeout.
+    pub fn split(&self, color: usize, key: usize) -> Result<NcclGroup> {
+        let all = self.host_collective(RawOp::AllGather, &[color as i64, key as i64])?;
+        let (members, new_rank) = crate::op::split_members(&all, color, self.rank);
+        let leader = members[0];
+        // A unique id is 128 bytes: 16 i64s per rank, zeros but from each sub-group's leader.
+        const WORDS: usize = 16;
+        let mut mine = [0i64; WORDS];
+        if self.rank == leader {
+            let id = Id::new().map_err(|e| nccl_err("get_unique_id (split)", 0, self.rank, e))?;
+            for (w, chunk) in mine.iter_mut().zip(id.internal().chunks(8)) {
+                let mut b = [0u8; 8];
+                for (d, &c) in b.iter_mut().zip(chunk) {
+                    *d = c as u8;
+                }
+                *w = i64::from_le_bytes(b);
+            }
+        }
+        let ids = self.host_collective(RawOp::AllGather, &mine)?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (k, w) in ids[leader * WORDS..(leader + 1) * WORDS].iter().enumerate() {
+            for (j, b) in w.to_le_bytes().into_iter().enumerate() {
+                internal[8 * k + j] = b as std::ffi::c_char;
+            }
+        }
+        let comm_stream = self
+            .comm_stream
+            .context()
+            .new_stream()
+            .map_err(|e| nccl_err("new_stream (split)", 0, self.rank, e))?;
+        let comm = Comm::from_rank(
+            comm_stream.clone(),
+            new_rank,
+            members.len(),
+            Id::uninit(internal),
+        )
+        .map_err(|e| nccl_err("comm_init_rank (split)", 0, self.rank, e))?;
+        Ok(NcclGroup {
+            comm: CommCell(std::sync::Mutex::new(comm)),
+            comm_stream,
+            compute: self.compute.clone(),
+            rank: new_rank,
+            world_size: members.len(),
+            seq: AtomicU64::new(0),
+            timeout: self.timeout,
+        })
+    }
+
     /// Blocks the host until every rank reached this point (an all-reduce of one value).
     ///
     /// # Errors
