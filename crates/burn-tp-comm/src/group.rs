@@ -238,7 +238,7 @@ impl ProcessGroup {
 
     /// Splits the group like `MPI_Comm_split`: ranks passing the same `color` form a new group,
     /// ordered by `(key, rank)`. Collective over this group. Over NCCL the new group is a new
-    /// communicator ([`NcclGroup::split`](crate::nccl::NcclGroup::split)). A world of 4 split with
+    /// communicator (`nccl::NcclGroup::split`, feature `nccl`). A world of 4 split with
     /// `color = rank / 2` gives two groups of 2 (tensor parallel), `color = rank % 2` the
     /// orthogonal ones (data parallel).
     ///

@@ -26,7 +26,11 @@ use crate::ops::copy_to_tp_region;
 
 type TpResult<T> = std::result::Result<T, TpError>;
 
-/// One contiguous chunk of output features; see [the module docs](self).
+/// One contiguous chunk of a column-parallel layer's output features (nanotron's
+/// `contiguous_chunks`): `width` columns made of `blocks` equal blocks (heads). With
+/// `blocks % tp == 0` each rank takes `blocks / tp` consecutive blocks; with `tp % blocks == 0`
+/// (fewer key / value heads than ranks) block `r / (tp / blocks)` is replicated on `tp / blocks`
+/// consecutive ranks, and their gradients are summed over those ranks.
 #[derive(Config, Debug, PartialEq, Eq)]
 pub struct ColumnChunk {
     /// Columns of the chunk in the full weight.
