@@ -116,6 +116,36 @@ pub struct LlamaOptions {
 }
 
 /// The Llama-class model.
+///
+/// ```
+/// use burn::tensor::{Device, Int, Tensor, TensorData};
+/// use burn_tp::linear::TpMode;
+/// use burn_tp::llama::{DropoutStep, LlamaConfig};
+/// use burn_tp::local::run_local;
+///
+/// let device = Device::flex().autodiff();
+/// device.seed(0); // once, before the rank threads: the same model at every tp
+/// let losses = run_local(2, move |group| -> burn_tp::Result<f32> {
+///     // 50 tokens (padded to 50 at tp 2), 4 query heads, 2 key / value heads, SwiGLU width 64.
+///     let model = LlamaConfig::new(50, 16, 32, 4, 2, 2, 64)
+///         .with_mode(TpMode::ReduceScatter)
+///         .with_dropout(0.1)
+///         .init(&group, &device)?;
+///     let ids = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [16, 2]), &device);
+///     let x: Vec<i64> = (0..32).map(|i| i % 50).collect();
+///     let y: Vec<i64> = (0..32).map(|i| (i + 1) % 50).collect();
+///     // Drop the first token of each sequence from the loss (a prompt, say).
+///     let mut keep = vec![1.0f32; 32];
+///     keep[..2].fill(0.0);
+///     let mask = Tensor::<1>::from_floats(keep.as_slice(), &device).reshape([16, 2]);
+///     let out = model.try_loss(ids(x), ids(y), Some(mask), Some(DropoutStep::new(0)))?;
+///     let _grads = out.mean.backward();
+///     Ok(out.mean.into_scalar())
+/// })
+/// .expect("no rank panicked");
+/// // The same loss on both ranks.
+/// assert_eq!(losses[0].as_ref().ok(), losses[1].as_ref().ok());
+/// ```
 #[derive(Module, Debug)]
 pub struct Llama {
     /// Token embedding, `[V_p / tp, d_model]`.
