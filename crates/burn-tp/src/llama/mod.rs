@@ -235,11 +235,9 @@ impl LlamaConfig {
 }
 
 impl LlamaBlock {
-    /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]`; with `dropout`, block `index`'s sites.
-    ///
-    /// # Errors
-    /// As the layers' `try_forward`.
-    pub fn try_forward(
+    /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]`; with `dropout`, block `index`'s sites
+    /// (the model's forward runs it: the sites and the dropout rate are the model's).
+    pub(crate) fn try_forward(
         &self,
         x: Tensor<3>,
         dropout: Option<DropoutKey>,
