@@ -542,3 +542,74 @@ fn tied_head_and_separate_qkv_agree_across_tp() {
         }
     }
 }
+
+/// A vocabulary tp does not divide (13 at tp 2 and 4: padded to 14 and 16): the same loss and the
+/// same gradients as at tp = 1 (no padding), tied and untied, in both modes; the padding never
+/// shows in the full form (`to_full` is `[13, d]`) and gets no gradient.
+#[test]
+fn any_vocabulary_size_works_at_any_tp() {
+    use crate::common::ToGrads;
+    use burn::module::Module;
+    let _rng = rng_lock();
+    let (v, s, b) = (13usize, 8usize, 2usize);
+    let x: Vec<i64> = (0..(s * b) as i64)
+        .map(|i| (i * 7 + 3) % v as i64)
+        .collect();
+    let y: Vec<i64> = (0..(s * b) as i64)
+        .map(|i| (i * 5 + 12) % v as i64)
+        .collect();
+    for tied in [false, true] {
+        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+            let mut reference: Option<(Vec<f64>, Vec<f64>, Vec<f64>)> = None;
+            for tp in [1usize, 2, 4] {
+                device().seed(17);
+                let (x, y) = (x.clone(), y.clone());
+                let out = run_local(tp, move |g| {
+                    let model = GptConfig::new(v, s, 16, 4, 1)
+                        .with_mode(mode)
+                        .with_tie_embeddings(tied)
+                        .init(&g, &device())
+                        .unwrap();
+                    let loss = model.loss(ids(x.clone(), [s, b]), ids(y.clone(), [s, b]));
+                    let grads = loss.backward();
+                    // The padding rows of this rank's table shard get no gradient.
+                    let shard_grad = f64s(model.tok.weight.val().grad(&grads).unwrap());
+                    let rows = model.tok.weight.val().dims()[0];
+                    let first = g.rank() * rows;
+                    let padded_rows = (first..first + rows).filter(|&id| id >= v);
+                    let padding_grad: f64 = padded_rows
+                        .flat_map(|id| {
+                            shard_grad[(id - first) * 16..(id - first + 1) * 16].to_vec()
+                        })
+                        .map(f64::abs)
+                        .sum();
+                    let full = model
+                        .clone()
+                        .map(&mut ToGrads(&grads))
+                        .to_full_module()
+                        .unwrap();
+                    let tok = full.tok.to_full().unwrap().weight.val();
+                    assert_eq!(tok.dims(), [v, 16]);
+                    let head = full
+                        .head
+                        .as_ref()
+                        .map_or_else(Vec::new, |h| f64s(h.to_full().unwrap().weight.val()));
+                    (f64s(loss), f64s(tok), head, padding_grad)
+                })
+                .unwrap();
+                for (r, (loss, tok, head, padding_grad)) in out.into_iter().enumerate() {
+                    let tag = format!("tied {tied} {mode:?} tp {tp} rank {r}");
+                    assert_eq!(padding_grad, 0.0, "{tag}: padding rows got a gradient");
+                    match &reference {
+                        None => reference = Some((loss, tok, head)),
+                        Some((l, t, h)) => {
+                            assert_close(&loss, l, 1e-5, &format!("{tag}: loss"));
+                            assert_close(&tok, t, 1e-4, &format!("{tag}: embedding gradient"));
+                            assert_close(&head, h, 1e-4, &format!("{tag}: head gradient"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

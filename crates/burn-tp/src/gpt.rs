@@ -10,13 +10,10 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
+use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned};
-use crate::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule, TpMode,
-    column_parallel_linear,
-};
+use crate::linear::{LinearSpec, OverlapSchedule, TpMode, column_parallel_linear};
 use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
 use crate::reshard::{Reshard, solo};
 use crate::transformer::{
@@ -28,7 +25,8 @@ use crate::{Result as TpResult, TpError};
 /// Configuration of a [`Gpt`].
 #[derive(Config, Debug)]
 pub struct GptConfig {
-    /// Vocabulary size (a multiple of tp).
+    /// Vocabulary size (any: the embedding and the head are padded to a multiple of tp, and the
+    /// padding is masked out of the loss).
     pub n_vocab: usize,
     /// Longest sequence.
     pub max_seq: usize,
@@ -107,8 +105,8 @@ pub struct Gpt {
     pub blocks: Vec<Block>,
     /// Final norm.
     pub ln_f: TpLayerNorm,
-    /// lm-head `d_model -> n_vocab / tp` (absent when tied to `tok`).
-    pub head: Option<ColumnParallelLinear>,
+    /// lm-head `d_model -> V_p / tp` over the padded vocabulary (absent when tied to `tok`).
+    pub head: Option<VocabParallelHead>,
     #[module(skip)]
     group: ProcessGroup,
     #[module(skip)]
@@ -135,7 +133,7 @@ impl GptConfig {
     /// Collective over `group`.
     ///
     /// # Errors
-    /// Sizes not divisible by tp (vocabulary, heads, hidden width); a communication error.
+    /// Sizes not divisible by tp (heads, hidden width); a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Gpt> {
         let (d, mode, asynch) = (self.d_model, self.mode, self.async_communication);
         // Every size is checked before the first collective, so a bad config fails on each rank
@@ -143,9 +141,6 @@ impl GptConfig {
         let tp = group.world_size();
         check_divisible("ParallelAttention n_heads", self.n_heads, tp)?;
         check_divisible("ParallelMlp d_hidden", self.d_hidden.unwrap_or(4 * d), tp)?;
-        if !self.tie_embeddings {
-            check_divisible("ColumnParallelLinear d_output", self.n_vocab, tp)?;
-        }
         if !d.is_multiple_of(self.n_heads) {
             return Err(TpError::Config(format!(
                 "ParallelAttention: d_model = {d} is not divisible by n_heads = {}",
@@ -179,15 +174,14 @@ impl GptConfig {
                 })
             })
             .collect::<TpResult<Vec<_>>>()?;
+        let spec = LinearSpec {
+            async_communication: asynch,
+            schedule: self.schedule,
+            ..LinearSpec::new(mode)
+        };
+        // The draws of `LinearConfig::new(d, n_vocab).with_bias(false)` at tp = 1, padded.
         let head = (!self.tie_embeddings)
-            .then(|| {
-                ColumnParallelLinearConfig::new(d, self.n_vocab)
-                    .with_bias(false)
-                    .with_mode(mode)
-                    .with_async_communication(asynch)
-                    .with_schedule(self.schedule)
-                    .init(group, device)
-            })
+            .then(|| VocabParallelHead::init(d, self.n_vocab, 1, spec, group, device))
             .transpose()?;
         Ok(Gpt {
             tok,
@@ -222,7 +216,8 @@ impl Gpt {
     ///
     /// # Shapes
     /// - `ids`: `[seq, batch]` (the full sequence on every rank, in both modes)
-    /// - output: `[seq, batch, n_vocab / tp]`
+    /// - output: `[seq, batch, V_p / tp]` over the padded vocabulary `V_p` (the padding columns
+    ///   are masked out by [`loss`](Self::loss))
     ///
     /// # Panics
     /// [`TpError::Shape`] for a sequence longer than `max_seq`; ids outside the vocabulary;
@@ -295,7 +290,7 @@ impl Gpt {
     pub fn try_loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
         let logits = self.try_forward(ids)?;
         let [s, b, v] = logits.dims();
-        // The tied head's logits cover the embedding's padded vocabulary: mask the padding.
+        // The logits cover the padded vocabulary: mask the padding.
         let options = CrossEntropyOptions {
             z_loss: self.options.z_loss,
             label_smoothing: self.options.label_smoothing,
