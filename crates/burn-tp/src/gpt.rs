@@ -308,24 +308,12 @@ impl Gpt {
     }
 }
 
-impl Reshard for Block {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self {
-            ln1: self.ln1.to_full_module()?,
-            attn: self.attn.to_full_module()?,
-            ln2: self.ln2.to_full_module()?,
-            mlp: self.mlp.to_full_module()?,
-        })
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self {
-            ln1: Reshard::shard_module(&full.ln1, group)?,
-            attn: Reshard::shard_module(&full.attn, group)?,
-            ln2: Reshard::shard_module(&full.ln2, group)?,
-            mlp: Reshard::shard_module(&full.mlp, group)?,
-        })
-    }
-}
+crate::reshard::reshard_fields!(Block {
+    ln1,
+    attn,
+    ln2,
+    mlp
+});
 
 impl Reshard for Gpt {
     fn to_full_module(&self) -> TpResult<Self> {

@@ -321,20 +321,7 @@ impl Reshard for TpLayerNorm {
     }
 }
 
-impl Reshard for ParallelMlp {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self {
-            fc1: self.fc1.to_full_module()?,
-            fc2: self.fc2.to_full_module()?,
-        })
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self {
-            fc1: Reshard::shard_module(&full.fc1, group)?,
-            fc2: Reshard::shard_module(&full.fc2, group)?,
-        })
-    }
-}
+crate::reshard::reshard_fields!(ParallelMlp { fc1, fc2 });
 
 impl Reshard for ParallelAttention {
     fn to_full_module(&self) -> TpResult<Self> {

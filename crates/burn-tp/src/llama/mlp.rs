@@ -11,7 +11,6 @@ use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule,
     RowParallelLinear, RowParallelLinearConfig, TpMode,
 };
-use crate::reshard::Reshard;
 
 /// Configuration of a [`ParallelSwiGlu`].
 #[derive(Config, Debug)]
@@ -92,17 +91,4 @@ impl ParallelSwiGlu {
     }
 }
 
-impl Reshard for ParallelSwiGlu {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self {
-            gate_up: self.gate_up.to_full_module()?,
-            down: self.down.to_full_module()?,
-        })
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self {
-            gate_up: Reshard::shard_module(&full.gate_up, group)?,
-            down: Reshard::shard_module(&full.down, group)?,
-        })
-    }
-}
+crate::reshard::reshard_fields!(ParallelSwiGlu { gate_up, down });

@@ -406,24 +406,12 @@ impl Llama {
     }
 }
 
-impl Reshard for LlamaBlock {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self {
-            attn_norm: self.attn_norm.to_full_module()?,
-            attn: self.attn.to_full_module()?,
-            mlp_norm: self.mlp_norm.to_full_module()?,
-            mlp: self.mlp.to_full_module()?,
-        })
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self {
-            attn_norm: Reshard::shard_module(&full.attn_norm, group)?,
-            attn: Reshard::shard_module(&full.attn, group)?,
-            mlp_norm: Reshard::shard_module(&full.mlp_norm, group)?,
-            mlp: Reshard::shard_module(&full.mlp, group)?,
-        })
-    }
-}
+crate::reshard::reshard_fields!(LlamaBlock {
+    attn_norm,
+    attn,
+    mlp_norm,
+    mlp
+});
 
 impl Reshard for Llama {
     fn to_full_module(&self) -> TpResult<Self> {

@@ -20,6 +20,28 @@ pub trait Reshard: Sized {
     fn shard_module(full: &Self, group: &ProcessGroup) -> Result<Self>;
 }
 
+/// [`Reshard`] for a module made only of fields that implement it: each field moves on its own.
+macro_rules! reshard_fields {
+    ($ty:ident { $($field:ident),+ $(,)? }) => {
+        impl $crate::reshard::Reshard for $ty {
+            fn to_full_module(&self) -> $crate::Result<Self> {
+                Ok(Self {
+                    $($field: $crate::reshard::Reshard::to_full_module(&self.$field)?),+
+                })
+            }
+            fn shard_module(
+                full: &Self,
+                group: &burn_tp_comm::ProcessGroup,
+            ) -> $crate::Result<Self> {
+                Ok(Self {
+                    $($field: $crate::reshard::Reshard::shard_module(&full.$field, group)?),+
+                })
+            }
+        }
+    };
+}
+pub(crate) use reshard_fields;
+
 /// A group of one: where a full (tp = 1) module lives.
 pub(crate) fn solo() -> ProcessGroup {
     LocalGroup::new(1).expect("a group of one").remove(0)
