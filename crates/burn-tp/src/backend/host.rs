@@ -132,6 +132,9 @@ pub(crate) fn slice_dim<B: Backend>(
     dim: usize,
     range: std::ops::Range<usize>,
 ) -> FloatTensor<B> {
+    if range.start == 0 && range.end == x.shape()[dim] {
+        return x; // the whole dim: not even a view
+    }
     let mut slices = vec![Slice::full(); x.shape().num_dims()];
     slices[dim] = Slice::new(range.start as isize, Some(range.end as isize), 1);
     B::float_slice(x, &slices)

@@ -471,16 +471,16 @@ pub(crate) fn row_backward<B: TpBackend>(
                 |range, block| {
                     if needs.input {
                         let y = B::float_matmul(block.clone(), w_t.clone());
-                        let buf = gx.take().unwrap_or_else(|| {
-                            B::float_empty(
-                                Shape::from(vec![n * m, d_in]),
-                                &y.device(),
-                                y.dtype().into(),
-                            )
-                        });
                         gx = Some(if range.len() == n * m {
                             y
                         } else {
+                            let buf = gx.take().unwrap_or_else(|| {
+                                B::float_empty(
+                                    Shape::from(vec![n * m, d_in]),
+                                    &y.device(),
+                                    y.dtype().into(),
+                                )
+                            });
                             B::float_slice_assign(buf, &row_slices(range.clone()), y)
                         });
                     }
