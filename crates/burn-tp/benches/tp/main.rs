@@ -93,13 +93,17 @@ fn bench_collectives(quick: bool) {
     );
     println!("all-reduce) / collective time; >= 1 means as fast as one memcpy of them.\n");
     println!(
-        "alloc+copy = a fresh Vec of the bytes (what a collective returning a new buffer pays).\n"
+        "alloc+copy = a fresh Vec of the bytes (what a collective returning a new buffer pays)."
     );
     println!(
-        "| op | ranks | MiB | collective ms | memcpy ms | alloc+copy ms | x memcpy | x alloc+copy |"
+        "memcpy x ranks = every rank thread copying the same bytes at once, in the same pools: the"
+    );
+    println!("floor when there are more ranks than cores.\n");
+    println!(
+        "| op | ranks | MiB | collective ms | memcpy ms | alloc+copy ms | memcpy x ranks ms | x memcpy | x alloc+copy | x memcpy x ranks |"
     );
     println!(
-        "|----|------:|----:|--------------:|----------:|--------------:|---------:|-------------:|"
+        "|----|------:|----:|--------------:|----------:|--------------:|------------------:|---------:|-------------:|-----------------:|"
     );
     let sizes: &[usize] = if quick { &[1, 4] } else { &[1, 4, 16, 64] };
     let reps = if quick { 3 } else { 7 };
@@ -112,6 +116,12 @@ fn bench_collectives(quick: bool) {
                 let n = g.world_size();
                 let shard = vec![1.0f32; bytes / 4 / n];
                 let full = vec![1.0f32; bytes / 4];
+                let mut warm = vec![0f32; bytes / 4];
+                let mem_all = timed(&g, reps, || {
+                    warm.copy_from_slice(&full);
+                    std::hint::black_box(&warm);
+                });
+                drop(warm);
                 // Inputs are made, and outputs freed, outside the timed region.
                 let mut outputs = Vec::with_capacity(reps);
                 let mut inputs: Vec<Vec<f32>> = (0..reps).map(|_| shard.clone()).collect();
@@ -157,9 +167,9 @@ fn bench_collectives(quick: bool) {
                 let tar = timed(&g, reps, || {
                     drop(burn_tp::ops::all_reduce(t_full.clone(), ReduceOp::Sum, &g).unwrap())
                 });
-                (ag, agi, rs, ar, tag, trs, tar)
+                (ag, agi, rs, ar, tag, trs, tar, mem_all)
             });
-            let (ag, agi, rs, ar, tag, trs, tar) = times[0];
+            let (ag, agi, rs, ar, tag, trs, tar, t_all) = times[0];
             for (op, t) in [
                 ("all_gather", ag),
                 ("all_gather_into", agi),
@@ -170,12 +180,14 @@ fn bench_collectives(quick: bool) {
                 ("tensor all_reduce (pooled)", tar),
             ] {
                 println!(
-                    "| {op} | {world} | {mib} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    "| {op} | {world} | {mib} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
                     t * 1e3,
                     t_mem * 1e3,
                     t_alloc * 1e3,
+                    t_all * 1e3,
                     t_mem / t,
-                    t_alloc / t
+                    t_alloc / t,
+                    t_all / t
                 );
             }
         }
@@ -463,8 +475,10 @@ fn bench_scaling(quick: bool) {
 }
 
 mod floor;
+mod grid;
 
 use floor::bench_layer_floor;
+use grid::bench_async_grid;
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
@@ -481,6 +495,7 @@ fn main() {
     match only.as_deref() {
         Some("floor") => return bench_layer_floor(quick),
         Some("collectives") => return bench_collectives(quick),
+        Some("grid") => return bench_async_grid(quick),
         Some("overlap") => {
             let ring = bench_overlap(quick, OverlapSchedule::Ring);
             return print_overlap("5a. Overlap with the chunked ring schedule", &ring);
@@ -516,5 +531,6 @@ fn main() {
         }
     }
     bench_layer_floor(quick);
+    bench_async_grid(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }

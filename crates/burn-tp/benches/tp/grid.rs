@@ -1,0 +1,149 @@
+//! Section 7: async against sync over the whole grid (row / column, ALL_REDUCE /
+//! REDUCE_SCATTER, split / ring, tp 2 and 4, with and without the link model), as ratios paired
+//! round by round.
+
+use burn::module::Param;
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+use burn_tp::LocalGroupOptions;
+use burn_tp::linear::{
+    ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
+    RowParallelLinearConfig, TpMode,
+};
+
+use super::{device, link_for, median, ranks, timed};
+
+const MODES: [TpMode; 2] = [TpMode::AllReduce, TpMode::ReduceScatter];
+/// (async, schedule): sync first, the reference of the other two.
+const VARIANTS: [(bool, OverlapSchedule); 3] = [
+    (false, OverlapSchedule::Ring),
+    (true, OverlapSchedule::Split),
+    (true, OverlapSchedule::Ring),
+];
+
+/// Per (layer, mode): the median sync time and, for split and ring, the median over rounds of
+/// `t_async / t_sync` taken in the same round (the drift of this shared machine cancels in
+/// each pair).
+type GridRow = (&'static str, TpMode, f64, [f64; 2]);
+
+fn run_grid(
+    world: usize,
+    options: LocalGroupOptions,
+    s: usize,
+    b: usize,
+    d: usize,
+    rounds: usize,
+) -> Vec<GridRow> {
+    ranks(world, options, 1, move |g| {
+        let n = g.world_size();
+        let dev = device();
+        let linear = Linear {
+            weight: Param::from_tensor(Tensor::ones([d, d], &dev) * 0.01),
+            bias: None,
+        };
+        let mut rows = Vec::new();
+        for mode in MODES {
+            // Sequence-parallel inputs are sharded on dim 0; all-reduce inputs are replicated.
+            let s_col = if mode == TpMode::ReduceScatter {
+                s / n
+            } else {
+                s
+            };
+            let x_row = Tensor::<3>::ones([s, b, d / n], &dev).require_grad();
+            let x_col = Tensor::<3>::ones([s_col, b, d], &dev).require_grad();
+            let row_layers: Vec<_> = VARIANTS
+                .iter()
+                .map(|&(a, sch)| {
+                    let cfg = RowParallelLinearConfig::new(d, d)
+                        .with_bias(false)
+                        .with_mode(mode)
+                        .with_async_communication(a)
+                        .with_schedule(sch);
+                    RowParallelLinear::from_full(&linear, &g, &cfg).unwrap()
+                })
+                .collect();
+            let col_layers: Vec<_> = VARIANTS
+                .iter()
+                .map(|&(a, sch)| {
+                    let cfg = ColumnParallelLinearConfig::new(d, d)
+                        .with_bias(false)
+                        .with_recompute_all_gather(false)
+                        .with_mode(mode)
+                        .with_async_communication(a)
+                        .with_schedule(sch);
+                    ColumnParallelLinear::from_full(&linear, &g, &cfg).unwrap()
+                })
+                .collect();
+            let mut t = vec![
+                [Vec::new(), Vec::new(), Vec::new()],
+                [Vec::new(), Vec::new(), Vec::new()],
+            ];
+            for round in 0..=rounds {
+                // The order rotates each round, so no variant always runs after the same one.
+                for k in 0..VARIANTS.len() {
+                    let v = (k + round) % VARIANTS.len();
+                    let (l, x) = (&row_layers[v], &x_row);
+                    let dt = timed(&g, 1, || drop(l.forward(x.clone()).sum().backward()));
+                    let (l, x) = (&col_layers[v], &x_col);
+                    let dc = timed(&g, 1, || drop(l.forward(x.clone()).sum().backward()));
+                    if round > 0 {
+                        // round 0 warms up
+                        t[0][v].push(dt);
+                        t[1][v].push(dc);
+                    }
+                }
+            }
+            for (i, name) in ["row", "column"].into_iter().enumerate() {
+                let [sync, split, ring] = &t[i];
+                let paired = |a: &Vec<f64>| {
+                    median(a.iter().zip(sync).map(|(a, s)| a / s).collect::<Vec<_>>())
+                };
+                rows.push((
+                    name,
+                    mode,
+                    median(sync.clone()),
+                    [paired(split), paired(ring)],
+                ));
+            }
+        }
+        rows
+    })
+    .remove(0)
+}
+
+/// Async / sync over the grid, without and with the link model.
+pub(crate) fn bench_async_grid(quick: bool) {
+    let (s, b, d) = if quick { (64, 2, 128) } else { (512, 4, 1024) };
+    let rounds = if quick { 2 } else { 15 };
+    println!("\n## 7. Async / sync over the grid: x [{s}, {b}, {d}] -> {d}, forward + backward\n");
+    println!(
+        "No bias, loss = sum(y), column without recompute_all_gather; one thread per rank. Each"
+    );
+    println!(
+        "ratio is the median over {rounds} rounds of t_async / t_sync timed in the same round. The"
+    );
+    println!(
+        "link: latency 5 us, bandwidth set so that one all-gather of the activation takes about"
+    );
+    println!("as long as one of the layer's GEMMs. Target: async / sync <= 1.02 everywhere.\n");
+    println!("| tp | link | layer | mode | sync ms | split / sync | ring / sync |");
+    println!("|---:|------|-------|------|--------:|------:|------:|");
+    for world in [2usize, 4] {
+        let plain = run_grid(world, LocalGroupOptions::default(), s, b, d, rounds);
+        // The sequence-parallel column sync time is ~3 GEMMs plus its two collectives.
+        let t_gemm = plain
+            .iter()
+            .find(|r| r.0 == "column" && r.1 == TpMode::ReduceScatter)
+            .map_or(1e-3, |r| r.2 / 4.0);
+        let recv = (world - 1) * s / world * b * d * 4;
+        let linked = run_grid(world, link_for(recv, t_gemm), s, b, d, rounds);
+        for (link, rows) in [("none", plain), ("on", linked)] {
+            for (name, mode, sync, [split, ring]) in rows {
+                println!(
+                    "| {world} | {link} | {name} | {mode:?} | {:.1} | {split:.3} | {ring:.3} |",
+                    sync * 1e3
+                );
+            }
+        }
+    }
+}
