@@ -398,6 +398,24 @@ impl<O> Work<O> {
     where
         O: RecvBuf<T>,
     {
+        self.with_part_range(part, range, <[T]>::to_vec)
+    }
+
+    /// [`wait_part_range`](Self::wait_part_range) that lends the elements to `read` in place
+    /// instead of copying them into a new `Vec` (the caller copies them where it wants, e.g.
+    /// into a reused buffer).
+    ///
+    /// # Errors
+    /// As [`wait_part_range`](Self::wait_part_range).
+    pub fn with_part_range<T: CommElement, R>(
+        &self,
+        part: usize,
+        range: std::ops::Range<usize>,
+        read: impl FnOnce(&[T]) -> R,
+    ) -> Result<R>
+    where
+        O: RecvBuf<T>,
+    {
         let shard = self.desc.len();
         if self.desc.kind != OpKind::AllGather
             || part >= self.group.world_size()
@@ -413,11 +431,11 @@ impl<O> Work<O> {
         }
         if let Some(done) = &self.done {
             let all = done.as_ref().map_err(Clone::clone)?.as_slice();
-            return Ok(all[part * shard..(part + 1) * shard][range].to_vec());
+            return Ok(read(&all[part * shard..(part + 1) * shard][range]));
         }
         let frac = range.end as f64 / shard.max(1) as f64;
         let payloads = self.wait_ready(self.group.timeout(), Some((part, frac)))?;
-        Ok(downcast::<T>(&payloads[part])[range].to_vec())
+        Ok(read(&downcast::<T>(&payloads[part])[range]))
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{DType, Element, Shape, Slice, TensorData};
 use burn_tp_comm::{
-    CommElement, CommError, DType as CommDType, ProcessGroup, ReduceOp, SendBuf, Work,
+    CommElement, CommError, DType as CommDType, ProcessGroup, RecvBuf, ReduceOp, SendBuf, Work,
 };
 use half::{bf16, f16};
 
@@ -47,8 +47,12 @@ impl<T: CommElement + Element> InFlight for HostWork<T> {
         let row = self.shard_shape.num_elements() / self.shard_shape[0].max(1);
         let mut shape = self.shard_shape.clone();
         shape[0] = rows.len();
-        work.wait_part_range(part, rows.start * row..rows.end * row)
-            .map(|v| TensorData::new(v, shape))
+        // Into a pooled buffer: a fresh allocation per chunk would page-fault on every call.
+        work.with_part_range(part, rows.start * row..rows.end * row, |v: &[T]| {
+            let mut buf = PooledBuf::<T>::new(v.len());
+            buf.as_mut_slice().copy_from_slice(v);
+            TensorData::from_bytes(buf.into_bytes(), shape, T::dtype())
+        })
     }
 }
 

@@ -155,8 +155,7 @@ pub(crate) fn visit_gathered<B: TpBackend>(
             let m0 = pending.input.shape()[0].max(1);
             let per = m / m0;
             let chunks = RING_CHUNKS.min(m0);
-            let mut parts: Vec<Vec<FloatTensor<B>>> = vec![Vec::new(); n];
-            parts[r].push(local);
+            drop(local);
             for k in 1..n {
                 let p = (r + n - k) % n;
                 for c in 0..chunks {
@@ -165,16 +164,18 @@ pub(crate) fn visit_gathered<B: TpBackend>(
                         continue;
                     }
                     let part = B::tp_resolve_part(pending.clone(), p, c, chunks).into_result()?;
-                    let part = flatten::<B>(part);
                     visit(
                         p * m + rows.start * per..p * m + rows.end * per,
-                        part.clone(),
+                        flatten::<B>(part),
                     );
-                    parts[p].push(part);
                 }
             }
-            drop(pending);
-            Ok(keep_gathered.then(|| B::float_cat(parts.into_iter().flatten().collect(), 0)))
+            // The whole gather, complete by now: the transport's own output (a warm pooled
+            // buffer on the host) rather than a concatenation of the parts into fresh memory.
+            Ok(match keep_gathered {
+                true => Some(flatten::<B>(resolve(pending)?)),
+                false => None,
+            })
         }
     }
 }
