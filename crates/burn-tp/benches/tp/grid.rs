@@ -7,24 +7,27 @@ use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn_tp::LocalGroupOptions;
 use burn_tp::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
-    RowParallelLinearConfig, TpMode,
+    ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule,
+    RowParallelLinear, RowParallelLinearConfig, TpMode, column_parallel_linear,
+    row_parallel_linear,
 };
 
 use super::{device, link_for, median, ranks, timed};
 
 const MODES: [TpMode; 2] = [TpMode::AllReduce, TpMode::ReduceScatter];
-/// (async, schedule): sync first, the reference of the other two.
-const VARIANTS: [(bool, OverlapSchedule); 3] = [
+/// (async, schedule): sync first, the reference of the others; the last is a second sync
+/// layer, whose ratio to the first (an A/A test: the same code) is the measurement's own spread.
+const VARIANTS: [(bool, OverlapSchedule); 4] = [
     (false, OverlapSchedule::Ring),
     (true, OverlapSchedule::Split),
     (true, OverlapSchedule::Ring),
+    (false, OverlapSchedule::Ring),
 ];
 
-/// Per (layer, mode): the median sync time and, for split and ring, the median over rounds of
-/// `t_async / t_sync` taken in the same round (the drift of this shared machine cancels in
-/// each pair).
-type GridRow = (&'static str, TpMode, f64, [f64; 2]);
+/// Per (layer, mode): the median sync time and, for split, ring and the second sync layer, the
+/// median over rounds of `t / t_sync` taken in the same round (the drift of this shared machine
+/// cancels in each pair).
+type GridRow = (&'static str, TpMode, f64, [f64; 3]);
 
 fn run_grid(
     world: usize,
@@ -51,41 +54,40 @@ fn run_grid(
             };
             let x_row = Tensor::<3>::ones([s, b, d / n], &dev).require_grad();
             let x_col = Tensor::<3>::ones([s_col, b, d], &dev).require_grad();
-            let row_layers: Vec<_> = VARIANTS
-                .iter()
-                .map(|&(a, sch)| {
-                    let cfg = RowParallelLinearConfig::new(d, d)
-                        .with_bias(false)
-                        .with_mode(mode)
-                        .with_async_communication(a)
-                        .with_schedule(sch);
-                    RowParallelLinear::from_full(&linear, &g, &cfg).unwrap()
-                })
-                .collect();
-            let col_layers: Vec<_> = VARIANTS
-                .iter()
-                .map(|&(a, sch)| {
-                    let cfg = ColumnParallelLinearConfig::new(d, d)
-                        .with_bias(false)
-                        .with_recompute_all_gather(false)
-                        .with_mode(mode)
-                        .with_async_communication(a)
-                        .with_schedule(sch);
-                    ColumnParallelLinear::from_full(&linear, &g, &cfg).unwrap()
-                })
-                .collect();
-            let mut t = vec![
-                [Vec::new(), Vec::new(), Vec::new()],
-                [Vec::new(), Vec::new(), Vec::new()],
-            ];
+            // One weight per layer kind, shared by every variant (only the spec differs): a
+            // layer instance of its own per variant measured a few percent apart from another
+            // with the same code (where its buffers fall in memory).
+            let row_cfg = RowParallelLinearConfig::new(d, d).with_bias(false);
+            let w_row = RowParallelLinear::from_full(&linear, &g, &row_cfg)
+                .unwrap()
+                .weight
+                .val();
+            let col_cfg = ColumnParallelLinearConfig::new(d, d).with_bias(false);
+            let w_col = ColumnParallelLinear::from_full(&linear, &g, &col_cfg)
+                .unwrap()
+                .weight
+                .val();
+            let spec = |(asynch, schedule): (bool, OverlapSchedule)| LinearSpec {
+                mode,
+                async_communication: asynch,
+                recompute_all_gather: false,
+                gather_output: false,
+                schedule,
+            };
+            let mut t: [[Vec<f64>; 4]; 2] = Default::default();
             for round in 0..=rounds {
                 // The order rotates each round, so no variant always runs after the same one.
                 for k in 0..VARIANTS.len() {
                     let v = (k + round) % VARIANTS.len();
-                    let (l, x) = (&row_layers[v], &x_row);
-                    let dt = timed(&g, 1, || drop(l.forward(x.clone()).sum().backward()));
-                    let (l, x) = (&col_layers[v], &x_col);
-                    let dc = timed(&g, 1, || drop(l.forward(x.clone()).sum().backward()));
+                    let sp = spec(VARIANTS[v]);
+                    let dt = timed(&g, 1, || {
+                        let y = row_parallel_linear(x_row.clone(), w_row.clone(), None, sp, &g);
+                        drop(y.unwrap().sum().backward())
+                    });
+                    let dc = timed(&g, 1, || {
+                        let y = column_parallel_linear(x_col.clone(), w_col.clone(), None, sp, &g);
+                        drop(y.unwrap().sum().backward())
+                    });
                     if round > 0 {
                         // round 0 warms up
                         t[0][v].push(dt);
@@ -94,7 +96,7 @@ fn run_grid(
                 }
             }
             for (i, name) in ["row", "column"].into_iter().enumerate() {
-                let [sync, split, ring] = &t[i];
+                let [sync, split, ring, again] = &t[i];
                 let paired = |a: &Vec<f64>| {
                     median(a.iter().zip(sync).map(|(a, s)| a / s).collect::<Vec<_>>())
                 };
@@ -102,7 +104,7 @@ fn run_grid(
                     name,
                     mode,
                     median(sync.clone()),
-                    [paired(split), paired(ring)],
+                    [paired(split), paired(ring), paired(again)],
                 ));
             }
         }
@@ -125,9 +127,13 @@ pub(crate) fn bench_async_grid(quick: bool) {
     println!(
         "link: latency 5 us, bandwidth set so that one all-gather of the activation takes about"
     );
-    println!("as long as one of the layer's GEMMs. Target: async / sync <= 1.02 everywhere.\n");
-    println!("| tp | link | layer | mode | sync ms | split / sync | ring / sync |");
-    println!("|---:|------|-------|------|--------:|------:|------:|");
+    println!("as long as one of the layer's GEMMs. Target: async / sync <= 1.02 everywhere.");
+    println!(
+        "sync' / sync: a second sync layer against the first, the same code (an A/A test): how far"
+    );
+    println!("a ratio strays from 1 by this machine's noise alone.\n");
+    println!("| tp | link | layer | mode | sync ms | split / sync | ring / sync | sync' / sync |");
+    println!("|---:|------|-------|------|--------:|------:|------:|------:|");
     for world in [2usize, 4] {
         let plain = run_grid(world, LocalGroupOptions::default(), s, b, d, rounds);
         // The sequence-parallel column sync time is ~3 GEMMs plus its two collectives.
@@ -138,9 +144,9 @@ pub(crate) fn bench_async_grid(quick: bool) {
         let recv = (world - 1) * s / world * b * d * 4;
         let linked = run_grid(world, link_for(recv, t_gemm), s, b, d, rounds);
         for (link, rows) in [("none", plain), ("on", linked)] {
-            for (name, mode, sync, [split, ring]) in rows {
+            for (name, mode, sync, [split, ring, again]) in rows {
                 println!(
-                    "| {world} | {link} | {name} | {mode:?} | {:.1} | {split:.3} | {ring:.3} |",
+                    "| {world} | {link} | {name} | {mode:?} | {:.1} | {split:.3} | {ring:.3} | {again:.3} |",
                     sync * 1e3
                 );
             }
