@@ -218,6 +218,24 @@ impl VocabParallelEmbedding {
             TpMode::ReduceScatter => reduce_scatter(partial, 0, &self.group),
         }
     }
+
+    /// Logits of a head tied to this table: the shard `[V_p / tp, d_model]` is the column shard
+    /// `[d_model, V_p / tp]` of the head, so this is a column-parallel linear over it.
+    ///
+    /// # Shapes
+    /// - ALL_REDUCE: `[.., d_model] -> [.., V_p / tp]`
+    /// - REDUCE_SCATTER: `[s / tp, .., d_model] -> [s, .., V_p / tp]`
+    ///
+    /// # Errors
+    /// As [`column_parallel_linear`](crate::linear::column_parallel_linear).
+    pub fn try_tied_logits<const D: usize>(
+        &self,
+        x: Tensor<D>,
+        spec: LinearSpec,
+    ) -> TpResult<Tensor<D>> {
+        let weight = self.weight.val().transpose();
+        crate::linear::column_parallel_linear(x, weight, None, spec, &self.group)
+    }
 }
 
 impl Reshard for VocabParallelEmbedding {

@@ -13,7 +13,7 @@ use burn_tp_comm::ProcessGroup;
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned};
-use crate::linear::{LinearSpec, OverlapSchedule, TpMode, column_parallel_linear};
+use crate::linear::{LinearSpec, OverlapSchedule, TpMode};
 use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
 use crate::reshard::{Reshard, solo};
 use crate::transformer::{
@@ -174,11 +174,7 @@ impl GptConfig {
                 })
             })
             .collect::<TpResult<Vec<_>>>()?;
-        let spec = LinearSpec {
-            async_communication: asynch,
-            schedule: self.schedule,
-            ..LinearSpec::new(mode)
-        };
+        let spec = LinearSpec::with_settings(mode, asynch, self.schedule);
         // The draws of `LinearConfig::new(d, n_vocab).with_bias(false)` at tp = 1, padded.
         let head = (!self.tie_embeddings)
             .then(|| VocabParallelHead::init(d, self.n_vocab, 1, spec, group, device))
@@ -259,15 +255,14 @@ impl Gpt {
         let x = self.ln_f.forward(x);
         match &self.head {
             Some(head) => head.try_forward(x),
-            None => {
-                // Tied: the embedding shard `[V/tp, d]` is the column shard `[d, V/tp]` of the head.
-                let spec = LinearSpec {
-                    async_communication: self.options.async_communication,
-                    schedule: self.options.schedule,
-                    ..LinearSpec::new(mode)
-                };
-                column_parallel_linear(x, self.tok.weight.val().transpose(), None, spec, group)
-            }
+            None => self.tok.try_tied_logits(
+                x,
+                LinearSpec::with_settings(
+                    mode,
+                    self.options.async_communication,
+                    self.options.schedule,
+                ),
+            ),
         }
     }
 

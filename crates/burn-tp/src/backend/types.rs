@@ -241,4 +241,17 @@ impl LinearSpec {
             schedule: OverlapSchedule::Ring,
         }
     }
+
+    /// [`new`](Self::new) with the three settings every model config carries.
+    pub fn with_settings(
+        mode: TpMode,
+        async_communication: bool,
+        schedule: OverlapSchedule,
+    ) -> Self {
+        Self {
+            async_communication,
+            schedule,
+            ..Self::new(mode)
+        }
+    }
 }

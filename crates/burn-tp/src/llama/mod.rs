@@ -31,7 +31,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
-use crate::linear::{LinearSpec, OverlapSchedule, TpMode, column_parallel_linear};
+use crate::linear::{LinearSpec, OverlapSchedule, TpMode};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
 use crate::reshard::{Reshard, solo};
 use crate::{Result as TpResult, TpError};
@@ -206,11 +206,7 @@ impl LlamaConfig {
                 })
             })
             .collect::<TpResult<Vec<_>>>()?;
-        let spec = LinearSpec {
-            async_communication: asynch,
-            schedule: self.schedule,
-            ..LinearSpec::new(mode)
-        };
+        let spec = LinearSpec::with_settings(mode, asynch, self.schedule);
         let head = (!self.tie_embeddings)
             .then(|| {
                 VocabParallelHead::init(d, self.n_vocab, self.vocab_multiple, spec, group, device)
@@ -344,21 +340,10 @@ impl Llama {
         let x = self.norm.forward(x);
         match &self.head {
             Some(head) => head.try_forward(x),
-            None => {
-                // Tied: the embedding shard `[V_p/tp, d]` is the column shard of the head.
-                let spec = LinearSpec {
-                    async_communication: o.async_communication,
-                    schedule: o.schedule,
-                    ..LinearSpec::new(o.mode)
-                };
-                column_parallel_linear(
-                    x,
-                    self.tok.weight.val().transpose(),
-                    None,
-                    spec,
-                    &self.group,
-                )
-            }
+            None => self.tok.try_tied_logits(
+                x,
+                LinearSpec::with_settings(o.mode, o.async_communication, o.schedule),
+            ),
         }
     }
 
