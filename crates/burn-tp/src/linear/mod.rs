@@ -60,6 +60,13 @@ macro_rules! parallel_linear_common {
                 self
             }
 
+            /// Turns the overlapped (async) path on or off, as the config's
+            /// `async_communication`. A clone with another setting shares the weights.
+            pub fn with_async_communication(mut self, on: bool) -> Self {
+                self.spec.async_communication = on;
+                self
+            }
+
             /// Forward pass, returning the error instead of panicking. Shapes as
             /// [`forward`](Self::forward).
             ///
