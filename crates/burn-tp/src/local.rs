@@ -30,11 +30,45 @@ fn threads_for(env: Option<&str>, cores: usize, world: usize) -> usize {
         .unwrap_or((cores / world.max(1)).max(1))
 }
 
+/// Environment variable: `0` stops the runner from calling [`keep_freed_memory`].
+pub const KEEP_FREED_MEMORY_ENV: &str = "BURN_TP_KEEP_FREED_MEMORY";
+
 /// Options of [`run_ranks_with`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RunOptions {
     /// Threads of each rank's rayon pool; `None`: [`threads_per_rank`].
     pub threads_per_rank: Option<usize>,
+    /// Whether to call [`keep_freed_memory`] first; `None`: yes, unless
+    /// `BURN_TP_KEEP_FREED_MEMORY=0`.
+    pub keep_freed_memory: Option<bool>,
+}
+
+/// Tells the allocator to keep freed memory mapped, so that the buffers of one training step
+/// are reused by the next instead of being returned to the OS and page-faulted back: with
+/// glibc, blocks up to 32 MiB come from the heap (`M_MMAP_THRESHOLD`) and the heap is not
+/// trimmed (`M_TRIM_THRESHOLD`). The process then keeps its peak heap, which a training loop
+/// reaches every step anyway. Process-wide and lasting; the runner calls it (see
+/// [`RunOptions::keep_freed_memory`]). Returns whether it applied (false off glibc, where it
+/// does nothing).
+pub fn keep_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // glibc's ceiling for the mmap threshold on 64-bit targets.
+        const MMAP_THRESHOLD: libc::c_int = 32 << 20;
+        // Safety: mallopt only sets malloc parameters; any value is accepted or refused.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX) == 1
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
+fn keep_for(option: Option<bool>, env: Option<&str>) -> bool {
+    option.unwrap_or_else(|| env.is_none_or(|v| v.trim() != "0"))
 }
 
 /// Runs `f` once per rank, each on its own thread with its own [`ProcessGroup`] and its own rayon
@@ -61,6 +95,10 @@ pub fn run_ranks_with<T: Send + 'static>(
     let threads = options
         .threads_per_rank
         .unwrap_or_else(|| threads_per_rank(groups.len()));
+    let env = std::env::var(KEEP_FREED_MEMORY_ENV).ok();
+    if keep_for(options.keep_freed_memory, env.as_deref()) {
+        keep_freed_memory();
+    }
     let f = Arc::new(f);
     let handles: Vec<_> = groups
         .into_iter()
@@ -125,6 +163,7 @@ mod tests {
         let groups = LocalGroup::new(2).unwrap();
         let options = RunOptions {
             threads_per_rank: Some(3),
+            ..Default::default()
         };
         let seen = run_ranks_with(groups, options, |_| {
             let name = std::thread::current().name().map(str::to_string);
@@ -142,5 +181,19 @@ mod tests {
         }
         let default = run_local(2, |_| rayon::current_num_threads()).unwrap();
         assert_eq!(default, vec![threads_per_rank(2); 2]);
+    }
+
+    #[test]
+    fn freed_memory_is_kept_unless_turned_off() {
+        assert!(keep_for(None, None));
+        assert!(keep_for(None, Some("1")));
+        assert!(!keep_for(None, Some(" 0 ")));
+        assert!(keep_for(Some(true), Some("0")));
+        assert!(!keep_for(Some(false), None));
+        // glibc accepts both settings (this machine and CI run glibc).
+        assert_eq!(
+            keep_freed_memory(),
+            cfg!(all(target_os = "linux", target_env = "gnu"))
+        );
     }
 }

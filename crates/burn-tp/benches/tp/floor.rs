@@ -10,7 +10,7 @@ use burn_tp::linear::{
     RowParallelLinearConfig, TpMode,
 };
 
-use super::{device, median, ranks, timed};
+use super::{device, median, ranks, timed, timed_warm};
 
 /// The layer forward + backward at one shape against its compute floor, and plain Burn `Linear`.
 pub(crate) fn bench_layer_floor(quick: bool) {
@@ -56,29 +56,36 @@ pub(crate) fn bench_layer_floor(quick: bool) {
             bias: None,
         };
         let mode = TpMode::ReduceScatter;
-        let rows = |asynch: bool, schedule: OverlapSchedule| {
-            let cfg = RowParallelLinearConfig::new(d, d)
-                .with_mode(mode)
-                .with_async_communication(asynch)
-                .with_schedule(schedule);
-            RowParallelLinear::from_full(&linear, &g, &cfg).unwrap()
-        };
+        // One layer per kind, its variants clones with another setting: they share the weight
+        // (separate instances measured a few percent apart with the same code).
+        let row = RowParallelLinear::from_full(
+            &linear,
+            &g,
+            &RowParallelLinearConfig::new(d, d).with_mode(mode),
+        )
+        .unwrap();
         // Without recompute, as the sync path (which keeps the gathered input).
-        let cols = |asynch: bool, schedule: OverlapSchedule| {
-            let cfg = ColumnParallelLinearConfig::new(d, d)
+        let col = ColumnParallelLinear::from_full(
+            &linear,
+            &g,
+            &ColumnParallelLinearConfig::new(d, d)
                 .with_recompute_all_gather(false)
-                .with_mode(mode)
-                .with_async_communication(asynch)
-                .with_schedule(schedule);
-            ColumnParallelLinear::from_full(&linear, &g, &cfg).unwrap()
-        };
+                .with_mode(mode),
+        )
+        .unwrap();
         let variants = [
             (false, OverlapSchedule::Split),
             (true, OverlapSchedule::Split),
             (true, OverlapSchedule::Ring),
         ];
-        let row_layers: Vec<_> = variants.iter().map(|&(a, s)| rows(a, s)).collect();
-        let col_layers: Vec<_> = variants.iter().map(|&(a, s)| cols(a, s)).collect();
+        let row_layers: Vec<_> = variants
+            .iter()
+            .map(|&(a, s)| row.clone().with_async_communication(a).with_schedule(s))
+            .collect();
+        let col_layers: Vec<_> = variants
+            .iter()
+            .map(|&(a, s)| col.clone().with_async_communication(a).with_schedule(s))
+            .collect();
         let x_row = Tensor::<3>::ones([s, b, d / n], &dev).require_grad();
         let x_col = Tensor::<3>::ones([s / n, b, d], &dev).require_grad();
         // Rounds of every case, interleaved so the machine's drift hits all alike; the order
@@ -90,11 +97,11 @@ pub(crate) fn bench_layer_floor(quick: bool) {
             for k in 0..variants.len() {
                 let i = (k + round) % variants.len();
                 let l = &row_layers[i];
-                t[2 + i].push(timed(&g, 1, || {
+                t[2 + i].push(timed_warm(&g, || {
                     drop(l.forward(x_row.clone()).sum().backward())
                 }));
                 let l = &col_layers[i];
-                t[5 + i].push(timed(&g, 1, || {
+                t[5 + i].push(timed_warm(&g, || {
                     drop(l.forward(x_col.clone()).sum().backward())
                 }));
             }

@@ -12,7 +12,7 @@ use burn_tp::linear::{
     row_parallel_linear,
 };
 
-use super::{device, link_for, median, ranks, timed};
+use super::{device, link_for, median, ranks, timed_warm};
 
 const MODES: [TpMode; 2] = [TpMode::AllReduce, TpMode::ReduceScatter];
 /// (async, schedule): sync first, the reference of the others; the last is a second sync
@@ -80,11 +80,11 @@ fn run_grid(
                 for k in 0..VARIANTS.len() {
                     let v = (k + round) % VARIANTS.len();
                     let sp = spec(VARIANTS[v]);
-                    let dt = timed(&g, 1, || {
+                    let dt = timed_warm(&g, || {
                         let y = row_parallel_linear(x_row.clone(), w_row.clone(), None, sp, &g);
                         drop(y.unwrap().sum().backward())
                     });
-                    let dc = timed(&g, 1, || {
+                    let dc = timed_warm(&g, || {
                         let y = column_parallel_linear(x_col.clone(), w_col.clone(), None, sp, &g);
                         drop(y.unwrap().sum().backward())
                     });

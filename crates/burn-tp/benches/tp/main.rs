@@ -42,6 +42,7 @@ pub(crate) fn ranks<T: Send + 'static>(
         LocalGroup::with_options(world, options).unwrap(),
         RunOptions {
             threads_per_rank: Some(threads),
+            ..Default::default()
         },
         f,
     )
@@ -59,6 +60,14 @@ pub(crate) fn timed(g: &ProcessGroup, reps: usize, mut f: impl FnMut()) -> f64 {
     }
     let m = median(times);
     g.all_reduce(vec![m], ReduceOp::Max).unwrap()[0]
+}
+
+/// One run of `f` on every rank, timed after an untimed one. Where cases alternate run by run,
+/// a case's first run pays for what the previous case left behind (measured: the sync and async
+/// row layers alternated read 1.03-1.07 apart, each alone 1.00); the second run does not.
+pub(crate) fn timed_warm(g: &ProcessGroup, mut f: impl FnMut()) -> f64 {
+    f();
+    timed(g, 1, f)
 }
 
 fn memcpy_time(bytes: usize, reps: usize) -> f64 {
