@@ -108,7 +108,7 @@ fn sum_rows<B: Backend>(g2: FloatTensor<B>) -> FloatTensor<B> {
 /// Visits the rows of an all-gather in flight, block by block, as the schedule makes them
 /// available: first this rank's own rows (`local`, `[m, k]`) while the gather is in flight, then
 /// the others. `visit(rows, block)` gets the row range in the gathered `[n * m, k]` matrix.
-/// Returns the gathered matrix if `keep_gathered` (free for `Split`, one concatenation for `Ring`).
+/// Returns the gathered matrix if `keep_gathered` (the collective's own output, either schedule).
 pub(crate) fn visit_gathered<B: TpBackend>(
     local: FloatTensor<B>,
     pending: PendingCollective<B>,
