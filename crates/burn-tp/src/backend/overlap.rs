@@ -58,7 +58,10 @@ use burn_tp_comm::{CommError, ProcessGroup};
 use super::host::rows;
 use super::{Collective, LinearSpec, OverlapSchedule, PendingCollective, TpBackend, TpMode};
 
-/// Chunks of each peer's shard in the ring schedule.
+/// Chunks, over all the peers' shards together, in the ring schedule (at least one a shard):
+/// 4 a shard at tp = 2, 2 at tp = 4. Finer chunks shorten the compute left after the last one
+/// arrives but add a copy and smaller GEMMs per chunk; measured (docs/PERFORMANCE.md, section
+/// 3), 4 in all beat 8 at tp = 2, and 2 a shard beat 4 at tp = 4.
 const RING_CHUNKS: usize = 4;
 
 fn resolve<B: TpBackend>(p: PendingCollective<B>) -> Result<FloatTensor<B>, CommError> {
@@ -154,7 +157,7 @@ pub(crate) fn visit_gathered<B: TpBackend>(
             // rows once flattened).
             let m0 = pending.input.shape()[0].max(1);
             let per = m / m0;
-            let chunks = RING_CHUNKS.min(m0);
+            let chunks = RING_CHUNKS.div_ceil(n - 1).min(m0);
             drop(local);
             for k in 1..n {
                 let p = (r + n - k) % n;
