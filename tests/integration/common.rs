@@ -60,6 +60,13 @@ pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
     }
 }
 
+/// `n` token ids `(i * mul + add) % vocab`: a deterministic batch covering the vocabulary.
+pub fn token_ids(n: usize, vocab: usize, mul: i64, add: i64) -> Vec<i64> {
+    (0..n as i64)
+        .map(|i| (i * mul + add) % vocab as i64)
+        .collect()
+}
+
 /// Flex has one device, so one RNG for every test thread: tests that draw from it (layer `init`)
 /// hold this lock, so a seeded test sees exactly its own draws.
 pub fn rng_lock() -> std::sync::MutexGuard<'static, ()> {

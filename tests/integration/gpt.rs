@@ -552,12 +552,8 @@ fn any_vocabulary_size_works_at_any_tp() {
     use burn::module::Module;
     let _rng = rng_lock();
     let (v, s, b) = (13usize, 8usize, 2usize);
-    let x: Vec<i64> = (0..(s * b) as i64)
-        .map(|i| (i * 7 + 3) % v as i64)
-        .collect();
-    let y: Vec<i64> = (0..(s * b) as i64)
-        .map(|i| (i * 5 + 12) % v as i64)
-        .collect();
+    let x = crate::common::token_ids(s * b, v, 7, 3);
+    let y = crate::common::token_ids(s * b, v, 5, 12);
     for tied in [false, true] {
         for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
             let mut reference: Option<(Vec<f64>, Vec<f64>, Vec<f64>)> = None;

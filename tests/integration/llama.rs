@@ -229,12 +229,8 @@ fn model_grads(full: &Llama, n_kv: usize) -> Vec<(String, Vec<f64>)> {
 }
 
 fn batch() -> (Vec<i64>, Vec<i64>, Vec<f32>) {
-    let ids = (0..(S * B) as i64)
-        .map(|i| (i * 7 + 3) % V as i64)
-        .collect();
-    let mut targets: Vec<i64> = (0..(S * B) as i64)
-        .map(|i| (i * 5 + 1) % V as i64)
-        .collect();
+    let ids = crate::common::token_ids(S * B, V, 7, 3);
+    let mut targets = crate::common::token_ids(S * B, V, 5, 1);
     targets[3] = IGNORE;
     targets[10] = V as i64 - 1; // the last real id: next to the padding
     let mut mask = vec![1.0f32; S * B];

@@ -218,12 +218,8 @@ fn reference_grads(r: &RefGpt, grads: &Gradients) -> Vec<(String, Vec<f64>)> {
 #[test]
 fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
     let _rng = rng_lock();
-    let x: Vec<i64> = (0..(S * B) as i64)
-        .map(|i| (i * 7 + 3) % V as i64)
-        .collect();
-    let y: Vec<i64> = (0..(S * B) as i64)
-        .map(|i| (i * 5 + 1) % V as i64)
-        .collect();
+    let x = crate::common::token_ids(S * B, V, 7, 3);
+    let y = crate::common::token_ids(S * B, V, 5, 1);
     for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
         for tp in [1usize, 2, 4] {
             device().seed(23);
@@ -296,11 +292,7 @@ fn average_gradients_with_sgd_equals_full_batch_steps() {
     const BATCH: usize = 4;
     let _rng = rng_lock();
     let batch = |step: i64, cols: std::ops::Range<usize>| {
-        let all = |k: i64| -> Vec<i64> {
-            (0..(S * BATCH) as i64)
-                .map(|i| (i * k + step * 3 + 1) % V as i64)
-                .collect()
-        };
+        let all = |k: i64| crate::common::token_ids(S * BATCH, V, k, step * 3 + 1);
         let pick = |v: Vec<i64>| -> Tensor<2, Int> {
             let t = Tensor::<2, Int>::from_data(TensorData::new(v, [S, BATCH]), &device());
             t.slice([0..S, cols.clone()])
