@@ -72,7 +72,8 @@ impl ProcessGroup {
     /// This rank's handle on an NCCL group (one process per GPU, see
     /// [`NcclGroup::new`](crate::nccl::NcclGroup::new)). Device backends (burn-tp's CUDA ops)
     /// run their collectives on the GPU buffers directly; host-buffer calls on this handle are
-    /// staged through the GPU and block. [`split`](Self::split) is not supported on it yet.
+    /// staged through the GPU and block. [`split`](Self::split) makes a new NCCL communicator
+    /// per colour.
     #[cfg(feature = "nccl")]
     pub fn from_nccl(group: crate::nccl::NcclGroup) -> ProcessGroup {
         Self {

@@ -36,9 +36,65 @@ pub struct Probe {
     pub nccl: bool,
     /// `libnccl.so.2` loads (NCCL's real soname).
     pub nccl_soname: bool,
+    /// The CUDA version the driver supports, as `(major, minor)`.
+    pub driver: Option<(i32, i32)>,
+    /// NVRTC's version (burn's CUDA kernels are compiled by it at run time), if `libnvrtc.so`
+    /// loads; `None` when it does not (only NCCL on raw buffers works then).
+    pub nvrtc: Option<(i32, i32)>,
 }
 
-/// Checks for libcuda and libnccl without panicking.
+impl Probe {
+    /// Why burn's CUDA kernels could not be compiled and run here, if they could not: NVRTC
+    /// missing, or newer than the driver (its PTX would be refused at load).
+    pub fn kernel_problem(&self) -> Option<String> {
+        match (self.nvrtc, self.driver) {
+            (None, _) => Some(
+                "NVRTC (libnvrtc.so) was not found: burn's CUDA kernels are compiled by it at run \
+                 time; install the CUDA toolkit's NVRTC or the nvidia-cuda-nvrtc package and put \
+                 its directory (with a `libnvrtc.so` link) on LD_LIBRARY_PATH"
+                    .into(),
+            ),
+            (Some(n), Some(d)) if n > d => Some(format!(
+                "NVRTC {}.{} is newer than the driver's CUDA {}.{}: its PTX would be refused; \
+                 put an NVRTC of CUDA <= {}.{} first on LD_LIBRARY_PATH",
+                n.0, n.1, d.0, d.1, d.0, d.1
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// NVRTC's version, from the first of the names cudarc tries that loads.
+fn nvrtc_version() -> Option<(i32, i32)> {
+    for name in ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"] {
+        // Safety: NVRTC's initialisers have no preconditions; `nvrtcVersion` writes two ints.
+        unsafe {
+            let Ok(lib) = libloading::Library::new(name) else {
+                continue;
+            };
+            type Version = unsafe extern "C" fn(*mut i32, *mut i32) -> i32;
+            let Ok(f) = lib.get::<Version>(b"nvrtcVersion\0") else {
+                continue;
+            };
+            let (mut major, mut minor) = (0, 0);
+            if f(&mut major, &mut minor) == 0 {
+                return Some((major, minor));
+            }
+        }
+    }
+    None
+}
+
+/// The CUDA version the loaded driver supports.
+fn driver_version() -> Option<(i32, i32)> {
+    let mut v = 0;
+    // Safety: libcuda is present (checked by the caller); the call writes one int.
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    (status == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some((v / 1000, v % 1000 / 10))
+}
+
+/// Checks for libcuda and libnccl without panicking, and reads the driver's and NVRTC's
+/// versions ([`Probe::kernel_problem`] says whether burn's kernels can run).
 ///
 /// # Errors
 /// What is missing, and what to do about it.
@@ -49,7 +105,13 @@ pub fn probe() -> Result<Probe> {
             cuda: cudarc::driver::sys::is_culib_present(),
             nccl: cudarc::nccl::sys::is_culib_present(),
             nccl_soname: libloading::Library::new("libnccl.so.2").is_ok(),
+            driver: None,
+            nvrtc: nvrtc_version(),
         }
+    };
+    let p = Probe {
+        driver: if p.cuda { driver_version() } else { None },
+        ..p
     };
     if !p.cuda {
         return Err(CommError::Backend(
@@ -99,6 +161,47 @@ impl CommCell {
     }
 }
 
+/// `ncclCommInitRank` blocks until every rank of the group has called it, with no timeout of
+/// its own: it runs on a helper thread here, so a peer that never comes is an error after
+/// `timeout` instead of a hang. On timeout that thread stays blocked inside NCCL (nothing can
+/// cancel it); the caller is expected to fail the run.
+fn init_comm(
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world_size: usize,
+    id: Id,
+    timeout: Duration,
+    what: &str,
+) -> Result<Comm> {
+    struct SendComm(Comm);
+    // Safety: the communicator is created on the helper thread and only used after it was
+    // handed over; NCCL allows a communicator to move between threads.
+    unsafe impl Send for SendComm {}
+    let (tx, rx) = std::sync::mpsc::channel();
+    let ctx = stream.context().clone();
+    std::thread::Builder::new()
+        .name(format!("nccl-init-{rank}"))
+        .spawn(move || {
+            // ncclCommInitRank uses the calling thread's current device.
+            let made = ctx
+                .bind_to_thread()
+                .map_err(|e| format!("{e:?}"))
+                .and_then(|()| {
+                    Comm::from_rank(stream, rank, world_size, id).map_err(|e| format!("{e:?}"))
+                });
+            let _ = tx.send(made.map(SendComm));
+        })
+        .map_err(|e| nccl_err(what, 0, rank, e))?;
+    match rx.recv_timeout(timeout) {
+        Ok(Ok(SendComm(comm))) => Ok(comm),
+        Ok(Err(e)) => Err(nccl_err(what, 0, rank, e)),
+        Err(_) => Err(CommError::Backend(format!(
+            "NCCL {what} on rank {rank}: not every one of the {world_size} ranks joined within \
+             {timeout:?}"
+        ))),
+    }
+}
+
 /// One rank's NCCL communicator on its GPU (`LOCAL_RANK`).
 pub struct NcclGroup {
     comm: CommCell,
@@ -108,6 +211,7 @@ pub struct NcclGroup {
     world_size: usize,
     seq: AtomicU64,
     timeout: Duration,
+    posts_at_world_one: bool,
 }
 
 impl TryFrom<OpKind> for RawOp {
@@ -177,8 +281,14 @@ impl NcclGroup {
         let comm_stream = ctx
             .new_stream()
             .map_err(|e| nccl_err("new_stream", 0, rank, e))?;
-        let comm = Comm::from_rank(comm_stream.clone(), rank, world_size, id)
-            .map_err(|e| nccl_err("comm_init_rank", 0, rank, e))?;
+        let comm = init_comm(
+            comm_stream.clone(),
+            rank,
+            world_size,
+            id,
+            timeout,
+            "comm_init_rank",
+        )?;
         Ok(Self {
             comm: CommCell(std::sync::Mutex::new(comm)),
             comm_stream,
@@ -187,7 +297,23 @@ impl NcclGroup {
             world_size,
             seq: AtomicU64::new(0),
             timeout,
+            posts_at_world_one: false,
         })
+    }
+
+    /// With `true`, device backends post every communicating collective to NCCL even when the
+    /// group has one rank (where they otherwise return the input without a call): what a
+    /// single-GPU machine needs to run the device path (output allocation, stream ordering,
+    /// pointer hand-off) for real. Off by default; kept by [`split`](Self::split).
+    pub fn with_posts_at_world_one(mut self, posts: bool) -> Self {
+        self.posts_at_world_one = posts;
+        self
+    }
+
+    /// Whether a device collective posts to NCCL on this group: always at world size > 1, and at
+    /// world size 1 only when asked ([`with_posts_at_world_one`](Self::with_posts_at_world_one)).
+    pub fn posts(&self) -> bool {
+        self.world_size > 1 || self.posts_at_world_one
     }
 
     /// This rank.
@@ -423,13 +549,14 @@ impl NcclGroup {
             .context()
             .new_stream()
             .map_err(|e| nccl_err("new_stream (split)", 0, self.rank, e))?;
-        let comm = Comm::from_rank(
+        let comm = init_comm(
             comm_stream.clone(),
             new_rank,
             members.len(),
             Id::uninit(internal),
-        )
-        .map_err(|e| nccl_err("comm_init_rank (split)", 0, self.rank, e))?;
+            self.timeout,
+            "comm_init_rank (split)",
+        )?;
         Ok(NcclGroup {
             comm: CommCell(std::sync::Mutex::new(comm)),
             comm_stream,
@@ -438,6 +565,7 @@ impl NcclGroup {
             world_size: members.len(),
             seq: AtomicU64::new(0),
             timeout: self.timeout,
+            posts_at_world_one: self.posts_at_world_one,
         })
     }
 
@@ -495,5 +623,37 @@ where
     }
     fn barrier(&self) -> Result<()> {
         NcclGroup::barrier(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Probe;
+
+    fn probe(driver: Option<(i32, i32)>, nvrtc: Option<(i32, i32)>) -> Probe {
+        Probe {
+            cuda: true,
+            nccl: true,
+            nccl_soname: true,
+            driver,
+            nvrtc,
+        }
+    }
+
+    #[test]
+    fn nvrtc_missing_or_newer_than_the_driver_is_named() {
+        let missing = probe(Some((13, 0)), None).kernel_problem().unwrap();
+        assert!(missing.contains("libnvrtc.so"), "{missing}");
+        let newer = probe(Some((13, 0)), Some((13, 1)))
+            .kernel_problem()
+            .unwrap();
+        assert!(
+            newer.contains("NVRTC 13.1") && newer.contains("13.0"),
+            "{newer}"
+        );
+        assert_eq!(probe(Some((13, 0)), Some((13, 0))).kernel_problem(), None);
+        assert_eq!(probe(Some((13, 0)), Some((12, 8))).kernel_problem(), None);
+        // An unknown driver version is not a reason to refuse.
+        assert_eq!(probe(None, Some((12, 8))).kernel_problem(), None);
     }
 }

@@ -37,10 +37,22 @@ impl<O> NcclWork<O> {
         Ok(self.output)
     }
 
-    /// Whether the collective has finished on the device.
+    /// Whether the collective has finished on the device (`false` on a CUDA error too: use
+    /// [`poll`](Self::poll) to tell the two apart).
     pub fn is_completed(&self) -> bool {
+        matches!(self.poll(), Ok(true))
+    }
+
+    /// `Ok(true)` once the collective has finished on the device, `Ok(false)` while it runs,
+    /// and the error at once on any other CUDA status (a sticky fault, say): a fault must not
+    /// read as "still pending" until the timeout.
+    ///
+    /// # Errors
+    /// [`CommError::Backend`] naming the call and the CUDA status.
+    pub fn poll(&self) -> Result<bool> {
         // Safety: a live event of this context.
-        unsafe { cudarc::driver::result::event::query(self.done.cu_event()).is_ok() }
+        let status = unsafe { cudarc::driver::result::event::query(self.done.cu_event()) };
+        event_status(&self.what, status)
     }
 
     /// Blocks the host until the collective finished, at most the group's timeout.
@@ -58,7 +70,7 @@ impl<O> NcclWork<O> {
     /// [`CommError::Backend`] naming the call on timeout or a CUDA error.
     pub fn wait_host_timeout(self, timeout: Duration) -> Result<O> {
         let deadline = Instant::now() + timeout;
-        while !self.is_completed() {
+        while !self.poll()? {
             if Instant::now() >= deadline {
                 return Err(CommError::Backend(format!(
                     "{} timed out after {timeout:?} (a peer never joined, or failed)",
@@ -83,6 +95,21 @@ impl<O> NcclWork<O> {
             output,
             _input: Some(input),
         }
+    }
+}
+
+/// What an event query means: done, still running (`CUDA_ERROR_NOT_READY`), or an error.
+pub(crate) fn event_status(
+    what: &str,
+    status: std::result::Result<(), cudarc::driver::DriverError>,
+) -> Result<bool> {
+    use cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_READY;
+    match status {
+        Ok(()) => Ok(true),
+        Err(e) if e.0 == CUDA_ERROR_NOT_READY => Ok(false),
+        // The status code by name: `DriverError`'s Debug asks libcuda for a description,
+        // which panics where libcuda cannot be loaded.
+        Err(e) => Err(CommError::Backend(format!("{what}: CUDA error {:?}", e.0))),
     }
 }
 
@@ -145,7 +172,7 @@ impl<T> DevicePtrMut<T> for RawDeviceBuffer<T> {
     }
 }
 
-/// A collective on raw device pointers, for [`NcclGroup::launch_raw`].
+/// A collective on raw device pointers, for [`NcclGroup::post_raw`](super::NcclGroup::post_raw).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RawOp {
     /// `count` elements in, `count * world_size` out.
@@ -159,4 +186,26 @@ pub enum RawOp {
         /// The sending rank.
         root: usize,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use cudarc::driver::DriverError;
+    use cudarc::driver::sys::cudaError_enum;
+
+    use super::event_status;
+
+    #[test]
+    fn an_event_query_tells_not_ready_from_a_fault() {
+        assert!(event_status("x", Ok(())).unwrap());
+        let pending = Err(DriverError(cudaError_enum::CUDA_ERROR_NOT_READY));
+        assert!(!event_status("x", pending).unwrap());
+        let fault = Err(DriverError(cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS));
+        let e = event_status("NCCL all_gather #3 on rank 1", fault).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("NCCL all_gather #3 on rank 1") && msg.contains("ILLEGAL_ADDRESS"),
+            "{msg}"
+        );
+    }
 }
