@@ -7,34 +7,43 @@
 //!
 //! Stream ordering, conservatively: cubecl does not expose its compute stream, so NCCL's
 //! communication stream cannot wait on a CUDA event of it. Instead:
-//! - **start** syncs the device (`Backend::sync`: every kernel queued so far has finished, so
-//!   the input is written), then posts the collective on the communication stream and returns;
+//! - **start** allocates the output dense (NCCL writes `n` elements back to back; cubecl's
+//!   default "optimized" allocation pads rows), takes both device pointers (which makes this
+//!   thread's cubecl stream wait for any other stream that wrote them), *then* syncs that stream
+//!   (every kernel writing the input has finished), and posts the collective on the
+//!   communication stream;
 //! - kernels queued between start and resolve run on cubecl's stream *beside* the collective (the
 //!   overlap the parallel layers are written for is kept on the device);
-//! - **resolve** blocks the host on the collective's completion event (with the group's timeout),
-//!   after which cubecl's later kernels read the output.
+//! - **resolve** blocks the host on the collective's completion event (with the group's timeout;
+//!   a CUDA fault is an error at once), after which cubecl's later kernels read the output;
+//! - a collective dropped unresolved blocks the host in its `Drop` until NCCL is done with the
+//!   buffers, before they go back to cubecl's pool.
 //!
 //! What this loses against an event-ordered implementation: the host sync at start drains
 //! cubecl's queue (the GPU idles while the host enqueues the next kernels), and the host block at
 //! resolve stops the host from running ahead. The fix, noted in docs/DESIGN.md, is an event
 //! recorded on cubecl's stream (or NCCL issued on it), once cubecl exposes either.
+//!
+//! At world size 1 collectives return their input without a call, unless the group asks for the
+//! device path ([`NcclGroup::with_posts_at_world_one`]): how one GPU checks this file for real.
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-use burn::backend::{Backend, TensorMetadata, ops::FloatTensorOps};
+use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_tp_comm::nccl::{NcclGroup, NcclWork, RawOp};
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 use cubecl_runtime::runtime::Runtime;
 
 use super::host::{
-    InFlight, chunk_rows, comm_dtype, dim_first, host_resolve, host_resolve_part, host_start,
-    part_unsupported, rows,
+    InFlight, chunk_rows, comm_dtype, dense_layout, dim_first, host_resolve, host_resolve_part,
+    host_start, part_unsupported, rows,
 };
 use super::types::Posted;
 use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
@@ -44,7 +53,7 @@ type Server = <CudaRuntime as Runtime>::Server;
 impl TpBackend for CubeBackend {
     fn tp_start(x: CubeTensor, op: Collective, group: ProcessGroup) -> PendingCollective<Self> {
         match group.nccl().cloned() {
-            Some(nccl) if !op.is_local(&group) => device_start(x, op, group, nccl),
+            Some(nccl) if op.communicates() && nccl.posts() => device_start(x, op, group, nccl),
             _ => host_start::<Self>(x, op, group),
         }
     }
@@ -125,6 +134,23 @@ impl InFlight for DeviceWork {
     }
 }
 
+impl Drop for DeviceWork {
+    fn drop(&mut self) {
+        // Dropped unresolved (an error elsewhere, a discarded handle): NCCL may still read the
+        // input or write the output, whose storage goes back to cubecl's pool right after this.
+        let work = self
+            .work
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(work) = work
+            && let Err(e) = work.wait_host()
+        {
+            eprintln!("burn-tp: a device collective dropped unresolved: {e}");
+        }
+    }
+}
+
 impl DeviceWork {
     /// Blocks until the collective completed (once; later calls return the same outcome) and
     /// returns the output, collective dim first.
@@ -199,11 +225,46 @@ fn device_start(
         _ => {}
     }
     let out_shape = Shape::from(out_dims);
-    // Uninitialised: the collective writes every element.
-    let output = CubeBackend::float_empty(out_shape.clone(), &input.device, input.dtype.into());
+    // Uninitialised (the collective writes every element) and dense: `float_empty` would give
+    // cubecl's pitched layout, whose padded rows NCCL's back-to-back write would scramble.
+    let output = empty_device_contiguous_dtype(
+        input.client.clone(),
+        input.device.clone(),
+        out_shape.clone(),
+        input.dtype,
+    );
     let (n_in, n_out) = (input.shape().num_elements(), out_shape.num_elements());
+    let elem = input.dtype.size();
+    for (what, t) in [("input", &input), ("output", &output)] {
+        if let Err(e) = dense_layout(&format!("{op:?} {what}"), t.meta.shape(), t.meta.strides()) {
+            return failed(op, group, x, e);
+        }
+    }
 
-    // Conservative ordering (see the module docs): every kernel writing the input has finished.
+    // Taking the pointers makes this thread's cubecl stream wait for other streams that wrote
+    // the buffers; the sync after it drains that stream, so the input is written before NCCL's
+    // stream (which sees neither) reads it.
+    let resource = |t: &CubeTensor, n: usize, what: &str| {
+        let res = t
+            .client
+            .get_resource::<Server>(t.handle.clone())
+            .map_err(|e| CommError::Backend(format!("{op:?}: device pointer: {e:?}")))?;
+        let size = res.resource().size as usize;
+        if size < n * elem {
+            return Err(CommError::Backend(format!(
+                "{op:?}: the {what} buffer holds {size} bytes, the collective needs {} ({n} x {elem})",
+                n * elem
+            )));
+        }
+        Ok(res)
+    };
+    let (res_in, res_out) = match (
+        resource(&input, n_in, "input"),
+        resource(&output, n_out, "output"),
+    ) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => return failed(op, group, x, e),
+    };
     if let Err(e) = CubeBackend::sync(&input.device) {
         return failed(
             op,
@@ -212,15 +273,6 @@ fn device_start(
             CommError::Backend(format!("{op:?}: device sync: {e:?}")),
         );
     }
-    let resource = |t: &CubeTensor| {
-        t.client
-            .get_resource::<Server>(t.handle.clone())
-            .map_err(|e| CommError::Backend(format!("{op:?}: device pointer: {e:?}")))
-    };
-    let (res_in, res_out) = match (resource(&input), resource(&output)) {
-        (Ok(a), Ok(b)) => (a, b),
-        (Err(e), _) | (_, Err(e)) => return failed(op, group, x, e),
-    };
     let (p_in, p_out) = (res_in.resource().ptr, res_out.resource().ptr);
     // Safety: both are live allocations of this GPU of `n_in` / `n_out` elements of `dtype`,
     // pinned (and their tensors kept) in the `DeviceWork` until the collective has completed;

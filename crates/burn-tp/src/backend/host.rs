@@ -306,3 +306,54 @@ pub(crate) fn part_unsupported(op: Collective) -> Option<CommError> {
     (op.dim() != 0 || !matches!(op, Collective::AllGather { .. }))
         .then(|| CommError::Backend(format!("tp_resolve_part of {op:?}")))
 }
+
+/// `Ok` if a buffer of `shape` with `strides` is dense row-major, so that a transport writing
+/// (or reading) `shape.num_elements()` consecutive elements from its start fills exactly the
+/// tensor: no padding between rows (a pitched allocation such as cubecl's "optimized" layout
+/// pads each row's bytes, and a dense write into it scrambles the rows) and no broadcast.
+/// Axes of size 1 carry any stride.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the device path's (`cuda.rs`) check
+pub(crate) fn dense_layout(
+    what: &str,
+    shape: &[usize],
+    strides: &[usize],
+) -> Result<(), CommError> {
+    let mut want = 1;
+    for (&n, &s) in shape.iter().zip(strides).rev() {
+        if n != 1 && s != want {
+            return Err(CommError::Backend(format!(
+                "{what}: shape {shape:?} with strides {strides:?} is not dense (a transport \
+                 writes the elements back to back)"
+            )));
+        }
+        want *= n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dense_layout;
+
+    #[test]
+    fn dense_layouts_pass_and_pitched_ones_are_refused() {
+        assert!(dense_layout("x", &[4, 96], &[96, 1]).is_ok());
+        assert!(dense_layout("x", &[2, 3, 100], &[300, 100, 1]).is_ok());
+        // Size-1 axes carry any stride (what cubecl keeps after a reshape).
+        assert!(dense_layout("x", &[1, 3, 100], &[7, 100, 1]).is_ok());
+        assert!(dense_layout("x", &[], &[]).is_ok());
+        // A pitched f32 row of 96 elements (384 bytes) padded to 512 bytes: 128 elements.
+        let e = dense_layout("all_gather output", &[4, 96], &[128, 1]).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("all_gather output")
+                && msg.contains("[4, 96]")
+                && msg.contains("[128, 1]"),
+            "{msg}"
+        );
+        // A bf16 row of 100 (200 bytes) padded to 256 bytes; a transposed view; a broadcast.
+        assert!(dense_layout("x", &[2, 3, 100], &[384, 128, 1]).is_err());
+        assert!(dense_layout("x", &[3, 4], &[1, 3]).is_err());
+        assert!(dense_layout("x", &[3, 4], &[0, 1]).is_err());
+    }
+}

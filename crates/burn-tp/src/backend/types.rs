@@ -55,14 +55,18 @@ impl Collective {
         }
     }
 
+    /// Whether the forward communicates at all (all but the identity and split forwards).
+    pub(crate) fn communicates(self) -> bool {
+        !matches!(
+            self,
+            Collective::CopyToRegion | Collective::ScatterToRegion { .. }
+        )
+    }
+
     /// Whether the forward runs without communication on this group (identity or split forwards,
     /// or a group of one).
     pub(crate) fn is_local(self, group: &ProcessGroup) -> bool {
-        group.world_size() == 1
-            || matches!(
-                self,
-                Collective::CopyToRegion | Collective::ScatterToRegion { .. }
-            )
+        group.world_size() == 1 || !self.communicates()
     }
 }
 
