@@ -178,6 +178,10 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Seconds a collective (or, with `--device cuda`, NCCL's start-up) may wait for the other
+    /// ranks before every rank fails with an error; default `BURN_TP_TIMEOUT_S`, else 300.
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<f64>,
 }
 
 /// What a run measured.
@@ -421,6 +425,7 @@ fn launch<M: LanguageModel>(
             let world = args.tp * args.dp;
             let options = LocalGroupOptions {
                 profile: args.profile,
+                timeout: group_timeout(args),
                 ..Default::default()
             };
             let groups = LocalGroup::with_options(world, options).map_err(|e| e.to_string())?;
@@ -434,6 +439,14 @@ fn launch<M: LanguageModel>(
         }
         DeviceKind::Cuda => cuda_rank::<M>(args, &config, data, checkpoint),
     }
+}
+
+/// `--timeout`, else the default of every group (`BURN_TP_TIMEOUT_S`, else 300 s).
+fn group_timeout(args: &Args) -> std::time::Duration {
+    args.timeout
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(std::time::Duration::from_secs_f64)
+        .unwrap_or_else(|| LocalGroupOptions::default().timeout)
 }
 
 /// This process's rank of a `--device cuda` launch: one GPU (`LOCAL_RANK`), NCCL over the
@@ -459,7 +472,7 @@ fn cuda_rank<M: LanguageModel>(
             args.tp * args.dp
         ));
     }
-    let timeout = burn_tp::comm::DEFAULT_TIMEOUT;
+    let timeout = group_timeout(args);
     let (_server, store) = env.rendezvous(timeout).map_err(|e| e.to_string())?;
     let nccl = NcclGroup::new(&env, &store, timeout).map_err(|e| e.to_string())?;
     let world = ProcessGroup::from_nccl(nccl);
