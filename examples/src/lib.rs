@@ -3,7 +3,9 @@
 //!
 //! - [`train_gpt`]: a tiny character-level GPT (or Llama, `--arch llama`) trained with tensor
 //!   (and data) parallelism; [`model`]: the two architectures behind one trait.
+//! - [`checks`]: what the GPU check (`gpu_check`) compares and records with.
 
+pub mod checks;
 pub mod corpus;
 mod eval;
 pub mod model;
