@@ -4,6 +4,7 @@ mod collectives;
 mod common;
 mod dtype;
 mod gpt;
+mod gpu_check_script;
 mod linear;
 mod linear_checks;
 mod llama;
