@@ -472,6 +472,11 @@ fn cuda_rank<M: LanguageModel>(
             args.tp * args.dp
         ));
     }
+    // burn's kernels need NVRTC, no newer than the driver: say so now, not from deep in cubecl.
+    let probe = burn_tp::comm::nccl::probe().map_err(|e| e.to_string())?;
+    if let Some(problem) = probe.kernel_problem() {
+        return Err(format!("--device cuda: {problem}"));
+    }
     let timeout = group_timeout(args);
     let (_server, store) = env.rendezvous(timeout).map_err(|e| e.to_string())?;
     let nccl = NcclGroup::new(&env, &store, timeout).map_err(|e| e.to_string())?;
