@@ -182,6 +182,15 @@ pub struct Args {
     /// ranks before every rank fails with an error; default `BURN_TP_TIMEOUT_S`, else 300.
     #[arg(long, value_name = "SECS")]
     pub timeout: Option<f64>,
+    /// CPU ranks talk over a simulated link of this latency (and `--link-gb-s`): collectives
+    /// then progress in the background and the async layers run their overlap schedule block
+    /// by block, as over NCCL. Without it, ranks as threads move the data on the waiting thread
+    /// and the schedules take one block (nothing to hide).
+    #[arg(long, value_name = "US")]
+    pub link_latency_us: Option<f64>,
+    /// Bandwidth of the simulated link (`--link-latency-us`), in GB/s.
+    #[arg(long, default_value_t = 100.0, value_name = "GBPS")]
+    pub link_gb_s: f64,
 }
 
 /// What a run measured.
@@ -203,6 +212,8 @@ pub struct Report {
     pub checkpoint: PathBuf,
     /// Rank 0's communication profile (`--profile`).
     pub profile: Option<Profile>,
+    /// Which path the async layers took ([`overlap_path`]).
+    pub overlap: String,
 }
 
 /// The model configuration the arguments describe.
@@ -271,7 +282,45 @@ pub fn describe(args: &Args) -> String {
     )
 }
 
+/// Which path the parallel layers take in this run: whether their overlap schedules run block
+/// by block (NCCL, or a simulated link) or take one block (ranks as threads without a link).
+pub fn overlap_path(args: &Args) -> String {
+    let schedule = format!("{:?}", args.schedule).to_lowercase();
+    if args.no_async {
+        "sync layers (--no-async): each collective completes before the compute that uses it".into()
+    } else if args.tp == 1 {
+        "tp 1: the layers communicate nothing".into()
+    } else if args.device == DeviceKind::Cuda {
+        format!("NCCL: the {schedule} schedule overlaps communication with compute on the GPU")
+    } else if let Some(us) = args.link_latency_us {
+        format!(
+            "simulated link ({us} us, {} GB/s): the {schedule} schedule overlaps communication \
+             with compute, block by block",
+            args.link_gb_s
+        )
+    } else {
+        "ranks as threads without a link: the async layers take one block (the data moves on \
+         the waiting thread, nothing to hide; --link-latency-us runs the schedules)"
+            .into()
+    }
+}
+
 fn check(args: &Args) -> Result<(), String> {
+    if let Some(us) = args.link_latency_us {
+        if !(us.is_finite() && us >= 0.0 && args.link_gb_s.is_finite() && args.link_gb_s > 0.0) {
+            return Err(format!(
+                "--link-latency-us must be >= 0 and --link-gb-s > 0 (got {us}, {})",
+                args.link_gb_s
+            ));
+        }
+        if args.device == DeviceKind::Cuda {
+            return Err(
+                "--link-latency-us simulates a link between CPU ranks; with --device \
+                        cuda the ranks talk over NCCL"
+                    .into(),
+            );
+        }
+    }
     if args.tp == 0 || args.dp == 0 {
         return Err(format!(
             "--tp and --dp must be at least 1 (got tp {} dp {})",
@@ -406,6 +455,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         tokens_per_s,
         checkpoint,
         profile,
+        overlap: overlap_path(args),
     })
 }
 
@@ -426,6 +476,9 @@ fn launch<M: LanguageModel>(
             let options = LocalGroupOptions {
                 profile: args.profile,
                 timeout: group_timeout(args),
+                link: args
+                    .link_latency_us
+                    .map(|us| burn_tp::LinkModel::new(args.link_gb_s, us)),
                 ..Default::default()
             };
             let groups = LocalGroup::with_options(world, options).map_err(|e| e.to_string())?;

@@ -5,6 +5,11 @@ use clap::Parser;
 
 fn main() {
     let args = Args::parse();
+    println!(
+        "{}\noverlap: {}",
+        burn_tp_examples::train_gpt::describe(&args),
+        burn_tp_examples::train_gpt::overlap_path(&args)
+    );
     match run(&args) {
         Ok(report) => {
             let first = report.losses.first().copied().unwrap_or(f64::NAN);

@@ -1,6 +1,7 @@
 //! Shared helpers: devices, seeded random tensors, comparisons.
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_tp::linear::OverlapSchedule;
 use burn_tp::local::run_ranks;
 use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -17,6 +18,64 @@ pub fn run_linked<T: Send + 'static>(
         ..Default::default()
     };
     run_ranks(LocalGroup::with_options(tp, options).unwrap(), f)
+}
+
+/// How the ranks of a test run the async layers' overlap schedules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// Ranks as threads without a link: no background progress, so the schedules take one block
+    /// (the sync path's work).
+    OneBlock,
+    /// Over a (very fast) simulated link: the schedule runs block by block, as over NCCL.
+    Overlapped(OverlapSchedule),
+}
+
+impl Path {
+    /// The three paths, which a test rotates through its cases.
+    pub const ALL: [Path; 3] = [
+        Path::OneBlock,
+        Path::Overlapped(OverlapSchedule::Split),
+        Path::Overlapped(OverlapSchedule::Ring),
+    ];
+
+    /// The paths a model test runs at `tp`: one block only at tp = 1 (nothing to overlap), all
+    /// three above.
+    pub fn at(tp: usize) -> &'static [Path] {
+        if tp == 1 { &Path::ALL[..1] } else { &Path::ALL }
+    }
+
+    /// The schedule the layers are configured with (the default, ring, on the one-block path).
+    pub fn schedule(self) -> OverlapSchedule {
+        match self {
+            Path::OneBlock => OverlapSchedule::Ring,
+            Path::Overlapped(s) => s,
+        }
+    }
+
+    /// `f` on `tp` rank threads, linked for the overlapped paths.
+    pub fn run<T: Send + 'static>(
+        self,
+        tp: usize,
+        f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
+    ) -> Result<Vec<T>, String> {
+        match self {
+            Path::OneBlock => burn_tp::local::run_local(tp, f),
+            Path::Overlapped(_) => run_linked(tp, f),
+        }
+    }
+
+    /// `train_gpt`'s flags for this path.
+    pub fn args(self) -> Vec<&'static str> {
+        match self {
+            Path::OneBlock => vec![],
+            Path::Overlapped(OverlapSchedule::Split) => {
+                vec!["--link-latency-us", "1", "--schedule", "split"]
+            }
+            Path::Overlapped(OverlapSchedule::Ring) => {
+                vec!["--link-latency-us", "1", "--schedule", "ring"]
+            }
+        }
+    }
 }
 
 pub fn device() -> Device {

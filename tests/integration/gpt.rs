@@ -17,7 +17,7 @@ use burn_tp::{LocalGroup, TpError};
 use burn_tp_examples::train_gpt::{Args, run};
 use clap::Parser;
 
-use crate::common::{assert_close, device, f64s, rng_lock, tensor, uniform};
+use crate::common::{Path, assert_close, device, f64s, rng_lock, tensor, uniform};
 
 fn ids<const D: usize>(values: Vec<i64>, shape: [usize; D]) -> Tensor<D, Int> {
     Tensor::from_data(TensorData::new(values, shape), &device())
@@ -204,17 +204,29 @@ fn gpt_losses_agree_across_tp_dp_modes_and_async() {
     for mode in ["all-reduce", "reduce-scatter"] {
         for asynch in [true, false] {
             for (tp, dp) in [("1", "1"), ("2", "1"), ("4", "1"), ("2", "2")] {
-                let mut extra = vec!["--tp", tp, "--dp", dp, "--mode", mode];
-                if !asynch {
-                    extra.push("--no-async");
+                // The async layers on each path (sync layers have no schedule to run).
+                let paths = if asynch {
+                    Path::at(tp.parse().unwrap())
+                } else {
+                    &Path::ALL[..1]
+                };
+                for path in paths {
+                    let mut extra = vec!["--tp", tp, "--dp", dp, "--mode", mode];
+                    if !asynch {
+                        extra.push("--no-async");
+                    }
+                    extra.extend(path.args());
+                    let report = run(&tiny_args(&extra, &out)).unwrap();
+                    let tag = format!("tp {tp} dp {dp} {mode} async {asynch} {path:?}");
+                    assert_close(&report.losses, &reference, 1e-4, &format!("losses {tag}"));
+                    let linked = report.overlap.starts_with("simulated link");
+                    assert_eq!(
+                        linked,
+                        asynch && matches!(path, Path::Overlapped(_)),
+                        "{tag}: {}",
+                        report.overlap
+                    );
                 }
-                let losses = run(&tiny_args(&extra, &out)).unwrap().losses;
-                assert_close(
-                    &losses,
-                    &reference,
-                    1e-4,
-                    &format!("losses tp {tp} dp {dp} {mode} async {asynch}"),
-                );
             }
         }
     }
@@ -310,19 +322,32 @@ fn checkpoints_round_trip_across_tp_sizes() {
     .unwrap();
     assert_eq!(half.losses[..], whole.losses[..20]);
     let ckpt = half.checkpoint.to_str().unwrap().to_string();
-    for tp in ["2", "4", "1"] {
-        let o = temp_dir(&format!("continue-{tp}"));
-        let rest = run(&tiny_args(
-            &["--tp", tp, "--steps", "20", "--resume", &ckpt],
-            &o,
-        ))
-        .unwrap();
+    // Resumed on every path of the async layers, in both modes (the run above: reduce-scatter,
+    // one block).
+    let [one_block, split, ring] = Path::ALL;
+    for (i, (tp, path, mode)) in [
+        ("2", one_block, "reduce-scatter"),
+        ("2", split, "reduce-scatter"),
+        ("4", ring, "reduce-scatter"),
+        ("4", split, "all-reduce"),
+        ("2", ring, "all-reduce"),
+        ("1", one_block, "all-reduce"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let o = temp_dir(&format!("continue-{i}"));
+        let mut extra = vec![
+            "--tp", tp, "--mode", mode, "--steps", "20", "--resume", &ckpt,
+        ];
+        extra.extend(path.args());
+        let rest = run(&tiny_args(&extra, &o)).unwrap();
         assert_eq!(rest.first_step, 20);
         assert_close(
             &rest.losses,
             &whole.losses[20..],
             1e-4,
-            &format!("steps 20..40 resumed at tp {tp} vs uninterrupted"),
+            &format!("steps 20..40 resumed at tp {tp} {mode} {path:?} vs uninterrupted"),
         );
         assert_eq!(rest.held_out.last().unwrap().0, 40);
         let csv = std::fs::read_to_string(o.join("loss.csv")).unwrap();

@@ -12,11 +12,10 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Gradients, Int, Tensor, TensorData};
 use burn_tp::linear::TpMode;
 use burn_tp::llama::{DropoutKey, DropoutStep, Llama, LlamaConfig, dropout_mask};
-use burn_tp::local::run_local;
 use burn_tp::ops::gather_from_tp_region;
 use burn_tp::reshard::Reshard;
 
-use crate::common::{ToGrads, assert_close, device, f64s, rng_lock};
+use crate::common::{Path, ToGrads, assert_close, device, f64s, rng_lock};
 
 const V: usize = 11; // not a multiple of 2 or 4: padded to 12
 const S: usize = 8;
@@ -251,53 +250,58 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
         for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
             for dropout in [false, true] {
                 let tied = n_kv == 2 && dropout;
-                for tp in [1usize, 2, 4] {
+                let cases = [1usize, 2, 4]
+                    .into_iter()
+                    .flat_map(|tp| Path::at(tp).iter().map(move |&path| (tp, path)));
+                for (tp, path) in cases {
                     device().seed(41);
                     let (ids, targets, mask) = (ids.clone(), targets.clone(), mask.clone());
-                    let out = run_local(tp, move |g| {
-                        let model = config(n_kv, mode, dropout, tied)
-                            .init(&g, &device())
-                            .unwrap();
-                        let step = dropout.then_some(DropoutStep::new(3));
-                        let m =
-                            Tensor::<1>::from_floats(mask.as_slice(), &device()).reshape([S, B]);
-                        let loss = model
-                            .try_loss(int2(ids.clone()), int2(targets.clone()), Some(m), step)
-                            .unwrap()
-                            .mean;
-                        // The logits, gathered over the vocabulary, without the padding.
-                        let logits = model.try_forward(int2(ids.clone()), step).unwrap();
-                        let logits = gather_from_tp_region(logits, 2, &g).unwrap();
-                        let logits = logits.narrow(2, 0, V).reshape([S * B, V]).detach();
-                        let grads = loss.backward();
-                        let full_grads = model
-                            .clone()
-                            .map(&mut ToGrads(&grads))
-                            .to_full_module()
-                            .unwrap();
-                        // The reference, on this rank's thread, from the same full weights.
-                        let reference = RefLlama::load(&model.to_full_module().unwrap(), n_kv);
-                        let (ref_logits, ref_loss) = reference.loss(
-                            int2(ids.clone()),
-                            &targets,
-                            &mask,
-                            step.map(|s| s.step),
-                        );
-                        let ref_grads = ref_loss.backward();
-                        (
-                            [f64s(logits), f64s(ref_logits.detach())],
-                            f64s(loss),
-                            f64s(ref_loss),
-                            model_grads(&full_grads, n_kv),
-                            reference.grads(&ref_grads),
-                        )
-                    })
-                    .unwrap();
+                    let out = path
+                        .run(tp, move |g| {
+                            let model = config(n_kv, mode, dropout, tied)
+                                .with_schedule(path.schedule())
+                                .init(&g, &device())
+                                .unwrap();
+                            let step = dropout.then_some(DropoutStep::new(3));
+                            let m = Tensor::<1>::from_floats(mask.as_slice(), &device())
+                                .reshape([S, B]);
+                            let loss = model
+                                .try_loss(int2(ids.clone()), int2(targets.clone()), Some(m), step)
+                                .unwrap()
+                                .mean;
+                            // The logits, gathered over the vocabulary, without the padding.
+                            let logits = model.try_forward(int2(ids.clone()), step).unwrap();
+                            let logits = gather_from_tp_region(logits, 2, &g).unwrap();
+                            let logits = logits.narrow(2, 0, V).reshape([S * B, V]).detach();
+                            let grads = loss.backward();
+                            let full_grads = model
+                                .clone()
+                                .map(&mut ToGrads(&grads))
+                                .to_full_module()
+                                .unwrap();
+                            // The reference, on this rank's thread, from the same full weights.
+                            let reference = RefLlama::load(&model.to_full_module().unwrap(), n_kv);
+                            let (ref_logits, ref_loss) = reference.loss(
+                                int2(ids.clone()),
+                                &targets,
+                                &mask,
+                                step.map(|s| s.step),
+                            );
+                            let ref_grads = ref_loss.backward();
+                            (
+                                [f64s(logits), f64s(ref_logits.detach())],
+                                f64s(loss),
+                                f64s(ref_loss),
+                                model_grads(&full_grads, n_kv),
+                                reference.grads(&ref_grads),
+                            )
+                        })
+                        .unwrap();
                     for (r, (logits, loss, ref_loss, grads, ref_grads)) in
                         out.into_iter().enumerate()
                     {
                         let tag = format!(
-                            "n_kv {n_kv} {mode:?} dropout {dropout} tied {tied} tp {tp} rank {r}"
+                            "n_kv {n_kv} {mode:?} dropout {dropout} tied {tied} tp {tp} {path:?} rank {r}"
                         );
                         assert_close(&logits[0], &logits[1], 1e-5, &format!("{tag}: logits"));
                         assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));
@@ -366,35 +370,40 @@ fn train_gpt_llama_agrees_across_tp_and_resumes_across_tp() {
     );
     for mode in ["reduce-scatter", "all-reduce"] {
         for (tp, dp) in [("2", "1"), ("4", "1"), ("2", "2")] {
-            let losses = run(&args(
-                &["--tp", tp, "--dp", dp, "--mode", mode, "--steps", "10"],
-                &out,
-            ))
-            .unwrap()
-            .losses;
-            assert_close(
-                &losses,
-                &reference,
-                1e-4,
-                &format!("tp {tp} dp {dp} {mode}"),
-            );
+            for path in Path::ALL {
+                let mut extra = vec!["--tp", tp, "--dp", dp, "--mode", mode, "--steps", "10"];
+                extra.extend(path.args());
+                let losses = run(&args(&extra, &out)).unwrap().losses;
+                assert_close(
+                    &losses,
+                    &reference,
+                    1e-4,
+                    &format!("tp {tp} dp {dp} {mode} {path:?}"),
+                );
+            }
         }
     }
     let first = dir("first");
     let saved = run(&args(&["--tp", "2", "--steps", "5"], &first)).unwrap();
     let ckpt = saved.checkpoint.to_str().unwrap().to_string();
-    for tp in ["4", "1"] {
-        let resumed = run(&args(
-            &["--tp", tp, "--steps", "5", "--resume", &ckpt],
-            &dir(tp),
-        ))
-        .unwrap();
+    let [one_block, split, ring] = Path::ALL;
+    for (tp, path, mode) in [
+        ("4", one_block, "reduce-scatter"),
+        ("4", ring, "reduce-scatter"),
+        ("2", split, "all-reduce"),
+        ("1", one_block, "reduce-scatter"),
+    ] {
+        let mut extra = vec![
+            "--tp", tp, "--mode", mode, "--steps", "5", "--resume", &ckpt,
+        ];
+        extra.extend(path.args());
+        let resumed = run(&args(&extra, &dir(&format!("{tp}-{path:?}")))).unwrap();
         assert_eq!(resumed.first_step, 5);
         assert_close(
             &resumed.losses,
             &reference[5..],
             1e-4,
-            &format!("resumed at tp {tp}"),
+            &format!("resumed at tp {tp} {mode} {path:?}"),
         );
     }
 }

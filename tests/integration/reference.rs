@@ -15,7 +15,7 @@ use burn_tp::linear::TpMode;
 use burn_tp::local::run_local;
 use burn_tp::reshard::Reshard;
 
-use crate::common::{ToGrads, assert_close, device, f64s, rng_lock};
+use crate::common::{Path, ToGrads, assert_close, device, f64s, rng_lock};
 
 const V: usize = 16;
 const S: usize = 8;
@@ -220,13 +220,21 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
     let _rng = rng_lock();
     let x = crate::common::token_ids(S * B, V, 7, 3);
     let y = crate::common::token_ids(S * B, V, 5, 1);
-    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
-        for tp in [1usize, 2, 4] {
-            device().seed(23);
-            let (x, y) = (x.clone(), y.clone());
-            let out = run_local(tp, move |g| {
+    let cases = [TpMode::AllReduce, TpMode::ReduceScatter]
+        .into_iter()
+        .flat_map(|mode| {
+            [1usize, 2, 4]
+                .into_iter()
+                .flat_map(move |tp| Path::at(tp).iter().map(move |&path| (mode, tp, path)))
+        });
+    for (mode, tp, path) in cases {
+        device().seed(23);
+        let (x, y) = (x.clone(), y.clone());
+        let out = path
+            .run(tp, move |g| {
                 let model = GptConfig::new(V, S, D, H, 2)
                     .with_mode(mode)
+                    .with_schedule(path.schedule())
                     .init(&g, &device())
                     .unwrap();
                 let loss = model.loss(ids(x.clone()), ids(y.clone()));
@@ -248,19 +256,18 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
                 )
             })
             .unwrap();
-            for (r, (loss, ref_loss, grads, ref_grads)) in out.into_iter().enumerate() {
-                let tag = format!("{mode:?} tp {tp} rank {r}");
-                assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));
-                assert_eq!(grads.len(), ref_grads.len());
-                for ((name, got), (ref_name, want)) in grads.iter().zip(&ref_grads) {
-                    assert_eq!(name, ref_name);
-                    // The key bias shifts every score of a query equally: softmax ignores it, so
-                    // its gradient is zero; every other gradient must be non-trivial.
-                    if !name.ends_with("k.bias") {
-                        assert!(want.iter().any(|v| v.abs() > 1e-6), "{tag}: {name} is zero");
-                    }
-                    assert_close(got, want, 1e-4, &format!("{tag}: grad {name}"));
+        for (r, (loss, ref_loss, grads, ref_grads)) in out.into_iter().enumerate() {
+            let tag = format!("{mode:?} tp {tp} {path:?} rank {r}");
+            assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));
+            assert_eq!(grads.len(), ref_grads.len());
+            for ((name, got), (ref_name, want)) in grads.iter().zip(&ref_grads) {
+                assert_eq!(name, ref_name);
+                // The key bias shifts every score of a query equally: softmax ignores it, so
+                // its gradient is zero; every other gradient must be non-trivial.
+                if !name.ends_with("k.bias") {
+                    assert!(want.iter().any(|v| v.abs() > 1e-6), "{tag}: {name} is zero");
                 }
+                assert_close(got, want, 1e-4, &format!("{tag}: grad {name}"));
             }
         }
     }
