@@ -322,33 +322,57 @@ fn average_gradients_with_sgd_equals_full_batch_steps() {
     })
     .unwrap()
     .remove(0);
-    device().seed(31);
-    let got = run_ranks(LocalGroup::new(4).unwrap(), move |world| {
-        let (tp, rank) = (2, world.rank());
-        let (tp_rank, dp_rank) = (rank % tp, rank / tp);
-        let tp_group = world.split(dp_rank, rank).unwrap();
-        let dp_group = world.split(tp_rank, rank).unwrap();
-        // Replica 0 draws the weights (the same draws as at tp = 1); replica 1 takes them.
-        if dp_rank != 0 {
-            world.barrier().unwrap();
-        }
-        let model = c2.init(&tp_group, &device()).unwrap();
-        if dp_rank == 0 {
-            world.barrier().unwrap();
-        }
-        let mut model = broadcast_parameters(model, &dp_group).unwrap();
-        let mut optim = SgdConfig::new().init();
-        for step in 0..2 {
-            let half = BATCH / 2;
-            let (x, y) = batch(step, dp_rank * half..(dp_rank + 1) * half);
-            let mut grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
-            average_gradients(&model, &mut grads, &dp_group).unwrap();
-            model = optim.step(LR, model, grads);
-        }
-        params(&model.to_full_module().unwrap())
-    })
-    .unwrap();
     let (initial, want) = want;
+    // tp x dp = 2 x 2 and 1 x 4 (every replica a batch of one).
+    for (tp, dp) in [(2usize, 2usize), (1, 4)] {
+        let c2 = c2.clone();
+        device().seed(31);
+        let got = run_ranks(LocalGroup::new(tp * dp).unwrap(), move |world| {
+            let rank = world.rank();
+            let (tp_rank, dp_rank) = (rank % tp, rank / tp);
+            let tp_group = world.split(dp_rank, rank).unwrap();
+            let dp_group = world.split(tp_rank, rank).unwrap();
+            // Replica 0 draws the weights (the same draws as at tp = 1); the others take them.
+            if dp_rank != 0 {
+                world.barrier().unwrap();
+            }
+            let model = c2.init(&tp_group, &device()).unwrap();
+            if dp_rank == 0 {
+                world.barrier().unwrap();
+            }
+            let mut model = broadcast_parameters(model, &dp_group).unwrap();
+            let mut optim = SgdConfig::new().init();
+            for step in 0..2 {
+                let part = BATCH / dp;
+                let (x, y) = batch(step, dp_rank * part..(dp_rank + 1) * part);
+                let mut grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+                average_gradients(&model, &mut grads, &dp_group).unwrap();
+                model = optim.step(LR, model, grads);
+            }
+            params(&model.to_full_module().unwrap())
+        })
+        .unwrap();
+        for (rank, p) in got.iter().enumerate() {
+            assert_eq!(p.len(), want.len());
+            for (i, (a, b)) in p.iter().zip(&want).enumerate() {
+                let tag = format!("tp {tp} dp {dp} rank {rank} parameter {i}");
+                assert_close(a, b, 1e-4, &tag);
+                // The update itself, relative to its size: a gradient off by 2x is off by 1.
+                let (mut diff, mut size) = (0.0f64, 0.0f64);
+                for ((x, y), x0) in a.iter().zip(b).zip(&initial[i]) {
+                    diff += ((x - x0) - (y - x0)).powi(2);
+                    size += (y - x0).powi(2);
+                }
+                if size > 1e-12 {
+                    let rel = (diff / size).sqrt();
+                    assert!(
+                        rel < 2e-3,
+                        "{tag}: the SGD update is off by {rel:e} of itself"
+                    );
+                }
+            }
+        }
+    }
     // The steps are large enough that a gradient off by 2x would be far outside the tolerance.
     let moved: f64 = initial
         .iter()
@@ -357,10 +381,4 @@ fn average_gradients_with_sgd_equals_full_batch_steps() {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f64::max);
     assert!(moved > 1e-2, "SGD moved the parameters by at most {moved}");
-    for (rank, p) in got.iter().enumerate() {
-        assert_eq!(p.len(), want.len());
-        for (i, (a, b)) in p.iter().zip(&want).enumerate() {
-            assert_close(a, b, 1e-4, &format!("rank {rank} parameter {i}"));
-        }
-    }
 }
