@@ -39,7 +39,8 @@ struct RefGpt {
     pos: Param<Tensor<2>>,
     blocks: Vec<RefBlock>,
     ln_f: LayerNorm,
-    head: Linear,
+    /// `None`: the head is the token embedding, transposed (tied).
+    head: Option<Linear>,
 }
 
 /// Part `i` of 3 (q, k, v) of the fused QKV weight, whose columns are `[head, q|k|v, head_dim]`:
@@ -69,15 +70,22 @@ impl RefGpt {
             .blocks
             .iter()
             .map(|blk| {
-                let qkv = blk.attn.qkv[0].to_full().unwrap();
-                let (w, b) = (qkv.weight.val(), qkv.bias.as_ref().unwrap().val());
                 let mut attn = MultiHeadAttentionConfig::new(D, H)
                     .with_dropout(0.0)
                     .init(&dev);
-                let part = |i| linear(unfuse(w.clone(), i), Some(unfuse_bias(b.clone(), i)));
-                attn.query = part(0);
-                attn.key = part(1);
-                attn.value = part(2);
+                if blk.attn.qkv.len() == 1 {
+                    let qkv = blk.attn.qkv[0].to_full().unwrap();
+                    let (w, b) = (qkv.weight.val(), qkv.bias.as_ref().unwrap().val());
+                    let part = |i| linear(unfuse(w.clone(), i), Some(unfuse_bias(b.clone(), i)));
+                    attn.query = part(0);
+                    attn.key = part(1);
+                    attn.value = part(2);
+                } else {
+                    // Separate projections: burn-nn's own layout already.
+                    attn.query = blk.attn.qkv[0].to_full().unwrap();
+                    attn.key = blk.attn.qkv[1].to_full().unwrap();
+                    attn.value = blk.attn.qkv[2].to_full().unwrap();
+                }
                 attn.output = blk.attn.out.to_full().unwrap();
                 RefBlock {
                     ln1: blk.ln1.to_full(),
@@ -93,7 +101,7 @@ impl RefGpt {
             pos: Param::from_tensor(full.pos.val()),
             blocks,
             ln_f: full.ln_f.to_full(),
-            head: full.head.as_ref().unwrap().to_full().unwrap(),
+            head: full.head.as_ref().map(|h| h.to_full().unwrap()),
         }
     }
 
@@ -112,7 +120,13 @@ impl RefGpt {
             let h = Gelu::new().forward(blk.fc1.forward(blk.ln2.forward(x.clone())));
             x = x.clone() + blk.fc2.forward(h);
         }
-        let logits = self.head.forward(self.ln_f.forward(x)).swap_dims(0, 1); // [s, b, V]
+        let x = self.ln_f.forward(x);
+        let logits = match &self.head {
+            Some(head) => head.forward(x),
+            // Tied: the logits are the hidden states against every token's embedding.
+            None => x.matmul(self.tok.weight.val().transpose().unsqueeze::<3>()),
+        }
+        .swap_dims(0, 1); // [s, b, V]
         CrossEntropyLossConfig::new()
             .init(&dev)
             .forward(logits.reshape([s * b, V]), targets.reshape([s * b]))
@@ -131,17 +145,22 @@ fn named_grads(grads: &Gpt) -> Vec<(String, Vec<f64>)> {
         ("pos".into(), f64s(grads.pos.val())),
         ("ln_f.gamma".into(), f64s(grads.ln_f.gamma.val())),
         ("ln_f.beta".into(), f64s(grads.ln_f.beta.val())),
-        (
-            "head".into(),
-            f64s(grads.head.as_ref().unwrap().weight.val()),
-        ),
     ];
+    if let Some(head) = &grads.head {
+        out.push(("head".into(), f64s(head.weight.val())));
+    }
     for (i, blk) in grads.blocks.iter().enumerate() {
-        let qkv = &blk.attn.qkv[0];
-        let (w, b) = (qkv.weight.val(), qkv.bias.as_ref().unwrap().val());
         for (k, name) in ["q", "k", "v"].iter().enumerate() {
-            out.push((format!("{i}.{name}.weight"), f64s(unfuse(w.clone(), k))));
-            out.push((format!("{i}.{name}.bias"), f64s(unfuse_bias(b.clone(), k))));
+            let (w, b) = if blk.attn.qkv.len() == 1 {
+                let qkv = &blk.attn.qkv[0];
+                let (w, b) = (qkv.weight.val(), qkv.bias.as_ref().unwrap().val());
+                (unfuse(w, k), unfuse_bias(b, k))
+            } else {
+                let l = &blk.attn.qkv[k];
+                (l.weight.val(), l.bias.as_ref().unwrap().val())
+            };
+            out.push((format!("{i}.{name}.weight"), f64s(w)));
+            out.push((format!("{i}.{name}.bias"), f64s(b)));
         }
         let lin = |name: &str, w: Tensor<2>, b: Tensor<1>| {
             [
@@ -186,8 +205,10 @@ fn reference_grads(r: &RefGpt, grads: &Gradients) -> Vec<(String, Vec<f64>)> {
         ("pos".into(), g(r.pos.val())),
         ("ln_f.gamma".into(), g1(r.ln_f.gamma.val())),
         ("ln_f.beta".into(), g1(r.ln_f.beta.as_ref().unwrap().val())),
-        ("head".into(), g(r.head.weight.val())),
     ];
+    if let Some(head) = &r.head {
+        out.push(("head".into(), g(head.weight.val())));
+    }
     for (i, blk) in r.blocks.iter().enumerate() {
         let a = &blk.attn;
         for (name, l) in [("q", &a.query), ("k", &a.key), ("v", &a.value)] {
@@ -220,14 +241,17 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
     let _rng = rng_lock();
     let x = crate::common::token_ids(S * B, V, 7, 3);
     let y = crate::common::token_ids(S * B, V, 5, 1);
+    // (tied head, fused QKV): the default, and the tied head with separate Q / K / V.
+    let variants = [(false, true), (true, false)];
     let cases = [TpMode::AllReduce, TpMode::ReduceScatter]
         .into_iter()
         .flat_map(|mode| {
             [1usize, 2, 4]
                 .into_iter()
                 .flat_map(move |tp| Path::at(tp).iter().map(move |&path| (mode, tp, path)))
-        });
-    for (mode, tp, path) in cases {
+        })
+        .flat_map(|c| variants.map(move |v| (c, v)));
+    for ((mode, tp, path), (tied, fused)) in cases {
         device().seed(23);
         let (x, y) = (x.clone(), y.clone());
         let out = path
@@ -235,6 +259,8 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
                 let model = GptConfig::new(V, S, D, H, 2)
                     .with_mode(mode)
                     .with_schedule(path.schedule())
+                    .with_tie_embeddings(tied)
+                    .with_fused_qkv(fused)
                     .init(&g, &device())
                     .unwrap();
                 let loss = model.loss(ids(x.clone()), ids(y.clone()));
@@ -257,7 +283,7 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
             })
             .unwrap();
         for (r, (loss, ref_loss, grads, ref_grads)) in out.into_iter().enumerate() {
-            let tag = format!("{mode:?} tp {tp} {path:?} rank {r}");
+            let tag = format!("{mode:?} tp {tp} {path:?} tied {tied} fused {fused} rank {r}");
             assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));
             assert_eq!(grads.len(), ref_grads.len());
             for ((name, got), (ref_name, want)) in grads.iter().zip(&ref_grads) {
