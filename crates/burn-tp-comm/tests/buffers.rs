@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use burn_tp_comm::{CommElement, CommError, LocalGroupOptions, ReduceOp};
+use burn_tp_comm::{CommError, LocalGroupOptions, ReduceOp};
 use common::{run, run_ok};
 
 /// Storage another owner keeps alive (a tensor's, a pool's), read and written in place.
@@ -40,10 +40,10 @@ fn in_place_collectives_match_references_at_any_length_and_all_reduce_is_bit_ide
                         .collect()
                 })
                 .collect();
-            let mut want_sum = inputs[0].clone();
-            for x in &inputs[1..] {
-                f32::combine(ReduceOp::Sum, &mut want_sum, x);
-            }
+            // The sum in rank order, in f32, as a plain loop (not the transport's `combine`).
+            let want_sum: Vec<f32> = (0..len)
+                .map(|i| inputs[1..].iter().fold(inputs[0][i], |acc, x| acc + x[i]))
+                .collect();
             let want_gather = inputs.concat();
             let ins = inputs.clone();
             let out = run_ok(world, move |pg| {

@@ -17,29 +17,35 @@ fn short(timeout_ms: u64) -> LocalGroupOptions {
     }
 }
 
-/// Rank `r`'s input: deterministic random values (integers in f32 range so sums are exact).
-fn input<T: CommElement>(rank: usize, len: usize, conv: fn(f64) -> T) -> Vec<T> {
+/// Rank `r`'s input values: deterministic multiples of 1/2 in [-4, 4), so every sum of up to
+/// four of them is exact in every element type.
+fn input_f64(rank: usize, len: usize) -> Vec<f64> {
     let mut rng = StdRng::seed_from_u64(rank as u64 * 7919 + len as u64);
     (0..len)
-        .map(|_| conv(rng.random_range(-8i32..8) as f64 * 0.5))
+        .map(|_| rng.random_range(-8i32..8) as f64 * 0.5)
         .collect()
+}
+
+/// Rank `r`'s input as `T`.
+fn input<T: CommElement>(rank: usize, len: usize, conv: fn(f64) -> T) -> Vec<T> {
+    input_f64(rank, len).into_iter().map(conv).collect()
 }
 
 fn check_all_ops<T: CommElement + PartialEq>(conv: fn(f64) -> T) {
     for world in 1..=4 {
         let len = 12 * world;
-        let inputs: Vec<Vec<T>> = (0..world).map(|r| input(r, len, conv)).collect();
-        // Single-thread references.
-        let gathered: Vec<T> = inputs.concat();
-        let mut summed = inputs[0].clone();
-        let mut maxed = inputs[0].clone();
-        let mut mined = inputs[0].clone();
-        for x in &inputs[1..] {
-            T::combine(ReduceOp::Sum, &mut summed, x);
-            T::combine(ReduceOp::Max, &mut maxed, x);
-            T::combine(ReduceOp::Min, &mut mined, x);
-        }
-        let avg: Vec<T> = summed.iter().map(|v| v.div_count(world)).collect();
+        // References computed here in plain f64 loops, independently of the transport's own
+        // reduction functions, then converted to `T` once (exact for the sums, max and min; the
+        // average rounds the exact quotient once).
+        let inputs: Vec<Vec<f64>> = (0..world).map(|r| input_f64(r, len)).collect();
+        let column = |i: usize| inputs.iter().map(move |x| x[i]);
+        let each = |f: &dyn Fn(usize) -> f64| (0..len).map(|i| conv(f(i))).collect::<Vec<T>>();
+        let gathered: Vec<T> = inputs.concat().into_iter().map(conv).collect();
+        let summed = each(&|i| column(i).sum());
+        let maxed = each(&|i| column(i).fold(f64::NEG_INFINITY, f64::max));
+        let mined = each(&|i| column(i).fold(f64::INFINITY, f64::min));
+        let avg = each(&|i| column(i).sum::<f64>() / world as f64);
+        let last: Vec<T> = inputs[world - 1].iter().copied().map(conv).collect();
         let chunk = len / world;
 
         let results = run_ok(world, move |pg| {
@@ -66,7 +72,7 @@ fn check_all_ops<T: CommElement + PartialEq>(conv: fn(f64) -> T) {
             assert_eq!(max, maxed, "all_reduce max world {world}");
             assert_eq!(min, mined, "all_reduce min world {world}");
             assert_eq!(avgr, avg, "all_reduce avg world {world}");
-            assert_eq!(bc, inputs[world - 1], "broadcast world {world}");
+            assert_eq!(bc, last, "broadcast world {world}");
         }
     }
 }
@@ -316,13 +322,10 @@ fn soak_ten_thousand_mixed_async_collectives() {
             .collect();
         match call % 3 {
             0 => inputs.concat(),
-            _ => {
-                let mut s = inputs[0].clone();
-                for x in &inputs[1..] {
-                    f32::combine(ReduceOp::Sum, &mut s, x);
-                }
-                s
-            }
+            // The sum in rank order, in f32, as a plain loop (the transport's guarantee).
+            _ => (0..len)
+                .map(|i| inputs[1..].iter().fold(inputs[0][i], |acc, x| acc + x[i]))
+                .collect(),
         }
     }
     let results = run_ok(WORLD, |pg| {
