@@ -231,4 +231,72 @@ mod tests {
         let e = place(&chunks, 25, 4, 0).unwrap_err();
         assert!(e.to_string().contains("add up to 24"), "{e}");
     }
+
+    /// Every rank of tp 1, 2 and 4 against a table written out by hand: `(full q, full k,
+    /// full v)` columns, the local layout, and whether k / v are replicated.
+    #[test]
+    fn chunk_placement_of_every_rank_matches_the_table() {
+        type Row = (Range<usize>, Range<usize>, Range<usize>);
+        let check = |heads: [usize; 3], tp: usize, table: &[Row], replicated: bool| {
+            // Heads of 2 columns: q, k, v.
+            let chunks = heads.map(|h| ColumnChunk::new(2 * h).with_blocks(Some(h)));
+            let width = 2 * heads.iter().sum::<usize>();
+            for (rank, (q, k, v)) in table.iter().enumerate() {
+                let p = place(&chunks, width, tp, rank).unwrap();
+                let tag = format!("heads {heads:?} tp {tp} rank {rank}");
+                assert_eq!(
+                    [p[0].full.clone(), p[1].full.clone(), p[2].full.clone()],
+                    [q.clone(), k.clone(), v.clone()],
+                    "{tag}"
+                );
+                let (nq, nk) = (q.len(), k.len());
+                assert_eq!(p[0].local, 0..nq, "{tag}");
+                assert_eq!(p[1].local, nq..nq + nk, "{tag}");
+                assert_eq!(p[2].local, nq + nk..nq + 2 * nk, "{tag}");
+                assert!(!p[0].replicated, "{tag}");
+                assert_eq!(
+                    (p[1].replicated, p[2].replicated),
+                    (replicated, replicated),
+                    "{tag}"
+                );
+            }
+        };
+        // 8 query heads, 2 key / value heads: columns q 0..16, k 16..20, v 20..24.
+        check([8, 2, 2], 1, &[(0..16, 16..20, 20..24)], false);
+        check(
+            [8, 2, 2],
+            2,
+            &[(0..8, 16..18, 20..22), (8..16, 18..20, 22..24)],
+            false,
+        );
+        check(
+            [8, 2, 2],
+            4,
+            &[
+                (0..4, 16..18, 20..22),
+                (4..8, 16..18, 20..22),
+                (8..12, 18..20, 22..24),
+                (12..16, 18..20, 22..24),
+            ],
+            true,
+        );
+        // 4 query heads, 1 key / value head (multi-query): q 0..8, k 8..10, v 10..12.
+        check(
+            [4, 1, 1],
+            2,
+            &[(0..4, 8..10, 10..12), (4..8, 8..10, 10..12)],
+            true,
+        );
+        check(
+            [4, 1, 1],
+            4,
+            &[
+                (0..2, 8..10, 10..12),
+                (2..4, 8..10, 10..12),
+                (4..6, 8..10, 10..12),
+                (6..8, 8..10, 10..12),
+            ],
+            true,
+        );
+    }
 }
