@@ -379,12 +379,41 @@ fn one_dimensional_inputs_match_burns_linear() {
 }
 
 /// Whether a rank's input needs a gradient does not change which collectives it posts: rank 0's
-/// input requires grad and rank 1's does not, and the backward completes with the right grads.
+/// input requires grad and rank 1's does not, the backward completes, and the gradients are the
+/// right values: rank 0's input gradient is `ones @ W^T` (the sum over both ranks' shards, of its
+/// rows in REDUCE_SCATTER mode), each rank's weight gradient the column sums of the (gathered)
+/// input, `loss = sum(y)` on each rank. Written out in plain loops.
 #[test]
 fn ranks_with_different_requires_grad_post_the_same_collectives() {
+    let w = f64s(int_linear(2).weight.val()); // [D_IN, D_OUT]
+    // d sum(X W) / dX = ones @ W^T: every row is W's row sums.
+    let w_row_sums: Vec<f64> = (0..D_IN)
+        .map(|k| w[k * D_OUT..(k + 1) * D_OUT].iter().sum())
+        .collect();
     for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        let rows = if mode == TpMode::ReduceScatter { 2 } else { 4 };
+        let x_vals = uniform(rows * D_IN, 9);
+        // Both ranks hold the same rows; in REDUCE_SCATTER mode the gathered input is them twice.
+        let copies = if mode == TpMode::ReduceScatter {
+            2.0
+        } else {
+            1.0
+        };
+        let col_sums: Vec<f64> = (0..D_IN)
+            .map(|k| {
+                copies
+                    * (0..rows)
+                        .map(|i| f64::from(x_vals[i * D_IN + k]))
+                        .sum::<f64>()
+            })
+            .collect();
+        let want_dx: Vec<f64> = (0..rows).flat_map(|_| w_row_sums.clone()).collect();
+        let want_dw: Vec<f64> = (0..D_IN)
+            .flat_map(|k| std::iter::repeat_n(col_sums[k], D_OUT / 2))
+            .collect();
         for linked in [false, true] {
             let run = if linked { run_linked } else { run_local };
+            let xv = x_vals.clone();
             let out = run(2, move |group: ProcessGroup| {
                 let r = group.rank();
                 group.set_timeout(std::time::Duration::from_secs(5));
@@ -394,20 +423,25 @@ fn ranks_with_different_requires_grad_post_the_same_collectives() {
                     &ColumnParallelLinearConfig::new(D_IN, D_OUT).with_mode(mode),
                 )
                 .unwrap();
-                let rows = if mode == TpMode::ReduceScatter { 2 } else { 4 };
-                let x = tensor(uniform(rows * D_IN, 9), [rows, D_IN], DType::F32);
+                let x = tensor(xv.clone(), [rows, D_IN], DType::F32);
                 let x = if r == 0 { x.require_grad() } else { x };
                 let y = col.try_forward(x.clone()).unwrap();
                 let grads = y.sum().backward();
                 let wgrad = col.weight.grad(&grads).map(f64s);
-                (x.grad(&grads).is_some(), wgrad.is_some())
+                (x.grad(&grads).map(f64s), wgrad)
             })
             .unwrap();
-            assert_eq!(
-                out,
-                vec![(true, true), (false, true)],
-                "{mode:?} linked {linked}"
+            let tag = format!("{mode:?} linked {linked}");
+            assert!(
+                out[1].0.is_none(),
+                "{tag}: rank 1's input needs no gradient"
             );
+            let dx = out[0].0.as_ref().expect("rank 0's input gradient");
+            assert_close(dx, &want_dx, 1e-6, &format!("{tag}: rank 0 dx"));
+            for (r, (_, dw)) in out.iter().enumerate() {
+                let dw = dw.as_ref().expect("a weight gradient");
+                assert_close(dw, &want_dw, 1e-6, &format!("{tag}: rank {r} dW"));
+            }
         }
     }
 }
