@@ -102,7 +102,12 @@ fn sharded_cross_entropy_keeps_the_dtype_and_computes_in_f32() {
 fn vocab_parallel_embedding_keeps_the_dtype() {
     let _rng = rng_lock();
     let (v, d, s, b) = (8usize, 4usize, 4usize, 2usize);
-    let id_vals: Vec<i64> = (0..8).map(|i| (i * 3 + 1) % 8).collect();
+    // Ids 1, 2, 4 twice, 0 and 3 once, 5..7 never: the table's gradient is 3 x the count.
+    let id_vals: Vec<i64> = (0..8).map(|i| (i * 3 + 1) % 5).collect();
+    let count = |id: usize| id_vals.iter().filter(|&&x| x as usize == id).count() as f64;
+    let want_dw: Vec<f64> = (0..v)
+        .flat_map(|id| std::iter::repeat_n(3.0 * count(id), d))
+        .collect();
     for dtype in [DType::BF16, DType::F16, DType::F64] {
         for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
             device().seed(3);
@@ -117,13 +122,22 @@ fn vocab_parallel_embedding_keeps_the_dtype() {
                 let y = layer.forward(ids(iv.clone(), [s, b]));
                 let grads = (y.clone() * 3.0).sum().backward();
                 let dw = layer.weight.val().grad(&grads).unwrap();
-                (y.dtype(), dw.dtype(), f64s(y), f64s(reference.cast(dtype)))
+                (
+                    y.dtype(),
+                    dw.dtype(),
+                    f64s(y),
+                    f64s(reference.cast(dtype)),
+                    f64s(dw),
+                )
             })
             .unwrap();
-            for (r, (y_dtype, dw_dtype, y, want)) in out.into_iter().enumerate() {
+            for (r, (y_dtype, dw_dtype, y, want, dw)) in out.into_iter().enumerate() {
                 let tag = format!("{dtype:?} {mode:?} rank {r}");
                 assert_eq!((y_dtype, dw_dtype), (dtype, dtype), "{tag}");
                 assert_eq!(y, want, "{tag}");
+                // This rank's rows of the table (ids r * v/2 ..), exact in every dtype.
+                let rows = r * (v / 2) * d..(r + 1) * (v / 2) * d;
+                assert_eq!(dw, want_dw[rows], "{tag}: the table's gradient");
             }
         }
     }
