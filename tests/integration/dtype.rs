@@ -271,13 +271,18 @@ fn train_gpt_in_bf16_follows_the_f32_curve() {
         f32_run[99] < f32_run[0] - 0.8,
         "the model learns: {f32_run:?}"
     );
+    // f64::max would drop a NaN: every step must be finite first.
+    assert!(
+        bf16_run.iter().all(|v| v.is_finite()),
+        "a bf16 loss is not finite: {bf16_run:?}"
+    );
     let worst = f32_run
         .iter()
         .zip(&bf16_run)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f64::max);
     assert!(
-        worst < 0.1,
+        worst < 0.06,
         "worst step differs by {worst}: {f32_run:?} vs {bf16_run:?}"
     );
     assert!(

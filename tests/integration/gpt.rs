@@ -552,6 +552,32 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
     let steps: Vec<usize> = report.held_out.iter().map(|h| h.0).collect();
     assert_eq!(steps, vec![0, 3, 4]);
     assert!(report.held_out.iter().all(|h| h.1.is_finite() && h.1 > 0.0));
+    // The values: the model learns the repeated sentence (measured 3.61 -> 2.98 -> 2.83), and the
+    // checkpoint written at the end, evaluated afresh at tp = 1 and one block, gives the last
+    // held-out loss (the held-out text, the evaluation batches, the trained weights).
+    let held: Vec<f64> = report.held_out.iter().map(|h| h.1).collect();
+    assert!(held[2] < held[1] && held[1] < held[0] - 0.3, "{held:?}");
+    let again = run(&tiny_args(
+        &[
+            "--tp",
+            "1",
+            "--steps",
+            "1",
+            "--data",
+            data.to_str().unwrap(),
+            "--resume",
+            out.join("checkpoint.bpk").to_str().unwrap(),
+        ],
+        &temp_dir("cli-eval"),
+    ))
+    .unwrap();
+    assert_eq!(again.held_out[0].0, 4);
+    assert_close(
+        &[again.held_out[0].1],
+        &[held[2]],
+        1e-5,
+        "held-out loss of the checkpoint at tp 1 vs at the end of the tp 2 run",
+    );
     let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
     assert_eq!(csv.lines().count(), 6, "{csv}");
     assert!(csv.starts_with("step,loss,held_out_loss\n0,"), "{csv}");
