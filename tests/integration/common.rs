@@ -146,3 +146,23 @@ impl burn::module::ModuleMapper for ToGrads<'_> {
         param.map(|t| t.grad(grads).expect("every parameter has a gradient"))
     }
 }
+
+/// The gradients of a sharded `model`, gathered into its tp = 1 layout (each parameter replaced
+/// by its gradient).
+pub fn full_grads<M: burn::module::Module + burn_tp::reshard::Reshard>(
+    model: &M,
+    grads: &burn::tensor::Gradients,
+) -> M {
+    model
+        .clone()
+        .map(&mut ToGrads(grads))
+        .to_full_module()
+        .expect("the gradients gather")
+}
+
+/// `||a - b|| / ||b||`.
+pub fn rel_norm(a: &[f64], b: &[f64]) -> f64 {
+    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| y * y).sum();
+    (d / n.max(1e-30)).sqrt()
+}

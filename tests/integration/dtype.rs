@@ -17,7 +17,7 @@ use burn_tp::precision::cast_params;
 use burn_tp_examples::train_gpt::{Args, run};
 use clap::Parser;
 
-use crate::common::{assert_close, device, f64s, rng_lock, tensor, uniform};
+use crate::common::{assert_close, device, f64s, rel_norm, rng_lock, tensor, uniform};
 
 fn ids<const D: usize>(values: Vec<i64>, shape: [usize; D]) -> Tensor<D, Int> {
     Tensor::from_data(TensorData::new(values, shape), &device())
@@ -38,13 +38,6 @@ fn param_grads<M: Module>(module: &M, grads: &Gradients) -> Vec<(DType, Vec<f64>
     let mut collect = Collect(grads, Vec::new());
     module.visit(&mut collect);
     collect.1
-}
-
-/// `||a - b|| / ||b||`.
-fn rel_norm(a: &[f64], b: &[f64]) -> f64 {
-    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
-    let n: f64 = b.iter().map(|y| y * y).sum();
-    (d / n.max(1e-30)).sqrt()
 }
 
 /// Half-precision logits: the loss and the gradient come back in the logits' dtype and equal the

@@ -719,8 +719,7 @@ fn tied_head_and_separate_qkv_agree_across_tp() {
 /// shows in the full form (`to_full` is `[13, d]`) and gets no gradient.
 #[test]
 fn any_vocabulary_size_works_at_any_tp() {
-    use crate::common::ToGrads;
-    use burn::module::Module;
+    use crate::common::full_grads;
     let _rng = rng_lock();
     let (v, s, b) = (13usize, 8usize, 2usize);
     let x = crate::common::token_ids(s * b, v, 7, 3);
@@ -750,11 +749,7 @@ fn any_vocabulary_size_works_at_any_tp() {
                         })
                         .map(f64::abs)
                         .sum();
-                    let full = model
-                        .clone()
-                        .map(&mut ToGrads(&grads))
-                        .to_full_module()
-                        .unwrap();
+                    let full = full_grads(&model, &grads);
                     let tok = full.tok.to_full().unwrap().weight.val();
                     assert_eq!(tok.dims(), [v, 16]);
                     let head = full

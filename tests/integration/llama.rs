@@ -5,7 +5,7 @@
 //! < tp, = tp and > tp, a vocabulary tp does not divide, masked and ignored tokens, dropout on and
 //! off, tied and untied heads. And checkpoints that move between tp sizes.
 
-use burn::module::{Module, Param};
+use burn::module::Param;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, Linear, RmsNorm, RotaryEncoding, RotaryEncodingConfig, SwiGlu};
 use burn::tensor::activation::softmax;
@@ -15,7 +15,7 @@ use burn_tp::llama::{DropoutKey, DropoutStep, Llama, LlamaConfig, dropout_mask};
 use burn_tp::ops::gather_from_tp_region;
 use burn_tp::reshard::Reshard;
 
-use crate::common::{Path, ToGrads, assert_close, device, f64s, rng_lock};
+use crate::common::{Path, assert_close, device, f64s, full_grads, rng_lock};
 
 const V: usize = 11; // not a multiple of 2 or 4: padded to 12
 const S: usize = 8;
@@ -274,11 +274,7 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                             let logits = gather_from_tp_region(logits, 2, &g).unwrap();
                             let logits = logits.narrow(2, 0, V).reshape([S * B, V]).detach();
                             let grads = loss.backward();
-                            let full_grads = model
-                                .clone()
-                                .map(&mut ToGrads(&grads))
-                                .to_full_module()
-                                .unwrap();
+                            let full_grads = full_grads(&model, &grads);
                             // The reference, on this rank's thread, from the same full weights.
                             let reference = RefLlama::load(&model.to_full_module().unwrap(), n_kv);
                             let (ref_logits, ref_loss) = reference.loss(

@@ -15,7 +15,7 @@ use burn_tp::linear::TpMode;
 use burn_tp::local::run_local;
 use burn_tp::reshard::Reshard;
 
-use crate::common::{Path, ToGrads, assert_close, device, f64s, rng_lock};
+use crate::common::{Path, assert_close, device, f64s, full_grads, rel_norm, rng_lock};
 
 const V: usize = 16;
 const S: usize = 8;
@@ -265,11 +265,7 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
                     .unwrap();
                 let loss = model.loss(ids(x.clone()), ids(y.clone()));
                 let grads = loss.backward();
-                let full_grads = model
-                    .clone()
-                    .map(&mut ToGrads(&grads))
-                    .to_full_module()
-                    .unwrap();
+                let full_grads = full_grads(&model, &grads);
                 // The reference, on this rank's thread (its own leaves), from the same weights.
                 let reference = RefGpt::load(&model.to_full_module().unwrap());
                 let ref_loss = reference.loss(ids(x.clone()), ids(y.clone()));
@@ -310,11 +306,6 @@ fn the_gpt_in_half_precision_equals_the_burn_nn_reference_in_the_same_dtype() {
     let _rng = rng_lock();
     let x = crate::common::token_ids(S * B, V, 7, 3);
     let y = crate::common::token_ids(S * B, V, 5, 1);
-    let rel = |a: &[f64], b: &[f64]| {
-        let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
-        let n: f64 = b.iter().map(|y| y * y).sum();
-        (d / n.max(1e-30)).sqrt()
-    };
     for (dtype, loss_tol, grad_tol) in [
         // Measured: the losses equal, gradients 3.7e-2 (bf16) / 7.1e-3 (f16) apart at worst.
         (DType::BF16, 1e-2, 6e-2),
@@ -333,11 +324,7 @@ fn the_gpt_in_half_precision_equals_the_burn_nn_reference_in_the_same_dtype() {
                     let half = cast_params(model, FloatDType::from(dtype));
                     let loss = half.loss(ids(x.clone()), ids(y.clone()));
                     let grads = loss.backward();
-                    let full_grads = half
-                        .clone()
-                        .map(&mut ToGrads(&grads))
-                        .to_full_module()
-                        .unwrap();
+                    let full_grads = full_grads(&half, &grads);
                     let reference = cast_params(reference, FloatDType::from(dtype));
                     let ref_loss = reference.loss(ids(x.clone()), ids(y.clone()));
                     let ref_grads = ref_loss.backward();
@@ -360,7 +347,7 @@ fn the_gpt_in_half_precision_equals_the_burn_nn_reference_in_the_same_dtype() {
                         if name.ends_with("k.bias") {
                             continue; // zero in exact arithmetic: rounding noise on both sides
                         }
-                        let err = rel(got, want);
+                        let err = rel_norm(got, want);
                         assert!(err <= grad_tol, "{tag}: grad {name}: {err:.3e}");
                     }
                 }
