@@ -98,12 +98,18 @@ fn device_work(pending: &PendingCollective<CubeBackend>) -> Option<Arc<DeviceWor
         .ok()
 }
 
-/// Holds a buffer's storage in place while NCCL uses its raw pointer. Never read: the resource
-/// holds a raw pointer (so it is not `Send`), but it is only kept and dropped.
-struct Pinned(#[allow(dead_code)] Box<dyn Any>);
-// Safety: see `Pinned`; nothing reads the value, it is only dropped.
-unsafe impl Send for Pinned {}
-// Safety: as above.
+/// A cubecl CUDA buffer's storage, bound in place (`ManagedResource`: never freed, reused or
+/// moved while held) so that the raw device pointer NCCL was given stays valid.
+type DeviceResource = cubecl_runtime::storage::ManagedResource<
+    <<Server as cubecl_runtime::server::ServerStorage>::Storage as cubecl_runtime::storage::ComputeStorage>::Resource,
+>;
+
+/// Holds a buffer's storage in place while NCCL uses its raw pointer; only kept and dropped.
+struct Pinned(#[allow(dead_code)] DeviceResource);
+// Safety: `DeviceResource` is `Send` (cubecl marks its `GpuResource` so) but not `Sync`: it
+// carries a raw `*mut c_void` (cubecl's kernel-argument binding). `Pinned` never reads it: the
+// field is private and only dropped, so a `&Pinned` shared between threads gives access to
+// nothing.
 unsafe impl Sync for Pinned {}
 
 /// A collective posted on NCCL's communication stream from cubecl buffers.
@@ -287,7 +293,7 @@ fn device_start(
         output,
         dim,
         _input: input,
-        _pins: [Pinned(Box::new(res_in)), Pinned(Box::new(res_out))],
+        _pins: [Pinned(res_in), Pinned(res_out)],
     });
     PendingCollective::new(x, op, group, Posted::InFlight(inner))
 }

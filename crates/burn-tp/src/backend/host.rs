@@ -30,7 +30,7 @@ struct HostWork<T> {
     shard_shape: Shape,
 }
 
-impl<T: CommElement + Element> InFlight for HostWork<T> {
+impl<T: HostElement> InFlight for HostWork<T> {
     fn finish(&self) -> Result<TensorData, CommError> {
         let work = self.work.lock().unwrap_or_else(|e| e.into_inner()).take();
         let work =

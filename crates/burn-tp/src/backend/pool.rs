@@ -108,7 +108,7 @@ pub(crate) struct PooledBuf<T> {
     _t: PhantomData<T>,
 }
 
-impl<T: Copy> PooledBuf<T> {
+impl<T: bytemuck::Pod> PooledBuf<T> {
     pub(crate) fn new(len: usize) -> Self {
         Self {
             block: Some(take(len * size_of::<T>())),
@@ -127,19 +127,24 @@ impl<T: Copy> PooledBuf<T> {
     }
 }
 
-impl<T: Copy + Send + 'static> RecvBuf<T> for PooledBuf<T> {
+// `Pod`: any bit pattern is a valid `T`, so a view of the pool's bytes as `T` is sound; bytemuck
+// checks the alignment (the blocks are ALIGN-aligned) and the length.
+impl<T: bytemuck::Pod + Send + 'static> RecvBuf<T> for PooledBuf<T> {
     fn as_mut_slice(&mut self) -> &mut [T] {
         let block = self.block.as_ref().expect("not yet converted");
-        // Safety: the block is ALIGN-aligned (>= align_of::<T>() for every element type the
-        // collectives carry), holds at least `len * size_of::<T>()` initialised bytes, and
-        // CommElement types are plain numbers for which any bit pattern is valid.
-        unsafe { std::slice::from_raw_parts_mut(block.ptr.as_ptr().cast::<T>(), self.len) }
+        let n = self.len * size_of::<T>();
+        // Safety: the block holds at least `n` initialised bytes (zeroed at allocation) that
+        // only this buffer refers to until it is converted or dropped.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(block.ptr.as_ptr(), n) };
+        bytemuck::cast_slice_mut(bytes)
     }
 
     fn as_slice(&self) -> &[T] {
         let block = self.block.as_ref().expect("not yet converted");
+        let n = self.len * size_of::<T>();
         // Safety: as `as_mut_slice`, shared.
-        unsafe { std::slice::from_raw_parts(block.ptr.as_ptr().cast::<T>(), self.len) }
+        let bytes = unsafe { std::slice::from_raw_parts(block.ptr.as_ptr(), n) };
+        bytemuck::cast_slice(bytes)
     }
 }
 
