@@ -483,6 +483,9 @@ fn launch<M: LanguageModel>(
             };
             let groups = LocalGroup::with_options(world, options).map_err(|e| e.to_string())?;
             let (args2, data2, ckpt) = (args.clone(), data.clone(), checkpoint.to_path_buf());
+            // A training program: keep the step's freed buffers mapped (README; off with
+            // BURN_TP_KEEP_FREED_MEMORY=0).
+            burn_tp::local::keep_freed_memory_unless_disabled();
             let results = run_ranks(groups, move |world_group| {
                 train_rank::<M>(&args2, &config, &data2, world_group, &device, &ckpt)
                     .map_err(|e| e.to_string())

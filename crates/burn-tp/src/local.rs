@@ -30,7 +30,9 @@ fn threads_for(env: Option<&str>, cores: usize, world: usize) -> usize {
         .unwrap_or((cores / world.max(1)).max(1))
 }
 
-/// Environment variable: `0` stops the runner from calling [`keep_freed_memory`].
+/// Environment variable: `1` makes the runner call [`keep_freed_memory`] (a library does not
+/// change the process's allocator unasked); `0` stops [`keep_freed_memory_unless_disabled`], which
+/// the example and the benches call.
 pub const KEEP_FREED_MEMORY_ENV: &str = "BURN_TP_KEEP_FREED_MEMORY";
 
 /// Options of [`run_ranks_with`].
@@ -38,8 +40,8 @@ pub const KEEP_FREED_MEMORY_ENV: &str = "BURN_TP_KEEP_FREED_MEMORY";
 pub struct RunOptions {
     /// Threads of each rank's rayon pool; `None`: [`threads_per_rank`].
     pub threads_per_rank: Option<usize>,
-    /// Whether to call [`keep_freed_memory`] first; `None`: yes, unless
-    /// `BURN_TP_KEEP_FREED_MEMORY=0`.
+    /// Whether to call [`keep_freed_memory`] first; `None`: only if
+    /// `BURN_TP_KEEP_FREED_MEMORY=1` (it changes the whole process's allocator settings).
     pub keep_freed_memory: Option<bool>,
 }
 
@@ -47,8 +49,9 @@ pub struct RunOptions {
 /// are reused by the next instead of being returned to the OS and page-faulted back: with
 /// glibc, blocks up to 32 MiB come from the heap (`M_MMAP_THRESHOLD`) and the heap is not
 /// trimmed (`M_TRIM_THRESHOLD`). The process then keeps its peak heap, which a training loop
-/// reaches every step anyway. Process-wide and lasting; the runner calls it (see
-/// [`RunOptions::keep_freed_memory`]). Returns whether it applied (false off glibc, where it
+/// reaches every step anyway. Process-wide and lasting, so opt-in: a training program calls it
+/// (or [`keep_freed_memory_unless_disabled`]), or asks the runner to
+/// ([`RunOptions::keep_freed_memory`]). Returns whether it applied (false off glibc, where it
 /// does nothing).
 pub fn keep_freed_memory() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -67,8 +70,15 @@ pub fn keep_freed_memory() -> bool {
     }
 }
 
+/// [`keep_freed_memory`] unless `BURN_TP_KEEP_FREED_MEMORY=0`: what a training program (the
+/// example, the benches) calls at start. Returns whether it applied.
+pub fn keep_freed_memory_unless_disabled() -> bool {
+    let env = std::env::var(KEEP_FREED_MEMORY_ENV).ok();
+    env.as_deref().is_none_or(|v| v.trim() != "0") && keep_freed_memory()
+}
+
 fn keep_for(option: Option<bool>, env: Option<&str>) -> bool {
-    option.unwrap_or_else(|| env.is_none_or(|v| v.trim() != "0"))
+    option.unwrap_or_else(|| env.is_some_and(|v| v.trim() == "1"))
 }
 
 /// Runs `f` once per rank, each on its own thread with its own [`ProcessGroup`] and its own rayon
@@ -184,10 +194,10 @@ mod tests {
     }
 
     #[test]
-    fn freed_memory_is_kept_unless_turned_off() {
-        assert!(keep_for(None, None));
-        assert!(keep_for(None, Some("1")));
-        assert!(!keep_for(None, Some(" 0 ")));
+    fn the_runner_keeps_freed_memory_only_when_asked() {
+        assert!(!keep_for(None, None));
+        assert!(keep_for(None, Some(" 1 ")));
+        assert!(!keep_for(None, Some("0")));
         assert!(keep_for(Some(true), Some("0")));
         assert!(!keep_for(Some(false), None));
         // glibc accepts both settings (this machine and CI run glibc).

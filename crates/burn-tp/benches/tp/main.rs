@@ -495,6 +495,8 @@ use floor::bench_layer_floor;
 use grid::bench_async_grid;
 
 fn main() {
+    // As a training program would (README): freed buffers stay mapped between steps.
+    burn_tp::local::keep_freed_memory_unless_disabled();
     let quick = std::env::args().any(|a| a == "--quick");
     let start = Instant::now();
     println!(
