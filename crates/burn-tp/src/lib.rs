@@ -6,7 +6,8 @@
 //!
 //! - [`backend`]: the collectives and the parallel linears as a Burn backend extension
 //!   ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the
-//!   seed's algorithm (communication overlapped with compute), with a diagram of the shards.
+//!   overlapped forward and backward of the parallel linears (communication in flight while
+//!   the local shard's matmul runs), with a diagram of the shards.
 //! - [`ops`]: differentiable collectives on `Tensor<D>` (all-gather, reduce-scatter, all-reduce,
 //!   copy-to / reduce-from the tensor-parallel region), each with an async form.
 //! - [`linear`]: [`ColumnParallelLinear`](linear::ColumnParallelLinear) and
@@ -47,7 +48,7 @@
 //!
 //! impl Mlp {
 //!     fn new(d: usize, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self> {
-//!         let mode = TpMode::ReduceScatter; // sequence parallel: the seed's overlapped path
+//!         let mode = TpMode::ReduceScatter; // sequence parallel, communication overlapped
 //!         Ok(Self {
 //!             fc1: ColumnParallelLinearConfig::new(d, 4 * d).with_mode(mode).init(group, device)?,
 //!             fc2: RowParallelLinearConfig::new(4 * d, d).with_mode(mode).init(group, device)?,

@@ -2,9 +2,12 @@
 //! `burn-tp-launch` (or torchrun-style by hand) and met at the [`store`](crate::store).
 //!
 //! Every collective runs on a dedicated communication stream. It first waits for an event
-//! recorded on the compute stream (so it sees the inputs), and records a completion event the
-//! [`NcclWork`] handle gives back: [`NcclWork::wait`] makes the compute stream wait for it (no host
-//! block), so an all-gather issued before a matmul really runs beside it.
+//! recorded on the compute stream (the context's default stream, which is what cudarc buffers
+//! use), and records a completion event the [`NcclWork`] handle gives back: [`NcclWork::wait`]
+//! makes that compute stream wait for it (no host block), so an all-gather issued before a matmul
+//! on cudarc buffers really runs beside it. Burn's CUDA tensors live on cubecl's own streams,
+//! which this event ordering cannot see: burn-tp's CUDA backend (`backend/cuda.rs` in burn-tp)
+//! syncs cubecl's stream before a post and blocks the host on [`NcclWork::wait_host`] instead.
 //!
 //! cudarc loads `libcuda` and `libnccl` at run time and panics if they are missing, so
 //! [`probe`] checks first and returns errors instead. NCCL installs as `libnccl.so.2`, a name

@@ -3,8 +3,8 @@
 //!
 //! Two backend ops carry every collective: [`TpBackend::tp_start`] posts it and returns a
 //! [`PendingCollective`]; [`TpBackend::tp_resolve`] waits and returns the tensor. The blocking
-//! form is start + resolve; the parallel layers put compute in between ([`overlap`], the seed's
-//! algorithm). The default bodies move data through the host (`host.rs`: right for the CPU
+//! form is start + resolve; the parallel layers put compute in between ([`overlap`]: the
+//! overlapped forward and backward). The default bodies move data through the host (`host.rs`: right for the CPU
 //! backends, where a rank is a thread); a device backend overrides them with its own transport
 //! (`cuda.rs`, feature `cuda`).
 //!

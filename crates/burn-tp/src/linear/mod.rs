@@ -39,48 +39,6 @@ pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use functional::{column_parallel_linear, row_parallel_linear};
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
-/// What both parallel linears share: the accessors and `try_forward` through their functional
-/// form.
-macro_rules! parallel_linear_common {
-    ($layer:ident, $functional:ident) => {
-        impl $layer {
-            /// The group this layer is sharded over.
-            pub fn group(&self) -> &ProcessGroup {
-                &self.group
-            }
-
-            /// The settings it runs with.
-            pub fn spec(&self) -> LinearSpec {
-                self.spec
-            }
-
-            /// Sets the overlap schedule of the async path.
-            pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
-                self.spec.schedule = schedule;
-                self
-            }
-
-            /// Turns the overlapped (async) path on or off, as the config's
-            /// `async_communication`. A clone with another setting shares the weights.
-            pub fn with_async_communication(mut self, on: bool) -> Self {
-                self.spec.async_communication = on;
-                self
-            }
-
-            /// Forward pass, returning the error instead of panicking. Shapes as
-            /// [`forward`](Self::forward).
-            ///
-            /// # Errors
-            /// As [`forward`](Self::forward)'s panics.
-            pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
-                let (weight, bias) = self.compute_weights();
-                $functional(x, weight, bias, self.spec, &self.group)
-            }
-        }
-    };
-}
-use parallel_linear_common;
-
 /// Burn's `LinearConfig` default gain, `1 / sqrt(3)`.
 pub(crate) const INIT_GAIN: f64 = 0.577_350_269_189_625_8;
 

@@ -159,4 +159,37 @@ impl Reshard for RowParallelLinear {
     }
 }
 
-super::parallel_linear_common!(RowParallelLinear, row_parallel_linear);
+impl RowParallelLinear {
+    /// The group this layer is sharded over.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The settings it runs with.
+    pub fn spec(&self) -> LinearSpec {
+        self.spec
+    }
+
+    /// Sets the overlap schedule of the async path.
+    pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
+        self.spec.schedule = schedule;
+        self
+    }
+
+    /// Turns the overlapped (async) path on or off, as the config's `async_communication`. A
+    /// clone with another setting shares the weights.
+    pub fn with_async_communication(mut self, on: bool) -> Self {
+        self.spec.async_communication = on;
+        self
+    }
+
+    /// Forward pass, returning the error instead of panicking (this crate's fallible twin of
+    /// [`forward`](Self::forward)). Shapes as `forward`.
+    ///
+    /// # Errors
+    /// As `forward`'s panics.
+    pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
+        let (weight, bias) = self.compute_weights();
+        row_parallel_linear(x, weight, bias, self.spec, &self.group)
+    }
+}
