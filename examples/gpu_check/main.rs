@@ -31,7 +31,7 @@ use burn_tp::comm::store::{LaunchEnv, StoreClient, StoreServer};
 use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
-    TpMode,
+    TpMode, TpSettings,
 };
 use burn_tp::local::run_local;
 use burn_tp::precision::cast_params;
@@ -341,7 +341,7 @@ fn mlp_on_group(
             dtype,
         ),
         group,
-        &ColumnParallelLinearConfig::new(d, h).with_mode(mode),
+        &ColumnParallelLinearConfig::new(d, h).with_settings(TpSettings::new().with_mode(mode)),
     )
     .expect("column layer");
     let row = RowParallelLinear::from_full(
@@ -350,7 +350,7 @@ fn mlp_on_group(
             dtype,
         ),
         group,
-        &RowParallelLinearConfig::new(h, d).with_mode(mode),
+        &RowParallelLinearConfig::new(h, d).with_settings(TpSettings::new().with_mode(mode)),
     )
     .expect("row layer");
     let full =

@@ -14,7 +14,7 @@ use burn::tensor::{Device, FloatDType};
 use burn_tp::comm::Profile;
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
-use burn_tp::linear::{OverlapSchedule, TpMode};
+use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
 use burn_tp::llama::{DropoutStep, Llama, LlamaConfig};
 use burn_tp::local::run_ranks;
 use burn_tp::ops::all_reduce;
@@ -219,6 +219,12 @@ pub struct Report {
 /// The model configuration the arguments describe.
 pub fn model_config(args: &Args, n_vocab: usize) -> GptConfig {
     GptConfig::new(n_vocab, args.seq, args.d_model, args.heads, args.layers)
+        .with_settings(settings(args))
+}
+
+/// The tensor-parallel settings the arguments describe (both architectures).
+pub fn settings(args: &Args) -> TpSettings {
+    TpSettings::new()
         .with_mode(tp_mode(args))
         .with_async_communication(!args.no_async)
         .with_schedule(schedule(args))
@@ -255,9 +261,7 @@ pub fn llama_config(args: &Args, n_vocab: usize) -> LlamaConfig {
     )
     .with_dropout(args.dropout.unwrap_or(0.1))
     .with_dropout_seed(args.seed)
-    .with_mode(tp_mode(args))
-    .with_async_communication(!args.no_async)
-    .with_schedule(schedule(args))
+    .with_settings(settings(args))
 }
 
 /// A one-line description of the run, for the plot's title.

@@ -628,7 +628,9 @@ fn adjoints_run_on_every_rank_whatever_its_requires_grad() {
 /// input gradient still sums both ranks' contributions, `sum_r v_r W_r^T`.
 #[test]
 fn linear_backward_runs_on_every_rank_whatever_its_requires_grad() {
-    use burn_tp::linear::{LinearSpec, TpMode, column_parallel_linear, row_parallel_linear};
+    use burn_tp::linear::{
+        LinearSpec, TpMode, TpSettings, column_parallel_linear, row_parallel_linear,
+    };
     const N: usize = 2;
     let (s, d_in, d_out) = (4usize, 4usize, 6usize);
     for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
@@ -667,10 +669,11 @@ fn linear_backward_runs_on_every_rank_whatever_its_requires_grad() {
                         DType::F32,
                     );
                     let x = if r == 0 { x.require_grad() } else { x };
-                    let spec = LinearSpec {
-                        async_communication: asynch,
-                        ..LinearSpec::new(mode)
-                    };
+                    let spec = LinearSpec::new(
+                        TpSettings::new()
+                            .with_mode(mode)
+                            .with_async_communication(asynch),
+                    );
                     let y = if column {
                         column_parallel_linear(x.clone(), w(r), None, spec, &g)
                     } else {

@@ -10,7 +10,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, FloatDType, Gradients, Int, Tensor, TensorData};
 use burn_tp::embedding::VocabParallelEmbeddingConfig;
 use burn_tp::gpt::GptConfig;
-use burn_tp::linear::TpMode;
+use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::local::run_local;
 use burn_tp::loss::sharded_cross_entropy;
 use burn_tp::precision::cast_params;
@@ -107,7 +107,7 @@ fn vocab_parallel_embedding_keeps_the_dtype() {
             let iv = id_vals.clone();
             let out = run_local(2, move |g| {
                 let layer = VocabParallelEmbeddingConfig::new(v, d)
-                    .with_mode(mode)
+                    .with_settings(TpSettings::new().with_mode(mode))
                     .init(&g, &device())
                     .unwrap();
                 let reference = layer.forward(ids(iv.clone(), [s, b]));
@@ -195,7 +195,7 @@ fn the_gpt_runs_in_bf16_and_f16_close_to_f32() {
     runs_in_half_precision_close_to_f32(
         |mode, g| {
             GptConfig::new(16, 8, 16, 4, 2)
-                .with_mode(mode)
+                .with_settings(TpSettings::new().with_mode(mode))
                 .init(g, &device())
                 .unwrap()
         },
@@ -210,7 +210,7 @@ fn the_llama_runs_in_bf16_and_f16_close_to_f32() {
     runs_in_half_precision_close_to_f32(
         |mode, g| {
             burn_tp::llama::LlamaConfig::new(15, 8, 16, 4, 2, 2, 16)
-                .with_mode(mode)
+                .with_settings(TpSettings::new().with_mode(mode))
                 .init(g, &device())
                 .unwrap()
         },

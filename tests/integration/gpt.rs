@@ -9,7 +9,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_tp::embedding::VocabParallelEmbedding;
 use burn_tp::gpt::{Gpt, GptConfig};
-use burn_tp::linear::TpMode;
+use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::local::run_local;
 use burn_tp::loss::sharded_cross_entropy;
 use burn_tp::reshard::Reshard;
@@ -362,7 +362,7 @@ fn replicated_parameters_stay_bitwise_identical() {
         let out = run_local(2, move |g| {
             let dev = device();
             let mut model = GptConfig::new(24, 8, 16, 4, 2)
-                .with_mode(mode)
+                .with_settings(TpSettings::new().with_mode(mode))
                 .init(&g, &dev)
                 .unwrap();
             let mut optim = burn::optim::AdamWConfig::new().init();
@@ -681,8 +681,11 @@ fn tied_head_and_separate_qkv_agree_across_tp() {
                     device().seed(11);
                     let losses = run_local(tp, move |g| {
                         let config = GptConfig::new(24, 8, 16, 4, 1)
-                            .with_mode(mode)
-                            .with_async_communication(asynch)
+                            .with_settings(
+                                TpSettings::new()
+                                    .with_mode(mode)
+                                    .with_async_communication(asynch),
+                            )
                             .with_tie_embeddings(tie)
                             .with_fused_qkv(fused);
                         let mut model = config.init(&g, &device()).unwrap();
@@ -732,7 +735,7 @@ fn any_vocabulary_size_works_at_any_tp() {
                 let (x, y) = (x.clone(), y.clone());
                 let out = run_local(tp, move |g| {
                     let model = GptConfig::new(v, s, 16, 4, 1)
-                        .with_mode(mode)
+                        .with_settings(TpSettings::new().with_mode(mode))
                         .with_tie_embeddings(tied)
                         .init(&g, &device())
                         .unwrap();

@@ -6,7 +6,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{DType, Device, Tensor};
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
-    RowParallelLinearConfig, TpMode,
+    RowParallelLinearConfig, TpMode, TpSettings,
 };
 use burn_tp::local::run_local;
 
@@ -108,9 +108,12 @@ fn run_case(case: Case, column: bool) {
         let (y, x_local, full) = if column {
             let layer = ColumnParallelLinearConfig::new(D_IN, D_OUT)
                 .with_bias(case.bias)
-                .with_mode(case.mode)
-                .with_async_communication(case.asynch)
-                .with_recompute_all_gather(case.recompute)
+                .with_settings(
+                    TpSettings::new()
+                        .with_mode(case.mode)
+                        .with_async_communication(case.asynch)
+                        .with_recompute_all_gather(case.recompute),
+                )
                 .init(&group, &dev)
                 .unwrap()
                 .with_schedule(case.schedule);
@@ -133,8 +136,11 @@ fn run_case(case: Case, column: bool) {
         } else {
             let layer = RowParallelLinearConfig::new(D_IN, D_OUT)
                 .with_bias(case.bias)
-                .with_mode(case.mode)
-                .with_async_communication(case.asynch)
+                .with_settings(
+                    TpSettings::new()
+                        .with_mode(case.mode)
+                        .with_async_communication(case.asynch),
+                )
                 .init(&group, &dev)
                 .unwrap()
                 .with_schedule(case.schedule);
@@ -294,7 +300,7 @@ fn column_gather_output_matches_unsharded_linear() {
             let out = run_local(tp, move |group| {
                 let layer = ColumnParallelLinearConfig::new(D_IN, D_OUT)
                     .with_gather_output(true)
-                    .with_async_communication(asynch)
+                    .with_settings(TpSettings::new().with_async_communication(asynch))
                     .init(&group, &device())
                     .unwrap();
                 let x = tensor(x_vals.clone(), [12, 2, D_IN], DType::F32).require_grad();
@@ -396,17 +402,21 @@ fn async_and_sync_agree_bitwise_on_integer_data() {
                     let c = ColumnParallelLinear::from_full(
                         &int_linear(1),
                         &group,
-                        &ColumnParallelLinearConfig::new(D_IN, D_OUT)
-                            .with_mode(mode)
-                            .with_async_communication(asynch),
+                        &ColumnParallelLinearConfig::new(D_IN, D_OUT).with_settings(
+                            TpSettings::new()
+                                .with_mode(mode)
+                                .with_async_communication(asynch),
+                        ),
                     )
                     .unwrap();
                     let rw = RowParallelLinear::from_full(
                         &int_linear(3),
                         &group,
-                        &RowParallelLinearConfig::new(D_OUT, D_IN)
-                            .with_mode(mode)
-                            .with_async_communication(asynch),
+                        &RowParallelLinearConfig::new(D_OUT, D_IN).with_settings(
+                            TpSettings::new()
+                                .with_mode(mode)
+                                .with_async_communication(asynch),
+                        ),
                     )
                     .unwrap();
                     let x_full = tensor(quarters(12 * 2 * D_IN, 7), [12, 2, D_IN], DType::F32);
@@ -520,7 +530,8 @@ fn non_contiguous_inputs_give_correct_results() {
     let full_x = Tensor::cat(vec![shard(0), shard(1)], 0); // [6, 2, D_IN]
     let want = f64s(int_linear(1).forward(full_x));
     let out = run_local(2, move |group| {
-        let cfg = ColumnParallelLinearConfig::new(D_IN, D_OUT).with_mode(TpMode::ReduceScatter);
+        let cfg = ColumnParallelLinearConfig::new(D_IN, D_OUT)
+            .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter));
         let layer = ColumnParallelLinear::from_full(&int_linear(1), &group, &cfg).unwrap();
         let x = shard(group.rank()); // [3, 2, D_IN], strided
         f64s(layer.forward(x)) // [6, 2, D_OUT / 2]

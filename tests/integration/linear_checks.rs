@@ -7,7 +7,7 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{DType, Tensor, TensorData, activation::gelu};
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule,
-    RowParallelLinear, RowParallelLinearConfig, TpMode, column_parallel_linear,
+    RowParallelLinear, RowParallelLinearConfig, TpMode, TpSettings, column_parallel_linear,
     row_parallel_linear,
 };
 use burn_tp::local::run_local;
@@ -36,10 +36,11 @@ fn gradcheck_column_and_row_ops() {
                     atol: 1e-6,
                     ..Default::default()
                 };
-                let spec = LinearSpec {
-                    schedule: OverlapSchedule::Split,
-                    ..LinearSpec::new(mode)
-                };
+                let spec = LinearSpec::new(
+                    TpSettings::new()
+                        .with_mode(mode)
+                        .with_schedule(OverlapSchedule::Split),
+                );
                 let rs = mode == TpMode::ReduceScatter;
                 let (s, d_in, d_out) = (4usize, 4usize, 4usize);
                 // Column: x (sharded on dim 0 in RS mode, else replicated), W_r, b_r as 2-D.
@@ -194,11 +195,11 @@ fn megatron_mlp_trains_like_the_unsharded_mlp() {
                 let dev = device();
                 let mut model = TpMlp {
                     fc1: ColumnParallelLinearConfig::new(d, h)
-                        .with_mode(mode)
+                        .with_settings(TpSettings::new().with_mode(mode))
                         .init(&group, &dev)
                         .unwrap(),
                     fc2: RowParallelLinearConfig::new(h, d)
-                        .with_mode(mode)
+                        .with_settings(TpSettings::new().with_mode(mode))
                         .init(&group, &dev)
                         .unwrap(),
                 };
@@ -280,7 +281,7 @@ fn size_errors_are_typed_errors_naming_the_sizes() {
         }
     );
     let e = ColumnParallelLinearConfig::new(4, 6)
-        .with_mode(TpMode::ReduceScatter)
+        .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter))
         .with_gather_output(true)
         .init(g, &dev);
     assert!(matches!(e, Err(TpError::Config(_))));
@@ -309,7 +310,8 @@ fn size_errors_are_typed_errors_naming_the_sizes() {
     let row = RowParallelLinear::from_full(
         &int_linear(1),
         g,
-        &RowParallelLinearConfig::new(D_IN, D_OUT).with_mode(TpMode::ReduceScatter),
+        &RowParallelLinearConfig::new(D_IN, D_OUT)
+            .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter)),
     )
     .unwrap();
     let e = row
@@ -353,14 +355,15 @@ fn one_dimensional_inputs_match_burns_linear() {
                     &full,
                     &group,
                     &ColumnParallelLinearConfig::new(D_IN, D_OUT)
-                        .with_async_communication(asynch)
+                        .with_settings(TpSettings::new().with_async_communication(asynch))
                         .with_gather_output(true),
                 )
                 .unwrap();
                 let row = RowParallelLinear::from_full(
                     &full,
                     &group,
-                    &RowParallelLinearConfig::new(D_IN, D_OUT).with_async_communication(asynch),
+                    &RowParallelLinearConfig::new(D_IN, D_OUT)
+                        .with_settings(TpSettings::new().with_async_communication(asynch)),
                 )
                 .unwrap();
                 let x = tensor(xs.clone(), [D_IN], DType::F32);
@@ -420,7 +423,8 @@ fn ranks_with_different_requires_grad_post_the_same_collectives() {
                 let col = ColumnParallelLinear::from_full(
                     &int_linear(2),
                     &group,
-                    &ColumnParallelLinearConfig::new(D_IN, D_OUT).with_mode(mode),
+                    &ColumnParallelLinearConfig::new(D_IN, D_OUT)
+                        .with_settings(TpSettings::new().with_mode(mode)),
                 )
                 .unwrap();
                 let x = tensor(xv.clone(), [rows, D_IN], DType::F32);
@@ -531,9 +535,11 @@ fn half_precision_layers_match_burns_linear() {
                     let col = ColumnParallelLinear::from_full(
                         &full,
                         &group,
-                        &ColumnParallelLinearConfig::new(D_IN, D_OUT)
-                            .with_mode(mode)
-                            .with_async_communication(asynch),
+                        &ColumnParallelLinearConfig::new(D_IN, D_OUT).with_settings(
+                            TpSettings::new()
+                                .with_mode(mode)
+                                .with_async_communication(asynch),
+                        ),
                     )
                     .unwrap();
                     assert_eq!(col.weight.val().dtype(), dtype);
@@ -574,9 +580,11 @@ fn half_precision_layers_match_burns_linear() {
                     let row = RowParallelLinear::from_full(
                         &full,
                         &group,
-                        &RowParallelLinearConfig::new(D_IN, D_OUT)
-                            .with_mode(mode)
-                            .with_async_communication(asynch),
+                        &RowParallelLinearConfig::new(D_IN, D_OUT).with_settings(
+                            TpSettings::new()
+                                .with_mode(mode)
+                                .with_async_communication(asynch),
+                        ),
                     )
                     .unwrap();
                     let xw = chunk(x_full.clone(), n, 1, r).require_grad();
@@ -679,8 +687,11 @@ fn contiguous_chunks_shard_each_part_and_sum_replica_gradients() {
                         ))),
                     };
                     let config = ColumnParallelLinearConfig::new(d_in, d_out)
-                        .with_mode(mode)
-                        .with_async_communication(asynch)
+                        .with_settings(
+                            TpSettings::new()
+                                .with_mode(mode)
+                                .with_async_communication(asynch),
+                        )
                         .with_chunks(ch.clone());
                     let layer = ColumnParallelLinear::from_full(&full, &g, &config).unwrap();
                     let x_full = tensor(xv.clone(), [n, d_in], DType::F32);

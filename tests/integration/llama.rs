@@ -10,7 +10,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, Linear, RmsNorm, RotaryEncoding, RotaryEncodingConfig, SwiGlu};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Gradients, Int, Tensor, TensorData};
-use burn_tp::linear::TpMode;
+use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::llama::{DropoutKey, DropoutStep, Llama, LlamaConfig, dropout_mask};
 use burn_tp::ops::gather_from_tp_region;
 use burn_tp::reshard::Reshard;
@@ -30,7 +30,7 @@ const IGNORE: i64 = -100;
 
 fn config(n_kv: usize, mode: TpMode, dropout: bool, tied: bool) -> LlamaConfig {
     LlamaConfig::new(V, S, D, H, n_kv, 2, FF)
-        .with_mode(mode)
+        .with_settings(TpSettings::new().with_mode(mode))
         .with_dropout(if dropout { P } else { 0.0 })
         .with_dropout_seed(SEED)
         .with_tie_embeddings(tied)
@@ -259,7 +259,7 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                     let out = path
                         .run(tp, move |g| {
                             let model = config(n_kv, mode, dropout, tied)
-                                .with_schedule(path.schedule())
+                                .with_settings(TpSettings::new().with_schedule(path.schedule()))
                                 .init(&g, &device())
                                 .unwrap();
                             let step = dropout.then_some(DropoutStep::new(3));

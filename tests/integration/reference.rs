@@ -11,7 +11,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, Gelu, LayerNorm, Linear};
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use burn_tp::gpt::{Gpt, GptConfig};
-use burn_tp::linear::TpMode;
+use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::local::run_local;
 use burn_tp::reshard::Reshard;
 
@@ -257,8 +257,11 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
         let out = path
             .run(tp, move |g| {
                 let model = GptConfig::new(V, S, D, H, 2)
-                    .with_mode(mode)
-                    .with_schedule(path.schedule())
+                    .with_settings(
+                        TpSettings::new()
+                            .with_mode(mode)
+                            .with_schedule(path.schedule()),
+                    )
                     .with_tie_embeddings(tied)
                     .with_fused_qkv(fused)
                     .init(&g, &device())
@@ -317,7 +320,7 @@ fn the_gpt_in_half_precision_equals_the_burn_nn_reference_in_the_same_dtype() {
                 let (x, y) = (x.clone(), y.clone());
                 let out = run_local(tp, move |g| {
                     let model = GptConfig::new(V, S, D, H, 2)
-                        .with_mode(mode)
+                        .with_settings(TpSettings::new().with_mode(mode))
                         .init(&g, &device())
                         .unwrap();
                     let reference = RefGpt::load(&model.to_full_module().unwrap());
@@ -389,7 +392,8 @@ fn average_gradients_with_sgd_equals_full_batch_steps() {
         };
         (pick(all(7)), pick(all(5)))
     };
-    let config = GptConfig::new(V, S, D, H, 2).with_mode(TpMode::ReduceScatter);
+    let config = GptConfig::new(V, S, D, H, 2)
+        .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter));
     let (c1, c2) = (config.clone(), config);
     device().seed(31);
     let want = run_local(1, move |g| {

@@ -8,7 +8,7 @@ use burn_tp_comm::ProcessGroup;
 
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
-use crate::linear::{LinearSpec, TpMode};
+use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::ops::{all_gather, reduce_from_tp_region, reduce_scatter};
 use crate::reshard::{Reshard, solo};
 use crate::{Result as TpResult, TpError};
@@ -27,9 +27,10 @@ pub struct VocabParallelEmbeddingConfig {
     pub n_vocab: usize,
     /// Embedding width.
     pub d_model: usize,
-    /// Output layout: replicated (ALL_REDUCE) or sharded on dim 0 (REDUCE_SCATTER).
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
+    /// The model's settings; the embedding uses their mode: output replicated (ALL_REDUCE) or
+    /// sharded on dim 0 (REDUCE_SCATTER).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
     /// Initializer of the full table (Burn's `EmbeddingConfig` default).
     #[config(default = "Initializer::Normal{mean:0.0, std:1.0}")]
     pub initializer: Initializer,
@@ -125,7 +126,7 @@ impl VocabParallelEmbeddingConfig {
         Ok(VocabParallelEmbedding::build(
             full,
             group,
-            self.mode,
+            self.settings.mode,
             self.vocab_multiple,
         ))
     }

@@ -13,7 +13,7 @@ use burn_tp_comm::ProcessGroup;
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned};
-use crate::linear::{LinearSpec, OverlapSchedule, TpMode};
+use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
 use crate::reshard::{Reshard, solo};
 use crate::transformer::{
@@ -39,15 +39,9 @@ pub struct GptConfig {
     /// MLP hidden width; `4 * d_model` when `None`.
     #[config(default = "None")]
     pub d_hidden: Option<usize>,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlapped communication in the parallel linears.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
     /// Reuse the embedding table as the lm-head.
     #[config(default = false)]
     pub tie_embeddings: bool,
@@ -116,12 +110,8 @@ pub struct Gpt {
 /// What a [`Gpt`] keeps of its config at run time.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GptOptions {
-    /// Activation layout.
-    pub mode: TpMode,
-    /// Overlapped communication.
-    pub async_communication: bool,
-    /// Overlap schedule.
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run.
+    pub settings: TpSettings,
     /// z-loss coefficient.
     pub z_loss: f64,
     /// Label smoothing.
@@ -135,7 +125,8 @@ impl GptConfig {
     /// # Errors
     /// Sizes not divisible by tp (heads, hidden width); a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Gpt> {
-        let (d, mode, asynch) = (self.d_model, self.mode, self.async_communication);
+        let (d, settings) = (self.d_model, self.settings);
+        let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
         // at once instead of leaving its peers waiting.
         let tp = group.world_size();
@@ -148,7 +139,7 @@ impl GptConfig {
             )));
         }
         let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
-            .with_mode(mode)
+            .with_settings(settings)
             .init(group, device)?;
         let pos_init = burn::nn::Initializer::Normal {
             mean: 0.0,
@@ -160,21 +151,17 @@ impl GptConfig {
                 Ok(Block {
                     ln1: TpLayerNorm::new(d, mode, group, device),
                     attn: ParallelAttentionConfig::new(d, self.n_heads)
-                        .with_mode(mode)
+                        .with_settings(settings)
                         .with_fused_qkv(self.fused_qkv)
-                        .with_async_communication(asynch)
-                        .with_schedule(self.schedule)
                         .init(group, device)?,
                     ln2: TpLayerNorm::new(d, mode, group, device),
                     mlp: ParallelMlpConfig::new(d, self.d_hidden.unwrap_or(4 * d))
-                        .with_mode(mode)
-                        .with_async_communication(asynch)
-                        .with_schedule(self.schedule)
+                        .with_settings(settings)
                         .init(group, device)?,
                 })
             })
             .collect::<TpResult<Vec<_>>>()?;
-        let spec = LinearSpec::with_settings(mode, asynch, self.schedule);
+        let spec = LinearSpec::new(settings);
         // The draws of `LinearConfig::new(d, n_vocab).with_bias(false)` at tp = 1, padded.
         let head = (!self.tie_embeddings)
             .then(|| VocabParallelHead::init(d, self.n_vocab, 1, spec, group, device))
@@ -187,9 +174,7 @@ impl GptConfig {
             head,
             group: group.clone(),
             options: GptOptions {
-                mode,
-                async_communication: asynch,
-                schedule: self.schedule,
+                settings,
                 z_loss: self.z_loss,
                 label_smoothing: self.label_smoothing,
             },
@@ -237,7 +222,7 @@ impl Gpt {
                 got: ids.dims().to_vec(),
             });
         }
-        let (mode, group) = (self.options.mode, &self.group);
+        let (mode, group) = (self.options.settings.mode, &self.group);
         let mut x = self.tok.try_forward(ids)?;
         // Positions of this rank's rows: all of them, or its sequence shard.
         let rows = match mode {
@@ -255,14 +240,9 @@ impl Gpt {
         let x = self.ln_f.forward(x);
         match &self.head {
             Some(head) => head.try_forward(x),
-            None => self.tok.try_tied_logits(
-                x,
-                LinearSpec::with_settings(
-                    mode,
-                    self.options.async_communication,
-                    self.options.schedule,
-                ),
-            ),
+            None => self
+                .tok
+                .try_tied_logits(x, LinearSpec::new(self.options.settings)),
         }
     }
 

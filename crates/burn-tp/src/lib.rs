@@ -35,7 +35,7 @@
 //! use burn::tensor::{Device, Tensor, activation::gelu};
 //! use burn_tp::linear::{
 //!     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
-//!     TpMode,
+//!     TpMode, TpSettings,
 //! };
 //! use burn_tp::{ProcessGroup, local::run_local};
 //!
@@ -48,10 +48,11 @@
 //!
 //! impl Mlp {
 //!     fn new(d: usize, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self> {
-//!         let mode = TpMode::ReduceScatter; // sequence parallel, communication overlapped
+//!         // Sequence parallel, communication overlapped: one settings value for the model.
+//!         let settings = TpSettings::new().with_mode(TpMode::ReduceScatter);
 //!         Ok(Self {
-//!             fc1: ColumnParallelLinearConfig::new(d, 4 * d).with_mode(mode).init(group, device)?,
-//!             fc2: RowParallelLinearConfig::new(4 * d, d).with_mode(mode).init(group, device)?,
+//!             fc1: ColumnParallelLinearConfig::new(d, 4 * d).with_settings(settings).init(group, device)?,
+//!             fc2: RowParallelLinearConfig::new(4 * d, d).with_settings(settings).init(group, device)?,
 //!         })
 //!     }
 //!

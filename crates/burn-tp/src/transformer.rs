@@ -11,8 +11,8 @@ use burn_tp_comm::ProcessGroup;
 use crate::error::check_divisible;
 use crate::init::owned;
 use crate::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
-    RowParallelLinearConfig, TpMode,
+    ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+    TpMode, TpSettings,
 };
 use crate::ops::copy_to_tp_region;
 use crate::reshard::{Reshard, solo};
@@ -104,15 +104,9 @@ pub struct ParallelMlpConfig {
     pub d_model: usize,
     /// Hidden width over all ranks (a multiple of tp).
     pub d_hidden: usize,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlapped communication.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
 }
 
 /// Megatron MLP: `ColumnParallelLinear -> GELU -> RowParallelLinear`, one reduction per call.
@@ -132,14 +126,10 @@ impl ParallelMlpConfig {
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<ParallelMlp> {
         Ok(ParallelMlp {
             fc1: ColumnParallelLinearConfig::new(self.d_model, self.d_hidden)
-                .with_mode(self.mode)
-                .with_async_communication(self.async_communication)
-                .with_schedule(self.schedule)
+                .with_settings(self.settings)
                 .init(group, device)?,
             fc2: RowParallelLinearConfig::new(self.d_hidden, self.d_model)
-                .with_mode(self.mode)
-                .with_async_communication(self.async_communication)
-                .with_schedule(self.schedule)
+                .with_settings(self.settings)
                 .init(group, device)?,
         })
     }
@@ -170,15 +160,9 @@ pub struct ParallelAttentionConfig {
     pub d_model: usize,
     /// Heads over all ranks (a multiple of tp); each rank computes `n_heads / tp` of them.
     pub n_heads: usize,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlapped communication.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
     /// One fused QKV projection (`d_model -> 3 d_model`, columns ordered `[head, q|k|v, head_dim]`
     /// so each rank's column block holds its heads' q, k and v) instead of three.
     #[config(default = true)]
@@ -214,9 +198,7 @@ impl ParallelAttentionConfig {
         }
         let column = |d_out| {
             ColumnParallelLinearConfig::new(self.d_model, d_out)
-                .with_mode(self.mode)
-                .with_async_communication(self.async_communication)
-                .with_schedule(self.schedule)
+                .with_settings(self.settings)
                 .init(group, device)
         };
         let qkv = if self.fused_qkv {
@@ -229,9 +211,7 @@ impl ParallelAttentionConfig {
             ]
         };
         let out = RowParallelLinearConfig::new(self.d_model, self.d_model)
-            .with_mode(self.mode)
-            .with_async_communication(self.async_communication)
-            .with_schedule(self.schedule)
+            .with_settings(self.settings)
             .init(group, device)?;
         Ok(ParallelAttention {
             qkv,

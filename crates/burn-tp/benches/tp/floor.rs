@@ -7,7 +7,7 @@ use burn::tensor::{Device, Tensor};
 use burn_tp::LocalGroupOptions;
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
-    RowParallelLinearConfig, TpMode,
+    RowParallelLinearConfig, TpMode, TpSettings,
 };
 
 use super::{device, median, ranks, timed, timed_warm};
@@ -62,16 +62,18 @@ pub(crate) fn bench_layer_floor(quick: bool) {
         let row = RowParallelLinear::from_full(
             &linear,
             &g,
-            &RowParallelLinearConfig::new(d, d).with_mode(mode),
+            &RowParallelLinearConfig::new(d, d).with_settings(TpSettings::new().with_mode(mode)),
         )
         .unwrap();
         // Without recompute, as the sync path (which keeps the gathered input).
         let col = ColumnParallelLinear::from_full(
             &linear,
             &g,
-            &ColumnParallelLinearConfig::new(d, d)
-                .with_recompute_all_gather(false)
-                .with_mode(mode),
+            &ColumnParallelLinearConfig::new(d, d).with_settings(
+                TpSettings::new()
+                    .with_recompute_all_gather(false)
+                    .with_mode(mode),
+            ),
         )
         .unwrap();
         let variants = [

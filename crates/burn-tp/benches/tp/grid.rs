@@ -8,7 +8,7 @@ use burn::tensor::Tensor;
 use burn_tp::LocalGroupOptions;
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule,
-    RowParallelLinear, RowParallelLinearConfig, TpMode, column_parallel_linear,
+    RowParallelLinear, RowParallelLinearConfig, TpMode, TpSettings, column_parallel_linear,
     row_parallel_linear,
 };
 
@@ -67,12 +67,14 @@ fn run_grid(
                 .unwrap()
                 .weight
                 .val();
-            let spec = |(asynch, schedule): (bool, OverlapSchedule)| LinearSpec {
-                mode,
-                async_communication: asynch,
-                recompute_all_gather: false,
-                gather_output: false,
-                schedule,
+            let spec = |(asynch, schedule): (bool, OverlapSchedule)| {
+                LinearSpec::new(
+                    TpSettings::new()
+                        .with_mode(mode)
+                        .with_async_communication(asynch)
+                        .with_recompute_all_gather(false)
+                        .with_schedule(schedule),
+                )
             };
             let mut t: [[Vec<f64>; 4]; 2] = Default::default();
             for round in 0..=rounds {

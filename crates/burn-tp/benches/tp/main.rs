@@ -14,7 +14,7 @@ use burn::tensor::{Device, Tensor};
 use burn_tp::gpt::Block;
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
-    RowParallelLinearConfig, TpMode,
+    RowParallelLinearConfig, TpMode, TpSettings,
 };
 use burn_tp::local::{RunOptions, run_ranks_with};
 use burn_tp::ops::all_gather;
@@ -364,8 +364,11 @@ fn bench_overlap(quick: bool, schedule: OverlapSchedule) -> Vec<(usize, [Overlap
                         0 => {
                             let cfg = RowParallelLinearConfig::new(d, d)
                                 .with_bias(false)
-                                .with_mode(TpMode::ReduceScatter)
-                                .with_async_communication(asynch);
+                                .with_settings(
+                                    TpSettings::new()
+                                        .with_mode(TpMode::ReduceScatter)
+                                        .with_async_communication(asynch),
+                                );
                             let layer = RowParallelLinear::from_full(&linear, &g, &cfg)
                                 .unwrap()
                                 .with_schedule(schedule);
@@ -382,9 +385,12 @@ fn bench_overlap(quick: bool, schedule: OverlapSchedule) -> Vec<(usize, [Overlap
                             // re-gather is a second collective the sync path does not have).
                             let cfg = ColumnParallelLinearConfig::new(d, d)
                                 .with_bias(false)
-                                .with_mode(TpMode::ReduceScatter)
-                                .with_recompute_all_gather(false)
-                                .with_async_communication(asynch);
+                                .with_settings(
+                                    TpSettings::new()
+                                        .with_mode(TpMode::ReduceScatter)
+                                        .with_recompute_all_gather(false)
+                                        .with_async_communication(asynch),
+                                );
                             let layer = ColumnParallelLinear::from_full(&linear, &g, &cfg)
                                 .unwrap()
                                 .with_schedule(schedule);

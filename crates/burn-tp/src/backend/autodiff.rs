@@ -343,7 +343,7 @@ fn finish_linear<B: TpBackend, C: CheckpointStrategy>(
     let untracked =
         !x.is_tracked() && !weight.is_tracked() && bias.as_ref().is_none_or(|b| !b.is_tracked());
     let communicates = matches!(state.kind, LinearKind::Column(_))
-        || state.spec.mode == super::TpMode::ReduceScatter;
+        || state.spec.settings.mode == super::TpMode::ReduceScatter;
     let x = tracked_if::<B, C>(x, untracked && communicates);
     match bias {
         Some(b) => match node

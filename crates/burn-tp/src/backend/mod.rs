@@ -47,6 +47,7 @@ use burn_tp_comm::ProcessGroup;
 
 pub use types::{
     Bias, Collective, CollectiveOutput, LinearSpec, OverlapSchedule, PendingCollective, TpMode,
+    TpSettings,
 };
 
 /// Collectives and parallel linears as backend operations. Implemented for Flex, for burn's

@@ -248,7 +248,7 @@ pub(crate) fn column_forward<B: TpBackend>(
     let _scope = scope("ColumnParallelLinear.forward");
     let mut lead = x.shape().to_vec();
     lead.pop();
-    match spec.mode {
+    match spec.settings.mode {
         TpMode::AllReduce => {
             let y = add_bias::<B>(B::float_matmul(flatten::<B>(x.clone()), weight), bias);
             Ok((
@@ -261,18 +261,18 @@ pub(crate) fn column_forward<B: TpBackend>(
         }
         TpMode::ReduceScatter => {
             let pending = start::<B>(x.clone(), Collective::AllGather { dim: 0 }, group);
-            let keep = !spec.recompute_all_gather;
+            let keep = !spec.settings.recompute_all_gather;
             let (y, gathered) = gather_matmul::<B>(
                 flatten::<B>(x.clone()),
                 pending,
                 weight,
                 group,
-                spec.schedule,
+                spec.settings.schedule,
                 keep,
             )?;
             lead[0] *= group.world_size();
             let y = unflatten::<B>(add_bias::<B>(y, bias), &lead);
-            let saved = if spec.recompute_all_gather {
+            let saved = if spec.settings.recompute_all_gather {
                 ColumnSaved {
                     input: x,
                     needs_gather: true,
@@ -329,7 +329,7 @@ pub(crate) fn column_backward<B: TpBackend>(
     // The reduction of dgrad flies during the wgrad matmul. Where the transport progresses in the
     // background, dgrad is computed and posted in column blocks (`d_in / n` each, a reduction of
     // its own), so the first blocks' reductions also fly while the next blocks are computed.
-    let op = match spec.mode {
+    let op = match spec.settings.mode {
         TpMode::AllReduce => Collective::AllReduce(burn_tp_comm::ReduceOp::Sum),
         TpMode::ReduceScatter => Collective::ReduceScatter { dim: 0 },
     };
@@ -411,7 +411,7 @@ pub(crate) fn row_forward<B: TpBackend>(
     let mut lead = x.shape().to_vec();
     lead.pop();
     let partial = unflatten::<B>(B::float_matmul(flatten::<B>(x), weight), &lead);
-    let op = match spec.mode {
+    let op = match spec.settings.mode {
         TpMode::AllReduce => Collective::ReduceFromRegion,
         TpMode::ReduceScatter => Collective::ReduceScatter { dim: 0 },
     };
@@ -439,7 +439,7 @@ pub(crate) fn row_backward<B: TpBackend>(
     lead.pop();
     let w_t = B::float_transpose(weight);
     let x2 = flatten::<B>(input);
-    let (grad_input, weight_grad, bias_grad) = match spec.mode {
+    let (grad_input, weight_grad, bias_grad) = match spec.settings.mode {
         TpMode::AllReduce => {
             let g2 = flatten::<B>(grad);
             let gx = needs.input.then(|| B::float_matmul(g2.clone(), w_t));
@@ -448,7 +448,7 @@ pub(crate) fn row_backward<B: TpBackend>(
                 .then(|| B::float_matmul(B::float_transpose(x2), g2.clone()));
             (gx, gw, needs.bias.then(|| sum_rows::<B>(g2)))
         }
-        TpMode::ReduceScatter if spec.schedule == OverlapSchedule::Ring => {
+        TpMode::ReduceScatter if spec.settings.schedule == OverlapSchedule::Ring => {
             // Everything per block, as the blocks arrive: dgrad rows, and the wgrad / bias
             // partial sums of those rows.
             let pending = start::<B>(grad.clone(), Collective::AllGather { dim: 0 }, group);
@@ -470,7 +470,7 @@ pub(crate) fn row_backward<B: TpBackend>(
                 flatten::<B>(grad),
                 pending,
                 group,
-                spec.schedule,
+                spec.settings.schedule,
                 false,
                 |range, block| {
                     if needs.input {
@@ -501,8 +501,14 @@ pub(crate) fn row_backward<B: TpBackend>(
         }
         TpMode::ReduceScatter => {
             let pending = start::<B>(grad.clone(), Collective::AllGather { dim: 0 }, group);
-            let (gx, total) =
-                gather_matmul::<B>(flatten::<B>(grad), pending, w_t, group, spec.schedule, true)?;
+            let (gx, total) = gather_matmul::<B>(
+                flatten::<B>(grad),
+                pending,
+                w_t,
+                group,
+                spec.settings.schedule,
+                true,
+            )?;
             let total = total.expect("kept");
             let gw = needs
                 .weight

@@ -214,48 +214,51 @@ pub enum OverlapSchedule {
     Ring,
 }
 
-/// How a parallel linear runs: the one settings type, from the layer configs
-/// (`ColumnParallelLinearConfig`, `RowParallelLinearConfig`) through the layers to the backend
-/// ops.
+/// How the tensor-parallel layers of a model run: the one settings type. Every config (the
+/// parallel linears, the embedding, attention, MLPs, the GPT and the Llama) holds it whole as
+/// `settings`, and a model passes its own down once.
+///
+/// ```
+/// use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
+/// let settings = TpSettings::new()
+///     .with_mode(TpMode::ReduceScatter)
+///     .with_schedule(OverlapSchedule::Split);
+/// assert!(settings.async_communication);
+/// ```
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub struct TpSettings {
+    /// Activation layout.
+    #[config(default = "TpMode::AllReduce")]
+    pub mode: TpMode,
+    /// Overlap the communication with compute (the backend's fused ops with their own backward
+    /// nodes); otherwise compose the differentiable collectives with Burn's linear.
+    #[config(default = true)]
+    pub async_communication: bool,
+    /// How the async path overlaps a gather with the matmul that consumes it (measured:
+    /// docs/PERFORMANCE.md).
+    #[config(default = "OverlapSchedule::Ring")]
+    pub schedule: OverlapSchedule,
+    /// Column layers in REDUCE_SCATTER mode: save only the local shard of the input and re-gather
+    /// it in backward (less memory, one more all-gather, hidden behind the dgrad matmul).
+    #[config(default = true)]
+    pub recompute_all_gather: bool,
+}
+
+/// What one parallel linear runs with: the model's [`TpSettings`] and its own output layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinearSpec {
-    /// Activation layout.
-    pub mode: TpMode,
-    /// Overlap the communication with compute (the backend's fused op with its own backward
-    /// node); otherwise compose the differentiable collectives with Burn's linear.
-    pub async_communication: bool,
-    /// Column layer, REDUCE_SCATTER mode: save only the local shard of the input and re-gather it
-    /// in backward (less memory, one more all-gather, hidden behind the dgrad matmul).
-    pub recompute_all_gather: bool,
+    /// The model's settings.
+    pub settings: TpSettings,
     /// Column layer, ALL_REDUCE mode: all-gather the output along the last dim.
     pub gather_output: bool,
-    /// How to overlap a gather with the matmul that consumes it.
-    pub schedule: OverlapSchedule,
 }
 
 impl LinearSpec {
-    /// The defaults of the layer configs in `mode`: async, recompute, no gathered output,
-    /// the ring schedule (measured faster: docs/PERFORMANCE.md).
-    pub fn new(mode: TpMode) -> Self {
+    /// `settings`, without a gathered output.
+    pub fn new(settings: TpSettings) -> Self {
         Self {
-            mode,
-            async_communication: true,
-            recompute_all_gather: true,
+            settings,
             gather_output: false,
-            schedule: OverlapSchedule::Ring,
-        }
-    }
-
-    /// [`new`](Self::new) with the three settings every model config carries.
-    pub fn with_settings(
-        mode: TpMode,
-        async_communication: bool,
-        schedule: OverlapSchedule,
-    ) -> Self {
-        Self {
-            async_communication,
-            schedule,
-            ..Self::new(mode)
         }
     }
 }

@@ -10,7 +10,9 @@ use super::chunks::{
     ChunkPlacement, ColumnChunk, place, replica_group, shard_columns, unshard_columns,
     with_replicas,
 };
-use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpMode, column_parallel_linear, init_full};
+use super::{
+    INIT_GAIN, LinearSpec, OverlapSchedule, TpMode, TpSettings, column_parallel_linear, init_full,
+};
 use crate::TpError;
 use crate::init::{owned, shard};
 use crate::ops::all_gather;
@@ -26,22 +28,12 @@ pub struct ColumnParallelLinearConfig {
     /// Whether to add a (sharded) bias.
     #[config(default = true)]
     pub bias: bool,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlap the communication with compute (custom backward node); otherwise compose the
-    /// differentiable primitives.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// REDUCE_SCATTER mode: keep only the local input shard and re-gather it in backward.
-    #[config(default = true)]
-    pub recompute_all_gather: bool,
+    /// How the layer runs (mode, async communication, schedule, recomputed gather).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
     /// ALL_REDUCE mode only: all-gather the output along the last dim (`[.., d_output]`).
     #[config(default = false)]
     pub gather_output: bool,
-    /// How the async path overlaps the all-gather of the input with the matmul.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
     /// Initializer of the full weight; the same as Burn's `LinearConfig` default.
     #[config(default = "Initializer::KaimingUniform{gain: INIT_GAIN, fan_out_only:false}")]
     pub initializer: Initializer,
@@ -79,17 +71,14 @@ impl ColumnParallelLinearConfig {
     /// The settings the layer runs with.
     pub fn spec(&self) -> LinearSpec {
         LinearSpec {
-            mode: self.mode,
-            async_communication: self.async_communication,
-            recompute_all_gather: self.recompute_all_gather,
+            settings: self.settings,
             gather_output: self.gather_output,
-            schedule: self.schedule,
         }
     }
 
     fn validate(&self, tp: usize) -> crate::Result<()> {
         place(&self.chunks, self.d_output, tp, 0)?;
-        if self.gather_output && self.mode == TpMode::ReduceScatter {
+        if self.gather_output && self.settings.mode == TpMode::ReduceScatter {
             return Err(TpError::Config(
                 "ColumnParallelLinear: gather_output needs TpMode::AllReduce".into(),
             ));
@@ -276,14 +265,14 @@ impl ColumnParallelLinear {
 
     /// Sets the overlap schedule of the async path.
     pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
-        self.spec.schedule = schedule;
+        self.spec.settings.schedule = schedule;
         self
     }
 
     /// Turns the overlapped (async) path on or off, as the config's `async_communication`. A
     /// clone with another setting shares the weights.
     pub fn with_async_communication(mut self, on: bool) -> Self {
-        self.spec.async_communication = on;
+        self.spec.settings.async_communication = on;
         self
     }
 

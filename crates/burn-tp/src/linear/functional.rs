@@ -69,7 +69,7 @@ pub fn column_parallel_linear<const D: usize>(
     let [d_in, d_out_local] = weight.dims();
     check_last(OP, &x.dims(), d_in)?;
     check_bias(OP, bias.as_ref(), d_out_local)?;
-    if spec.mode == TpMode::ReduceScatter {
+    if spec.settings.mode == TpMode::ReduceScatter {
         sequence_sharded(OP, &x.dims(), "[s / tp, .., d_input]")?;
         if spec.gather_output {
             return Err(TpError::Config(format!(
@@ -77,7 +77,7 @@ pub fn column_parallel_linear<const D: usize>(
             )));
         }
     }
-    let y = if spec.async_communication {
+    let y = if spec.settings.async_communication {
         let out = <Dispatch as TpBackend>::tp_column_linear(
             x.into_dispatch(),
             weight.into_dispatch(),
@@ -88,7 +88,7 @@ pub fn column_parallel_linear<const D: usize>(
         into_tensor(out)?
     } else {
         let _scope = scope("ColumnParallelLinear.forward (sync)");
-        let x = match spec.mode {
+        let x = match spec.settings.mode {
             TpMode::AllReduce => copy_to_tp_region(x, group),
             TpMode::ReduceScatter => all_gather(x, 0, group)?,
         };
@@ -124,11 +124,11 @@ pub fn row_parallel_linear<const D: usize>(
     let [d_in_local, d_out] = weight.dims();
     check_last(OP, &dims, d_in_local)?;
     check_bias(OP, bias.as_ref(), d_out)?;
-    if spec.mode == TpMode::ReduceScatter {
+    if spec.settings.mode == TpMode::ReduceScatter {
         sequence_sharded(OP, &dims, "[s, .., d_input / tp]")?;
         check_divisible(format!("{OP}: dim 0 (sequence) of the input"), dims[0], tp)?;
     }
-    if spec.async_communication {
+    if spec.settings.async_communication {
         let out = <Dispatch as TpBackend>::tp_row_linear(
             x.into_dispatch(),
             weight.into_dispatch(),
@@ -140,7 +140,7 @@ pub fn row_parallel_linear<const D: usize>(
     }
     let _scope = scope("RowParallelLinear.forward (sync)");
     let partial = linear(x, weight, None);
-    let y = match spec.mode {
+    let y = match spec.settings.mode {
         TpMode::AllReduce => reduce_from_tp_region(partial, group)?,
         TpMode::ReduceScatter => reduce_scatter(partial, 0, group)?,
     };
@@ -148,7 +148,7 @@ pub fn row_parallel_linear<const D: usize>(
         None => y,
         // In RS mode each rank adds the bias to its own sequence shard; copy_to_tp_region
         // sums the shards' bias gradients so the replicated bias stays identical.
-        Some(b) if spec.mode == TpMode::ReduceScatter => {
+        Some(b) if spec.settings.mode == TpMode::ReduceScatter => {
             y + copy_to_tp_region(b, group).unsqueeze::<D>()
         }
         Some(b) => y + b.unsqueeze::<D>(),

@@ -6,7 +6,7 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpMode, init_full, row_parallel_linear};
+use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpSettings, init_full, row_parallel_linear};
 use crate::error::check_divisible;
 use crate::init::{owned, shard};
 use crate::ops::all_gather;
@@ -22,16 +22,10 @@ pub struct RowParallelLinearConfig {
     /// Whether to add a (replicated) bias.
     #[config(default = true)]
     pub bias: bool,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlap the communication with compute (custom backward node); otherwise compose the
-    /// differentiable primitives.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// How the async backward overlaps the all-gather of `grad_output` with its matmuls.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
+    /// How the layer runs (mode, async communication, schedule; `recompute_all_gather` is the
+    /// column layer's).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
     /// Initializer of the full weight; the same as Burn's `LinearConfig` default.
     #[config(default = "Initializer::KaimingUniform{gain: INIT_GAIN, fan_out_only:false}")]
     pub initializer: Initializer,
@@ -55,13 +49,7 @@ pub struct RowParallelLinear {
 impl RowParallelLinearConfig {
     /// The settings the layer runs with.
     pub fn spec(&self) -> LinearSpec {
-        LinearSpec {
-            mode: self.mode,
-            async_communication: self.async_communication,
-            recompute_all_gather: false,
-            gather_output: false,
-            schedule: self.schedule,
-        }
+        LinearSpec::new(self.settings)
     }
 
     /// Initializes this rank's shard: exactly the rows of the weight that `LinearConfig::init`
@@ -172,14 +160,14 @@ impl RowParallelLinear {
 
     /// Sets the overlap schedule of the async path.
     pub fn with_schedule(mut self, schedule: OverlapSchedule) -> Self {
-        self.spec.schedule = schedule;
+        self.spec.settings.schedule = schedule;
         self
     }
 
     /// Turns the overlapped (async) path on or off, as the config's `async_communication`. A
     /// clone with another setting shares the weights.
     pub fn with_async_communication(mut self, on: bool) -> Self {
-        self.spec.async_communication = on;
+        self.spec.settings.async_communication = on;
         self
     }
 

@@ -10,8 +10,8 @@ use burn_tp_comm::ProcessGroup;
 use super::dropout::{DropoutKey, tp_dropout};
 use crate::error::check_divisible;
 use crate::linear::{
-    ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule,
-    RowParallelLinear, RowParallelLinearConfig, TpMode,
+    ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
+    RowParallelLinearConfig, TpSettings,
 };
 use crate::reshard::Reshard;
 use crate::{Result as TpResult, TpError};
@@ -34,15 +34,9 @@ pub struct ParallelGqaConfig {
     /// Dropout of the attention probabilities.
     #[config(default = 0.0)]
     pub dropout: f64,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlapped communication.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
 }
 
 /// Causal grouped-query self-attention with rotary positions (Burn's `RotaryEncoding`): one fused
@@ -110,15 +104,11 @@ impl ParallelGqaConfig {
         )
         .with_bias(false)
         .with_chunks(qkv_chunks(self.n_heads, self.n_kv_heads, hd))
-        .with_mode(self.mode)
-        .with_async_communication(self.async_communication)
-        .with_schedule(self.schedule)
+        .with_settings(self.settings)
         .init(group, device)?;
         let out = RowParallelLinearConfig::new(self.n_heads * hd, self.d_model)
             .with_bias(false)
-            .with_mode(self.mode)
-            .with_async_communication(self.async_communication)
-            .with_schedule(self.schedule)
+            .with_settings(self.settings)
             .init(group, device)?;
         Ok(ParallelGqa {
             qkv,

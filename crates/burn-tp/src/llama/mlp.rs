@@ -8,8 +8,8 @@ use burn_tp_comm::ProcessGroup;
 
 use crate::Result as TpResult;
 use crate::linear::{
-    ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule,
-    RowParallelLinear, RowParallelLinearConfig, TpMode,
+    ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
+    RowParallelLinearConfig, TpSettings,
 };
 
 /// Configuration of a [`ParallelSwiGlu`].
@@ -19,15 +19,9 @@ pub struct ParallelSwiGluConfig {
     pub d_model: usize,
     /// Hidden width over all ranks (a multiple of tp).
     pub d_ff: usize,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlapped communication.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
 }
 
 /// `down(silu(x W_gate) * (x W_up))` (Burn's `SwiGlu` with `linear_inner` = gate and
@@ -56,15 +50,11 @@ impl ParallelSwiGluConfig {
                     ColumnChunk::new(self.d_ff),
                     ColumnChunk::new(self.d_ff),
                 ])
-                .with_mode(self.mode)
-                .with_async_communication(self.async_communication)
-                .with_schedule(self.schedule)
+                .with_settings(self.settings)
                 .init(group, device)?,
             down: RowParallelLinearConfig::new(self.d_ff, self.d_model)
                 .with_bias(false)
-                .with_mode(self.mode)
-                .with_async_communication(self.async_communication)
-                .with_schedule(self.schedule)
+                .with_settings(self.settings)
                 .init(group, device)?,
         })
     }

@@ -31,7 +31,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
-use crate::linear::{LinearSpec, OverlapSchedule, TpMode};
+use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
 use crate::reshard::{Reshard, solo};
 use crate::{Result as TpResult, TpError};
@@ -74,15 +74,9 @@ pub struct LlamaConfig {
     /// Targets equal to this id are ignored by the loss.
     #[config(default = "None")]
     pub ignore_index: Option<i64>,
-    /// Activation layout.
-    #[config(default = "TpMode::AllReduce")]
-    pub mode: TpMode,
-    /// Overlapped communication in the parallel linears.
-    #[config(default = true)]
-    pub async_communication: bool,
-    /// Overlap schedule of the parallel linears.
-    #[config(default = "OverlapSchedule::Ring")]
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
 }
 
 /// Pre-norm Llama block: `x + drop(attn(norm(x)))`, then `x + drop(mlp(norm(x)))`.
@@ -101,12 +95,8 @@ pub struct LlamaBlock {
 /// What a [`Llama`] keeps of its config at run time.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LlamaOptions {
-    /// Activation layout.
-    pub mode: TpMode,
-    /// Overlapped communication.
-    pub async_communication: bool,
-    /// Overlap schedule.
-    pub schedule: OverlapSchedule,
+    /// How the parallel layers run.
+    pub settings: TpSettings,
     /// Residual dropout.
     pub dropout: f64,
     /// Seed of the dropout masks.
@@ -119,7 +109,7 @@ pub struct LlamaOptions {
 ///
 /// ```
 /// use burn::tensor::{Device, Int, Tensor, TensorData};
-/// use burn_tp::linear::TpMode;
+/// use burn_tp::linear::{TpMode, TpSettings};
 /// use burn_tp::llama::{DropoutStep, LlamaConfig};
 /// use burn_tp::local::run_local;
 ///
@@ -128,7 +118,7 @@ pub struct LlamaOptions {
 /// let losses = run_local(2, move |group| -> burn_tp::Result<f32> {
 ///     // 50 tokens (padded to 50 at tp 2), 4 query heads, 2 key / value heads, SwiGLU width 64.
 ///     let model = LlamaConfig::new(50, 16, 32, 4, 2, 2, 64)
-///         .with_mode(TpMode::ReduceScatter)
+///         .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter))
 ///         .with_dropout(0.1)
 ///         .init(&group, &device)?;
 ///     let ids = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [16, 2]), &device);
@@ -169,7 +159,8 @@ impl LlamaConfig {
     /// # Errors
     /// Head counts or widths that do not fit tp; a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Llama> {
-        let (d, mode, asynch) = (self.d_model, self.mode, self.async_communication);
+        let (d, settings) = (self.d_model, self.settings);
+        let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
         // at once instead of leaving its peers waiting.
         if !(0.0..1.0).contains(&self.dropout) {
@@ -182,7 +173,7 @@ impl LlamaConfig {
         ParallelGqaConfig::new(d, self.n_heads, self.n_kv_heads, self.max_seq).validate(tp)?;
         crate::error::check_divisible("Llama d_ff", self.d_ff, tp)?;
         let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
-            .with_mode(mode)
+            .with_settings(settings)
             .with_vocab_multiple(self.vocab_multiple)
             .init(group, device)?;
         let norm = |g: &ProcessGroup| TpRmsNorm::new(d, self.norm_eps, mode, g, device);
@@ -193,20 +184,16 @@ impl LlamaConfig {
                     attn: ParallelGqaConfig::new(d, self.n_heads, self.n_kv_heads, self.max_seq)
                         .with_rope_theta(self.rope_theta)
                         .with_dropout(self.dropout)
-                        .with_mode(mode)
-                        .with_async_communication(asynch)
-                        .with_schedule(self.schedule)
+                        .with_settings(settings)
                         .init(group, device)?,
                     mlp_norm: norm(group),
                     mlp: ParallelSwiGluConfig::new(d, self.d_ff)
-                        .with_mode(mode)
-                        .with_async_communication(asynch)
-                        .with_schedule(self.schedule)
+                        .with_settings(settings)
                         .init(group, device)?,
                 })
             })
             .collect::<TpResult<Vec<_>>>()?;
-        let spec = LinearSpec::with_settings(mode, asynch, self.schedule);
+        let spec = LinearSpec::new(settings);
         let head = (!self.tie_embeddings)
             .then(|| {
                 VocabParallelHead::init(d, self.n_vocab, self.vocab_multiple, spec, group, device)
@@ -219,9 +206,7 @@ impl LlamaConfig {
             head,
             group: group.clone(),
             options: LlamaOptions {
-                mode,
-                async_communication: asynch,
-                schedule: self.schedule,
+                settings,
                 dropout: self.dropout,
                 dropout_seed: self.dropout_seed,
                 ignore_index: self.ignore_index,
@@ -335,15 +320,12 @@ impl Llama {
         });
         let mut x = self.tok.try_forward(ids)?;
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.try_forward(x, key, o.dropout, i, &self.group, o.mode)?;
+            x = block.try_forward(x, key, o.dropout, i, &self.group, o.settings.mode)?;
         }
         let x = self.norm.forward(x);
         match &self.head {
             Some(head) => head.try_forward(x),
-            None => self.tok.try_tied_logits(
-                x,
-                LinearSpec::with_settings(o.mode, o.async_communication, o.schedule),
-            ),
+            None => self.tok.try_tied_logits(x, LinearSpec::new(o.settings)),
         }
     }
 
