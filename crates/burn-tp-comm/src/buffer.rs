@@ -32,8 +32,8 @@ impl<T: Send + 'static> RecvBuf<T> for Vec<T> {
     }
 }
 
-/// What the local transport posts: a type-erased [`SendBuf`].
-pub(crate) type Posted<T> = Box<dyn SendBuf<T>>;
+/// A type-erased [`SendBuf`], as the local transport keeps a post.
+pub(crate) type BoxedSendBuf<T> = Box<dyn SendBuf<T>>;
 
 impl<T: 'static> SendBuf<T> for Box<dyn SendBuf<T>> {
     fn as_slice(&self) -> &[T] {

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::buffer::{Posted, SendBuf};
+use crate::buffer::{BoxedSendBuf, SendBuf};
 use crate::{CommElement, CommError, LinkModel, OpDesc, ProcessGroup, ReduceOp, Result};
 
 /// Default timeout of every wait, overridden by `BURN_TP_TIMEOUT_S` or [`ProcessGroup::set_timeout`].
@@ -184,18 +184,18 @@ impl Drop for Membership {
 
 /// A rank's posted buffer as a payload.
 pub(crate) fn payload<T: CommElement>(buf: impl SendBuf<T>) -> Payload {
-    Arc::new(Box::new(buf) as Posted<T>)
+    Arc::new(Box::new(buf) as BoxedSendBuf<T>)
 }
 
 /// An all-reduce post: the buffer, and (read from rank 0's post) the reduced chunks, each
 /// computed once by the first rank that needs it.
 pub(crate) struct SharedReduce<T: Send + 'static> {
-    buf: Posted<T>,
+    buf: BoxedSendBuf<T>,
     pub(crate) chunks: Box<[OnceLock<Vec<T>>]>,
 }
 
 impl<T: Send + 'static> SharedReduce<T> {
-    pub(crate) fn new(buf: Posted<T>, world: usize) -> Self {
+    pub(crate) fn new(buf: BoxedSendBuf<T>, world: usize) -> Self {
         Self {
             buf,
             chunks: (0..world).map(|_| OnceLock::new()).collect(),
@@ -244,7 +244,7 @@ fn give_chunk<T: Send + 'static>(mut v: Vec<T>) {
 
 pub(crate) fn downcast<T: CommElement>(payload: &Payload) -> &[T] {
     payload
-        .downcast_ref::<Posted<T>>()
+        .downcast_ref::<BoxedSendBuf<T>>()
         .map(|b| b.as_slice())
         .or_else(|| {
             payload

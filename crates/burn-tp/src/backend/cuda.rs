@@ -42,10 +42,10 @@ use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 use cubecl_runtime::runtime::Runtime;
 
 use super::host::{
-    InFlight, chunk_rows, comm_dtype, dense_layout, dim_first, host_resolve, host_resolve_part,
-    host_start, part_unsupported, rows,
+    chunk_rows, comm_dtype, dense_layout, dim_first, host_resolve, host_resolve_part, host_start,
+    part_unsupported, rows,
 };
-use super::types::Posted;
+use super::types::InFlight;
 use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 
 type Server = <CudaRuntime as Runtime>::Server;
@@ -90,7 +90,7 @@ impl TpBackend for CubeBackend {
 }
 
 fn device_work(pending: &PendingCollective<CubeBackend>) -> Option<Arc<DeviceWork>> {
-    let Posted::InFlight(inner) = &pending.posted else {
+    let Ok(Some(inner)) = &pending.posted else {
         return None;
     };
     (inner.clone() as Arc<dyn Any + Send + Sync>)
@@ -186,7 +186,7 @@ fn failed(
     x: CubeTensor,
     e: CommError,
 ) -> PendingCollective<CubeBackend> {
-    PendingCollective::new(x, op, group, Posted::Failed(e))
+    PendingCollective::new(x, op, group, Err(e))
 }
 
 fn device_start(
@@ -295,5 +295,5 @@ fn device_start(
         _input: input,
         _pins: [Pinned(res_in), Pinned(res_out)],
     });
-    PendingCollective::new(x, op, group, Posted::InFlight(inner))
+    PendingCollective::new(x, op, group, Ok(Some(inner)))
 }

@@ -12,15 +12,7 @@ use burn_tp_comm::{
 use half::{bf16, f16};
 
 use super::pool::PooledBuf;
-use super::types::{Collective, CollectiveOutput, PendingCollective, Posted};
-
-/// A collective in flight on some transport (`Any`: a device backend finds its own work again).
-pub(crate) trait InFlight: std::any::Any + Send + Sync {
-    /// Waits for the whole result (once), collective dim first.
-    fn finish(&self) -> Result<TensorData, CommError>;
-    /// For an all-gather: waits for rows `rows` (dim 0) of rank `part`'s shard only.
-    fn part(&self, part: usize, rows: std::ops::Range<usize>) -> Result<TensorData, CommError>;
-}
+use super::types::{Collective, CollectiveOutput, InFlight, PendingCollective};
 
 /// A `burn-tp-comm` work handle writing into a pooled buffer, with the shapes of its output
 /// and of one input shard.
@@ -185,7 +177,7 @@ pub(crate) fn host_start_with<B: Backend, R: HostRead>(
     read: impl FnOnce(FloatTensor<B>) -> Result<R, CommError>,
 ) -> PendingCollective<B> {
     if op.is_local(&group) {
-        return PendingCollective::new(x, op, group, Posted::Local);
+        return PendingCollective::new(x, op, group, Ok(None));
     }
     let moved = dim_first::<B>(x.clone(), op.dim());
     let (dtype, shape) = (moved.dtype(), moved.shape());
@@ -196,11 +188,11 @@ pub(crate) fn host_start_with<B: Backend, R: HostRead>(
             e => e,
         });
     let posted = match posted {
-        Ok(Ok(work)) => Posted::InFlight(work),
+        Ok(Ok(work)) => Ok(Some(work)),
         Ok(Err(e)) | Err(e) => {
             // This rank will not post: its peers must hear now, not at their timeout.
             group.abort(&e);
-            Posted::Failed(e)
+            Err(e)
         }
     };
     PendingCollective::new(x, op, group, posted)
@@ -259,12 +251,12 @@ pub(crate) fn host_resolve<B: Backend>(pending: PendingCollective<B>) -> Collect
         posted,
     } = pending;
     match posted {
-        Posted::Local => CollectiveOutput::Done(match op {
+        Ok(None) => CollectiveOutput::Done(match op {
             Collective::ScatterToRegion { dim } => local_chunk::<B>(input, dim, &group),
             _ => input,
         }),
-        Posted::Failed(e) => CollectiveOutput::Failed(e),
-        Posted::InFlight(inner) => inner
+        Err(e) => CollectiveOutput::Failed(e),
+        Ok(Some(inner)) => inner
             .finish()
             .map(|data| dim_first::<B>(B::float_from_data(data, &input.device()), op.dim()))
             .into(),
@@ -292,9 +284,9 @@ pub(crate) fn host_resolve_part<B: Backend>(
     let rows = chunk_rows(pending.input.shape()[0], chunk, chunks);
     match pending.posted {
         // Nothing in flight: a group of one, whose only part is the input.
-        Posted::Local => CollectiveOutput::Done(super::host::rows::<B>(pending.input, rows)),
-        Posted::Failed(e) => CollectiveOutput::Failed(e),
-        Posted::InFlight(inner) => inner
+        Ok(None) => CollectiveOutput::Done(super::host::rows::<B>(pending.input, rows)),
+        Err(e) => CollectiveOutput::Failed(e),
+        Ok(Some(inner)) => inner
             .part(part, rows)
             .map(|data| B::float_from_data(data, &device))
             .into(),

@@ -6,9 +6,8 @@ use std::sync::Arc;
 
 use burn::backend::{Backend, ExtensionType, tensor::FloatTensor};
 use burn::config::Config;
+use burn::tensor::TensorData;
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
-
-use super::host::InFlight;
 
 /// Which collective a [`PendingCollective`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,16 +69,15 @@ impl Collective {
     }
 }
 
-/// What a started collective is doing.
-#[derive(Clone)]
-pub(crate) enum Posted {
-    /// Nothing to communicate ([`Collective::is_local`]).
-    Local,
-    /// Failed before any communication; its resolve returns the error.
-    Failed(CommError),
-    /// Communication in flight (host or device transport). Shared so the handle can cross the
-    /// dispatch boundary by clone.
-    InFlight(Arc<dyn InFlight>),
+/// The transport's part of a collective in flight, as a backend implements it (the host
+/// transport's `HostWork`, the CUDA backend's `DeviceWork`). `Any`: a device backend finds its
+/// own work again. Not a fourth name for work in flight to users: it is what a
+/// [`PendingCollective`] holds while its transport works.
+pub(crate) trait InFlight: std::any::Any + Send + Sync {
+    /// Waits for the whole result (once), collective dim first.
+    fn finish(&self) -> Result<TensorData, CommError>;
+    /// For an all-gather: waits for rows `rows` (dim 0) of rank `part`'s shard only.
+    fn part(&self, part: usize, rows: std::ops::Range<usize>) -> Result<TensorData, CommError>;
 }
 
 /// A started collective: the input it was started from and the communication in flight.
@@ -93,7 +91,11 @@ pub struct PendingCollective<B: Backend> {
     pub op: Collective,
     /// The group it runs on.
     pub group: ProcessGroup,
-    pub(crate) posted: Posted,
+    /// What the start posted: `Ok(None)` nothing to communicate ([`Collective::is_local`]),
+    /// `Ok(Some(..))` communication in flight (shared so the handle crosses the dispatch
+    /// boundary by clone), `Err(..)` a failure before any communication, which the resolve
+    /// returns.
+    pub(crate) posted: Result<Option<Arc<dyn InFlight>>, CommError>,
 }
 
 impl<B: Backend> Clone for PendingCollective<B> {
@@ -123,7 +125,7 @@ impl<B: Backend> PendingCollective<B> {
         input: FloatTensor<B>,
         op: Collective,
         group: ProcessGroup,
-        posted: Posted,
+        posted: Result<Option<Arc<dyn InFlight>>, CommError>,
     ) -> Self {
         Self {
             input,
