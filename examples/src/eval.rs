@@ -5,8 +5,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::ops::{all_reduce, gather_from_tp_region};
 use burn_tp::{ProcessGroup, ReduceOp};
 
-use crate::model::LanguageModel;
 use crate::train_gpt::Args;
+use burn_tp::model::LanguageModel;
 
 /// Batch `step` of the run: `[seq, batch]` ids and next-token targets, the same on every rank.
 pub(crate) fn batch(tokens: &[i64], args: &Args, step: usize) -> (Vec<i64>, Vec<i64>) {

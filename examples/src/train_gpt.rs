@@ -25,7 +25,7 @@ use clap::{Parser, ValueEnum};
 
 use crate::corpus::{self, Vocab};
 use crate::eval::{Data, batch, dp_slice, generate, held_out_loss};
-use crate::model::LanguageModel;
+use burn_tp::model::LanguageModel;
 
 /// Activation layout, as the command line spells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -16,6 +16,8 @@
 //! - [`embedding`]: the vocabulary-parallel embedding; [`loss`]: the sharded cross-entropy.
 //! - [`transformer`]: parallel attention, MLP, and a replicated layer norm; [`gpt`]: a tiny GPT;
 //!   [`llama`]: a Llama-class model (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary, dropout).
+//! - [`model`]: [`LanguageModel`](model::LanguageModel), both models behind one trait for a
+//!   training loop (init, loss, logits, and `Reshard` for checkpoints).
 //! - [`reshard`]: moving a module between tp sizes; [`dp`]: data-parallel gradient averaging;
 //!   [`precision`]: bf16 / f16 copies of a module and its gradients (mixed precision).
 //! - `init`: initialisation identical at every tp (internal); [`local`]: the runner of ranks as threads;
@@ -87,6 +89,7 @@ pub mod linear;
 pub mod llama;
 pub mod local;
 pub mod loss;
+pub mod model;
 pub mod ops;
 pub mod precision;
 pub mod reshard;

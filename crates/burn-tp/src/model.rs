@@ -1,14 +1,16 @@
-//! The two architectures `train_gpt` trains (`--arch gpt|llama`), behind one trait so the training
-//! loop, the checkpoints and the evaluation are written once.
+//! [`LanguageModel`]: the GPT and the Llama behind one trait, so a training loop, its
+//! checkpoints and its evaluation are written once for both (the example's `train_gpt` is one).
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
-use burn_tp::ProcessGroup;
-use burn_tp::gpt::{Gpt, GptConfig};
-use burn_tp::llama::{DropoutStep, Llama, LlamaConfig};
-use burn_tp::reshard::Reshard;
+use burn_tp_comm::ProcessGroup;
 
-/// A sharded language model `train_gpt` can train.
+use crate::gpt::{Gpt, GptConfig};
+use crate::llama::{DropoutStep, Llama, LlamaConfig};
+use crate::reshard::Reshard;
+
+/// A sharded language model a training loop can train, evaluate and checkpoint (through
+/// [`Reshard`]) without knowing which one it is.
 pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// Its configuration.
     type Config: Clone + Send + Sync + 'static;
@@ -17,7 +19,7 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     ///
     /// # Errors
     /// Sizes that do not fit tp; a communication error.
-    fn init(config: &Self::Config, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self>;
+    fn init(config: &Self::Config, group: &ProcessGroup, device: &Device) -> crate::Result<Self>;
 
     /// Mean next-token loss of `[seq, batch]` ids and targets; `step`: training step (dropout on
     /// with that step's masks, for this dp rank's part of the global batch), `None`:
@@ -30,19 +32,19 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         ids: Tensor<2, Int>,
         targets: Tensor<2, Int>,
         step: Option<DropoutStep>,
-    ) -> burn_tp::Result<Tensor<1>>;
+    ) -> crate::Result<Tensor<1>>;
 
     /// Vocab-sharded logits `[seq, batch, V_p / tp]` (evaluation).
     ///
     /// # Errors
     /// As the model's `try_forward`.
-    fn logits(&self, ids: Tensor<2, Int>) -> burn_tp::Result<Tensor<3>>;
+    fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>>;
 }
 
 impl LanguageModel for Gpt {
     type Config = GptConfig;
 
-    fn init(config: &GptConfig, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self> {
+    fn init(config: &GptConfig, group: &ProcessGroup, device: &Device) -> crate::Result<Self> {
         config.init(group, device)
     }
 
@@ -51,11 +53,11 @@ impl LanguageModel for Gpt {
         ids: Tensor<2, Int>,
         targets: Tensor<2, Int>,
         _step: Option<DropoutStep>,
-    ) -> burn_tp::Result<Tensor<1>> {
+    ) -> crate::Result<Tensor<1>> {
         self.try_loss(ids, targets)
     }
 
-    fn logits(&self, ids: Tensor<2, Int>) -> burn_tp::Result<Tensor<3>> {
+    fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
         self.try_forward(ids)
     }
 }
@@ -63,7 +65,7 @@ impl LanguageModel for Gpt {
 impl LanguageModel for Llama {
     type Config = LlamaConfig;
 
-    fn init(config: &LlamaConfig, group: &ProcessGroup, device: &Device) -> burn_tp::Result<Self> {
+    fn init(config: &LlamaConfig, group: &ProcessGroup, device: &Device) -> crate::Result<Self> {
         config.init(group, device)
     }
 
@@ -72,11 +74,11 @@ impl LanguageModel for Llama {
         ids: Tensor<2, Int>,
         targets: Tensor<2, Int>,
         step: Option<DropoutStep>,
-    ) -> burn_tp::Result<Tensor<1>> {
+    ) -> crate::Result<Tensor<1>> {
         Ok(self.try_loss(ids, targets, None, step)?.mean)
     }
 
-    fn logits(&self, ids: Tensor<2, Int>) -> burn_tp::Result<Tensor<3>> {
+    fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
         self.try_forward(ids, None)
     }
 }
