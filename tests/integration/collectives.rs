@@ -316,11 +316,12 @@ fn gradcheck_passes_on_every_primitive() {
 }
 
 /// Collectives started before compute and waited on after it give the right results over a
-/// link with 50 ms of latency, and waiting at once takes at least that latency (the link's
-/// sleep guarantees it). How much of the latency the compute hides is a timing, measured by the
-/// bench (`cargo bench -p burn-tp --bench tp -- --only=overlap`), not asserted here.
+/// link with 50 ms of latency, and nothing hangs. How long each wait takes is a timing (a peer's
+/// shard arrives `latency` after the peer's post, which a loaded machine can put well before this
+/// rank's own start), so how much of the latency the compute hides is measured by the bench
+/// (`cargo bench -p burn-tp --bench tp -- --only=overlap`), not asserted here.
 #[test]
-fn async_starts_overlap_local_compute() {
+fn collectives_waited_after_compute_give_the_right_results() {
     let options = LocalGroupOptions {
         link: Some(burn_tp::LinkModel::new(100.0, 50_000.0)),
         ..Default::default()
@@ -347,12 +348,10 @@ fn async_starts_overlap_local_compute() {
         assert_eq!(ag, f64s(Tensor::cat(inputs.clone(), 0)));
         assert_eq!(direct, ag);
         assert_eq!(rs, f64s(sum.clone().chunk(2, 0)[r].clone()));
-        assert!(direct_wait >= Duration::from_millis(45), "{direct_wait:?}");
-        // Only a hang is an error here; a loaded machine may wait longer.
-        assert!(
-            overlapped_wait < Duration::from_secs(30),
-            "rank {r} waited {overlapped_wait:?} after the compute"
-        );
+        // Only a hang is an error here.
+        for wait in [direct_wait, overlapped_wait] {
+            assert!(wait < Duration::from_secs(30), "rank {r} waited {wait:?}");
+        }
     }
 }
 
