@@ -12,10 +12,9 @@ use burn_tp_comm::ProcessGroup;
 
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
-use crate::init::{init_replicated, owned};
+use crate::init::init_replicated;
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
-use crate::reshard::{Reshard, solo};
 use crate::transformer::{
     ParallelAttention, ParallelAttentionConfig, ParallelMlp, ParallelMlpConfig, TpLayerNorm,
     replicated_param,
@@ -290,44 +289,4 @@ crate::reshard::reshard_fields!(Block {
     mlp
 });
 
-impl Reshard for Gpt {
-    fn to_full_module(&self) -> TpResult<Self> {
-        let group = solo();
-        Ok(Self {
-            tok: self.tok.to_full_module()?,
-            pos: Param::from_tensor(owned(self.pos.val())),
-            blocks: self
-                .blocks
-                .iter()
-                .map(Reshard::to_full_module)
-                .collect::<TpResult<Vec<_>>>()?,
-            ln_f: self.ln_f.to_full_module()?,
-            head: self
-                .head
-                .as_ref()
-                .map(Reshard::to_full_module)
-                .transpose()?,
-            group,
-            options: self.options,
-        })
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self {
-            tok: Reshard::shard_module(&full.tok, group)?,
-            pos: Param::from_tensor(owned(full.pos.val())),
-            blocks: full
-                .blocks
-                .iter()
-                .map(|b| Reshard::shard_module(b, group))
-                .collect::<TpResult<Vec<_>>>()?,
-            ln_f: Reshard::shard_module(&full.ln_f, group)?,
-            head: full
-                .head
-                .as_ref()
-                .map(|h| Reshard::shard_module(h, group))
-                .transpose()?,
-            group: group.clone(),
-            options: full.options,
-        })
-    }
-}
+crate::reshard::reshard_fields!(Gpt { tok, pos, blocks, ln_f, head }, group: group, keep: { options });

@@ -305,21 +305,11 @@ crate::reshard::reshard_fields!(ParallelMlp { fc1, fc2 });
 
 impl Reshard for ParallelAttention {
     fn to_full_module(&self) -> TpResult<Self> {
-        let qkv = self
-            .qkv
-            .iter()
-            .map(Reshard::to_full_module)
-            .collect::<TpResult<Vec<_>>>()?;
-        Ok(self.with_layers(qkv, self.out.to_full_module()?, 1))
+        Ok(self.with_layers(self.qkv.to_full_module()?, self.out.to_full_module()?, 1))
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        let qkv = full
-            .qkv
-            .iter()
-            .map(|l| Reshard::shard_module(l, group))
-            .collect::<TpResult<Vec<_>>>()?;
         Ok(full.with_layers(
-            qkv,
+            Reshard::shard_module(&full.qkv, group)?,
             Reshard::shard_module(&full.out, group)?,
             group.world_size(),
         ))

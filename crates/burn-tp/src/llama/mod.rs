@@ -33,7 +33,6 @@ use burn_tp_comm::ProcessGroup;
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
-use crate::reshard::{Reshard, solo};
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`Llama`].
@@ -380,41 +379,4 @@ crate::reshard::reshard_fields!(LlamaBlock {
     mlp
 });
 
-impl Reshard for Llama {
-    fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self {
-            tok: self.tok.to_full_module()?,
-            blocks: self
-                .blocks
-                .iter()
-                .map(Reshard::to_full_module)
-                .collect::<TpResult<Vec<_>>>()?,
-            norm: self.norm.to_full_module()?,
-            head: self
-                .head
-                .as_ref()
-                .map(Reshard::to_full_module)
-                .transpose()?,
-            group: solo(),
-            options: self.options,
-        })
-    }
-    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self {
-            tok: Reshard::shard_module(&full.tok, group)?,
-            blocks: full
-                .blocks
-                .iter()
-                .map(|b| Reshard::shard_module(b, group))
-                .collect::<TpResult<Vec<_>>>()?,
-            norm: Reshard::shard_module(&full.norm, group)?,
-            head: full
-                .head
-                .as_ref()
-                .map(|h| Reshard::shard_module(h, group))
-                .transpose()?,
-            group: group.clone(),
-            options: full.options,
-        })
-    }
-}
+crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options });

@@ -1,9 +1,12 @@
 //! Moving a module between tp sizes: gather the full (tp = 1) module on every rank, or shard one.
 //! Each module implements [`Reshard`] in its own file.
 
+use burn::module::Param;
+use burn::tensor::Tensor;
 use burn_tp_comm::{LocalGroup, ProcessGroup};
 
 use crate::Result;
+use crate::init::owned;
 
 /// Moving a module between tp sizes: gather the full (tp = 1) module, or shard one.
 pub trait Reshard: Sized {
@@ -20,8 +23,62 @@ pub trait Reshard: Sized {
     fn shard_module(full: &Self, group: &ProcessGroup) -> Result<Self>;
 }
 
-/// [`Reshard`] for a module made only of fields that implement it: each field moves on its own.
+/// Each module of a list moves on its own.
+impl<T: Reshard> Reshard for Vec<T> {
+    fn to_full_module(&self) -> Result<Self> {
+        self.iter().map(Reshard::to_full_module).collect()
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> Result<Self> {
+        full.iter().map(|m| T::shard_module(m, group)).collect()
+    }
+}
+
+/// An optional module moves when it is there.
+impl<T: Reshard> Reshard for Option<T> {
+    fn to_full_module(&self) -> Result<Self> {
+        self.as_ref().map(Reshard::to_full_module).transpose()
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> Result<Self> {
+        full.as_ref().map(|m| T::shard_module(m, group)).transpose()
+    }
+}
+
+/// A bare parameter of a parallel module is replicated (the sharded ones live inside the
+/// parallel layers, which implement [`Reshard`] themselves): every rank keeps its own copy.
+impl<const D: usize> Reshard for Param<Tensor<D>> {
+    fn to_full_module(&self) -> Result<Self> {
+        Ok(Param::from_tensor(owned(self.val())))
+    }
+    fn shard_module(full: &Self, _group: &ProcessGroup) -> Result<Self> {
+        Ok(Param::from_tensor(owned(full.val())))
+    }
+}
+
+/// [`Reshard`] for a module made of fields that implement it: each field moves on its own.
+/// With `group: g, keep: { a, b }`, the module's own group field `g` becomes a group of one
+/// (full) or the target group (sharded), and the fields `a, b` (run-time options) are copied.
 macro_rules! reshard_fields {
+    ($ty:ident { $($field:ident),+ $(,)? }, group: $g:ident, keep: { $($kept:ident),* $(,)? }) => {
+        impl $crate::reshard::Reshard for $ty {
+            fn to_full_module(&self) -> $crate::Result<Self> {
+                Ok(Self {
+                    $($field: $crate::reshard::Reshard::to_full_module(&self.$field)?,)+
+                    $g: $crate::reshard::solo(),
+                    $($kept: self.$kept.clone(),)*
+                })
+            }
+            fn shard_module(
+                full: &Self,
+                group: &burn_tp_comm::ProcessGroup,
+            ) -> $crate::Result<Self> {
+                Ok(Self {
+                    $($field: $crate::reshard::Reshard::shard_module(&full.$field, group)?,)+
+                    $g: group.clone(),
+                    $($kept: full.$kept.clone(),)*
+                })
+            }
+        }
+    };
     ($ty:ident { $($field:ident),+ $(,)? }) => {
         impl $crate::reshard::Reshard for $ty {
             fn to_full_module(&self) -> $crate::Result<Self> {
