@@ -3,7 +3,8 @@
 //!
 //! Activations are `[seq, batch, d_model]` (Megatron's layout), sharded on dim 0 between the
 //! parallel regions in REDUCE_SCATTER mode (sequence parallel). The model is identical at every
-//! tp: the same seed gives the same weights, and [`Reshard`] moves it between tp sizes.
+//! tp: the same seed gives the same weights, and [`Reshard`](crate::reshard::Reshard) moves it
+//! between tp sizes.
 
 use burn::config::Config;
 use burn::module::{Module, Param};

@@ -4,8 +4,8 @@
 //!
 //! Activations are `[seq, batch, d_model]` like [`Gpt`](crate::gpt::Gpt)'s, sharded on dim 0
 //! between the parallel regions in REDUCE_SCATTER mode. The model is identical at every tp (the
-//! same seed gives the same weights; dropout masks are the same logical masks) and [`Reshard`]
-//! moves it between tp sizes, the padding included.
+//! same seed gives the same weights; dropout masks are the same logical masks) and
+//! [`Reshard`](crate::reshard::Reshard) moves it between tp sizes, the padding included.
 //!
 //! | file           | what                                                             |
 //! |----------------|------------------------------------------------------------------|
