@@ -10,7 +10,7 @@ use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::ops::{all_gather, reduce_from_tp_region, reduce_scatter};
-use crate::reshard::{Reshard, solo};
+use crate::reshard::{ParamLayout, Reshard, solo};
 use crate::{Result as TpResult, TpError};
 
 /// The vocabulary padded to a multiple of `multiple * tp` (Megatron's
@@ -248,6 +248,17 @@ impl Reshard for VocabParallelEmbedding {
         let table = full.to_full()?.weight.val();
         Ok(Self::build(table, group, full.mode, full.vocab_multiple))
     }
+    fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
+        let (r, tp) = (self.group.rank(), self.group.world_size());
+        let [local, d_model] = self.weight.dims();
+        vec![ParamLayout::padded_block(
+            vec![self.n_vocab, d_model],
+            0,
+            local * tp,
+            r,
+            tp,
+        )]
+    }
 }
 
 /// The vocab-parallel lm-head over a padded vocabulary: a column-parallel linear
@@ -363,5 +374,16 @@ impl Reshard for VocabParallelHead {
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
         Self::from_full(&full.to_full()?, group, full.spec, full.vocab_multiple)
+    }
+    fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
+        let (r, tp) = (self.group.rank(), self.group.world_size());
+        let [d_model, local] = self.weight.dims();
+        vec![ParamLayout::padded_block(
+            vec![d_model, self.n_vocab],
+            1,
+            local * tp,
+            r,
+            tp,
+        )]
     }
 }

@@ -15,7 +15,7 @@ use crate::linear::{
     TpMode, TpSettings,
 };
 use crate::ops::copy_to_tp_region;
-use crate::reshard::{Reshard, solo};
+use crate::reshard::{ParamLayout, Reshard, solo};
 use crate::{Result as TpResult, TpError};
 
 /// Uses a replicated parameter inside the tensor-parallel region. In REDUCE_SCATTER mode each rank
@@ -299,6 +299,13 @@ impl Reshard for TpLayerNorm {
     fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
         Ok(Self::from_full(&full.to_full(), full.mode(), group))
     }
+    fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
+        let r = self.group.rank();
+        vec![
+            ParamLayout::replicated(self.gamma.val().dims().to_vec(), r),
+            ParamLayout::replicated(self.beta.val().dims().to_vec(), r),
+        ]
+    }
 }
 
 crate::reshard::reshard_fields!(ParallelMlp { fc1, fc2 });
@@ -313,5 +320,10 @@ impl Reshard for ParallelAttention {
             Reshard::shard_module(&full.out, group)?,
             group.world_size(),
         ))
+    }
+    fn layout(&self, rank: usize) -> Vec<ParamLayout> {
+        let mut out = self.qkv.layout(rank);
+        out.extend(self.out.layout(rank));
+        out
     }
 }

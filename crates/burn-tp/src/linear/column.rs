@@ -16,7 +16,7 @@ use super::{
 use crate::TpError;
 use crate::init::{owned, shard};
 use crate::ops::all_gather;
-use crate::reshard::{Reshard, solo};
+use crate::reshard::{ParamLayout, Piece, Reshard, solo};
 
 /// Configuration of a [`ColumnParallelLinear`]; mirrors Burn's `LinearConfig`.
 #[derive(Config, Debug)]
@@ -249,6 +249,40 @@ impl Reshard for ColumnParallelLinear {
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
         Self::shard(&full.to_full()?, group, full.spec, &full.chunks)
+    }
+    fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
+        let (r, tp) = (self.group.rank(), self.group.world_size());
+        let [d_input, _] = self.weight.dims();
+        let d_output = if self.chunks.is_empty() {
+            self.weight.dims()[1] * tp
+        } else {
+            self.chunks.iter().map(|c| c.width).sum()
+        };
+        // A replicated block is written by the lowest rank holding it.
+        let before = (r > 0)
+            .then(|| place(&self.chunks, d_output, tp, r - 1).ok())
+            .flatten();
+        let pieces: Vec<Piece> = self
+            .placement
+            .iter()
+            .enumerate()
+            .map(|(c, p)| Piece {
+                local: p.local.clone(),
+                global: p.full.clone(),
+                writes: !p.replicated || before.as_ref().is_none_or(|b| b[c].full != p.full),
+            })
+            .collect();
+        let weight = ParamLayout {
+            global_shape: vec![d_input, d_output],
+            dim: 1,
+            pieces: pieces.clone(),
+        };
+        let bias = self.bias.as_ref().map(|_| ParamLayout {
+            global_shape: vec![d_output],
+            dim: 0,
+            pieces,
+        });
+        std::iter::once(weight).chain(bias).collect()
     }
 }
 

@@ -10,7 +10,7 @@ use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpSettings, init_full, row_p
 use crate::error::check_divisible;
 use crate::init::{owned, shard};
 use crate::ops::all_gather;
-use crate::reshard::{Reshard, solo};
+use crate::reshard::{ParamLayout, Reshard, solo};
 
 /// Configuration of a [`RowParallelLinear`]; mirrors Burn's `LinearConfig`.
 #[derive(Config, Debug)]
@@ -144,6 +144,16 @@ impl Reshard for RowParallelLinear {
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
         Self::shard(&full.to_full()?, group, full.spec)
+    }
+    fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
+        let (r, tp) = (self.group.rank(), self.group.world_size());
+        let [local, d_output] = self.weight.dims();
+        let weight = ParamLayout::block(vec![local * tp, d_output], 0, r, tp);
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|_| ParamLayout::replicated(vec![d_output], r));
+        std::iter::once(weight).chain(bias).collect()
     }
 }
 

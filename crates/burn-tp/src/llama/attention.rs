@@ -13,7 +13,7 @@ use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
     RowParallelLinearConfig, TpSettings,
 };
-use crate::reshard::Reshard;
+use crate::reshard::{ParamLayout, Reshard};
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`ParallelGqa`].
@@ -225,5 +225,11 @@ impl Reshard for ParallelGqa {
             rope: full.rope.clone(),
             ..*full
         })
+    }
+    fn layout(&self, rank: usize) -> Vec<ParamLayout> {
+        // The rotary table is a constant, not a parameter.
+        let mut out = self.qkv.layout(rank);
+        out.extend(self.out.layout(rank));
+        out
     }
 }

@@ -8,7 +8,7 @@ use burn_tp_comm::ProcessGroup;
 use crate::Result as TpResult;
 use crate::init::owned;
 use crate::linear::TpMode;
-use crate::reshard::{Reshard, solo};
+use crate::reshard::{ParamLayout, Reshard, solo};
 use crate::transformer::replicated_param;
 
 /// RMSNorm over the last dim, as Burn's `RmsNorm` (the mean square in f32), with a replicated
@@ -77,5 +77,9 @@ impl Reshard for TpRmsNorm {
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
         Ok(Self::from_full(&full.to_full(), full.mode, group))
+    }
+    fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
+        let r = self.group.rank();
+        vec![ParamLayout::replicated(self.gamma.val().dims().to_vec(), r)]
     }
 }

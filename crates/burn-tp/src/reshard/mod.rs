@@ -21,6 +21,12 @@ pub trait Reshard: Sized {
     /// # Errors
     /// Sizes not divisible by the group's size.
     fn shard_module(full: &Self, group: &ProcessGroup) -> Result<Self>;
+
+    /// Where this rank's parameters lie in the full ones: one [`ParamLayout`] per float
+    /// parameter, in the order Burn's `Module::visit` meets them. `rank` is this rank in the
+    /// module's tensor-parallel group (for parameters that do not hold their group). Local: no
+    /// communication.
+    fn layout(&self, rank: usize) -> Vec<ParamLayout>;
 }
 
 /// Each module of a list moves on its own.
@@ -30,6 +36,9 @@ impl<T: Reshard> Reshard for Vec<T> {
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> Result<Self> {
         full.iter().map(|m| T::shard_module(m, group)).collect()
+    }
+    fn layout(&self, rank: usize) -> Vec<ParamLayout> {
+        self.iter().flat_map(|m| m.layout(rank)).collect()
     }
 }
 
@@ -41,6 +50,9 @@ impl<T: Reshard> Reshard for Option<T> {
     fn shard_module(full: &Self, group: &ProcessGroup) -> Result<Self> {
         full.as_ref().map(|m| T::shard_module(m, group)).transpose()
     }
+    fn layout(&self, rank: usize) -> Vec<ParamLayout> {
+        self.as_ref().map(|m| m.layout(rank)).unwrap_or_default()
+    }
 }
 
 /// A bare parameter of a parallel module is replicated (the sharded ones live inside the
@@ -51,6 +63,9 @@ impl<const D: usize> Reshard for Param<Tensor<D>> {
     }
     fn shard_module(full: &Self, _group: &ProcessGroup) -> Result<Self> {
         Ok(Param::from_tensor(owned(full.val())))
+    }
+    fn layout(&self, rank: usize) -> Vec<ParamLayout> {
+        vec![ParamLayout::replicated(self.val().dims().to_vec(), rank)]
     }
 }
 
@@ -77,6 +92,12 @@ macro_rules! reshard_fields {
                     $($kept: full.$kept.clone(),)*
                 })
             }
+            fn layout(&self, _rank: usize) -> Vec<$crate::reshard::ParamLayout> {
+                let rank = self.$g.rank();
+                let mut out = Vec::new();
+                $(out.extend($crate::reshard::Reshard::layout(&self.$field, rank));)+
+                out
+            }
         }
     };
     ($ty:ident { $($field:ident),+ $(,)? }) => {
@@ -94,6 +115,11 @@ macro_rules! reshard_fields {
                     $($field: $crate::reshard::Reshard::shard_module(&full.$field, group)?),+
                 })
             }
+            fn layout(&self, rank: usize) -> Vec<$crate::reshard::ParamLayout> {
+                let mut out = Vec::new();
+                $(out.extend($crate::reshard::Reshard::layout(&self.$field, rank));)+
+                out
+            }
         }
     };
 }
@@ -104,6 +130,8 @@ pub(crate) fn solo() -> ProcessGroup {
     LocalGroup::new(1).expect("a group of one").remove(0)
 }
 
+mod layout;
 mod optimizer;
 
+pub use layout::{ParamLayout, Piece};
 pub use optimizer::FullOptimizerState;
