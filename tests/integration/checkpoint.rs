@@ -141,3 +141,295 @@ fn every_rank_knows_where_its_shards_lie_in_the_full_parameters() {
         }
     }
 }
+
+mod sharded {
+    use std::path::PathBuf;
+
+    use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+    use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+    use burn_tp::TpError;
+    use burn_tp::checkpoint::{
+        CheckpointInfo, INDEX, load_sharded, load_sharded_optimizer, save_sharded,
+    };
+    use burn_tp::gpt::{Gpt, GptConfig};
+    use burn_tp::linear::{TpMode, TpSettings};
+    use burn_tp::llama::LlamaConfig;
+    use burn_tp::local::run_local;
+    use burn_tp::precision::cast_params;
+    use burn_tp::reshard::Reshard;
+
+    use super::params;
+    use crate::common::{assert_close, device, rng_lock, token_ids};
+
+    const V: usize = 13;
+    const LR: f64 = 1e-2;
+
+    fn config() -> GptConfig {
+        GptConfig::new(V, 8, 16, 4, 2)
+            .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter))
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("burn-tp-ckpt-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    fn batch(step: usize) -> (Tensor<2, Int>, Tensor<2, Int>) {
+        let ids = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device());
+        let s = step as i64;
+        (ids(token_ids(16, V, 7, s)), ids(token_ids(16, V, 5, s + 1)))
+    }
+
+    /// Steps `steps` (numbered from `first`) of AdamW; the losses.
+    fn train(
+        mut model: Gpt,
+        optim: &mut ModuleOptimizer,
+        first: usize,
+        steps: usize,
+    ) -> (Gpt, Vec<f64>) {
+        let mut losses = Vec::new();
+        for step in first..first + steps {
+            let (x, y) = batch(step);
+            let loss = model.loss(x, y);
+            losses.push(f64::from(loss.clone().into_scalar::<f32>()));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(LR, model, grads);
+        }
+        (model, losses)
+    }
+
+    /// A tp = 4 run saves after 2 steps (model and AdamW state); loaded at tp 1, 2 and 4 the
+    /// model is the saved one bit for bit, and 3 more steps from there give the losses of the
+    /// uninterrupted run. The files hold about one copy of the model (each rank its own slices),
+    /// not tp copies.
+    #[test]
+    fn a_tp_4_checkpoint_resumes_at_tp_1_2_4_into_the_same_curve() {
+        let _rng = rng_lock();
+        let ckpt = dir("resume");
+        device().seed(17);
+        let c = ckpt.clone();
+        let out = run_local(4, move |g| {
+            let model = config().init(&g, &device()).unwrap();
+            let mut optim = AdamWConfig::new().init();
+            let (model, _) = train(model, &mut optim, 0, 2);
+            let info = CheckpointInfo::new(2, 4, 1, &config());
+            save_sharded(&model, Some(&optim), &c, &info, &g, 0).unwrap();
+            let saved = params(&model.to_full_module().unwrap());
+            let (_, rest) = train(model, &mut optim, 2, 3);
+            (saved, rest)
+        })
+        .unwrap();
+        let (saved, uninterrupted) = out[0].clone();
+        assert!(ckpt.join(INDEX).exists());
+
+        // What the ranks wrote: each its own slices, one model in all. A safetensors file is an
+        // 8-byte header length, the header, then the tensors' bytes.
+        let payload: u64 = std::fs::read_dir(ckpt.join("step-2"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .map(|p| {
+                let bytes = std::fs::read(&p).unwrap();
+                let header = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+                bytes.len() as u64 - 8 - header
+            })
+            .sum();
+        let model_bytes = saved.iter().map(|(_, v)| 4 * v.len() as u64).sum::<u64>();
+        // Parameters and AdamW's two moments, each once; at tp 4 the vocabulary of 13 is padded
+        // to 16: 3 rows of the embedding and 3 columns of the head (d 16, f32) more, 3 times.
+        let padding = 3 * 2 * (3 * 16 * 4);
+        assert_eq!(
+            payload,
+            3 * model_bytes + padding,
+            "bytes of tensors written"
+        );
+
+        for tp in [1usize, 2, 4] {
+            device().seed(99); // other initial values: the load must replace every one
+            let c = ckpt.clone();
+            let out = run_local(tp, move |g| {
+                let fresh = config().init(&g, &device()).unwrap();
+                let (model, info) = load_sharded(fresh, &c, Some(&config()), &g).unwrap();
+                let optim = AdamWConfig::new().init();
+                let mut optim = load_sharded_optimizer(optim, &model, &c, &g).unwrap();
+                let loaded = params(&model.to_full_module().unwrap());
+                let (_, rest) = train(model, &mut optim, info.step as usize, 3);
+                (info.step, loaded, rest)
+            })
+            .unwrap();
+            for (r, (step, loaded, rest)) in out.into_iter().enumerate() {
+                let tag = format!("loaded at tp {tp} rank {r}");
+                assert_eq!(step, 2, "{tag}");
+                assert_eq!(loaded, saved, "{tag}: the parameters");
+                assert_close(&rest, &uninterrupted, 1e-5, &format!("{tag}: steps 2..5"));
+            }
+        }
+        std::fs::remove_dir_all(&ckpt).unwrap();
+    }
+
+    /// A save that dies half way (its shard folder written, no index yet) leaves the previous
+    /// checkpoint loading as it was; a completed save replaces it and removes the old shards.
+    #[test]
+    fn a_save_interrupted_before_its_index_leaves_the_previous_checkpoint() {
+        let _rng = rng_lock();
+        let ckpt = dir("atomic");
+        device().seed(21);
+        let c = ckpt.clone();
+        run_local(2, move |g| {
+            let model = config().init(&g, &device()).unwrap();
+            let info = CheckpointInfo::new(1, 2, 1, &config());
+            save_sharded(&model, None, &c, &info, &g, 0).unwrap();
+        })
+        .unwrap();
+        // The crash: the next save's shards, renamed into place, but no new index.
+        std::fs::create_dir_all(ckpt.join("step-2.tmp")).unwrap();
+        std::fs::write(
+            ckpt.join("step-2.tmp/rank-00000.safetensors"),
+            b"half a file",
+        )
+        .unwrap();
+        let c = ckpt.clone();
+        let steps = run_local(2, move |g| {
+            let fresh = config().init(&g, &device()).unwrap();
+            load_sharded(fresh, &c, Some(&config()), &g).unwrap().1.step
+        })
+        .unwrap();
+        assert_eq!(steps, vec![1, 1]);
+        // A completed save: the index points at the new shards, the old ones are gone.
+        let c = ckpt.clone();
+        run_local(2, move |g| {
+            let model = config().init(&g, &device()).unwrap();
+            let info = CheckpointInfo::new(3, 2, 1, &config());
+            save_sharded(&model, None, &c, &info, &g, 0).unwrap();
+        })
+        .unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(&ckpt)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [INDEX, "step-3"]);
+        std::fs::remove_dir_all(&ckpt).unwrap();
+    }
+
+    /// Every way a checkpoint can be wrong is a `TpError::Checkpoint` naming the file and, where
+    /// there is one, the tensor: no index, a missing shard, a truncated shard, another dtype,
+    /// another shape, another configuration, another model.
+    #[test]
+    fn a_bad_checkpoint_is_an_error_naming_the_file_and_tensor() {
+        let _rng = rng_lock();
+        let ckpt = dir("errors");
+        device().seed(23);
+        let c = ckpt.clone();
+        run_local(2, move |g| {
+            let model = config().init(&g, &device()).unwrap();
+            save_sharded(
+                &model,
+                None,
+                &c,
+                &CheckpointInfo::new(1, 2, 1, &config()),
+                &g,
+                0,
+            )
+            .unwrap();
+        })
+        .unwrap();
+        let shard = ckpt.join("step-1/rank-00001.safetensors");
+        let good = std::fs::read(&shard).unwrap();
+        let index = ckpt.join(INDEX);
+
+        // Loads `build`'s model at tp 2 with `config` and returns rank 1's error.
+        let load_err = |build: fn(&burn_tp::ProcessGroup) -> Gpt, config: GptConfig| {
+            let c = ckpt.clone();
+            let out = run_local(2, move |g| {
+                load_sharded(build(&g), &c, Some(&config), &g).map(|_| ())
+            })
+            .unwrap();
+            match out[1].clone() {
+                Err(TpError::Checkpoint { path, what }) => format!("{path}: {what}"),
+                other => panic!("expected a checkpoint error, got {other:?}"),
+            }
+        };
+        let plain = |g: &burn_tp::ProcessGroup| config().init(g, &device()).unwrap();
+
+        // A truncated shard.
+        std::fs::write(&shard, &good[..good.len() / 2]).unwrap();
+        let e = load_err(plain, config());
+        assert!(
+            e.contains("rank-00001.safetensors") && e.contains("truncated"),
+            "{e}"
+        );
+        // A missing shard.
+        std::fs::remove_file(&shard).unwrap();
+        let e = load_err(plain, config());
+        assert!(
+            e.contains("rank-00001.safetensors") && e.contains("opening"),
+            "{e}"
+        );
+        std::fs::write(&shard, &good).unwrap();
+        // Another dtype: the model in bf16.
+        let e = load_err(
+            |g| cast_params(config().init(g, &device()).unwrap(), FloatDType::BF16),
+            config(),
+        );
+        assert!(
+            e.contains(INDEX) && e.contains("p0") && e.contains("F32") && e.contains("BF16"),
+            "{e}"
+        );
+        // Another shape (d_model 32): named with both shapes.
+        let wider = || {
+            GptConfig::new(V, 8, 32, 4, 2)
+                .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter))
+        };
+        let e = load_err(
+            |g| {
+                GptConfig::new(V, 8, 32, 4, 2)
+                    .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter))
+                    .init(g, &device())
+                    .unwrap()
+            },
+            config(),
+        );
+        assert!(
+            e.contains("p0") && e.contains("[13, 16]") && e.contains("[13, 32]"),
+            "{e}"
+        );
+        // Another configuration.
+        let e = load_err(plain, wider());
+        assert!(e.contains("another configuration"), "{e}");
+        // Another model: a Llama's checkpoint into the GPT.
+        let llama = dir("errors-llama");
+        let l = llama.clone();
+        run_local(2, move |g| {
+            let cfg = LlamaConfig::new(V, 8, 16, 4, 2, 2, 32);
+            let model = cfg.init(&g, &device()).unwrap();
+            save_sharded(&model, None, &l, &CheckpointInfo::new(1, 2, 1, &cfg), &g, 0).unwrap();
+        })
+        .unwrap();
+        let l = llama.clone();
+        let out = run_local(2, move |g| {
+            load_sharded(
+                config().init(&g, &device()).unwrap(),
+                &l,
+                None::<&GptConfig>,
+                &g,
+            )
+            .map(|_| ())
+        })
+        .unwrap();
+        let e = format!("{:?}", out[0]);
+        assert!(
+            e.contains("another model") && e.contains("parameters"),
+            "{e}"
+        );
+        // No index: an incomplete save.
+        std::fs::remove_file(&index).unwrap();
+        let e = load_err(plain, config());
+        assert!(e.contains(INDEX) && e.contains("did not complete"), "{e}");
+        for d in [ckpt, llama] {
+            std::fs::remove_dir_all(d).unwrap();
+        }
+        let _ = DType::F32;
+    }
+}

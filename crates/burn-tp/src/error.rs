@@ -50,6 +50,15 @@ pub enum TpError {
     /// A configuration that cannot work.
     #[error("{0}")]
     Config(String),
+    /// A checkpoint that cannot be written or read: a missing or truncated file, a tensor whose
+    /// dtype or shape does not fit the model, an index of another model.
+    #[error("checkpoint {path}: {what}")]
+    Checkpoint {
+        /// The file (or folder) concerned.
+        path: String,
+        /// What is wrong, naming the tensor where there is one.
+        what: String,
+    },
 }
 
 /// Result alias of burn-tp.

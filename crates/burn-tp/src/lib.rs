@@ -80,6 +80,7 @@
 //! ```
 
 pub mod backend;
+pub mod checkpoint;
 pub mod dp;
 pub mod embedding;
 mod error;

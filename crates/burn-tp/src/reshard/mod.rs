@@ -135,3 +135,4 @@ mod optimizer;
 
 pub use layout::{ParamLayout, Piece};
 pub use optimizer::FullOptimizerState;
+pub(crate) use optimizer::param_ids;

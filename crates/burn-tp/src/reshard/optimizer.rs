@@ -26,7 +26,7 @@ fn err(what: &str, e: impl std::fmt::Debug) -> TpError {
 }
 
 /// Ids of a module's float parameters, in module order.
-fn param_ids<M: Module>(module: &M) -> Vec<u64> {
+pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<u64> {
     struct Ids(Vec<u64>);
     impl ModuleVisitor for Ids {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
