@@ -2,15 +2,18 @@
 //! `burn_tp::llama`) at tp x dp ranks (threads on the CPU), with Burn's AdamW.
 //!
 //! Every rank runs the same loop on its shard; rank 0 reports. The checkpoint written at the end
-//! is the full, unsharded model (a Burn record) with the optimizer state in the same layout
-//! (`checkpoint.optim.bpk`) and the step count (`checkpoint.steps`), so a run resumes at any tp
-//! and continues the curve it left.
+//! (and every `--save-every` steps) is sharded (`burn_tp::checkpoint`): each rank writes only its
+//! own slices of the model and of the AdamW state into `OUT/checkpoint/`, and a run resumes from
+//! it at any tp x dp into the curve it left. `--export-full FILE` also writes the full, unsharded
+//! model (a Burn record) with its optimizer state (`FILE.optim.bpk`) and step count
+//! (`FILE.steps`), which `--resume FILE` reads too.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, FloatDType};
+use burn_tp::checkpoint::{CheckpointInfo, load_sharded, load_sharded_optimizer, save_sharded};
 use burn_tp::comm::Profile;
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
@@ -151,13 +154,23 @@ pub struct Args {
     /// UTF-8 text to train on (character level); the built-in corpus if absent.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Output folder: loss.csv, loss.png, checkpoint.bpk.
+    /// Output folder: loss.csv, loss.png, sample.txt, the sharded checkpoint `checkpoint/`.
     #[arg(long, default_value = "out")]
     pub out: PathBuf,
-    /// Full checkpoint to start from (written by any tp): the model, with its optimizer state
-    /// (`.optim.bpk`) and step count (`.steps`) beside it; the run continues from there.
+    /// Checkpoint to continue from, written at any tp x dp: a sharded checkpoint folder
+    /// (`OUT/checkpoint`), or a full export (`--export-full FILE`, with `FILE.optim.bpk` and
+    /// `FILE.steps` beside it). The run continues its curve.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Also save the sharded checkpoint every this many steps (the last save is kept; one is
+    /// always written at the end).
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<usize>,
+    /// At the end, also write the full, unsharded model to FILE (a Burn record) with its
+    /// optimizer state (`FILE.optim.bpk`) and step count (`FILE.steps`): for small models and
+    /// inspection; every rank then holds the whole model for a moment.
+    #[arg(long, value_name = "FILE")]
+    pub export_full: Option<PathBuf>,
     /// Held-out loss every this many steps (and before the first, and after the last), on the
     /// last tenth of the text, which is never trained on.
     #[arg(long, default_value_t = 50)]
@@ -193,6 +206,17 @@ pub struct Args {
     pub link_gb_s: f64,
 }
 
+/// Seconds this rank spent on checkpoints (rank 0's are reported).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CheckpointTimes {
+    /// Reading the checkpoint of `--resume` (model and optimizer state).
+    pub load_s: f64,
+    /// The last sharded save.
+    pub save_s: f64,
+    /// The full export (`--export-full`), if any.
+    pub export_s: f64,
+}
+
 /// What a run measured.
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -208,12 +232,14 @@ pub struct Report {
     pub unigram_entropy: f64,
     /// Tokens processed per second.
     pub tokens_per_s: f64,
-    /// Where the full checkpoint was written.
+    /// The sharded checkpoint folder written (`OUT/checkpoint`).
     pub checkpoint: PathBuf,
     /// Rank 0's communication profile (`--profile`).
     pub profile: Option<Profile>,
     /// Which path the async layers took ([`overlap_path`]).
     pub overlap: String,
+    /// Time spent on checkpoints.
+    pub checkpoint_times: CheckpointTimes,
 }
 
 /// The model configuration the arguments describe.
@@ -340,6 +366,9 @@ fn check(args: &Args) -> Result<(), String> {
     if args.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
+    if args.save_every == Some(0) {
+        return Err("--save-every must be at least 1".into());
+    }
     if args.seq == 0 || args.batch == 0 || args.eval_every == 0 {
         return Err(format!(
             "--seq, --batch and --eval-every must be at least 1 (got {}, {}, {})",
@@ -403,7 +432,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
     let unigram_entropy = corpus::unigram_entropy(&tokens, vocab.len());
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
-    let checkpoint = args.out.join("checkpoint.bpk");
+    let checkpoint = args.out.join("checkpoint");
     let start = Instant::now();
     let (rank, out) = match args.arch {
         Arch::Gpt => launch::<Gpt>(
@@ -416,6 +445,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
     };
     let RankOut {
         stopped,
+        timings,
         first_step,
         losses,
         held_out,
@@ -460,6 +490,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         checkpoint,
         profile,
         overlap: overlap_path(args),
+        checkpoint_times: timings,
     })
 }
 
@@ -568,6 +599,7 @@ struct RankOut {
     /// Why training stopped early (a non-finite loss).
     stopped: Option<String>,
     profile: Option<Profile>,
+    timings: CheckpointTimes,
     first_step: usize,
     losses: Vec<f64>,
     held_out: Vec<(usize, f64)>,
@@ -597,16 +629,26 @@ fn train_rank<M: LanguageModel>(
     if dp_rank != 0 {
         world.barrier()?;
     }
-    let (model, resumed) = match &args.resume {
-        Some(path) => {
+    // A sharded checkpoint is read slice by slice into this rank's shards; a full export is
+    // loaded whole and sharded.
+    let mut timings = CheckpointTimes::default();
+    let load_start = Instant::now();
+    let sharded = args.resume.as_deref().filter(|p| p.is_dir());
+    let (model, resumed, sharded_step) = match (&args.resume, sharded) {
+        (Some(_), Some(dir)) => {
+            let fresh = M::init(config, &tp_group, &device)?;
+            let (model, info) = load_sharded(fresh, dir, Some(config), &tp_group)?;
+            (model, None, Some(info.step as usize))
+        }
+        (Some(path), None) => {
             let solo = LocalGroup::new(1)?.remove(0);
             let full: M = M::init(config, &solo, &device)?
                 .try_load_file(path)
                 .map_err(|e| format!("loading {}: {e:?}", path.display()))?;
             let model = M::shard_module(&full, &tp_group)?;
-            (model, Some(full))
+            (model, Some(full), None)
         }
-        None => (M::init(config, &tp_group, &device)?, None),
+        (None, _) => (M::init(config, &tp_group, &device)?, None, None),
     };
     if dp_rank == 0 {
         world.barrier()?;
@@ -615,14 +657,30 @@ fn train_rank<M: LanguageModel>(
     let mut optim = AdamWConfig::new().init();
     // A resumed run continues where the checkpoint left off: the optimizer state (resharded to
     // this tp) and the step count, so the batches and the AdamW bias correction go on.
-    let first_step = match (&args.resume, resumed) {
-        (Some(path), Some(full)) => {
+    let first_step = match (&args.resume, resumed, sharded_step) {
+        (Some(dir), _, Some(step)) => {
+            optim = load_sharded_optimizer(optim, &model, dir, &tp_group)?;
+            step
+        }
+        (Some(path), Some(full), None) => {
             let state = FullOptimizerState::load(&optimizer_path(path))?;
             optim = optim.load_record(state.shard(&full, &model, &tp_group)?);
             read_steps(path)?
         }
         _ => 0,
     };
+    if args.resume.is_some() {
+        timings.load_s = load_start.elapsed().as_secs_f64();
+    }
+    // This rank's slices of the model and the AdamW state after `steps` steps, into the sharded
+    // checkpoint (data-parallel replica 0 writes; every rank waits for it).
+    let save =
+        |model: &M, optim: &burn::optim::ModuleOptimizer, steps: usize| -> burn_tp::Result<()> {
+            let info = CheckpointInfo::new(steps as u64, args.tp, args.dp, config);
+            save_sharded(model, Some(optim), checkpoint, &info, &tp_group, dp_rank)?;
+            world.barrier()?;
+            Ok(())
+        };
     let progress = (rank == 0 && !args.quiet).then(|| {
         let bar = indicatif::ProgressBar::new(args.steps as u64);
         bar.set_style(
@@ -669,6 +727,14 @@ fn train_rank<M: LanguageModel>(
             let loss = held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?;
             held_out.push((step + 1, loss));
         }
+        let last = step + 1 == first_step + args.steps;
+        if !last
+            && args
+                .save_every
+                .is_some_and(|n| (step + 1 - first_step) % n == 0)
+        {
+            save(&model, &optim, step + 1)?;
+        }
         if let Some(bar) = &progress {
             let tokens_per_s = ((step + 1 - first_step) * args.batch * args.seq) as f64
                 / start.elapsed().as_secs_f64();
@@ -682,6 +748,7 @@ fn train_rank<M: LanguageModel>(
     if stopped.is_some() {
         // No checkpoint or sample of a diverged model: only the curve up to there.
         return Ok(RankOut {
+            timings,
             profile: world.profile(),
             first_step,
             losses,
@@ -690,24 +757,32 @@ fn train_rank<M: LanguageModel>(
             stopped,
         });
     }
-    // The full model and optimizer state on every rank of each tp group; world rank 0 writes
-    // them, with the number of steps done.
-    let full = model.to_full_module()?;
-    let optim_state = FullOptimizerState::gather(&optim, &model)?;
-    if rank == 0 {
-        full.save_file(checkpoint)
-            .map_err(|e| format!("saving {}: {e:?}", checkpoint.display()))?;
-        optim_state.save(&optimizer_path(checkpoint))?;
-        let steps = steps_path(checkpoint);
-        std::fs::write(&steps, (first_step + args.steps).to_string())
-            .map_err(|e| format!("writing {}: {e}", steps.display()))?;
+    let save_start = Instant::now();
+    save(&model, &optim, first_step + args.steps)?;
+    timings.save_s = save_start.elapsed().as_secs_f64();
+    if let Some(file) = &args.export_full {
+        let export_start = Instant::now();
+        // The full model and optimizer state on every rank of each tp group; world rank 0
+        // writes them, with the number of steps done.
+        let full = model.to_full_module()?;
+        let optim_state = FullOptimizerState::gather(&optim, &model)?;
+        if rank == 0 {
+            full.save_file(file)
+                .map_err(|e| format!("saving {}: {e:?}", file.display()))?;
+            optim_state.save(&optimizer_path(file))?;
+            let steps = steps_path(file);
+            std::fs::write(&steps, (first_step + args.steps).to_string())
+                .map_err(|e| format!("writing {}: {e}", steps.display()))?;
+        }
+        world.barrier()?;
+        timings.export_s = export_start.elapsed().as_secs_f64();
     }
-    world.barrier()?;
     // The profile covers training only (not the sample below).
     let profile = world.profile();
     let sample = generate(&compute(&model), args, data, &tp_group, &device)?;
     Ok(RankOut {
         stopped: None,
+        timings,
         profile,
         first_step,
         losses,

@@ -23,6 +23,22 @@ fn main() {
                 report.tokens_per_s,
                 args.out.display()
             );
+            let t = report.checkpoint_times;
+            println!(
+                "checkpoint {}: saved in {:.2} s{}{}",
+                report.checkpoint.display(),
+                t.save_s,
+                if args.resume.is_some() {
+                    format!(", resumed from --resume in {:.2} s", t.load_s)
+                } else {
+                    String::new()
+                },
+                if args.export_full.is_some() {
+                    format!(", full export in {:.2} s", t.export_s)
+                } else {
+                    String::new()
+                },
+            );
             if let Some(profile) = &report.profile {
                 println!("communication of rank 0 (also in comm.csv):\n{profile}");
             }

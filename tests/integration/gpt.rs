@@ -435,12 +435,49 @@ fn checkpoints_round_trip_across_tp_sizes() {
         &temp_dir("whole"),
     ))
     .unwrap();
+    // The first half saves every 7 steps (at 7 and 14), then at its end: the folder keeps the
+    // last save only. It also exports the full model, which resumes as well.
+    let half_dir = temp_dir("half");
+    let full_export = half_dir.join("full.bpk");
     let half = run(&tiny_args(
-        &["--tp", "2", "--steps", "20"],
-        &temp_dir("half"),
+        &[
+            "--tp",
+            "2",
+            "--steps",
+            "20",
+            "--save-every",
+            "7",
+            "--export-full",
+            full_export.to_str().unwrap(),
+        ],
+        &half_dir,
     ))
     .unwrap();
     assert_eq!(half.losses[..], whole.losses[..20]);
+    let mut saved: Vec<String> = std::fs::read_dir(&half.checkpoint)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    saved.sort();
+    assert_eq!(saved, ["index.json", "step-20"]);
+    let rest = run(&tiny_args(
+        &[
+            "--tp",
+            "4",
+            "--steps",
+            "20",
+            "--resume",
+            full_export.to_str().unwrap(),
+        ],
+        &temp_dir("continue-full"),
+    ))
+    .unwrap();
+    assert_close(
+        &rest.losses,
+        &whole.losses[20..],
+        1e-4,
+        "steps 20..40 resumed at tp 4 from the full export vs uninterrupted",
+    );
     let ckpt = half.checkpoint.to_str().unwrap().to_string();
     // Resumed on every path of the async layers, in both modes (the run above: reduce-scatter,
     // one block).
@@ -473,12 +510,24 @@ fn checkpoints_round_trip_across_tp_sizes() {
         let csv = std::fs::read_to_string(o.join("loss.csv")).unwrap();
         assert!(csv.lines().nth(1).unwrap().starts_with("20,"), "{csv}");
     }
-    // A checkpoint without its optimizer state is an error naming the missing file.
+    // And with data parallelism: tp 2 x dp 2 (each replica reads the same slices).
+    let rest = run(&tiny_args(
+        &["--tp", "2", "--dp", "2", "--steps", "20", "--resume", &ckpt],
+        &temp_dir("continue-dp"),
+    ))
+    .unwrap();
+    assert_close(
+        &rest.losses,
+        &whole.losses[20..],
+        1e-4,
+        "steps 20..40 resumed at tp 2 x dp 2 vs uninterrupted",
+    );
+    // A full export without its optimizer state is an error naming the missing file.
     let bare = temp_dir("bare");
     std::fs::create_dir_all(&bare).unwrap();
-    std::fs::copy(&half.checkpoint, bare.join("checkpoint.bpk")).unwrap();
+    std::fs::copy(&full_export, bare.join("checkpoint.bpk")).unwrap();
     std::fs::copy(
-        half.checkpoint.with_extension("steps"),
+        full_export.with_extension("steps"),
         bare.join("checkpoint.steps"),
     )
     .unwrap();
@@ -566,7 +615,7 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
             "--data",
             data.to_str().unwrap(),
             "--resume",
-            out.join("checkpoint.bpk").to_str().unwrap(),
+            out.join("checkpoint").to_str().unwrap(),
         ],
         &temp_dir("cli-eval"),
     ))
@@ -618,7 +667,7 @@ fn the_example_cli_runs_end_to_end_and_writes_its_outputs() {
     );
     let png = std::fs::read(out.join("loss.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
-    assert!(out.join("checkpoint.bpk").metadata().unwrap().len() > 1000);
+    assert!(out.join("checkpoint/index.json").exists());
     assert!(report.tokens_per_s > 0.0);
 
     // Bad arguments are errors naming the values, not panics.

@@ -62,8 +62,20 @@ pub struct CheckpointInfo {
     pub tp: usize,
     /// Data-parallel size of the run that saved it.
     pub dp: usize,
-    /// The model's configuration, as JSON: [`load_sharded`] refuses a checkpoint of another one.
+    /// The model's configuration, as JSON, without its `settings` (how the layers run: a
+    /// checkpoint resumes in any mode or schedule): [`load_sharded`] refuses a checkpoint of
+    /// another configuration.
     pub config: serde_json::Value,
+}
+
+/// `config` as JSON, without a top-level `settings` (burn-tp's configs keep how the layers run
+/// there: not part of what the model is).
+fn model_json(config: &impl Serialize) -> serde_json::Value {
+    let mut value = serde_json::to_value(config).unwrap_or(serde_json::Value::Null);
+    if let Some(object) = value.as_object_mut() {
+        object.remove("settings");
+    }
+    value
 }
 
 impl CheckpointInfo {
@@ -73,7 +85,7 @@ impl CheckpointInfo {
             step,
             tp,
             dp,
-            config: serde_json::to_value(config).unwrap_or(serde_json::Value::Null),
+            config: model_json(config),
         }
     }
 }
@@ -658,7 +670,7 @@ pub fn load_sharded<M: Module + Reshard>(
     config: Option<&impl Serialize>,
     group: &ProcessGroup,
 ) -> Result<(M, CheckpointInfo)> {
-    let config = config.map(|c| serde_json::to_value(c).unwrap_or(serde_json::Value::Null));
+    let config = config.map(model_json);
     let (index, layouts, shapes) = open_index(&model, dir, config.as_ref(), group)?;
     let index_path = dir.join(INDEX);
     let mut files = Files {

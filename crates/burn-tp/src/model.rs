@@ -12,8 +12,8 @@ use crate::reshard::Reshard;
 /// A sharded language model a training loop can train, evaluate and checkpoint (through
 /// [`Reshard`]) without knowing which one it is.
 pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
-    /// Its configuration.
-    type Config: Clone + Send + Sync + 'static;
+    /// Its configuration (serializable: a sharded checkpoint records it).
+    type Config: Clone + Send + Sync + serde::Serialize + 'static;
 
     /// This rank's shards (the same model at every tp for one seed). Collective.
     ///
