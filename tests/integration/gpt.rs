@@ -510,18 +510,21 @@ fn checkpoints_round_trip_across_tp_sizes() {
         let csv = std::fs::read_to_string(o.join("loss.csv")).unwrap();
         assert!(csv.lines().nth(1).unwrap().starts_with("20,"), "{csv}");
     }
-    // And with data parallelism: tp 2 x dp 2 (each replica reads the same slices).
-    let rest = run(&tiny_args(
-        &["--tp", "2", "--dp", "2", "--steps", "20", "--resume", &ckpt],
-        &temp_dir("continue-dp"),
-    ))
-    .unwrap();
-    assert_close(
-        &rest.losses,
-        &whole.losses[20..],
-        1e-4,
-        "steps 20..40 resumed at tp 2 x dp 2 vs uninterrupted",
-    );
+    // And with data parallelism: tp 2 x dp 2 and tp 4 x dp 2 (each replica reads the same
+    // slices).
+    for (tp, dp) in [("2", "2"), ("4", "2")] {
+        let rest = run(&tiny_args(
+            &["--tp", tp, "--dp", dp, "--steps", "20", "--resume", &ckpt],
+            &temp_dir(&format!("continue-{tp}x{dp}")),
+        ))
+        .unwrap();
+        assert_close(
+            &rest.losses,
+            &whole.losses[20..],
+            1e-4,
+            &format!("steps 20..40 resumed at tp {tp} x dp {dp} vs uninterrupted"),
+        );
+    }
     // A full export without its optimizer state is an error naming the missing file.
     let bare = temp_dir("bare");
     std::fs::create_dir_all(&bare).unwrap();
