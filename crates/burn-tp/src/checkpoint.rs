@@ -41,12 +41,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::{ModuleOptimizer, OptimizerRecord};
+use burn::optim::ModuleOptimizer;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_tp_comm::ProcessGroup;
 use serde::{Deserialize, Serialize};
 
-use crate::reshard::{ParamLayout, Reshard};
+use crate::reshard::{IndexedState, ParamLayout, Reshard};
 use crate::{Result, TpError};
 
 /// The index's file name.
@@ -231,67 +231,26 @@ fn with_dim_first_values<M: Module>(
     module.map(&mut Replace(values.into_iter(), layouts, 0))
 }
 
-/// The optimizer's state of `model`'s parameters: `(param index, field)` -> the (sharded) state
-/// tensor, the scalars keyed `"{index}.{key}"`, the paths keyed by index.
-type OptimState = (
-    BTreeMap<(usize, String), TensorData>,
-    BTreeMap<String, ScalarValue>,
-    BTreeMap<String, String>,
-);
+impl From<burn_pack::Scalar> for ScalarValue {
+    fn from(v: burn_pack::Scalar) -> Self {
+        match v {
+            burn_pack::Scalar::Int(v) => Self::Int(v),
+            burn_pack::Scalar::UInt(v) => Self::UInt(v),
+            burn_pack::Scalar::Float(v) => Self::Float(v),
+            burn_pack::Scalar::Bool(v) => Self::Bool(v),
+        }
+    }
+}
 
-fn optimizer_state<M: Module>(optim: &ModuleOptimizer, model: &M) -> Result<OptimState> {
-    let err = |what: &str, e: &dyn std::fmt::Debug| {
-        TpError::Config(format!("optimizer state: {what}: {e:?}"))
-    };
-    let bytes = optim
-        .to_record()
-        .into_bytes()
-        .map_err(|e| err("encoding", &e))?;
-    let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| err("decoding", &e))?;
-    let index: BTreeMap<u64, usize> = crate::reshard::param_ids(model)
-        .into_iter()
-        .enumerate()
-        .map(|(k, id)| (id, k))
-        .collect();
-    let key = |id: &str| {
-        id.parse::<u64>()
-            .ok()
-            .and_then(|id| index.get(&id).copied())
-    };
-    let mut scalars = BTreeMap::new();
-    for (name, value) in reader.scalars() {
-        if let Some((id, rest)) = name.split_once('.')
-            && let Some(k) = key(id)
-        {
-            let v = match *value {
-                burn_pack::Scalar::Int(v) => ScalarValue::Int(v),
-                burn_pack::Scalar::UInt(v) => ScalarValue::UInt(v),
-                burn_pack::Scalar::Float(v) => ScalarValue::Float(v),
-                burn_pack::Scalar::Bool(v) => ScalarValue::Bool(v),
-            };
-            scalars.insert(format!("{k}.{rest}"), v);
+impl From<ScalarValue> for burn_pack::Scalar {
+    fn from(v: ScalarValue) -> Self {
+        match v {
+            ScalarValue::Int(v) => Self::Int(v),
+            ScalarValue::UInt(v) => Self::UInt(v),
+            ScalarValue::Float(v) => Self::Float(v),
+            ScalarValue::Bool(v) => Self::Bool(v),
         }
     }
-    let mut paths = BTreeMap::new();
-    for (id, path) in reader.metadata() {
-        if let Some(k) = key(id) {
-            paths.insert(k.to_string(), path.clone());
-        }
-    }
-    let mut tensors = BTreeMap::new();
-    for tensor in reader.into_tensors().map_err(|e| err("reading", &e))? {
-        let (name, dtype, shape, param_id, bytes) =
-            tensor.into_parts().map_err(|e| err("reading", &e))?;
-        let k = param_id.and_then(|id| index.get(&id).copied());
-        let (Some(k), Some((_, field))) = (k, name.split_once('.')) else {
-            return Err(err("a tensor of no parameter of this model", &name));
-        };
-        tensors.insert(
-            (k, field.to_string()),
-            TensorData::from_bytes(bytes, shape, dtype),
-        );
-    }
-    Ok((tensors, scalars, paths))
 }
 
 /// Saves this rank's shards of `model` (and of `optim`'s state, if given) into the checkpoint
@@ -370,15 +329,23 @@ pub fn save_sharded<M: Module + Reshard>(
         store(format!("p{k}"), data, &layouts[k])?;
     }
     if let Some(optim) = optim {
-        let (tensors, scalars, paths) = optimizer_state(optim, model)?;
-        for ((k, field), data) in tensors {
+        let state = IndexedState::of(optim, model)?;
+        for ((k, field), data) in state.tensors {
             let layout = &layouts[k];
             // The state is shaped like its parameter: store it with the same dim first.
             let data = dim_first(data, layout.dim);
             store(format!("p{k}.{field}"), data, layout)?;
         }
-        part.scalars = scalars;
-        part.paths = paths;
+        part.scalars = state
+            .scalars
+            .into_iter()
+            .map(|(key, v)| (key, v.into()))
+            .collect();
+        part.paths = state
+            .paths
+            .into_iter()
+            .map(|(k, path)| (k.to_string(), path))
+            .collect();
     }
     let path = tmp.join(&file);
     safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
@@ -712,8 +679,7 @@ pub fn load_sharded_optimizer<M: Module + Reshard>(
         dir: dir.to_path_buf(),
         maps: BTreeMap::new(),
     };
-    let ids = crate::reshard::param_ids(model);
-    let mut tensors = Vec::new();
+    let mut state = IndexedState::default();
     for (name, entry) in &index.tensors {
         let Some((k, field)) = name
             .strip_prefix('p')
@@ -739,46 +705,26 @@ pub fn load_sharded_optimizer<M: Module + Reshard>(
         dim_first_shape.swap(0, layout.dim);
         let data = assemble(&mut files, &entry, name, layout, &dim_first_shape, dtype)?;
         // Back to the parameter's own layout.
-        let (bytes, shape, dtype) = dim_first(data, layout.dim).into_parts();
-        tensors.push(burn_pack::Tensor::new(
-            format!("{}.{field}", ids[k]),
-            dtype,
-            shape,
-            Some(ids[k]),
-            bytes,
-        ));
+        state
+            .tensors
+            .insert((k, field.to_string()), dim_first(data, layout.dim));
     }
-    if tensors.is_empty() && index.scalars.is_empty() {
+    if state.tensors.is_empty() && index.scalars.is_empty() {
         return Ok(optim);
     }
-    let err = |e: &dyn std::fmt::Debug| ckpt_err(&index_path, format!("optimizer state: {e:?}"));
-    let mut writer = burn_pack::Writer::new(tensors);
-    for (key, value) in &index.scalars {
-        let Some(id) = key
-            .split_once('.')
-            .and_then(|(k, _)| k.parse::<usize>().ok())
-            .and_then(|k| ids.get(k))
-        else {
-            return Err(ckpt_err(
-                &index_path,
-                format!("optimizer scalar {key}: no such parameter"),
-            ));
-        };
-        let rest = key.split_once('.').map_or("", |(_, r)| r);
-        let v = match *value {
-            ScalarValue::Int(v) => burn_pack::Scalar::Int(v),
-            ScalarValue::UInt(v) => burn_pack::Scalar::UInt(v),
-            ScalarValue::Float(v) => burn_pack::Scalar::Float(v),
-            ScalarValue::Bool(v) => burn_pack::Scalar::Bool(v),
-        };
-        writer = writer.with_scalar(&format!("{id}.{rest}"), v);
-    }
+    state.scalars = index
+        .scalars
+        .iter()
+        .map(|(key, v)| (key.clone(), (*v).into()))
+        .collect();
     for (k, path) in &index.paths {
-        if let Some(id) = k.parse::<usize>().ok().and_then(|k| ids.get(k)) {
-            writer = writer.with_metadata(&id.to_string(), path);
-        }
+        let k = k
+            .parse::<usize>()
+            .map_err(|e| ckpt_err(&index_path, format!("optimizer path key {k}: {e}")))?;
+        state.paths.insert(k, path.clone());
     }
-    let bytes = writer.into_bytes().map_err(|e| err(&e))?;
-    let record = OptimizerRecord::from_bytes(bytes).map_err(|e| err(&e))?;
+    let record = state
+        .record(model)
+        .map_err(|e| ckpt_err(&index_path, format!("optimizer state: {e}")))?;
     Ok(optim.load_record(record))
 }

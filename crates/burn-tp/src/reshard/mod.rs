@@ -135,4 +135,4 @@ mod optimizer;
 
 pub use layout::{ParamLayout, Piece};
 pub use optimizer::FullOptimizerState;
-pub(crate) use optimizer::param_ids;
+pub(crate) use optimizer::IndexedState;

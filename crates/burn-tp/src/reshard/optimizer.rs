@@ -68,24 +68,24 @@ fn with_values<M: Module>(module: M, values: Vec<Option<TensorData>>) -> M {
     module.map(&mut Replace(values.into_iter()))
 }
 
-/// The state of a sharded model's optimizer in the full (tp = 1) layout, keyed by parameter index.
+/// An optimizer's per-parameter state keyed by each parameter's index in its module (not its
+/// id, which a fresh or resharded model does not share): what moves between models.
 #[derive(Debug, Default)]
-pub struct FullOptimizerState {
-    /// `(param index, field)` -> the full state tensor.
-    tensors: BTreeMap<(usize, String), TensorData>,
+pub(crate) struct IndexedState {
+    /// `(param index, field)` -> the state tensor, shaped like its parameter.
+    pub(crate) tensors: BTreeMap<(usize, String), TensorData>,
     /// `"{param index}.{key}"` -> value (step counts, the parameter's rank).
-    scalars: BTreeMap<String, Scalar>,
+    pub(crate) scalars: BTreeMap<String, Scalar>,
     /// `param index` -> the parameter's path (for parameter groups).
-    paths: BTreeMap<usize, String>,
+    pub(crate) paths: BTreeMap<usize, String>,
 }
 
-impl FullOptimizerState {
-    /// Gathers `optim`'s state of the sharded `model` into the full layout, on every rank.
-    /// Collective over the model's tensor-parallel group.
+impl IndexedState {
+    /// `optim`'s state of `model`'s parameters.
     ///
     /// # Errors
-    /// A communication error, or a record in a layout this does not know.
-    pub fn gather<M: Module + Reshard + Clone>(optim: &ModuleOptimizer, model: &M) -> Result<Self> {
+    /// A record in a layout this does not know.
+    pub(crate) fn of<M: Module>(optim: &ModuleOptimizer, model: &M) -> Result<Self> {
         let bytes = optim
             .to_record()
             .into_bytes()
@@ -96,7 +96,6 @@ impl FullOptimizerState {
             .enumerate()
             .map(|(k, id)| (id, k))
             .collect();
-        let n = index.len();
         let key = |id: &str| {
             id.parse::<u64>()
                 .ok()
@@ -115,8 +114,6 @@ impl FullOptimizerState {
                 state.paths.insert(k, path.clone());
             }
         }
-        // Field -> the sharded state tensor of each parameter that has one.
-        let mut fields: BTreeMap<String, Vec<Option<TensorData>>> = BTreeMap::new();
         for tensor in reader.into_tensors().map_err(|e| err("reading", e))? {
             let (name, dtype, shape, param_id, bytes) =
                 tensor.into_parts().map_err(|e| err("reading", e))?;
@@ -124,23 +121,91 @@ impl FullOptimizerState {
             let (Some(k), Some((_, field))) = (k, name.split_once('.')) else {
                 return Err(err("a tensor of no parameter of this model", name));
             };
-            fields
-                .entry(field.to_string())
-                .or_insert_with(|| vec![None; n])[k] =
-                Some(TensorData::from_bytes(bytes, shape, dtype));
+            state.tensors.insert(
+                (k, field.to_string()),
+                TensorData::from_bytes(bytes, shape, dtype),
+            );
         }
+        Ok(state)
+    }
+
+    /// The optimizer record of this state for `model`, whose parameters its tensors are shaped
+    /// like (keyed by `model`'s parameter ids); load it with [`ModuleOptimizer::load_record`].
+    ///
+    /// # Errors
+    /// A key of no parameter of `model`.
+    pub(crate) fn record<M: Module>(self, model: &M) -> Result<OptimizerRecord> {
+        let ids = param_ids(model);
+        let id = |k: usize| {
+            ids.get(k)
+                .copied()
+                .ok_or_else(|| err("a parameter index past the model's", k))
+        };
+        let mut tensors = Vec::with_capacity(self.tensors.len());
+        for ((k, field), data) in self.tensors {
+            let (bytes, shape, dtype) = data.into_parts();
+            let id = id(k)?;
+            tensors.push(burn_pack::Tensor::new(
+                format!("{id}.{field}"),
+                dtype,
+                shape,
+                Some(id),
+                bytes,
+            ));
+        }
+        let mut writer = Writer::new(tensors);
+        for (name, value) in &self.scalars {
+            let (k, rest) = name
+                .split_once('.')
+                .and_then(|(k, rest)| Some((k.parse::<usize>().ok()?, rest)))
+                .ok_or_else(|| err("a scalar key", name))?;
+            writer = writer.with_scalar(&format!("{}.{rest}", id(k)?), *value);
+        }
+        for (k, path) in &self.paths {
+            if let Some(id) = ids.get(*k) {
+                writer = writer.with_metadata(&id.to_string(), path);
+            }
+        }
+        let bytes = writer.into_bytes().map_err(|e| err("encoding", e))?;
+        OptimizerRecord::from_bytes(bytes).map_err(|e| err("decoding", e))
+    }
+}
+
+/// The state of a sharded model's optimizer in the full (tp = 1) layout, keyed by parameter index.
+#[derive(Debug, Default)]
+pub struct FullOptimizerState(IndexedState);
+
+impl FullOptimizerState {
+    /// Gathers `optim`'s state of the sharded `model` into the full layout, on every rank.
+    /// Collective over the model's tensor-parallel group.
+    ///
+    /// # Errors
+    /// A communication error, or a record in a layout this does not know.
+    pub fn gather<M: Module + Reshard + Clone>(optim: &ModuleOptimizer, model: &M) -> Result<Self> {
+        let local = IndexedState::of(optim, model)?;
+        let n = param_ids(model).len();
+        // Field -> the sharded state tensor of each parameter that has one.
+        let mut fields: BTreeMap<String, Vec<Option<TensorData>>> = BTreeMap::new();
+        for ((k, field), data) in local.tensors {
+            fields.entry(field).or_insert_with(|| vec![None; n])[k] = Some(data);
+        }
+        let mut full = IndexedState {
+            scalars: local.scalars,
+            paths: local.paths,
+            ..Default::default()
+        };
         // Each field through the model's own resharding, as if it were the parameters. Every
         // rank has state for the same parameters (the same steps ran everywhere).
         for (field, values) in fields {
             let present: Vec<bool> = values.iter().map(Option::is_some).collect();
-            let full = with_values(model.clone(), values).to_full_module()?;
-            for (k, data) in param_values(&full).into_iter().enumerate() {
+            let gathered = with_values(model.clone(), values).to_full_module()?;
+            for (k, data) in param_values(&gathered).into_iter().enumerate() {
                 if present[k] {
-                    state.tensors.insert((k, field.clone()), data);
+                    full.tensors.insert((k, field.clone()), data);
                 }
             }
         }
-        Ok(state)
+        Ok(Self(full))
     }
 
     /// The optimizer record of this state for `sharded`, this rank's shard of `full` (the full
@@ -155,50 +220,26 @@ impl FullOptimizerState {
         sharded: &M,
         group: &ProcessGroup,
     ) -> Result<OptimizerRecord> {
-        let ids = param_ids(sharded);
-        let n = ids.len();
-        let fields: BTreeSet<&String> = self.tensors.keys().map(|(_, f)| f).collect();
-        let mut tensors = Vec::new();
+        let n = param_ids(sharded).len();
+        let fields: BTreeSet<&String> = self.0.tensors.keys().map(|(_, f)| f).collect();
+        let mut state = IndexedState {
+            scalars: self.0.scalars.clone(),
+            paths: self.0.paths.clone(),
+            ..Default::default()
+        };
         for field in fields {
             let values: Vec<Option<TensorData>> = (0..n)
-                .map(|k| self.tensors.get(&(k, field.clone())).cloned())
+                .map(|k| self.0.tensors.get(&(k, field.clone())).cloned())
                 .collect();
             let present: Vec<bool> = values.iter().map(Option::is_some).collect();
             let shard = M::shard_module(&with_values(full.clone(), values), group)?;
             for (k, data) in param_values(&shard).into_iter().enumerate() {
                 if present[k] {
-                    let (bytes, shape, dtype) = data.into_parts();
-                    let name = format!("{}.{field}", ids[k]);
-                    tensors.push(burn_pack::Tensor::new(
-                        name,
-                        dtype,
-                        shape,
-                        Some(ids[k]),
-                        bytes,
-                    ));
+                    state.tensors.insert((k, field.clone()), data);
                 }
             }
         }
-        let mut writer = Writer::new(tensors);
-        for (name, value) in &self.scalars {
-            let k = name
-                .split_once('.')
-                .and_then(|(k, _)| k.parse::<usize>().ok());
-            let (Some(k), Some((_, rest))) = (k, name.split_once('.')) else {
-                return Err(err("a scalar key", name));
-            };
-            let id = ids
-                .get(k)
-                .ok_or_else(|| err("a parameter index past the model's", k))?;
-            writer = writer.with_scalar(&format!("{id}.{rest}"), *value);
-        }
-        for (k, path) in &self.paths {
-            if let Some(id) = ids.get(*k) {
-                writer = writer.with_metadata(&id.to_string(), path);
-            }
-        }
-        let bytes = writer.into_bytes().map_err(|e| err("encoding", e))?;
-        OptimizerRecord::from_bytes(bytes).map_err(|e| err("decoding", e))
+        state.record(sharded)
     }
 
     /// Writes the state to `path` (burnpack).
@@ -207,6 +248,7 @@ impl FullOptimizerState {
     /// The file error.
     pub fn save(&self, path: &Path) -> Result<()> {
         let tensors = self
+            .0
             .tensors
             .iter()
             .map(|((k, field), data)| {
@@ -215,10 +257,10 @@ impl FullOptimizerState {
             })
             .collect();
         let mut writer = Writer::new(tensors);
-        for (name, value) in &self.scalars {
+        for (name, value) in &self.0.scalars {
             writer = writer.with_scalar(name, *value);
         }
-        for (k, path) in &self.paths {
+        for (k, path) in &self.0.paths {
             writer = writer.with_metadata(&k.to_string(), path);
         }
         writer
@@ -234,7 +276,7 @@ impl FullOptimizerState {
     pub fn load(path: &Path) -> Result<Self> {
         let what = format!("reading {}", path.display());
         let reader = Reader::from_file(path).map_err(|e| err(&what, e))?;
-        let mut state = Self {
+        let mut state = IndexedState {
             scalars: reader.scalars().clone(),
             ..Default::default()
         };
@@ -251,6 +293,6 @@ impl FullOptimizerState {
                 TensorData::from_bytes(bytes, shape, dtype),
             );
         }
-        Ok(state)
+        Ok(Self(state))
     }
 }
