@@ -3,7 +3,7 @@
 //!
 //! Two backend ops carry every collective: [`TpBackend::tp_start`] posts it and returns a
 //! [`PendingCollective`]; [`TpBackend::tp_resolve`] waits and returns the tensor. The blocking
-//! form is start + resolve; the parallel layers put compute in between ([`overlap`]: the
+//! form is start + resolve; the parallel layers put compute in between (`overlap.rs`: the
 //! overlapped forward and backward). The default bodies move data through the host (`host.rs`: right for the CPU
 //! backends, where a rank is a thread); a device backend overrides them with its own transport
 //! (`cuda.rs`, feature `cuda`).
@@ -36,10 +36,12 @@ mod autodiff;
 mod cuda;
 mod flex;
 pub(crate) mod host;
-pub mod overlap;
+pub(crate) mod overlap;
 mod pool;
 mod types;
 
+// Public for the pool's own test in tests/ (no user needs it).
+#[doc(hidden)]
 pub use pool::pool_stats;
 
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
@@ -94,7 +96,7 @@ pub trait TpBackend: Backend {
         value
     }
 
-    /// Column-parallel linear with overlapped communication (see [`overlap`]):
+    /// Column-parallel linear with overlapped communication (see `overlap.rs`):
     /// `x [.., d_in] -> [.., d_out/n]` (ALL_REDUCE) or `x [s/n, .., d_in] -> [s, .., d_out/n]`
     /// (REDUCE_SCATTER). `weight` is `[d_in, d_out/n]`, `bias` `[d_out/n]`.
     fn tp_column_linear(

@@ -205,7 +205,7 @@ pub enum TpMode {
     ReduceScatter,
 }
 
-/// The overlap schedule for a gather feeding a matmul (see [`overlap`](super::overlap)).
+/// The overlap schedule for a gather feeding a matmul (`backend/overlap.rs`).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum OverlapSchedule {
     /// Own shard during the communication, the rest after it (nanotron).
