@@ -77,7 +77,7 @@ impl RefLlama {
             .blocks
             .iter()
             .map(|b| {
-                let qkv = b.attn.qkv.to_full().unwrap();
+                let qkv = b.attn.qkv[0].to_full().unwrap();
                 let gate_up = b.mlp.gate_up.to_full().unwrap();
                 RefBlock {
                     attn_norm: b.attn_norm.to_full(),

@@ -43,13 +43,11 @@ struct RefGpt {
     head: Option<Linear>,
 }
 
-/// Part `i` of 3 (q, k, v) of the fused QKV weight, whose columns are `[head, q|k|v, head_dim]`:
-/// `[d_in, 3 d] -> [d_in, d]`.
+/// Part `i` of 3 (q, k, v) of the fused QKV weight, whose columns are the contiguous chunks
+/// `[q | k | v]`: `[d_in, 3 d] -> [d_in, d]`.
 fn unfuse(w: Tensor<2>, i: usize) -> Tensor<2> {
-    let [d_in, d3] = w.dims();
-    let hd = d3 / 3 / H;
-    let w: Tensor<4> = w.reshape([d_in, H, 3, hd]);
-    w.narrow(2, i, 1).reshape([d_in, d3 / 3])
+    let [_, d3] = w.dims();
+    w.narrow(1, i * d3 / 3, d3 / 3)
 }
 
 /// The same for the fused bias: `[3 d] -> [d]`.

@@ -11,15 +11,13 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::attention::{ParallelAttention, ParallelAttentionConfig};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
 use crate::init::init_replicated;
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
-use crate::transformer::{
-    ParallelAttention, ParallelAttentionConfig, ParallelMlp, ParallelMlpConfig, TpLayerNorm,
-    replicated_param,
-};
+use crate::transformer::{ParallelMlp, ParallelMlpConfig, TpLayerNorm, replicated_param};
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`Gpt`].
@@ -83,7 +81,7 @@ impl Block {
     /// # Errors
     /// As the layers' `try_forward`.
     pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
-        let x = x.clone() + self.attn.try_forward(self.ln1.forward(x))?;
+        let x = x.clone() + self.attn.try_forward(self.ln1.forward(x), None, 0)?;
         Ok(x.clone() + self.mlp.try_forward(self.ln2.forward(x))?)
     }
 }
@@ -151,8 +149,9 @@ impl GptConfig {
                 Ok(Block {
                     ln1: TpLayerNorm::new(d, mode, group, device),
                     attn: ParallelAttentionConfig::new(d, self.n_heads)
-                        .with_settings(settings)
+                        .with_bias(true)
                         .with_fused_qkv(self.fused_qkv)
+                        .with_settings(settings)
                         .init(group, device)?,
                     ln2: TpLayerNorm::new(d, mode, group, device),
                     mlp: ParallelMlpConfig::new(d, self.d_hidden.unwrap_or(4 * d))

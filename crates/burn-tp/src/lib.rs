@@ -79,6 +79,7 @@
 //! assert!(losses.iter().all(|l| l.as_ref().is_ok_and(|v| v.is_finite())));
 //! ```
 
+pub mod attention;
 pub mod backend;
 pub mod checkpoint;
 pub mod dp;

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
+use burn_tp::attention::ParallelAttentionConfig;
 use burn_tp::gpt::Block;
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
@@ -18,7 +19,7 @@ use burn_tp::linear::{
 };
 use burn_tp::local::{RunOptions, run_ranks_with};
 use burn_tp::ops::all_gather;
-use burn_tp::transformer::{ParallelAttentionConfig, ParallelMlpConfig, TpLayerNorm};
+use burn_tp::transformer::{ParallelMlpConfig, TpLayerNorm};
 use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
@@ -466,6 +467,7 @@ fn block_step(world: usize, quick: bool) -> f64 {
         let block = Block {
             ln1: TpLayerNorm::new(d, mode, &g, &dev),
             attn: ParallelAttentionConfig::new(d, heads)
+                .with_bias(true)
                 .init(&g, &dev)
                 .unwrap(),
             ln2: TpLayerNorm::new(d, mode, &g, &dev),

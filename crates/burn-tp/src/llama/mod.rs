@@ -10,17 +10,14 @@
 //! | file           | what                                                             |
 //! |----------------|------------------------------------------------------------------|
 //! | `mod.rs`       | [`LlamaConfig`], [`Llama`], [`LlamaBlock`]                       |
-//! | `attention.rs` | [`ParallelGqa`]: fused QKV in contiguous chunks, RoPE, GQA       |
 //! | `mlp.rs`       | [`ParallelSwiGlu`]: fused gate / up, down                        |
 //! | `norm.rs`      | [`TpRmsNorm`]: replicated weight                                 |
 //! | `dropout.rs`   | [`DropoutKey`], [`tp_dropout`]: counter-based, tp-invariant masks |
 
-mod attention;
-mod dropout;
+pub(crate) mod dropout;
 mod mlp;
 mod norm;
 
-pub use attention::{ParallelGqa, ParallelGqaConfig};
 pub use dropout::{DropoutKey, DropoutStep, dropout_mask, tp_dropout};
 pub use mlp::{ParallelSwiGlu, ParallelSwiGluConfig};
 pub use norm::TpRmsNorm;
@@ -30,6 +27,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::attention::{ParallelAttention, ParallelAttentionConfig};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
@@ -84,7 +82,7 @@ pub struct LlamaBlock {
     /// Before attention.
     pub attn_norm: TpRmsNorm,
     /// Grouped-query attention.
-    pub attn: ParallelGqa,
+    pub attn: ParallelAttention,
     /// Before the MLP.
     pub mlp_norm: TpRmsNorm,
     /// SwiGLU MLP.
@@ -169,7 +167,13 @@ impl LlamaConfig {
             )));
         }
         let tp = group.world_size();
-        ParallelGqaConfig::new(d, self.n_heads, self.n_kv_heads, self.max_seq).validate(tp)?;
+        let attn = ParallelAttentionConfig::new(d, self.n_heads)
+            .with_n_kv_heads(Some(self.n_kv_heads))
+            .with_rope_theta(Some(self.rope_theta))
+            .with_max_seq(self.max_seq)
+            .with_dropout(self.dropout)
+            .with_settings(settings);
+        attn.validate(tp)?;
         crate::error::check_divisible("Llama d_ff", self.d_ff, tp)?;
         let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
             .with_settings(settings)
@@ -180,11 +184,7 @@ impl LlamaConfig {
             .map(|_| {
                 Ok(LlamaBlock {
                     attn_norm: norm(group),
-                    attn: ParallelGqaConfig::new(d, self.n_heads, self.n_kv_heads, self.max_seq)
-                        .with_rope_theta(self.rope_theta)
-                        .with_dropout(self.dropout)
-                        .with_settings(settings)
-                        .init(group, device)?,
+                    attn: attn.init(group, device)?,
                     mlp_norm: norm(group),
                     mlp: ParallelSwiGluConfig::new(d, self.d_ff)
                         .with_settings(settings)
@@ -304,7 +304,8 @@ impl Llama {
         let max_seq = self
             .blocks
             .first()
-            .map_or(usize::MAX, |b| b.attn.rope.freq_complex.dims()[0]);
+            .and_then(|b| b.attn.rope.as_ref())
+            .map_or(usize::MAX, |r| r.freq_complex.dims()[0]);
         if s > max_seq {
             return Err(TpError::Shape {
                 op: "Llama",

@@ -1,0 +1,281 @@
+//! [`ParallelAttention`]: causal self-attention with its heads split over the tensor-parallel
+//! group, the one attention of both models. Multi-head (the GPT: `n_kv_heads = n_heads`, biases,
+//! learned positions added before it) and grouped-query (the Llama: fewer key / value heads,
+//! sharded or replicated, rotary positions, no biases) are the same module.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{RotaryEncoding, RotaryEncodingConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Device, Tensor};
+use burn_tp_comm::ProcessGroup;
+
+use crate::error::check_divisible;
+use crate::linear::{
+    ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
+    RowParallelLinearConfig, TpSettings,
+};
+use crate::llama::dropout::{DropoutKey, tp_dropout};
+use crate::reshard::{ParamLayout, Reshard};
+use crate::{Result as TpResult, TpError};
+
+/// Configuration of a [`ParallelAttention`].
+#[derive(Config, Debug)]
+pub struct ParallelAttentionConfig {
+    /// Model width.
+    pub d_model: usize,
+    /// Query heads (a multiple of tp); each rank computes `n_heads / tp` of them.
+    pub n_heads: usize,
+    /// Key / value heads: `None` for as many as query heads (multi-head attention); else a
+    /// divisor of `n_heads` that is a multiple of tp (sharded) or a divisor of tp (replicated:
+    /// each rank keeps the one its query heads use, the gradients summed over those ranks).
+    #[config(default = "None")]
+    pub n_kv_heads: Option<usize>,
+    /// Rotary positions with this base (Burn's `RotaryEncoding`, over `max_seq` positions); `None`
+    /// for none (positions added to the embeddings instead).
+    #[config(default = "None")]
+    pub rope_theta: Option<f32>,
+    /// Longest sequence: the rotary table's length (only with `rope_theta`).
+    #[config(default = 0)]
+    pub max_seq: usize,
+    /// Biases on the projections.
+    #[config(default = false)]
+    pub bias: bool,
+    /// One fused QKV projection (full columns `[q: n_heads | k: n_kv_heads | v: n_kv_heads] x
+    /// head_dim`, contiguous chunks each sharded on its own) instead of three.
+    #[config(default = true)]
+    pub fused_qkv: bool,
+    /// Dropout of the attention probabilities (with the dropout key of a training step).
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
+}
+
+/// Causal self-attention with heads split over the tensor-parallel group: the QKV projection
+/// column-parallel (each rank computes its query heads and the key / value heads they use),
+/// attention per local head, the output projection row-parallel.
+#[derive(Module, Debug)]
+pub struct ParallelAttention {
+    /// `[qkv]` (fused: `d_model -> (n_heads + 2 n_kv_heads) head_dim`, this rank's heads of each
+    /// chunk) or `[q, k, v]` (each `d_model -> heads head_dim`, this rank's heads).
+    pub qkv: Vec<ColumnParallelLinear>,
+    /// `n_heads head_dim / tp -> d_model`.
+    pub out: RowParallelLinear,
+    /// Rotary table `[max_seq, head_dim]` (a constant, not a parameter), with rotary positions.
+    pub rope: Option<RotaryEncoding>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    dropout: f64,
+}
+
+impl ParallelAttentionConfig {
+    fn n_kv(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// Checks the head counts and widths against `tp` (before any communication).
+    ///
+    /// # Errors
+    /// [`TpError::NotDivisible`] / [`TpError::Config`] naming the values.
+    pub(crate) fn validate(&self, tp: usize) -> TpResult<()> {
+        check_divisible("ParallelAttention n_heads", self.n_heads, tp)?;
+        let (h, kv, d) = (self.n_heads, self.n_kv(), self.d_model);
+        if kv == 0 || !h.is_multiple_of(kv) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: n_kv_heads = {kv} must divide n_heads = {h}"
+            )));
+        }
+        if !(kv.is_multiple_of(tp) || tp.is_multiple_of(kv)) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: n_kv_heads = {kv} at tp = {tp}: one must divide the other"
+            )));
+        }
+        if !d.is_multiple_of(h) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: d_model = {d} is not divisible by n_heads = {h}"
+            )));
+        }
+        if self.rope_theta.is_some() && (!(d / h).is_multiple_of(2) || self.max_seq == 0) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: rotary positions need an even head_dim (d_model = {d} / \
+                 n_heads = {h}) and max_seq > 0 (got {})",
+                self.max_seq
+            )));
+        }
+        Ok(())
+    }
+
+    /// Initializes this rank's heads (the full projections Burn's `LinearConfig` gives at
+    /// tp = 1, sharded). Collective.
+    ///
+    /// # Errors
+    /// [`TpError::NotDivisible`] / [`TpError::Config`] for head counts that do not fit tp; a
+    /// communication error.
+    pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<ParallelAttention> {
+        self.validate(group.world_size())?;
+        let (h, kv) = (self.n_heads, self.n_kv());
+        let hd = self.d_model / h;
+        let chunk = |heads: usize| ColumnChunk::new(heads * hd).with_blocks(Some(heads));
+        let column = |chunks: Vec<ColumnChunk>| {
+            let width = chunks.iter().map(|c| c.width).sum();
+            ColumnParallelLinearConfig::new(self.d_model, width)
+                .with_bias(self.bias)
+                .with_chunks(chunks)
+                .with_settings(self.settings)
+                .init(group, device)
+        };
+        let qkv = if self.fused_qkv {
+            vec![column(vec![chunk(h), chunk(kv), chunk(kv)])?]
+        } else {
+            vec![
+                column(vec![chunk(h)])?,
+                column(vec![chunk(kv)])?,
+                column(vec![chunk(kv)])?,
+            ]
+        };
+        let out = RowParallelLinearConfig::new(h * hd, self.d_model)
+            .with_bias(self.bias)
+            .with_settings(self.settings)
+            .init(group, device)?;
+        Ok(ParallelAttention {
+            qkv,
+            out,
+            rope: self.rope_theta.map(|theta| {
+                RotaryEncodingConfig::new(self.max_seq, hd)
+                    .with_theta(theta)
+                    .init(device)
+            }),
+            n_heads: h,
+            n_kv_heads: kv,
+            head_dim: hd,
+            dropout: self.dropout,
+        })
+    }
+}
+
+impl ParallelAttention {
+    /// Query heads over all ranks.
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
+    /// Key / value heads over all ranks.
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads
+    }
+
+    /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]` (sharded on dim 0 in REDUCE_SCATTER mode),
+    /// without dropout.
+    ///
+    /// # Panics
+    /// As the linears' `forward`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.try_forward(x, None, 0)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Forward; with `dropout = Some(key)`, the attention probabilities are dropped with the
+    /// logical mask of site `site` (`[global batch, n_heads, s, s]`: this rank's sequences and
+    /// heads), so the masks are the same at every tp and dp.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub fn try_forward(
+        &self,
+        x: Tensor<3>,
+        dropout: Option<DropoutKey>,
+        site: u64,
+    ) -> TpResult<Tensor<3>> {
+        let tp = self.out.group().world_size();
+        let rank = self.out.group().rank();
+        let hd = self.head_dim;
+        let hq = self.n_heads / tp;
+        let hkv = if self.n_kv_heads >= tp {
+            self.n_kv_heads / tp
+        } else {
+            1
+        };
+        // This rank's q, k and v columns, `[s, b, heads * hd]` over the full sequence.
+        let (q, k, v) = if self.qkv.len() == 1 {
+            let y = self.qkv[0].try_forward(x)?;
+            (
+                y.clone().narrow(2, 0, hq * hd),
+                y.clone().narrow(2, hq * hd, hkv * hd),
+                y.narrow(2, (hq + hkv) * hd, hkv * hd),
+            )
+        } else {
+            (
+                self.qkv[0].try_forward(x.clone())?,
+                self.qkv[1].try_forward(x.clone())?,
+                self.qkv[2].try_forward(x)?,
+            )
+        };
+        let [s, b, _] = q.dims();
+        let heads = |t: Tensor<3>, n: usize| t.reshape([s, b, n, hd]).permute([1, 2, 0, 3]); // [b, n, s, hd]
+        // The rotation in the rotary table's dtype (f32; it is a constant, not a parameter, so a
+        // bf16 copy of the model keeps it), back to the activations' dtype after.
+        let rotate = |t: Tensor<4>| match &self.rope {
+            Some(rope) => {
+                let dtype = t.dtype();
+                rope.forward(t.cast(rope.freq_complex.dtype())).cast(dtype)
+            }
+            None => t,
+        };
+        let q = rotate(heads(q, hq));
+        let k = rotate(heads(k, hkv));
+        let v = heads(v, hkv);
+        // Each local key / value head serves `hq / hkv` consecutive local query heads.
+        let group = hq / hkv;
+        let expand = |t: Tensor<4>| {
+            if group == 1 {
+                return t;
+            }
+            t.unsqueeze_dim::<5>(2)
+                .expand([b, hkv, group, s, hd])
+                .reshape([b, hq, s, hd])
+        };
+        let (k, v) = (expand(k), expand(v));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
+        let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device()).unsqueeze::<4>();
+        let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+        let (b_total, batch) = dropout.map_or((b, 0..b), |k| k.batch(b));
+        let att = tp_dropout(
+            att,
+            self.dropout,
+            dropout,
+            site,
+            [b_total, self.n_heads, s, s],
+            [batch, rank * hq..(rank + 1) * hq, 0..s, 0..s],
+        );
+        let ctx = att.matmul(v).permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
+        self.out.try_forward(ctx)
+    }
+}
+
+impl Reshard for ParallelAttention {
+    fn to_full_module(&self) -> TpResult<Self> {
+        Ok(Self {
+            qkv: self.qkv.to_full_module()?,
+            out: self.out.to_full_module()?,
+            rope: self.rope.clone(),
+            ..*self
+        })
+    }
+    fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
+        Ok(Self {
+            qkv: Reshard::shard_module(&full.qkv, group)?,
+            out: Reshard::shard_module(&full.out, group)?,
+            rope: full.rope.clone(),
+            ..*full
+        })
+    }
+    fn layout(&self, rank: usize) -> Vec<ParamLayout> {
+        // The rotary table is a constant, not a parameter.
+        let mut out = self.qkv.layout(rank);
+        out.extend(self.out.layout(rank));
+        out
+    }
+}
