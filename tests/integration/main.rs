@@ -6,6 +6,7 @@ mod common;
 mod dtype;
 mod gpt;
 mod gpu_check_script;
+mod hf;
 mod linear;
 mod linear_checks;
 mod llama;

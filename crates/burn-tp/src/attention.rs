@@ -38,9 +38,12 @@ pub struct ParallelAttentionConfig {
     /// Longest sequence: the rotary table's length (only with `rope_theta`).
     #[config(default = 0)]
     pub max_seq: usize,
-    /// Biases on the projections.
+    /// Biases on the q, k and v projections (the GPT's, Qwen2's).
     #[config(default = false)]
-    pub bias: bool,
+    pub qkv_bias: bool,
+    /// A bias on the output projection (the GPT's).
+    #[config(default = false)]
+    pub out_bias: bool,
     /// One fused QKV projection (full columns `[q: n_heads | k: n_kv_heads | v: n_kv_heads] x
     /// head_dim`, contiguous chunks each sharded on its own) instead of three.
     #[config(default = true)]
@@ -122,7 +125,7 @@ impl ParallelAttentionConfig {
         let column = |chunks: Vec<ColumnChunk>| {
             let width = chunks.iter().map(|c| c.width).sum();
             ColumnParallelLinearConfig::new(self.d_model, width)
-                .with_bias(self.bias)
+                .with_bias(self.qkv_bias)
                 .with_chunks(chunks)
                 .with_settings(self.settings)
                 .init(group, device)
@@ -137,7 +140,7 @@ impl ParallelAttentionConfig {
             ]
         };
         let out = RowParallelLinearConfig::new(h * hd, self.d_model)
-            .with_bias(self.bias)
+            .with_bias(self.out_bias)
             .with_settings(self.settings)
             .init(group, device)?;
         Ok(ParallelAttention {

@@ -528,7 +528,7 @@ fn assemble(
 }
 
 /// The local shapes and dtypes of a module's float parameters, in visiting order.
-fn param_shapes<M: Module>(module: &M) -> Vec<(Vec<usize>, DType)> {
+pub(crate) fn param_shapes<M: Module>(module: &M) -> Vec<(Vec<usize>, DType)> {
     struct Collect(Vec<(Vec<usize>, DType)>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

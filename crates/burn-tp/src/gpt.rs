@@ -149,7 +149,8 @@ impl GptConfig {
                 Ok(Block {
                     ln1: TpLayerNorm::new(d, mode, group, device),
                     attn: ParallelAttentionConfig::new(d, self.n_heads)
-                        .with_bias(true)
+                        .with_qkv_bias(true)
+                        .with_out_bias(true)
                         .with_fused_qkv(self.fused_qkv)
                         .with_settings(settings)
                         .init(group, device)?,

@@ -86,6 +86,7 @@ pub mod dp;
 pub mod embedding;
 mod error;
 pub mod gpt;
+pub mod hf;
 pub(crate) mod init;
 pub mod linear;
 pub mod llama;

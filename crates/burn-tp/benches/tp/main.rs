@@ -467,7 +467,8 @@ fn block_step(world: usize, quick: bool) -> f64 {
         let block = Block {
             ln1: TpLayerNorm::new(d, mode, &g, &dev),
             attn: ParallelAttentionConfig::new(d, heads)
-                .with_bias(true)
+                .with_qkv_bias(true)
+                .with_out_bias(true)
                 .init(&g, &dev)
                 .unwrap(),
             ln2: TpLayerNorm::new(d, mode, &g, &dev),

@@ -71,6 +71,12 @@ pub struct LlamaConfig {
     /// Targets equal to this id are ignored by the loss.
     #[config(default = "None")]
     pub ignore_index: Option<i64>,
+    /// Biases on the q, k and v projections (Qwen2; Llama's `attention_bias`).
+    #[config(default = false)]
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection (Llama's `attention_bias`).
+    #[config(default = false)]
+    pub out_bias: bool,
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
@@ -172,6 +178,8 @@ impl LlamaConfig {
             .with_rope_theta(Some(self.rope_theta))
             .with_max_seq(self.max_seq)
             .with_dropout(self.dropout)
+            .with_qkv_bias(self.qkv_bias)
+            .with_out_bias(self.out_bias)
             .with_settings(settings);
         attn.validate(tp)?;
         crate::error::check_divisible("Llama d_ff", self.d_ff, tp)?;
