@@ -197,3 +197,96 @@ fn unsupported_configs_are_errors_naming_the_field() {
     assert!(e.contains("lm_head.weight is missing"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Generation with the KV cache: greedy tokens equal transformers' (computed by full
+/// recompute) at tp 1, 2 and 4, and at every step the cached logits equal a full recompute of
+/// the whole sequence, for the imported Llamas and for the GPT.
+#[test]
+fn kv_cache_decoding_equals_full_recompute_and_transformers() {
+    use burn_tp::attention::DecodeCache;
+    use burn_tp::generate::{GenerateOptions, generate};
+    use burn_tp::gpt::GptConfig;
+    use burn_tp::model::LanguageModel;
+
+    let _rng = rng_lock();
+    // Cached logits of each new position vs the last position of a full recompute.
+    fn step_by_step<M: LanguageModel>(
+        model: &M,
+        g: &burn_tp::ProcessGroup,
+        prompt: &[i64],
+        steps: usize,
+    ) -> Vec<(Vec<f64>, Vec<f64>)> {
+        let vocab = model.n_vocab();
+        let ids = |v: &[i64]| {
+            Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), [v.len(), 1]), &device())
+        };
+        let last = |logits: Tensor<3>| {
+            let s = logits.dims()[0];
+            let l = gather_from_tp_region(logits.narrow(0, s - 1, 1), 2, g).unwrap();
+            f64s(l.narrow(2, 0, vocab).reshape([vocab]))
+        };
+        let mut cache = DecodeCache::default();
+        let mut seq = prompt.to_vec();
+        let mut fed = prompt.to_vec();
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let cached = last(model.logits_cached(ids(&fed), &mut cache).unwrap());
+            let full = last(model.logits(ids(&seq)).unwrap());
+            let next = (0..cached.len())
+                .max_by(|&a, &b| cached[a].total_cmp(&cached[b]))
+                .unwrap() as i64;
+            out.push((cached, full));
+            seq.push(next);
+            fed = vec![next];
+        }
+        out
+    }
+    for name in ["llama_gqa", "qwen2_bias"] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        for tp in [1usize, 2, 4] {
+            let (d, prompt, n) = (dir.clone(), want.prompt.clone(), want.greedy.len());
+            let out = run_local(tp, move |g| {
+                let (model, _) = load_llama(&d, TpSettings::new(), &g, &device()).unwrap();
+                let options = GenerateOptions {
+                    max_new_tokens: n,
+                    ..Default::default()
+                };
+                let tokens = generate(&model, &prompt, &options, &g, &device()).unwrap();
+                (tokens, step_by_step(&model, &g, &prompt, 4))
+            })
+            .unwrap();
+            for (r, (tokens, steps)) in out.into_iter().enumerate() {
+                let tag = format!("{name} tp {tp} rank {r}");
+                assert_eq!(tokens, want.greedy, "{tag}: generated tokens");
+                for (i, (cached, full)) in steps.iter().enumerate() {
+                    assert_close(cached, full, 1e-5, &format!("{tag}: step {i}"));
+                }
+            }
+        }
+    }
+    // The GPT (learned positions, biases, multi-head) at tp 2.
+    device().seed(9);
+    let out = run_local(2, |g| {
+        let model = GptConfig::new(13, 16, 16, 4, 2)
+            .init(&g, &device())
+            .unwrap();
+        step_by_step(&model, &g, &[1, 2, 3], 5)
+    })
+    .unwrap();
+    for (i, (cached, full)) in out[0].iter().enumerate() {
+        assert_close(cached, full, 1e-5, &format!("gpt step {i}"));
+    }
+    // In REDUCE_SCATTER mode a new token cannot be split over the sequence: a clear error.
+    let out = run_local(2, |g| {
+        let model = GptConfig::new(13, 16, 16, 4, 2)
+            .with_settings(TpSettings::new().with_mode(burn_tp::linear::TpMode::ReduceScatter))
+            .init(&g, &device())
+            .unwrap();
+        generate(&model, &[1, 2], &GenerateOptions::default(), &g, &device())
+            .unwrap_err()
+            .to_string()
+    })
+    .unwrap();
+    assert!(out[0].contains("ALL_REDUCE"), "{}", out[0]);
+}

@@ -13,7 +13,7 @@ use burn_tp_comm::ProcessGroup;
 use crate::error::check_divisible;
 use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
-    RowParallelLinearConfig, TpSettings,
+    RowParallelLinearConfig, TpMode, TpSettings,
 };
 use crate::llama::dropout::{DropoutKey, tp_dropout};
 use crate::reshard::{ParamLayout, Reshard};
@@ -192,15 +192,49 @@ impl ParallelAttention {
         dropout: Option<DropoutKey>,
         site: u64,
     ) -> TpResult<Tensor<3>> {
+        let (q, k, v) = self.project(x, 0)?;
+        self.attend(q, k, v, 0, dropout, site)
+    }
+
+    /// Forward of new positions after those in `cache` (incremental decoding): `x` is
+    /// `[s_new, b, d_model]`, every position on every rank (ALL_REDUCE mode); their keys and
+    /// values join this rank's heads' cache, and each attends to every cached position before it.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] in REDUCE_SCATTER mode (a new token cannot be split over the
+    /// sequence: build the model in ALL_REDUCE mode to generate); positions past the rotary
+    /// table; as [`forward`](Self::forward)'s panics.
+    pub fn try_forward_cached(&self, x: Tensor<3>, cache: &mut KvCache) -> TpResult<Tensor<3>> {
+        if self.out.spec().settings.mode != TpMode::AllReduce {
+            return Err(TpError::Config(
+                "ParallelAttention: incremental decoding runs in ALL_REDUCE mode (a new token \
+                 cannot be split over the sequence): build the model with TpMode::AllReduce"
+                    .into(),
+            ));
+        }
+        let start = cache.len();
+        let [s, _, _] = x.dims();
+        if let Some(rope) = &self.rope {
+            let table = rope.freq_complex.dims()[0];
+            if start + s > table {
+                return Err(TpError::Config(format!(
+                    "ParallelAttention: positions {start}..{} past the rotary table's {table}",
+                    start + s
+                )));
+            }
+        }
+        let (q, k, v) = self.project(x, start)?;
+        let (k, v) = cache.append(k, v);
+        self.attend(q, k, v, start, None, 0)
+    }
+
+    /// This rank's q `[b, hq, s, hd]` and k, v `[b, hkv, s, hd]` of `x` (`[s, b, d_model]`),
+    /// q and k rotated for positions `start..start + s`.
+    fn project(&self, x: Tensor<3>, start: usize) -> TpResult<(Tensor<4>, Tensor<4>, Tensor<4>)> {
         let tp = self.out.group().world_size();
-        let rank = self.out.group().rank();
         let hd = self.head_dim;
         let hq = self.n_heads / tp;
-        let hkv = if self.n_kv_heads >= tp {
-            self.n_kv_heads / tp
-        } else {
-            1
-        };
+        let hkv = self.local_kv_heads(tp);
         // This rank's q, k and v columns, `[s, b, heads * hd]` over the full sequence.
         let (q, k, v) = if self.qkv.len() == 1 {
             let y = self.qkv[0].try_forward(x)?;
@@ -223,26 +257,55 @@ impl ParallelAttention {
         let rotate = |t: Tensor<4>| match &self.rope {
             Some(rope) => {
                 let dtype = t.dtype();
-                rope.forward(t.cast(rope.freq_complex.dtype())).cast(dtype)
+                rope.apply(t.cast(rope.freq_complex.dtype()), start)
+                    .cast(dtype)
             }
             None => t,
         };
-        let q = rotate(heads(q, hq));
-        let k = rotate(heads(k, hkv));
-        let v = heads(v, hkv);
+        Ok((rotate(heads(q, hq)), rotate(heads(k, hkv)), heads(v, hkv)))
+    }
+
+    fn local_kv_heads(&self, tp: usize) -> usize {
+        if self.n_kv_heads >= tp {
+            self.n_kv_heads / tp
+        } else {
+            1
+        }
+    }
+
+    /// Causal attention of the queries of positions `start..start + s` over the keys and values
+    /// of positions `0..t` (`t = start + s`), then the output projection: `[s, b, d_model]`.
+    fn attend(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        start: usize,
+        dropout: Option<DropoutKey>,
+        site: u64,
+    ) -> TpResult<Tensor<3>> {
+        let tp = self.out.group().world_size();
+        let rank = self.out.group().rank();
+        let hd = self.head_dim;
+        let hq = self.n_heads / tp;
+        let hkv = self.local_kv_heads(tp);
+        let [b, _, s, _] = q.dims();
+        let t = k.dims()[2];
         // Each local key / value head serves `hq / hkv` consecutive local query heads.
         let group = hq / hkv;
-        let expand = |t: Tensor<4>| {
+        let expand = |x: Tensor<4>| {
             if group == 1 {
-                return t;
+                return x;
             }
-            t.unsqueeze_dim::<5>(2)
-                .expand([b, hkv, group, s, hd])
-                .reshape([b, hq, s, hd])
+            x.unsqueeze_dim::<5>(2)
+                .expand([b, hkv, group, t, hd])
+                .reshape([b, hq, t, hd])
         };
         let (k, v) = (expand(k), expand(v));
         let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
-        let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device()).unsqueeze::<4>();
+        // Query `i` (position `start + i`) sees keys `0..=start + i`.
+        let future =
+            Tensor::<2, Bool>::tril_mask([s, t], start as i64, &scores.device()).unsqueeze::<4>();
         let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
         let (b_total, batch) = dropout.map_or((b, 0..b), |k| k.batch(b));
         let att = tp_dropout(
@@ -250,11 +313,74 @@ impl ParallelAttention {
             self.dropout,
             dropout,
             site,
-            [b_total, self.n_heads, s, s],
-            [batch, rank * hq..(rank + 1) * hq, 0..s, 0..s],
+            [b_total, self.n_heads, s, t],
+            [batch, rank * hq..(rank + 1) * hq, 0..s, 0..t],
         );
         let ctx = att.matmul(v).permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
         self.out.try_forward(ctx)
+    }
+}
+
+/// The caches of a model's attention layers for incremental decoding (one [`KvCache`] a layer):
+/// what [`LanguageModel::logits_cached`](crate::model::LanguageModel::logits_cached) extends.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeCache {
+    /// One cache per layer, in order.
+    pub layers: Vec<KvCache>,
+}
+
+impl DecodeCache {
+    /// Empty caches for `n_layers` layers.
+    pub fn new(n_layers: usize) -> Self {
+        Self {
+            layers: vec![KvCache::new(); n_layers],
+        }
+    }
+
+    /// Positions cached (those of the first layer; every layer has as many).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, KvCache::len)
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The keys and values one attention layer has computed so far, for this rank's heads
+/// (`[batch, local key / value heads, positions, head_dim]` each, keys rotated): what
+/// incremental decoding reuses, so a new token costs one position's compute. Replicated key /
+/// value heads are cached on every rank that uses them.
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    kv: Option<(Tensor<4>, Tensor<4>)>,
+}
+
+impl KvCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2])
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends new positions' keys and values; returns all of them.
+    fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+        let (k, v) = match self.kv.take() {
+            Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
+            None => (k, v),
+        };
+        self.kv = Some((k.clone(), v.clone()));
+        (k, v)
     }
 }
 

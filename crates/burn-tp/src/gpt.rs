@@ -11,7 +11,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use crate::attention::{ParallelAttention, ParallelAttentionConfig};
+use crate::attention::{DecodeCache, ParallelAttention, ParallelAttentionConfig};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
 use crate::init::init_replicated;
@@ -236,6 +236,52 @@ impl Gpt {
         x = x + pos.unsqueeze_dim::<3>(1);
         for block in &self.blocks {
             x = block.try_forward(x)?;
+        }
+        let x = self.ln_f.forward(x);
+        match &self.head {
+            Some(head) => head.try_forward(x),
+            None => self
+                .tok
+                .try_tied_logits(x, LinearSpec::new(self.options.settings)),
+        }
+    }
+
+    /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
+    /// after those in `cache`, which they join: incremental decoding, each new token costing one
+    /// position's compute (ALL_REDUCE mode).
+    ///
+    /// # Errors
+    /// As [`ParallelAttention::try_forward_cached`]; positions past `max_seq`.
+    pub fn try_forward_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> TpResult<Tensor<3>> {
+        if cache.layers.len() != self.blocks.len() {
+            *cache = DecodeCache::new(self.blocks.len());
+        }
+        let [s, _] = ids.dims();
+        let start = cache.len();
+        let pos = self.pos.val();
+        let [max_seq, d] = pos.dims();
+        if start + s > max_seq {
+            return Err(TpError::Shape {
+                op: "Gpt",
+                expected: format!("positions below max_seq = {max_seq} (cached {start})"),
+                got: ids.dims().to_vec(),
+            });
+        }
+        let mut x = self.tok.try_forward(ids)?;
+        let pos = replicated_param(pos, self.options.settings.mode, &self.group)
+            .slice([start..start + s, 0..d]);
+        x = x + pos.unsqueeze_dim::<3>(1);
+        for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {
+            let a = block
+                .attn
+                .try_forward_cached(block.ln1.forward(x.clone()), kv)?;
+            let x1 = x + a;
+            let m = block.mlp.try_forward(block.ln2.forward(x1.clone()))?;
+            x = x1 + m;
         }
         let x = self.ln_f.forward(x);
         match &self.head {

@@ -85,6 +85,7 @@ pub mod checkpoint;
 pub mod dp;
 pub mod embedding;
 mod error;
+pub mod generate;
 pub mod gpt;
 pub mod hf;
 pub(crate) mod init;

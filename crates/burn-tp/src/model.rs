@@ -5,6 +5,8 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::attention::DecodeCache;
+
 use crate::gpt::{Gpt, GptConfig};
 use crate::llama::{DropoutStep, Llama, LlamaConfig};
 use crate::reshard::Reshard;
@@ -39,6 +41,20 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// # Errors
     /// As the model's `try_forward`.
     fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>>;
+
+    /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions after those in `cache`
+    /// (incremental decoding, ALL_REDUCE mode).
+    ///
+    /// # Errors
+    /// As the model's `try_forward_cached`.
+    fn logits_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> crate::Result<Tensor<3>>;
+
+    /// The real vocabulary (the logits' columns past it are padding).
+    fn n_vocab(&self) -> usize;
 }
 
 impl LanguageModel for Gpt {
@@ -60,6 +76,18 @@ impl LanguageModel for Gpt {
     fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
         self.try_forward(ids)
     }
+
+    fn logits_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> crate::Result<Tensor<3>> {
+        self.try_forward_cached(ids, cache)
+    }
+
+    fn n_vocab(&self) -> usize {
+        self.tok.n_vocab()
+    }
 }
 
 impl LanguageModel for Llama {
@@ -80,5 +108,17 @@ impl LanguageModel for Llama {
 
     fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
         self.try_forward(ids, None)
+    }
+
+    fn logits_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> crate::Result<Tensor<3>> {
+        self.try_forward_cached(ids, cache)
+    }
+
+    fn n_vocab(&self) -> usize {
+        Llama::n_vocab(self)
     }
 }

@@ -27,7 +27,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use crate::attention::{ParallelAttention, ParallelAttentionConfig};
+use crate::attention::{DecodeCache, ParallelAttention, ParallelAttentionConfig};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
@@ -334,6 +334,38 @@ impl Llama {
         match &self.head {
             Some(head) => head.try_forward(x),
             None => self.tok.try_tied_logits(x, LinearSpec::new(o.settings)),
+        }
+    }
+
+    /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
+    /// after those in `cache`, which they join: incremental decoding, each new token costing one
+    /// position's compute (ALL_REDUCE mode; no dropout).
+    ///
+    /// # Errors
+    /// As [`ParallelAttention::try_forward_cached`] and [`forward`](Self::forward)'s panics.
+    pub fn try_forward_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> TpResult<Tensor<3>> {
+        if cache.layers.len() != self.blocks.len() {
+            *cache = DecodeCache::new(self.blocks.len());
+        }
+        let mut x = self.tok.try_forward(ids)?;
+        for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {
+            let a = block
+                .attn
+                .try_forward_cached(block.attn_norm.forward(x.clone()), kv)?;
+            let x1 = x + a;
+            let m = block.mlp.try_forward(block.mlp_norm.forward(x1.clone()))?;
+            x = x1 + m;
+        }
+        let x = self.norm.forward(x);
+        match &self.head {
+            Some(head) => head.try_forward(x),
+            None => self
+                .tok
+                .try_tied_logits(x, LinearSpec::new(self.options.settings)),
         }
     }
 

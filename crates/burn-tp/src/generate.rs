@@ -1,0 +1,194 @@
+//! Text generation with a KV cache: the prompt runs once, then each new token costs one
+//! position's compute ([`LanguageModel::logits_cached`]). Greedy or sampled (temperature, top-k,
+//! top-p), seeded: every rank gathers the same logits and draws with the same generator, so all
+//! ranks pick the same tokens without communicating them.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_tp_comm::ProcessGroup;
+
+use crate::attention::DecodeCache;
+use crate::model::LanguageModel;
+use crate::ops::gather_from_tp_region;
+use crate::{Result, TpError};
+
+/// How [`generate`] picks tokens and when it stops.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most.
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0: greedy (the most likely token).
+    pub temperature: f64,
+    /// Sample among the `k` most likely tokens only.
+    pub top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities add up to `p` (nucleus).
+    pub top_p: Option<f64>,
+    /// Seed of the draws.
+    pub seed: u64,
+    /// Stop after generating this id.
+    pub eos: Option<i64>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 16,
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: 0,
+            eos: None,
+        }
+    }
+}
+
+/// SplitMix64: a seeded generator, the same on every rank.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_f64(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The next token from the full vocabulary's `logits`.
+fn pick(logits: &[f64], options: &GenerateOptions, rng: &mut SplitMix) -> usize {
+    let argmax = || {
+        (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap_or(0)
+    };
+    if options.temperature <= 0.0 {
+        return argmax();
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if let Some(k) = options.top_k {
+        order.truncate(k.max(1));
+    }
+    let top = logits[order[0]];
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] - top) / options.temperature).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if let Some(p) = options.top_p {
+        let mut acc = 0.0;
+        let keep = probs
+            .iter()
+            .position(|q| {
+                acc += q;
+                acc >= p
+            })
+            .map_or(probs.len(), |i| i + 1);
+        order.truncate(keep);
+        probs.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+    }
+    let mut u = rng.next_f64();
+    for (i, p) in order.iter().zip(&probs) {
+        if u < *p {
+            return *i;
+        }
+        u -= p;
+    }
+    *order.last().unwrap_or(&0)
+}
+
+/// Generates up to `options.max_new_tokens` ids after `prompt` (one sequence) with `model`'s KV
+/// cache; every rank of `group` (the model's) returns the same ids. Collective.
+///
+/// # Errors
+/// [`TpError::Config`] for an empty prompt; as [`LanguageModel::logits_cached`] (the model in
+/// ALL_REDUCE mode; positions past its context).
+pub fn generate<M: LanguageModel>(
+    model: &M,
+    prompt: &[i64],
+    options: &GenerateOptions,
+    group: &ProcessGroup,
+    device: &Device,
+) -> Result<Vec<i64>> {
+    if prompt.is_empty() {
+        return Err(TpError::Config("generate: an empty prompt".into()));
+    }
+    let vocab = model.n_vocab();
+    let mut cache = DecodeCache::default();
+    let mut rng = SplitMix(options.seed);
+    let mut next_ids: Vec<i64> = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < options.max_new_tokens {
+        let s = next_ids.len();
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(next_ids.clone(), [s, 1]), device);
+        let logits = model.logits_cached(ids, &mut cache)?; // [s, 1, V_p / tp]
+        let last = gather_from_tp_region(logits.narrow(0, s - 1, 1), 2, group)?;
+        let last: Vec<f64> = last
+            .narrow(2, 0, vocab)
+            .into_data()
+            .convert::<f64>()
+            .try_to_vec::<f64>()
+            .map_err(|e| TpError::Config(format!("generate: reading the logits: {e:?}")))?;
+        let id = pick(&last, options, &mut rng) as i64;
+        out.push(id);
+        if options.eos == Some(id) {
+            break;
+        }
+        next_ids = vec![id];
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_follow_temperature_top_k_and_top_p() {
+        let logits = [0.0, 3.0, 1.0, 2.9];
+        let greedy = GenerateOptions::default();
+        assert_eq!(pick(&logits, &greedy, &mut SplitMix(1)), 1);
+        // top-k 1 is greedy at any temperature.
+        let k1 = GenerateOptions {
+            temperature: 5.0,
+            top_k: Some(1),
+            ..greedy
+        };
+        for seed in 0..20 {
+            assert_eq!(pick(&logits, &k1, &mut SplitMix(seed)), 1);
+        }
+        // top-k 2 draws only the two best, both over many seeds.
+        let k2 = GenerateOptions {
+            temperature: 1.0,
+            top_k: Some(2),
+            ..greedy
+        };
+        let drawn: std::collections::BTreeSet<usize> = (0..200)
+            .map(|s| pick(&logits, &k2, &mut SplitMix(s)))
+            .collect();
+        assert_eq!(drawn, [1, 3].into());
+        // A small nucleus keeps the best token only (its probability alone passes p).
+        let p = GenerateOptions {
+            temperature: 0.1,
+            top_p: Some(0.5),
+            ..greedy
+        };
+        for seed in 0..20 {
+            assert_eq!(pick(&logits, &p, &mut SplitMix(seed)), 1);
+        }
+        // Seeded: the same seed, the same draws.
+        let t = GenerateOptions {
+            temperature: 2.0,
+            ..greedy
+        };
+        let draws = |seed| -> Vec<usize> {
+            let mut rng = SplitMix(seed);
+            (0..10).map(|_| pick(&logits, &t, &mut rng)).collect()
+        };
+        assert_eq!(draws(7), draws(7));
+        assert_ne!(draws(7), draws(8));
+    }
+}
