@@ -290,3 +290,53 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
     .unwrap();
     assert!(out[0].contains("ALL_REDUCE"), "{}", out[0]);
 }
+
+/// The `generate` example as a user runs it: at tp 2 the new ids are transformers' greedy
+/// tokens, `--logits-out` holds its last logits, `--no-cache` gives the same ids, and the
+/// printed line is JSON with the prompt and the new ids.
+#[test]
+fn the_generate_example_prints_transformers_tokens() {
+    use burn_tp_examples::generate::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let dir = fixture("llama_tied");
+    let want = expected(&dir);
+    let logits_out =
+        std::env::temp_dir().join(format!("burn-tp-generate-{}.json", std::process::id()));
+    let prompt = want
+        .prompt
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let args = |extra: &[&str]| {
+        let mut argv = vec![
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tp",
+            "2",
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0",
+        ];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    };
+    let a = args(&["--logits-out", logits_out.to_str().unwrap()]);
+    let report = run(&a).unwrap();
+    assert_eq!(report.new_ids, want.greedy);
+    let written: Vec<f64> =
+        serde_json::from_str(&std::fs::read_to_string(&logits_out).unwrap()).unwrap();
+    assert_close(&written, &want.last_logits, 1e-4, "--logits-out");
+    let line: serde_json::Value = serde_json::from_str(&report.json(&a)).unwrap();
+    assert_eq!(line["new_ids"], serde_json::json!(want.greedy));
+    assert_eq!(line["prompt_ids"], serde_json::json!(want.prompt));
+    assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0);
+    let recomputed = run(&args(&["--no-cache"])).unwrap();
+    assert_eq!(recomputed.new_ids, want.greedy);
+    std::fs::remove_file(&logits_out).unwrap();
+}

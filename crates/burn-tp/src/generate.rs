@@ -26,6 +26,9 @@ pub struct GenerateOptions {
     pub seed: u64,
     /// Stop after generating this id.
     pub eos: Option<i64>,
+    /// Reuse the keys and values of earlier positions (true); false recomputes the whole
+    /// sequence for every new token (to compare against).
+    pub kv_cache: bool,
 }
 
 impl Default for GenerateOptions {
@@ -37,6 +40,7 @@ impl Default for GenerateOptions {
             top_p: None,
             seed: 0,
             eos: None,
+            kv_cache: true,
         }
     }
 }
@@ -137,7 +141,12 @@ pub fn generate<M: LanguageModel>(
         if options.eos == Some(id) {
             break;
         }
-        next_ids = vec![id];
+        if options.kv_cache {
+            next_ids = vec![id];
+        } else {
+            cache = DecodeCache::default();
+            next_ids = prompt.iter().chain(&out).copied().collect();
+        }
     }
     Ok(out)
 }
