@@ -17,6 +17,7 @@ use burn_tp::checkpoint::{CheckpointInfo, load_sharded, load_sharded_optimizer, 
 use burn_tp::comm::Profile;
 use burn_tp::dp::{average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
+use burn_tp::hf::HfConfig;
 use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
 use burn_tp::llama::{DropoutStep, Llama, LlamaConfig};
 use burn_tp::local::run_ranks;
@@ -171,6 +172,16 @@ pub struct Args {
     /// inspection; every rank then holds the whole model for a moment.
     #[arg(long, value_name = "FILE")]
     pub export_full: Option<PathBuf>,
+    /// Start the Llama from a Hugging Face model folder (LlamaForCausalLM, MistralForCausalLM,
+    /// Qwen2ForCausalLM): its sizes come from DIR's config.json (the size flags are not used),
+    /// its weights from DIR's safetensors. The text's characters are token ids 0..n (in sorted
+    /// order), which must fit in the model's vocabulary. Needs `--arch llama`.
+    #[arg(long, value_name = "DIR")]
+    pub init_from: Option<PathBuf>,
+    /// At the end, also write the Llama in Hugging Face's format into DIR (config.json and
+    /// model.safetensors). Needs `--arch llama`.
+    #[arg(long, value_name = "DIR")]
+    pub export_hf: Option<PathBuf>,
     /// Held-out loss every this many steps (and before the first, and after the last), on the
     /// last tenth of the text, which is never trained on.
     #[arg(long, default_value_t = 50)]
@@ -369,6 +380,13 @@ fn check(args: &Args) -> Result<(), String> {
     if args.save_every == Some(0) {
         return Err("--save-every must be at least 1".into());
     }
+    if args.arch != Arch::Llama && (args.init_from.is_some() || args.export_hf.is_some()) {
+        return Err(
+            "--init-from and --export-hf read and write Hugging Face Llama-family \
+                    models: use --arch llama"
+                .into(),
+        );
+    }
     if args.seq == 0 || args.batch == 0 || args.eval_every == 0 {
         return Err(format!(
             "--seq, --batch and --eval-every must be at least 1 (got {}, {}, {})",
@@ -441,7 +459,27 @@ pub fn run(args: &Args) -> Result<Report, String> {
             &data,
             &checkpoint,
         )?,
-        Arch::Llama => launch::<Llama>(args, llama_config(args, vocab.len()), &data, &checkpoint)?,
+        Arch::Llama => {
+            let config = match &args.init_from {
+                Some(dir) => {
+                    let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
+                    if vocab.len() > hf.vocab_size {
+                        return Err(format!(
+                            "--init-from {}: the text has {} distinct characters, more than the \
+                             model's vocabulary of {}",
+                            dir.display(),
+                            vocab.len(),
+                            hf.vocab_size
+                        ));
+                    }
+                    hf.llama_config(settings(args))
+                        .with_dropout(args.dropout.unwrap_or(0.1))
+                        .with_dropout_seed(args.seed)
+                }
+                None => llama_config(args, vocab.len()),
+            };
+            launch::<Llama>(args, config, &data, &checkpoint)?
+        }
     };
     let RankOut {
         stopped,
@@ -648,7 +686,15 @@ fn train_rank<M: LanguageModel>(
             let model = M::shard_module(&full, &tp_group)?;
             (model, Some(full), None)
         }
-        (None, _) => (M::init(config, &tp_group, &device)?, None, None),
+        (None, _) => {
+            let model = M::init(config, &tp_group, &device)?;
+            // A Hugging Face model's weights in place of the drawn ones (each rank its slices).
+            let model = match &args.init_from {
+                Some(dir) => model.load_hf(dir, &tp_group)?,
+                None => model,
+            };
+            (model, None, None)
+        }
     };
     if dp_rank == 0 {
         world.barrier()?;
@@ -756,6 +802,12 @@ fn train_rank<M: LanguageModel>(
             sample: Vec::new(),
             stopped,
         });
+    }
+    if let Some(dir) = &args.export_hf {
+        if dp_rank == 0 {
+            model.save_hf(config, dir, &tp_group)?;
+        }
+        world.barrier()?;
     }
     let save_start = Instant::now();
     save(&model, &optim, first_step + args.steps)?;

@@ -225,6 +225,31 @@ impl HfConfig {
         })
     }
 
+    /// The Hugging Face configuration of a burn-tp Llama (to export it): `LlamaForCausalLM`, or
+    /// `Qwen2ForCausalLM` for q, k and v biases without an output bias.
+    pub fn from_llama(c: &LlamaConfig) -> Self {
+        let qwen2 = c.qkv_bias && !c.out_bias;
+        Self {
+            architecture: if qwen2 {
+                HfArchitecture::Qwen2
+            } else {
+                HfArchitecture::Llama
+            },
+            vocab_size: c.n_vocab,
+            hidden_size: c.d_model,
+            num_attention_heads: c.n_heads,
+            num_key_value_heads: c.n_kv_heads,
+            intermediate_size: c.d_ff,
+            num_hidden_layers: c.n_layers,
+            max_position_embeddings: c.max_seq,
+            rope_theta: f64::from(c.rope_theta),
+            rms_norm_eps: c.norm_eps,
+            tie_word_embeddings: c.tie_embeddings,
+            qkv_bias: c.qkv_bias,
+            out_bias: c.out_bias,
+        }
+    }
+
     /// The burn-tp Llama of this configuration.
     pub fn llama_config(&self, settings: TpSettings) -> LlamaConfig {
         LlamaConfig::new(
@@ -592,8 +617,23 @@ pub fn load_llama(
 ) -> Result<(Llama, HfConfig)> {
     let config = HfConfig::from_dir(dir)?;
     let model = config.llama_config(settings).init(group, device)?;
+    Ok((load_into(model, &config, dir, group)?, config))
+}
+
+/// Fills `model` (a Llama built at the tp of `group` from `config`, e.g. with another dropout)
+/// with the Hugging Face weights in `dir`, each rank reading its own slices. Local: no
+/// communication.
+///
+/// # Errors
+/// As [`load_llama`].
+pub fn load_into(
+    model: Llama,
+    config: &HfConfig,
+    dir: &Path,
+    group: &ProcessGroup,
+) -> Result<Llama> {
     let layouts = model.layout(group.rank());
-    let sources = sources(&config);
+    let sources = sources(config);
     if sources.len() != layouts.len() {
         return Err(hf_err(
             dir,
@@ -607,7 +647,7 @@ pub fn load_llama(
     let mut weights = Weights::open(dir)?;
     // Every tensor's shape checked before any is read: a model of another size is an error,
     // never a silently wrong slice.
-    for (name, want) in expected_shapes(&config) {
+    for (name, want) in expected_shapes(config) {
         let got = weights.shape(&name)?;
         if got != want {
             let file = weights.file_of.get(&name).cloned().unwrap_or_default();
@@ -626,7 +666,7 @@ pub fn load_llama(
         let v = local_values(&mut weights, source, layout, shape)?;
         values.push(TensorData::new(v, shape.clone()));
     }
-    Ok((with_values(model, values), config))
+    Ok(with_values(model, values))
 }
 
 /// Writes `model` (a [`Llama`] at any tp, the `config` it was imported or built with) in Hugging

@@ -1,6 +1,8 @@
 //! [`LanguageModel`]: the GPT and the Llama behind one trait, so a training loop, its
 //! checkpoints and its evaluation are written once for both (the example's `train_gpt` is one).
 
+use std::path::Path;
+
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
@@ -55,6 +57,35 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
 
     /// The real vocabulary (the logits' columns past it are padding).
     fn n_vocab(&self) -> usize;
+
+    /// This model with the weights of the Hugging Face model in `dir` (its configuration must be
+    /// this model's). Local: each rank reads its own slices.
+    ///
+    /// # Errors
+    /// The import's errors; the default (models without a Hugging Face form, the GPT) refuses.
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> crate::Result<Self> {
+        let _ = (dir, group);
+        Err(crate::TpError::Config(
+            "this model has no Hugging Face form (the Llama has)".into(),
+        ))
+    }
+
+    /// Writes the model in Hugging Face's format into `dir` (gathered; rank 0 writes).
+    /// Collective.
+    ///
+    /// # Errors
+    /// The export's errors; the default refuses, as [`load_hf`](Self::load_hf).
+    fn save_hf(
+        &self,
+        config: &Self::Config,
+        dir: &Path,
+        group: &ProcessGroup,
+    ) -> crate::Result<()> {
+        let _ = (config, dir, group);
+        Err(crate::TpError::Config(
+            "this model has no Hugging Face form (the Llama has)".into(),
+        ))
+    }
 }
 
 impl LanguageModel for Gpt {
@@ -120,5 +151,14 @@ impl LanguageModel for Llama {
 
     fn n_vocab(&self) -> usize {
         Llama::n_vocab(self)
+    }
+
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> crate::Result<Self> {
+        let config = crate::hf::HfConfig::from_dir(dir)?;
+        crate::hf::load_into(self, &config, dir, group)
+    }
+
+    fn save_hf(&self, config: &LlamaConfig, dir: &Path, group: &ProcessGroup) -> crate::Result<()> {
+        crate::hf::save_llama(self, &crate::hf::HfConfig::from_llama(config), dir, group)
     }
 }
