@@ -521,3 +521,53 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
     );
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// `with_mode`: a sequence-parallel model viewed in ALL_REDUCE mode (its weights shared) gives
+/// the same logits, so it can generate with the KV cache.
+#[test]
+fn a_sequence_parallel_model_viewed_in_all_reduce_mode_gives_the_same_logits() {
+    use burn_tp::gpt::GptConfig;
+    use burn_tp::linear::TpMode;
+    use burn_tp::model::LanguageModel;
+    let _rng = rng_lock();
+    device().seed(12);
+    let out = run_local(2, |g| {
+        let rs = TpSettings::new().with_mode(TpMode::ReduceScatter);
+        let gpt = GptConfig::new(13, 8, 16, 4, 2)
+            .with_settings(rs)
+            .init(&g, &device())
+            .unwrap();
+        let (llama, _) = load_llama(&fixture("llama_gqa"), rs, &g, &device()).unwrap();
+        let ids = Tensor::<2, Int>::from_data(
+            TensorData::new(vec![1i64, 2, 3, 4, 5, 6, 7, 8], [8, 1]),
+            &device(),
+        );
+        let both = |a: Tensor<3>, b: Tensor<3>| {
+            (
+                f64s(gather_from_tp_region(a, 2, &g).unwrap()),
+                f64s(gather_from_tp_region(b, 2, &g).unwrap()),
+            )
+        };
+        let g1 = both(
+            gpt.logits(ids.clone()).unwrap(),
+            gpt.clone()
+                .with_mode(TpMode::AllReduce)
+                .logits(ids.clone())
+                .unwrap(),
+        );
+        let l1 = both(
+            llama.logits(ids.clone()).unwrap(),
+            llama
+                .clone()
+                .with_mode(TpMode::AllReduce)
+                .logits(ids)
+                .unwrap(),
+        );
+        (g1, l1)
+    })
+    .unwrap();
+    for (r, ((g_rs, g_ar), (l_rs, l_ar))) in out.into_iter().enumerate() {
+        assert_close(&g_ar, &g_rs, 1e-5, &format!("gpt rank {r}"));
+        assert_close(&l_ar, &l_rs, 1e-5, &format!("llama rank {r}"));
+    }
+}

@@ -384,6 +384,16 @@ impl KvCache {
     }
 }
 
+impl crate::linear::InMode for ParallelAttention {
+    fn in_mode(self, mode: TpMode) -> Self {
+        Self {
+            qkv: self.qkv.in_mode(mode),
+            out: self.out.in_mode(mode),
+            ..self
+        }
+    }
+}
+
 impl Reshard for ParallelAttention {
     fn to_full_module(&self) -> TpResult<Self> {
         Ok(Self {

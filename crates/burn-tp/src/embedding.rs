@@ -239,6 +239,20 @@ impl VocabParallelEmbedding {
     }
 }
 
+impl crate::linear::InMode for VocabParallelEmbedding {
+    fn in_mode(mut self, mode: TpMode) -> Self {
+        self.mode = mode;
+        self
+    }
+}
+
+impl crate::linear::InMode for VocabParallelHead {
+    fn in_mode(mut self, mode: TpMode) -> Self {
+        self.spec.settings.mode = mode;
+        self
+    }
+}
+
 impl Reshard for VocabParallelEmbedding {
     fn to_full_module(&self) -> TpResult<Self> {
         let full = self.to_full()?.weight.val();

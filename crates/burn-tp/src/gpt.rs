@@ -193,6 +193,32 @@ impl Gpt {
         self.options
     }
 
+    /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
+    /// ALL_REDUCE mode to generate with the KV cache.
+    pub fn with_mode(self, mode: TpMode) -> Self {
+        use crate::linear::InMode;
+        let mut options = self.options;
+        options.settings.mode = mode;
+        Self {
+            tok: self.tok.in_mode(mode),
+            pos: self.pos,
+            blocks: self
+                .blocks
+                .into_iter()
+                .map(|b| Block {
+                    ln1: b.ln1.in_mode(mode),
+                    attn: b.attn.in_mode(mode),
+                    ln2: b.ln2.in_mode(mode),
+                    mlp: b.mlp.in_mode(mode),
+                })
+                .collect(),
+            ln_f: self.ln_f.in_mode(mode),
+            head: self.head.in_mode(mode),
+            group: self.group,
+            options,
+        }
+    }
+
     /// Vocab-sharded logits.
     ///
     /// # Shapes

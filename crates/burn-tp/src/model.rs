@@ -58,6 +58,9 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// The real vocabulary (the logits' columns past it are padding).
     fn n_vocab(&self) -> usize;
 
+    /// The same model (weights shared) run in `mode` (ALL_REDUCE to decode incrementally).
+    fn with_mode(self, mode: crate::linear::TpMode) -> Self;
+
     /// This model with the weights of the Hugging Face model in `dir` (its configuration must be
     /// this model's). Local: each rank reads its own slices.
     ///
@@ -119,6 +122,10 @@ impl LanguageModel for Gpt {
     fn n_vocab(&self) -> usize {
         self.tok.n_vocab()
     }
+
+    fn with_mode(self, mode: crate::linear::TpMode) -> Self {
+        Gpt::with_mode(self, mode)
+    }
 }
 
 impl LanguageModel for Llama {
@@ -151,6 +158,10 @@ impl LanguageModel for Llama {
 
     fn n_vocab(&self) -> usize {
         Llama::n_vocab(self)
+    }
+
+    fn with_mode(self, mode: crate::linear::TpMode) -> Self {
+        Llama::with_mode(self, mode)
     }
 
     fn load_hf(self, dir: &Path, group: &ProcessGroup) -> crate::Result<Self> {

@@ -154,6 +154,22 @@ impl ParallelMlp {
     }
 }
 
+impl crate::linear::InMode for TpLayerNorm {
+    fn in_mode(mut self, mode: TpMode) -> Self {
+        self.mode = mode;
+        self
+    }
+}
+
+impl crate::linear::InMode for ParallelMlp {
+    fn in_mode(self, mode: TpMode) -> Self {
+        Self {
+            fc1: self.fc1.in_mode(mode),
+            fc2: self.fc2.in_mode(mode),
+        }
+    }
+}
+
 impl Reshard for TpLayerNorm {
     fn to_full_module(&self) -> TpResult<Self> {
         Ok(Self::from_full(&self.to_full(), self.mode(), &solo()))

@@ -55,7 +55,7 @@ pub struct ColumnParallelLinear {
     #[module(skip)]
     group: ProcessGroup,
     #[module(skip)]
-    spec: LinearSpec,
+    pub(super) spec: LinearSpec,
     /// The chunks of the full output features (empty: one).
     #[module(skip)]
     chunks: Vec<ColumnChunk>,

@@ -39,6 +39,39 @@ pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use functional::{column_parallel_linear, row_parallel_linear};
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
+/// A module run in another activation layout, with the same weights (shared: a clone): how a
+/// sequence-parallel model generates (ALL_REDUCE mode). Crate-internal; the models expose it as
+/// `with_mode`.
+pub(crate) trait InMode: Sized {
+    fn in_mode(self, mode: TpMode) -> Self;
+}
+
+impl<T: InMode> InMode for Vec<T> {
+    fn in_mode(self, mode: TpMode) -> Self {
+        self.into_iter().map(|m| m.in_mode(mode)).collect()
+    }
+}
+
+impl<T: InMode> InMode for Option<T> {
+    fn in_mode(self, mode: TpMode) -> Self {
+        self.map(|m| m.in_mode(mode))
+    }
+}
+
+impl InMode for ColumnParallelLinear {
+    fn in_mode(mut self, mode: TpMode) -> Self {
+        self.spec.settings.mode = mode;
+        self
+    }
+}
+
+impl InMode for RowParallelLinear {
+    fn in_mode(mut self, mode: TpMode) -> Self {
+        self.spec.settings.mode = mode;
+        self
+    }
+}
+
 /// Burn's `LinearConfig` default gain, `1 / sqrt(3)`.
 pub(crate) const INIT_GAIN: f64 = 0.577_350_269_189_625_8;
 

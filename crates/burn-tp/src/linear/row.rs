@@ -43,7 +43,7 @@ pub struct RowParallelLinear {
     #[module(skip)]
     group: ProcessGroup,
     #[module(skip)]
-    spec: LinearSpec,
+    pub(super) spec: LinearSpec,
 }
 
 impl RowParallelLinearConfig {

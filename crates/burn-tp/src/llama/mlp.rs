@@ -82,3 +82,12 @@ impl ParallelSwiGlu {
 }
 
 crate::reshard::reshard_fields!(ParallelSwiGlu { gate_up, down });
+
+impl crate::linear::InMode for ParallelSwiGlu {
+    fn in_mode(self, mode: crate::linear::TpMode) -> Self {
+        Self {
+            gate_up: self.gate_up.in_mode(mode),
+            down: self.down.in_mode(mode),
+        }
+    }
+}

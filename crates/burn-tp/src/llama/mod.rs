@@ -278,6 +278,31 @@ impl Llama {
         self.options
     }
 
+    /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
+    /// ALL_REDUCE mode to generate with the KV cache.
+    pub fn with_mode(self, mode: TpMode) -> Self {
+        use crate::linear::InMode;
+        let mut options = self.options;
+        options.settings.mode = mode;
+        Self {
+            tok: self.tok.in_mode(mode),
+            blocks: self
+                .blocks
+                .into_iter()
+                .map(|b| LlamaBlock {
+                    attn_norm: b.attn_norm.in_mode(mode),
+                    attn: b.attn.in_mode(mode),
+                    mlp_norm: b.mlp_norm.in_mode(mode),
+                    mlp: b.mlp.in_mode(mode),
+                })
+                .collect(),
+            norm: self.norm.in_mode(mode),
+            head: self.head.in_mode(mode),
+            group: self.group,
+            options,
+        }
+    }
+
     /// The real vocabulary.
     pub fn n_vocab(&self) -> usize {
         self.tok.n_vocab()

@@ -71,6 +71,13 @@ impl TpRmsNorm {
     }
 }
 
+impl crate::linear::InMode for TpRmsNorm {
+    fn in_mode(mut self, mode: TpMode) -> Self {
+        self.mode = mode;
+        self
+    }
+}
+
 impl Reshard for TpRmsNorm {
     fn to_full_module(&self) -> TpResult<Self> {
         Ok(Self::from_full(&self.to_full(), self.mode, &solo()))
