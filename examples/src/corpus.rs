@@ -1,4 +1,7 @@
-//! Character-level data: a built-in deterministic corpus or any UTF-8 text file.
+//! Text and token ids: a built-in deterministic corpus or any UTF-8 text file, read through a
+//! character vocabulary or through a Hugging Face model's own `tokenizer.json`.
+
+use std::path::Path;
 
 /// Sentences from a tiny grammar, chosen by a fixed-seed generator: nothing to download, the
 /// same text on every machine, and structure (spelling, word order) a small model learns fast.
@@ -77,11 +80,6 @@ impl Vocab {
         self.chars.is_empty()
     }
 
-    /// The model's vocabulary size: [`len`](Self::len) rounded up to [`VOCAB_MULTIPLE`].
-    pub fn padded_len(&self) -> usize {
-        self.len().div_ceil(VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    }
-
     /// The text of token ids (ids outside the vocabulary, such as the padding, are skipped).
     pub fn decode(&self, ids: &[i64]) -> String {
         ids.iter()
@@ -97,7 +95,115 @@ impl Vocab {
     }
 }
 
-/// Entropy (nats) of the character frequencies: the loss of the best model that ignores context.
+/// The file a Hugging Face model folder keeps its tokenizer in.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// The files of a Hugging Face model folder that describe its tokenizer and generation (what an
+/// export copies beside the weights so that `transformers` reads the same text).
+pub const TOKENIZER_FILES: [&str; 5] = [
+    TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+];
+
+/// Copies the [`TOKENIZER_FILES`] that `from` has into `to`.
+///
+/// # Errors
+/// A copy that fails, naming both paths.
+pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<(), String> {
+    for name in TOKENIZER_FILES {
+        let (src, dst) = (from.join(name), to.join(name));
+        if src.is_file() {
+            std::fs::copy(&src, &dst)
+                .map_err(|e| format!("copying {} to {}: {e}", src.display(), dst.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// How text becomes token ids and back.
+#[derive(Clone, Debug)]
+pub enum Codec {
+    /// Each distinct character of the text one id ([`Vocab`]).
+    Chars(Vocab),
+    /// A model's `tokenizer.json` (the `tokenizers` crate).
+    Hf(Box<tokenizers::Tokenizer>),
+}
+
+impl Codec {
+    /// The tokenizer of the Hugging Face model folder `dir` (its [`TOKENIZER_FILE`]), or `None`
+    /// when it has none.
+    ///
+    /// # Errors
+    /// A `tokenizer.json` that does not parse, naming its path.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<Self>, String> {
+        let path = dir.join(TOKENIZER_FILE);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        tokenizers::Tokenizer::from_file(&path)
+            .map(|t| Some(Codec::Hf(Box::new(t))))
+            .map_err(|e| format!("reading the tokenizer {}: {e}", path.display()))
+    }
+
+    /// Ids in use: every id is below this (a tokenizer's added tokens included).
+    pub fn len(&self) -> usize {
+        match self {
+            Codec::Chars(v) => v.len(),
+            Codec::Hf(t) => t.get_vocab_size(true),
+        }
+    }
+
+    /// The vocabulary of a model made for these ids: [`len`](Self::len) rounded up to
+    /// [`VOCAB_MULTIPLE`].
+    pub fn padded_len(&self) -> usize {
+        self.len().div_ceil(VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    }
+
+    /// Whether there are no ids.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Token ids of `text`; `special` adds the tokenizer's own (such as Llama's `<s>`, as
+    /// `transformers` does by default; characters have none).
+    ///
+    /// # Errors
+    /// The tokenizer's error.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<i64>, String> {
+        match self {
+            Codec::Chars(v) => Ok(v.encode(text)),
+            Codec::Hf(t) => t
+                .encode(text, special)
+                .map(|e| e.get_ids().iter().map(|&i| i64::from(i)).collect())
+                .map_err(|e| format!("tokenizing {text:?}: {e}")),
+        }
+    }
+
+    /// The text of `ids`; special tokens and ids the vocabulary lacks (such as the model's
+    /// padding) are skipped.
+    ///
+    /// # Errors
+    /// The tokenizer's error.
+    pub fn decode(&self, ids: &[i64]) -> Result<String, String> {
+        match self {
+            Codec::Chars(v) => Ok(v.decode(ids)),
+            Codec::Hf(t) => {
+                let ids: Vec<u32> = ids
+                    .iter()
+                    .filter_map(|&i| u32::try_from(i).ok())
+                    .filter(|&i| (i as usize) < self.len())
+                    .collect();
+                t.decode(&ids, true)
+                    .map_err(|e| format!("decoding {ids:?}: {e}"))
+            }
+        }
+    }
+}
+
+/// Entropy (nats) of the token frequencies: the loss of the best model that ignores context.
 pub fn unigram_entropy(tokens: &[i64], vocab: usize) -> f64 {
     let mut counts = vec![0usize; vocab];
     tokens.iter().for_each(|&t| counts[t as usize] += 1);

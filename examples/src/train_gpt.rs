@@ -27,7 +27,7 @@ use burn_tp::reshard::FullOptimizerState;
 use burn_tp::{LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
 
-use crate::corpus::{self, Vocab};
+use crate::corpus::{self, Codec, TOKENIZER_FILE, Vocab};
 use crate::eval::{Data, batch, dp_slice, generate, held_out_loss};
 use burn_tp::model::LanguageModel;
 
@@ -174,8 +174,9 @@ pub struct Args {
     pub export_full: Option<PathBuf>,
     /// Start the Llama from a Hugging Face model folder (LlamaForCausalLM, MistralForCausalLM,
     /// Qwen2ForCausalLM): its sizes come from DIR's config.json (the size flags are not used),
-    /// its weights from DIR's safetensors. The text's characters are token ids 0..n (in sorted
-    /// order), which must fit in the model's vocabulary. Needs `--arch llama`.
+    /// its weights from DIR's safetensors. The text is tokenized by DIR's `tokenizer.json` when it
+    /// has one (which must fit in the model's vocabulary; `--export-hf` copies it); otherwise its
+    /// characters are token ids 0..n (in sorted order), which must fit. Needs `--arch llama`.
     #[arg(long, value_name = "DIR")]
     pub init_from: Option<PathBuf>,
     /// At the end, also write the Llama in Hugging Face's format into DIR (config.json and
@@ -186,7 +187,8 @@ pub struct Args {
     /// last tenth of the text, which is never trained on.
     #[arg(long, default_value_t = 50)]
     pub eval_every: usize,
-    /// Characters the trained model writes at the end (printed, and out/sample.txt); 0: none.
+    /// Tokens (characters, without a tokenizer) the trained model writes at the end (printed, and
+    /// out/sample.txt); 0: none.
     #[arg(long, default_value_t = 300)]
     pub sample_len: usize,
     /// Sampling temperature of that text (0: greedy); the draws are seeded by `--seed`.
@@ -237,10 +239,13 @@ pub struct Report {
     pub losses: Vec<f64>,
     /// `(steps done, loss)` on the held-out text.
     pub held_out: Vec<(usize, f64)>,
-    /// Text the trained model wrote (`--sample-len` characters).
+    /// Text the trained model wrote (`--sample-len` tokens).
     pub sample: String,
     /// Unigram entropy of the training text, in nats.
     pub unigram_entropy: f64,
+    /// Tokens in the whole text (training and held out): its characters, or the tokenizer's ids
+    /// with `--init-from` a folder that has one.
+    pub text_tokens: usize,
     /// Tokens processed per second.
     pub tokens_per_s: f64,
     /// The sharded checkpoint folder written (`OUT/checkpoint`).
@@ -430,13 +435,22 @@ pub fn run(args: &Args) -> Result<Report, String> {
         }
         None => corpus::builtin(200_000),
     };
-    let vocab = Vocab::new(&text);
-    let tokens = vocab.encode(&text);
+    // The imported model's own tokenizer when its folder has one; characters otherwise.
+    let hf_codec = match &args.init_from {
+        Some(dir) => Codec::from_model_dir(dir)?,
+        None => None,
+    };
+    let codec = hf_codec.unwrap_or_else(|| Codec::Chars(Vocab::new(&text)));
+    let tokens = codec.encode(&text, false)?;
+    let unit = match &codec {
+        Codec::Chars(_) => "characters",
+        Codec::Hf(_) => "tokens",
+    };
     // The last tenth is held out: never trained on, only evaluated.
     let split = tokens.len() * 9 / 10;
     if tokens.len() - split < args.seq + 2 {
         return Err(format!(
-            "the data has {} characters; --seq {} needs at least {} (a tenth is held out)",
+            "the data has {} {unit}; --seq {} needs at least {} (a tenth is held out)",
             tokens.len(),
             args.seq,
             10 * (args.seq + 2)
@@ -445,9 +459,9 @@ pub fn run(args: &Args) -> Result<Report, String> {
     let data = Data {
         train: tokens[..split].to_vec(),
         held_out: tokens[split..].to_vec(),
-        vocab: vocab.len(),
+        vocab: codec.len(),
     };
-    let unigram_entropy = corpus::unigram_entropy(&tokens, vocab.len());
+    let unigram_entropy = corpus::unigram_entropy(&tokens, codec.len());
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
     let checkpoint = args.out.join("checkpoint");
@@ -455,7 +469,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
     let (rank, out) = match args.arch {
         Arch::Gpt => launch::<Gpt>(
             args,
-            model_config(args, vocab.padded_len()),
+            model_config(args, codec.padded_len()),
             &data,
             &checkpoint,
         )?,
@@ -463,12 +477,20 @@ pub fn run(args: &Args) -> Result<Report, String> {
             let config = match &args.init_from {
                 Some(dir) => {
                     let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
-                    if vocab.len() > hf.vocab_size {
+                    if codec.len() > hf.vocab_size {
+                        let what = match &codec {
+                            Codec::Chars(_) => {
+                                format!("the text has {} distinct characters", codec.len())
+                            }
+                            Codec::Hf(_) => format!(
+                                "{} has {} tokens",
+                                dir.join(TOKENIZER_FILE).display(),
+                                codec.len()
+                            ),
+                        };
                         return Err(format!(
-                            "--init-from {}: the text has {} distinct characters, more than the \
-                             model's vocabulary of {}",
+                            "--init-from {}: {what}, more than the model's vocabulary of {}",
                             dir.display(),
-                            vocab.len(),
                             hf.vocab_size
                         ));
                     }
@@ -476,7 +498,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
                         .with_dropout(args.dropout.unwrap_or(0.1))
                         .with_dropout_seed(args.seed)
                 }
-                None => llama_config(args, vocab.len()),
+                None => llama_config(args, codec.len()),
             };
             launch::<Llama>(args, config, &data, &checkpoint)?
         }
@@ -490,7 +512,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         sample,
         profile,
     } = out;
-    let sample = vocab.decode(&sample);
+    let sample = codec.decode(&sample)?;
     let elapsed = start.elapsed().as_secs_f64();
     if let Some(why) = stopped {
         if rank == 0 {
@@ -516,6 +538,9 @@ pub fn run(args: &Args) -> Result<Report, String> {
         }
         let path = args.out.join("sample.txt");
         std::fs::write(&path, &sample).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        if let (Some(from), Some(to)) = (&args.init_from, &args.export_hf) {
+            corpus::copy_tokenizer_files(from, to)?;
+        }
     }
     let tokens_per_s = (args.steps * args.batch * args.seq) as f64 / elapsed;
     Ok(Report {
@@ -524,6 +549,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         held_out,
         sample,
         unigram_entropy,
+        text_tokens: tokens.len(),
         tokens_per_s,
         checkpoint,
         profile,

@@ -81,7 +81,13 @@ fn run(dir: PathBuf, tp: usize, prompt: Vec<i64>, new: usize) -> (Vec<f64>, Vec<
 #[test]
 fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() {
     let _rng = rng_lock();
-    for name in ["llama_gqa", "llama_tied", "qwen2_bias", "mistral"] {
+    for name in [
+        "llama_gqa",
+        "llama_tied",
+        "qwen2_bias",
+        "mistral",
+        "llama_text",
+    ] {
         let dir = fixture(name);
         let want = expected(&dir);
         for tp in [1usize, 2, 4] {
@@ -341,6 +347,87 @@ fn the_generate_example_prints_transformers_tokens() {
     std::fs::remove_file(&logits_out).unwrap();
 }
 
+/// `generate --prompt TEXT` through the folder's `tokenizer.json`: the prompt's ids are the ones
+/// the `tokenizers` library gave in Python (with Llama's `<s>`), the new ids are transformers'
+/// greedy tokens for them and the new text is their decoding; `--dtype bf16` keeps the logits
+/// near. `--prompt` without a tokenizer, or beside `--prompt-ids`, is an error.
+#[test]
+fn the_generate_example_takes_a_text_prompt_through_the_tokenizer() {
+    use burn_tp_examples::generate::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let dir = fixture("llama_text");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ints = |k: &str| -> Vec<i64> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect()
+    };
+    let text = v["prompt_text"].as_str().unwrap();
+    let args = |model: &Path, extra: &[&str]| {
+        let mut argv = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--tp",
+            "2",
+            "--prompt",
+            text,
+            "--max-new-tokens",
+            "6",
+        ];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv)
+    };
+    let a = args(&dir, &[]).unwrap();
+    let report = run(&a).unwrap();
+    assert_eq!(
+        report.prompt_ids,
+        ints("prompt_text_ids"),
+        "the prompt's ids"
+    );
+    assert_eq!(report.new_ids, ints("text_greedy_new_ids"), "the new ids");
+    assert_eq!(
+        report.new_text.as_deref(),
+        v["text_greedy_new_text"].as_str(),
+        "the new text"
+    );
+    let line: serde_json::Value = serde_json::from_str(&report.json(&a)).unwrap();
+    assert_eq!(
+        line["prompt_ids"],
+        serde_json::json!(ints("prompt_text_ids"))
+    );
+    assert_eq!(line["new_text"], v["text_greedy_new_text"]);
+    // bf16: the same prompt's last logits within bf16's rounding of the f32 ones.
+    let bf16 = run(&args(&dir, &["--dtype", "bf16"]).unwrap()).unwrap();
+    let scale = report
+        .last_logits
+        .iter()
+        .fold(0.0f64, |m, x| m.max(x.abs()));
+    let worst = bf16
+        .last_logits
+        .iter()
+        .zip(&report.last_logits)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst > 0.0 && worst < 0.05 * scale,
+        "bf16 logits {worst} from f32 (scale {scale})"
+    );
+    // Errors.
+    let e = run(&args(&fixture("llama_tied"), &[]).unwrap()).unwrap_err();
+    assert!(
+        e.contains("--prompt") && e.contains("llama_tied/tokenizer.json"),
+        "{e}"
+    );
+    let e = args(&dir, &["--prompt-ids", "1,2"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--prompt-ids") && e.contains("--prompt"), "{e}");
+}
+
 /// Import -> export -> import is bit exact: a fixture imported at tp 2, written back in HF's
 /// format, imported again at tp 1 and 4, gives the same full parameters bit for bit (and so the
 /// same logits as transformers).
@@ -517,6 +604,96 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
     .unwrap_err();
     assert!(
         e.contains("70 distinct characters") && e.contains("64"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// `train_gpt --init-from DIR` with a `tokenizer.json` in DIR trains on the tokenizer's ids (the
+/// built-in corpus, which it was made for, in fewer tokens than characters), its sample is the
+/// tokenizer's text, and `--export-hf` copies the tokenizer. A tokenizer larger than the model's
+/// vocabulary is an error naming both.
+#[test]
+fn train_gpt_fine_tunes_through_the_model_tokenizer() {
+    use burn_tp_examples::corpus;
+    use burn_tp_examples::train_gpt::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let root = std::env::temp_dir().join(format!("burn-tp-tokenizer-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let model = fixture("llama_text");
+    let export = root.join("export");
+    let args = |init: &Path, extra: &[&str]| {
+        let mut argv = vec![
+            "train_gpt",
+            "--quiet",
+            "--arch",
+            "llama",
+            "--tp",
+            "2",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--lr",
+            "1e-2",
+            "--dropout",
+            "0",
+            "--sample-len",
+            "12",
+            "--eval-every",
+            "10",
+            "--init-from",
+            init.to_str().unwrap(),
+        ];
+        argv.extend_from_slice(extra);
+        let mut argv: Vec<String> = argv.into_iter().map(String::from).collect();
+        argv.extend(["--out".into(), root.join("out").to_str().unwrap().into()]);
+        Args::try_parse_from(argv).unwrap()
+    };
+    let tuned = run(&args(
+        &model,
+        &["--steps", "10", "--export-hf", export.to_str().unwrap()],
+    ))
+    .unwrap();
+    let text = corpus::builtin(200_000);
+    let tokenizer = corpus::Codec::from_model_dir(&model).unwrap().unwrap();
+    let ids = tokenizer.encode(&text, false).unwrap();
+    assert_eq!(tuned.text_tokens, ids.len(), "the text's tokens");
+    assert!(
+        ids.len() < text.chars().count() / 2,
+        "the BPE merges: {} tokens for {} characters",
+        ids.len(),
+        text.chars().count()
+    );
+    assert!(
+        tuned.losses[9] < tuned.losses[0] - 0.5,
+        "fine-tuning lowers the loss: {:?}",
+        tuned.losses
+    );
+    // The sample is text of the corpus's alphabet (the tokenizer's pieces, `▁` back to spaces).
+    assert!(!tuned.sample.is_empty());
+    assert!(
+        tuned.sample.chars().all(|c| text.contains(c)),
+        "{:?}",
+        tuned.sample
+    );
+    assert_eq!(
+        std::fs::read(export.join("tokenizer.json")).unwrap(),
+        std::fs::read(model.join("tokenizer.json")).unwrap(),
+        "the export's tokenizer"
+    );
+    // The 96-token tokenizer beside a 64-token model.
+    let small = root.join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama_tied").join(f), small.join(f)).unwrap();
+    }
+    std::fs::copy(model.join("tokenizer.json"), small.join("tokenizer.json")).unwrap();
+    let e = run(&args(&small, &["--steps", "1"])).unwrap_err();
+    assert!(
+        e.contains("tokenizer.json has 96 tokens") && e.contains("vocabulary of 64"),
         "{e}"
     );
     std::fs::remove_dir_all(&root).unwrap();
