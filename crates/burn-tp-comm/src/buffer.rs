@@ -7,6 +7,11 @@
 pub trait SendBuf<T>: Send + Sync + 'static {
     /// The elements.
     fn as_slice(&self) -> &[T];
+    /// The caller's logical shape of the elements (by default flat): checked to agree across
+    /// ranks and named in errors.
+    fn shape(&self) -> Vec<usize> {
+        vec![self.as_slice().len()]
+    }
 }
 
 impl<T: Send + Sync + 'static> SendBuf<T> for Vec<T> {
@@ -38,5 +43,8 @@ pub(crate) type BoxedSendBuf<T> = Box<dyn SendBuf<T>>;
 impl<T: 'static> SendBuf<T> for Box<dyn SendBuf<T>> {
     fn as_slice(&self) -> &[T] {
         (**self).as_slice()
+    }
+    fn shape(&self) -> Vec<usize> {
+        (**self).shape()
     }
 }

@@ -1,6 +1,6 @@
-//! The collectives of a [`ProcessGroup`], each in an async form returning a [`Work`] and a
-//! blocking one; the `_into` forms read the input in place ([`SendBuf`]) and write straight into
-//! the caller's output buffer ([`RecvBuf`]).
+//! The collectives of a [`ProcessGroup`], each in two forms: async, reading the input in place
+//! ([`SendBuf`]) and writing straight into the caller's output buffer ([`RecvBuf`]), returning a
+//! [`Work`]; and blocking, from a `Vec` into a new `Vec`.
 
 use std::sync::Arc;
 
@@ -13,23 +13,56 @@ use crate::local::{
 use crate::{CommElement, CommError, DType, OpDesc, OpKind, ProcessGroup, ReduceOp, Result, Work};
 
 impl ProcessGroup {
-    /// Starts an all-gather: every rank receives the rank-order concatenation of all inputs
-    /// (`[len] -> [world_size * len]`).
-    pub fn all_gather_async<T: CommElement>(&self, input: Vec<T>) -> Work<Vec<T>> {
-        let shape = vec![input.len()];
-        self.all_gather_shaped_async(input, shape)
+    /// Starts an all-gather: `input` (read in place until every rank has read it) gathered in
+    /// rank order straight into `out` (`world_size` times its length; say one reused across
+    /// calls, as NCCL's `recvbuff`), which the wait returns filled: each byte is copied once,
+    /// and a warm buffer takes no page faults. `[len] -> [world_size * len]`.
+    ///
+    /// # Errors
+    /// [`CommError::BufferSize`] (before any communication) if `out` has the wrong length.
+    pub fn all_gather_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+        &self,
+        input: I,
+        mut out: O,
+    ) -> Result<Work<O>> {
+        let len = input.as_slice().len();
+        Self::check_out(
+            "all_gather",
+            len * self.world_size(),
+            out.as_mut_slice().len(),
+        )?;
+        let desc = OpDesc::new(OpKind::AllGather, T::DTYPE, input.shape());
+        let out = match self.staged(&desc, input.as_slice(), out) {
+            Ok(work) => return Ok(work),
+            Err(out) => out,
+        };
+        Ok(self.post(desc, payload(input), move |posts| {
+            let mut out = out;
+            for (chunk, post) in out.as_mut_slice().chunks_exact_mut(len.max(1)).zip(posts) {
+                chunk.copy_from_slice(downcast::<T>(post));
+            }
+            out
+        }))
     }
 
-    /// [`all_gather_async`](Self::all_gather_async) with the caller's logical shape, checked across
-    /// ranks and named in errors.
-    pub fn all_gather_shaped_async<T: CommElement>(
-        &self,
-        input: Vec<T>,
-        shape: Vec<usize>,
-    ) -> Work<Vec<T>> {
+    /// Blocking all-gather into a new buffer: every rank receives the rank-order concatenation
+    /// of all inputs (`[len] -> [world_size * len]`).
+    ///
+    /// # Errors
+    /// See [`Work::wait`].
+    pub fn all_gather<T: CommElement>(&self, input: Vec<T>) -> Result<Vec<T>> {
+        self.all_gather_owned(input).wait()
+    }
+
+    /// The all-gather of an owned buffer into a new one (the blocking form, and the
+    /// [`Communicator`](crate::Communicator) impl).
+    pub(crate) fn all_gather_owned<T: CommElement>(&self, input: Vec<T>) -> Work<Vec<T>> {
+        let shape = vec![input.len()];
         self.gather_kind(OpKind::AllGather, input, shape)
     }
 
+    /// An all-gather of kind `kind` into a new buffer (the blocking all-gather, and the
+    /// exchanges of `split`).
     pub(crate) fn gather_kind<T: CommElement>(
         &self,
         kind: OpKind,
@@ -52,102 +85,23 @@ impl ProcessGroup {
         })
     }
 
-    /// [`all_gather_async`](Self::all_gather_async) into a caller-provided buffer of
-    /// `world_size * len` elements (say, one reused across calls, as NCCL's `recvbuff`), returned
-    /// filled by the wait: no allocation, and no page faults on a warm buffer.
-    ///
-    /// # Errors
-    /// [`CommError::BufferSize`] (before any communication) if `out` has the wrong length.
-    pub fn all_gather_into_async<T: CommElement, O: RecvBuf<T>>(
-        &self,
-        input: Vec<T>,
-        out: O,
-    ) -> Result<Work<O>> {
-        let shape = vec![input.len()];
-        self.all_gather_shaped_into_async(input, shape, out)
-    }
-
-    /// The all-gather in its most general form: `input` (`shape`, read in place until every rank
-    /// has read it) gathered straight into `out` (`world_size` times its length): each byte is
-    /// copied once, by the wait.
-    ///
-    /// # Errors
-    /// [`CommError::BufferSize`] (before any communication) if `out` has the wrong length.
-    pub fn all_gather_shaped_into_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
-        &self,
-        input: I,
-        shape: Vec<usize>,
-        mut out: O,
-    ) -> Result<Work<O>> {
-        let len = input.as_slice().len();
-        Self::check_out(
-            "all_gather_into",
-            len * self.world_size(),
-            out.as_mut_slice().len(),
-        )?;
-        let desc = OpDesc::new(OpKind::AllGather, T::DTYPE, shape);
-        let out = match self.staged(&desc, input.as_slice(), out) {
-            Ok(work) => return Ok(work),
-            Err(out) => out,
-        };
-        Ok(self.post(desc, payload(input), move |posts| {
-            let mut out = out;
-            for (chunk, post) in out.as_mut_slice().chunks_exact_mut(len.max(1)).zip(posts) {
-                chunk.copy_from_slice(downcast::<T>(post));
-            }
-            out
-        }))
-    }
-
-    /// Blocking [`all_gather_async`](Self::all_gather_async).
-    ///
-    /// # Errors
-    /// See [`Work::wait`].
-    pub fn all_gather<T: CommElement>(&self, input: Vec<T>) -> Result<Vec<T>> {
-        self.all_gather_async(input).wait()
-    }
-
-    /// Starts a reduce-scatter (sum): the input is split into `world_size` equal chunks and rank `r`
-    /// receives the rank-order sum of every rank's chunk `r` (`[len] -> [len / world_size]`).
-    ///
-    /// # Errors
-    /// [`CommError::NotDivisible`] (before any communication) if `len % world_size != 0`.
-    pub fn reduce_scatter_async<T: CommElement>(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
-        let shape = vec![input.len()];
-        self.reduce_scatter_shaped_async(input, shape)
-    }
-
-    /// [`reduce_scatter_async`](Self::reduce_scatter_async) with the caller's logical shape.
-    ///
-    /// # Errors
-    /// [`CommError::NotDivisible`] if `len % world_size != 0`.
-    pub fn reduce_scatter_shaped_async<T: CommElement>(
-        &self,
-        input: Vec<T>,
-        shape: Vec<usize>,
-    ) -> Result<Work<Vec<T>>> {
-        self.check_divisible("reduce_scatter", input.len())?;
-        let out = input[..input.len() / self.world_size()].to_vec();
-        self.reduce_scatter_shaped_into_async(input, shape, out)
-    }
-
-    /// The reduce-scatter in its most general form: every rank's `input` (`shape`) read in place,
-    /// this rank's chunk summed in rank order straight into `out` (`len / world_size`).
+    /// Starts a reduce-scatter (sum): every rank's `input` is split into `world_size` equal
+    /// chunks, read in place, and rank `r` receives the rank-order sum of every rank's chunk `r`
+    /// straight into `out` (`[len] -> [len / world_size]`).
     ///
     /// # Errors
     /// [`CommError::NotDivisible`] if `len % world_size != 0`, [`CommError::BufferSize`] if `out`
     /// has the wrong length (both before any communication).
-    pub fn reduce_scatter_shaped_into_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+    pub fn reduce_scatter_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
         &self,
         input: I,
-        shape: Vec<usize>,
         mut out: O,
     ) -> Result<Work<O>> {
         let len = input.as_slice().len();
         self.check_divisible("reduce_scatter", len)?;
         let chunk = len / self.world_size();
-        Self::check_out("reduce_scatter_into", chunk, out.as_mut_slice().len())?;
-        let desc = OpDesc::new(OpKind::ReduceScatter, T::DTYPE, shape);
+        Self::check_out("reduce_scatter", chunk, out.as_mut_slice().len())?;
+        let desc = OpDesc::new(OpKind::ReduceScatter, T::DTYPE, input.shape());
         let out = match self.staged(&desc, input.as_slice(), out) {
             Ok(work) => return Ok(work),
             Err(out) => out,
@@ -161,51 +115,41 @@ impl ProcessGroup {
         }))
     }
 
-    /// Blocking [`reduce_scatter_async`](Self::reduce_scatter_async).
+    /// Blocking reduce-scatter (sum) into a new buffer (`[len] -> [len / world_size]`).
     ///
     /// # Errors
     /// See [`reduce_scatter_async`](Self::reduce_scatter_async) and [`Work::wait`].
     pub fn reduce_scatter<T: CommElement>(&self, input: Vec<T>) -> Result<Vec<T>> {
-        self.reduce_scatter_async(input)?.wait()
+        self.reduce_scatter_owned(input)?.wait()
     }
 
-    /// Starts an all-reduce: every rank receives the element-wise reduction of all inputs, in
-    /// rank order, bit-identical on every rank.
-    pub fn all_reduce_async<T: CommElement>(&self, input: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let shape = vec![input.len()];
-        self.all_reduce_shaped_async(input, shape, op)
-    }
-
-    /// [`all_reduce_async`](Self::all_reduce_async) with the caller's logical shape.
-    pub fn all_reduce_shaped_async<T: CommElement>(
+    pub(crate) fn reduce_scatter_owned<T: CommElement>(
         &self,
         input: Vec<T>,
-        shape: Vec<usize>,
-        op: ReduceOp,
-    ) -> Work<Vec<T>> {
-        let out = input.clone();
-        self.all_reduce_shaped_into_async(input, shape, op, out)
-            .expect("the output has the input's length")
+    ) -> Result<Work<Vec<T>>> {
+        self.check_divisible("reduce_scatter", input.len())?;
+        let out = input[..input.len() / self.world_size()].to_vec();
+        self.reduce_scatter_async(input, out)
     }
 
-    /// The all-reduce in its most general form, as a reduce-scatter then an all-gather (the ring
-    /// algorithm's data movement): each of `world_size` chunks is reduced once, in rank order, from
-    /// every rank's input read in place, and every rank copies the reduced chunks straight into
-    /// `out`. A rank reduces its own chunk (and any a slower peer has not reached yet), so it reads
-    /// about `world_size` times less than a full reduction; every rank gets the same bits.
+    /// Starts an all-reduce: every rank receives the element-wise `op` of all inputs straight
+    /// into `out` (as long as `input`), bit-identical on every rank. Done as a reduce-scatter
+    /// then an all-gather (the ring algorithm's data movement): each of `world_size` chunks is
+    /// reduced once, in rank order, from every rank's input read in place, and every rank copies
+    /// the reduced chunks into `out`. A rank reduces its own chunk (and any a slower peer has not
+    /// reached yet), so it reads about `world_size` times less than a full reduction.
     ///
     /// # Errors
     /// [`CommError::BufferSize`] (before any communication) if `out` is not as long as `input`.
-    pub fn all_reduce_shaped_into_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+    pub fn all_reduce_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
         &self,
         input: I,
-        shape: Vec<usize>,
         op: ReduceOp,
         mut out: O,
     ) -> Result<Work<O>> {
         let len = input.as_slice().len();
-        Self::check_out("all_reduce_into", len, out.as_mut_slice().len())?;
-        let desc = OpDesc::new(OpKind::AllReduce(op), T::DTYPE, shape);
+        Self::check_out("all_reduce", len, out.as_mut_slice().len())?;
+        let desc = OpDesc::new(OpKind::AllReduce(op), T::DTYPE, input.shape());
         let out = match self.staged(&desc, input.as_slice(), out) {
             Ok(work) => return Ok(work),
             Err(out) => out,
@@ -238,24 +182,35 @@ impl ProcessGroup {
         }))
     }
 
-    /// Blocking [`all_reduce_async`](Self::all_reduce_async).
+    /// Blocking all-reduce into a new buffer.
     ///
     /// # Errors
     /// See [`Work::wait`].
     pub fn all_reduce<T: CommElement>(&self, input: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
-        self.all_reduce_async(input, op).wait()
+        self.all_reduce_owned(input, op)?.wait()
     }
 
-    /// Starts a broadcast: every rank receives `root`'s buffer. Every rank passes a buffer of the
-    /// same length; only the root's contents matter.
-    ///
-    /// # Errors
-    /// [`CommError::InvalidRoot`] if `root >= world_size`.
-    pub fn broadcast_async<T: CommElement>(
+    pub(crate) fn all_reduce_owned<T: CommElement>(
         &self,
         input: Vec<T>,
-        root: usize,
+        op: ReduceOp,
     ) -> Result<Work<Vec<T>>> {
+        let out = input.clone();
+        self.all_reduce_async(input, op, out)
+    }
+
+    /// Starts a broadcast: every rank receives `root`'s `input` straight into `out` (as long as
+    /// `input`). Every rank passes an input of the same length; only the root's is read.
+    ///
+    /// # Errors
+    /// [`CommError::InvalidRoot`] if `root >= world_size`, [`CommError::BufferSize`] if `out` is
+    /// not as long as `input` (both before any communication).
+    pub fn broadcast_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+        &self,
+        input: I,
+        root: usize,
+        mut out: O,
+    ) -> Result<Work<O>> {
         if root >= self.world_size() {
             return Err(CommError::InvalidRoot {
                 op: "broadcast",
@@ -263,12 +218,13 @@ impl ProcessGroup {
                 world_size: self.world_size(),
             });
         }
-        let desc = OpDesc::new(OpKind::Broadcast { root }, T::DTYPE, vec![input.len()]);
-        if !self.is_local()
-            && let Ok(work) = self.staged(&desc, &input, input.clone())
-        {
-            return Ok(work);
-        }
+        let len = input.as_slice().len();
+        Self::check_out("broadcast", len, out.as_mut_slice().len())?;
+        let desc = OpDesc::new(OpKind::Broadcast { root }, T::DTYPE, input.shape());
+        let out = match self.staged(&desc, input.as_slice(), out) {
+            Ok(work) => return Ok(work),
+            Err(out) => out,
+        };
         // Non-roots post nothing: their contents are never read.
         let data: Payload = if root == self.rank() {
             payload(input)
@@ -276,16 +232,28 @@ impl ProcessGroup {
             payload(Vec::<T>::new())
         };
         Ok(self.post(desc, data, move |posts| {
-            downcast::<T>(&posts[root]).to_vec()
+            let mut out = out;
+            out.as_mut_slice()
+                .copy_from_slice(downcast::<T>(&posts[root]));
+            out
         }))
     }
 
-    /// Blocking [`broadcast_async`](Self::broadcast_async).
+    /// Blocking broadcast of `root`'s buffer into a new buffer.
     ///
     /// # Errors
     /// See [`broadcast_async`](Self::broadcast_async) and [`Work::wait`].
     pub fn broadcast<T: CommElement>(&self, input: Vec<T>, root: usize) -> Result<Vec<T>> {
-        self.broadcast_async(input, root)?.wait()
+        self.broadcast_owned(input, root)?.wait()
+    }
+
+    pub(crate) fn broadcast_owned<T: CommElement>(
+        &self,
+        input: Vec<T>,
+        root: usize,
+    ) -> Result<Work<Vec<T>>> {
+        let out = input.clone();
+        self.broadcast_async(input, root, out)
     }
 
     /// Starts a barrier: completes once every rank has arrived.

@@ -1,38 +1,23 @@
 //! The communicator trait every transport implements: [`ProcessGroup`] on host buffers (ranks as
 //! threads) and, with feature `nccl`, [`NcclGroup`](crate::nccl::NcclGroup) on CUDA device buffers.
 //!
-//! Code written against [`Communicator`] runs on either. Buffers move into the call and come
-//! back from the wait, so a transport keeps its input alive (and unaliased) while it is in flight.
+//! Code written against [`Communicator`] runs on either (the conformance tests run one check on
+//! both). Buffers move into the call and come back from the wait, so a transport keeps its input
+//! alive (and unaliased) while it is in flight; the transport allocates the output. A
+//! [`ProcessGroup`]'s own async collectives take the caller's output buffer instead.
 
 use std::time::Duration;
 
 use crate::{CommElement, ProcessGroup, ReduceOp, Result, Work};
-
-/// A collective in flight: wait for it, or ask whether it is done.
-pub trait CommWork {
-    /// What the wait returns (the output buffer).
-    type Output;
-    /// Waits with the communicator's timeout and returns the output.
-    ///
-    /// # Errors
-    /// A transport error, a mismatch across ranks, a peer that left, or a timeout.
-    fn wait(self) -> Result<Self::Output>;
-    /// Waits at most `timeout`.
-    ///
-    /// # Errors
-    /// As [`wait`](Self::wait).
-    fn wait_timeout(self, timeout: Duration) -> Result<Self::Output>;
-    /// Whether [`wait`](Self::wait) would return without blocking.
-    fn is_completed(&self) -> bool;
-}
 
 /// Collectives over buffers of `T`, one rank's side. Every rank issues the same calls in the same
 /// order (as with NCCL and MPI).
 pub trait Communicator<T: CommElement>: Send + Sync {
     /// The transport's buffer: `Vec<T>` on the host, a `CudaSlice<T>` on a GPU.
     type Buffer;
-    /// The handle of a call in flight.
-    type Work: CommWork<Output = Self::Buffer>;
+    /// The handle of a call in flight: [`crate::Work`] on the host, `nccl::Work` (feature `nccl`) on a
+    /// GPU. Waited on with [`wait`](Self::wait).
+    type Work;
 
     /// This rank's index in `0..world_size`.
     fn rank(&self) -> usize;
@@ -65,47 +50,41 @@ pub trait Communicator<T: CommElement>: Send + Sync {
     /// # Errors
     /// A transport error or a timeout.
     fn barrier(&self) -> Result<()>;
+    /// Waits for `work`, at most `timeout` (`None`: the communicator's), and returns its output.
+    ///
+    /// # Errors
+    /// A transport error, a mismatch across ranks, a peer that left, or a timeout.
+    fn wait(&self, work: Self::Work, timeout: Option<Duration>) -> Result<Self::Buffer>;
+    /// Whether waiting for `work` would return without blocking.
+    fn is_completed(&self, work: &Self::Work) -> bool;
 
     /// Blocking [`all_gather_async`](Self::all_gather_async).
     ///
     /// # Errors
-    /// As the async form and [`CommWork::wait`].
+    /// As the async form and [`wait`](Self::wait).
     fn all_gather(&self, input: Self::Buffer) -> Result<Self::Buffer> {
-        self.all_gather_async(input)?.wait()
+        self.wait(self.all_gather_async(input)?, None)
     }
     /// Blocking [`reduce_scatter_async`](Self::reduce_scatter_async).
     ///
     /// # Errors
-    /// As the async form and [`CommWork::wait`].
+    /// As the async form and [`wait`](Self::wait).
     fn reduce_scatter(&self, input: Self::Buffer) -> Result<Self::Buffer> {
-        self.reduce_scatter_async(input)?.wait()
+        self.wait(self.reduce_scatter_async(input)?, None)
     }
     /// Blocking [`all_reduce_async`](Self::all_reduce_async).
     ///
     /// # Errors
-    /// As the async form and [`CommWork::wait`].
+    /// As the async form and [`wait`](Self::wait).
     fn all_reduce(&self, input: Self::Buffer, op: ReduceOp) -> Result<Self::Buffer> {
-        self.all_reduce_async(input, op)?.wait()
+        self.wait(self.all_reduce_async(input, op)?, None)
     }
     /// Blocking [`broadcast_async`](Self::broadcast_async).
     ///
     /// # Errors
-    /// As the async form and [`CommWork::wait`].
+    /// As the async form and [`wait`](Self::wait).
     fn broadcast(&self, input: Self::Buffer, root: usize) -> Result<Self::Buffer> {
-        self.broadcast_async(input, root)?.wait()
-    }
-}
-
-impl<T> CommWork for Work<T> {
-    type Output = T;
-    fn wait(self) -> Result<T> {
-        Work::wait(self)
-    }
-    fn wait_timeout(self, timeout: Duration) -> Result<T> {
-        Work::wait_timeout(self, timeout)
-    }
-    fn is_completed(&self) -> bool {
-        Work::is_completed(self)
+        self.wait(self.broadcast_async(input, root)?, None)
     }
 }
 
@@ -120,18 +99,27 @@ impl<T: CommElement> Communicator<T> for ProcessGroup {
         ProcessGroup::world_size(self)
     }
     fn all_gather_async(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
-        Ok(ProcessGroup::all_gather_async(self, input))
+        Ok(self.all_gather_owned(input))
     }
     fn reduce_scatter_async(&self, input: Vec<T>) -> Result<Work<Vec<T>>> {
-        ProcessGroup::reduce_scatter_async(self, input)
+        self.reduce_scatter_owned(input)
     }
     fn all_reduce_async(&self, input: Vec<T>, op: ReduceOp) -> Result<Work<Vec<T>>> {
-        Ok(ProcessGroup::all_reduce_async(self, input, op))
+        self.all_reduce_owned(input, op)
     }
     fn broadcast_async(&self, input: Vec<T>, root: usize) -> Result<Work<Vec<T>>> {
-        ProcessGroup::broadcast_async(self, input, root)
+        self.broadcast_owned(input, root)
     }
     fn barrier(&self) -> Result<()> {
         ProcessGroup::barrier(self)
+    }
+    fn wait(&self, work: Work<Vec<T>>, timeout: Option<Duration>) -> Result<Vec<T>> {
+        match timeout {
+            Some(t) => work.wait_timeout(t),
+            None => work.wait(),
+        }
+    }
+    fn is_completed(&self, work: &Work<Vec<T>>) -> bool {
+        work.is_completed()
     }
 }

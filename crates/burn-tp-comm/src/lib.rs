@@ -3,7 +3,10 @@
 //!
 //! A [`ProcessGroup`] is one rank's handle on a group of `world_size` ranks. On the CPU the ranks
 //! are threads of one process ([`LocalGroup`], the embedded default: no setup). Every collective
-//! has an async form returning a [`Work`] handle and a blocking form (async + wait).
+//! has two forms: async, reading the input in place ([`SendBuf`]) and writing into the caller's
+//! output ([`RecvBuf`]), returning a [`Work`] handle; and blocking, from a `Vec` into a new `Vec`.
+//! [`Communicator`] is the same collectives over either transport (host buffers here, CUDA
+//! buffers with feature `nccl`).
 //!
 //! ```
 //! use burn_tp_comm::{LocalGroup, ReduceOp};
@@ -42,7 +45,7 @@ pub mod store;
 mod work;
 
 pub use buffer::{RecvBuf, SendBuf};
-pub use communicator::{CommWork, Communicator};
+pub use communicator::Communicator;
 pub use element::{CommElement, DType, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::ProcessGroup;

@@ -50,9 +50,8 @@ fn in_place_collectives_match_references_at_any_length_and_all_reduce_is_bit_ide
                 let mine = std::sync::Arc::new(ins[pg.rank()].clone());
                 let n = pg.world_size();
                 let ar = pg
-                    .all_reduce_shaped_into_async(
+                    .all_reduce_async(
                         Borrowed(mine.clone()),
-                        vec![len],
                         ReduceOp::Sum,
                         Into(vec![f32::NAN; len].into()),
                     )
@@ -60,21 +59,13 @@ fn in_place_collectives_match_references_at_any_length_and_all_reduce_is_bit_ide
                     .wait()
                     .unwrap();
                 let ag = pg
-                    .all_gather_shaped_into_async(
-                        Borrowed(mine.clone()),
-                        vec![len],
-                        Into(vec![f32::NAN; len * n].into()),
-                    )
+                    .all_gather_async(Borrowed(mine.clone()), Into(vec![f32::NAN; len * n].into()))
                     .unwrap()
                     .wait()
                     .unwrap();
                 // The input is untouched and still shared with the caller.
                 assert_eq!(*mine, ins[pg.rank()]);
-                let wrong = pg.all_gather_shaped_into_async(
-                    Borrowed(mine),
-                    vec![len],
-                    Into(vec![0.0; len].into()),
-                );
+                let wrong = pg.all_gather_async(Borrowed(mine), Into(vec![0.0; len].into()));
                 let wrong_ok = n == 1;
                 assert_eq!(wrong.is_ok(), wrong_ok);
                 (ar.0.to_vec(), ag.0.to_vec())
@@ -89,7 +80,7 @@ fn in_place_collectives_match_references_at_any_length_and_all_reduce_is_bit_ide
     // Reduce-scatter into a caller buffer; a wrong length is an error before communicating.
     let out = run_ok(2, |pg| {
         let x = vec![pg.rank() as f32 + 1.0; 4];
-        let e = pg.reduce_scatter_shaped_into_async(x.clone(), vec![4], Into(vec![0.0; 3].into()));
+        let e = pg.reduce_scatter_async(x.clone(), Into(vec![0.0; 3].into()));
         assert!(
             matches!(
                 e,
@@ -101,7 +92,7 @@ fn in_place_collectives_match_references_at_any_length_and_all_reduce_is_bit_ide
             ),
             "{e:?}"
         );
-        pg.reduce_scatter_shaped_into_async(x, vec![4], Into(vec![0.0; 2].into()))
+        pg.reduce_scatter_async(x, Into(vec![0.0; 2].into()))
             .unwrap()
             .wait()
             .unwrap()
@@ -126,7 +117,7 @@ fn the_profile_counts_calls_bytes_and_the_hidden_fraction() {
         let x = vec![1.0f32; 1 << 18]; // 1 MiB
         {
             let _s = scope("hidden");
-            let w = pg.all_gather_async(x.clone());
+            let w = pg.all_gather_async(x.clone(), vec![0.0; 2 << 18]).unwrap();
             std::thread::sleep(Duration::from_millis(150)); // "compute" longer than the transfer
             w.wait().unwrap();
         }

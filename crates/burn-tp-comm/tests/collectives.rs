@@ -117,8 +117,12 @@ fn sums_are_bit_identical_across_ranks_on_non_integer_data() {
 #[test]
 fn async_handles_overlap_and_complete_out_of_order() {
     let results = run_ok(2, |pg| {
-        let a = pg.all_gather_async(vec![pg.rank() as f32]);
-        let b = pg.all_reduce_async(vec![1.0f32 + pg.rank() as f32], ReduceOp::Sum);
+        let a = pg
+            .all_gather_async(vec![pg.rank() as f32], vec![0.0; 2])
+            .unwrap();
+        let b = pg
+            .all_reduce_async(vec![1.0f32 + pg.rank() as f32], ReduceOp::Sum, vec![0.0])
+            .unwrap();
         // Both are in flight; wait for the later one first.
         let b = b.wait().unwrap();
         assert!(a.is_completed());
@@ -298,7 +302,7 @@ fn per_group_timeout_setter_and_wait_timeout() {
 #[test]
 fn dropped_work_does_not_block_later_calls() {
     let results = run_ok(2, |pg| {
-        drop(pg.all_gather_async(vec![1f32; 4]));
+        drop(pg.all_gather_async(vec![1f32; 4], vec![0.0; 8]));
         pg.all_reduce(vec![pg.rank() as f32], ReduceOp::Sum)
             .unwrap()
     });
@@ -335,14 +339,15 @@ fn soak_ten_thousand_mixed_async_collectives() {
         for call in 0..CALLS {
             let x: Vec<f32> = (0..8).map(|i| value(pg.rank(), call, i)).collect();
             let work = match call % 3 {
-                0 => pg.all_gather_async(x),
-                1 => pg.all_reduce_async(x, ReduceOp::Sum),
+                0 => pg.all_gather_async(x, vec![0.0; 8 * WORLD]),
+                1 => pg.all_reduce_async(x, ReduceOp::Sum, vec![0.0; 8]),
                 _ => {
                     // reduce-scatter result is the rank's chunk of the sum; gather it back to compare.
-                    let rs = pg.reduce_scatter_async(x).unwrap().wait().unwrap();
-                    pg.all_gather_async(rs)
+                    let rs = pg.reduce_scatter(x).unwrap();
+                    pg.all_gather_async(rs, vec![0.0; 8])
                 }
-            };
+            }
+            .unwrap();
             pending.push((call, work));
             if rng.random_bool(0.02) {
                 std::thread::sleep(Duration::from_micros(rng.random_range(0..200)));
@@ -383,7 +388,9 @@ fn all_gather_parts_arrive_one_by_one_in_ring_order() {
             },
             |pg| {
                 let r = pg.rank();
-                let work = pg.all_gather_async(vec![r as f32; 3]);
+                let work = pg
+                    .all_gather_async(vec![r as f32; 3], vec![0.0; 12])
+                    .unwrap();
                 let mut parts = vec![Vec::new(); 4];
                 for k in 0..4 {
                     let p = (r + 4 - k) % 4;
@@ -402,7 +409,9 @@ fn all_gather_parts_arrive_one_by_one_in_ring_order() {
     }
     // Parts exist only for all-gathers.
     let results = run(2, LocalGroupOptions::default(), |pg| {
-        let w = pg.all_reduce_async(vec![1f32], ReduceOp::Sum);
+        let w = pg
+            .all_reduce_async(vec![1f32], ReduceOp::Sum, vec![0.0])
+            .unwrap();
         let e = w.wait_part(0).unwrap_err();
         w.wait().unwrap();
         e
@@ -419,11 +428,11 @@ fn all_gather_into_reuses_the_callers_buffer() {
         for round in 0..3 {
             let x = vec![(pg.rank() * 10 + round) as f32; 2];
             let ptr = buf.as_ptr();
-            buf = pg.all_gather_into_async(x, buf).unwrap().wait().unwrap();
+            buf = pg.all_gather_async(x, buf).unwrap().wait().unwrap();
             assert_eq!(buf.as_ptr(), ptr, "filled in place");
         }
         let err = pg
-            .all_gather_into_async(vec![0f32; 2], vec![0f32; 5])
+            .all_gather_async(vec![0f32; 2], vec![0f32; 5])
             .unwrap_err();
         (buf, err)
     });
@@ -432,7 +441,7 @@ fn all_gather_into_reuses_the_callers_buffer() {
         assert_eq!(
             err,
             CommError::BufferSize {
-                op: "all_gather_into",
+                op: "all_gather",
                 expected: 6,
                 got: 5
             }
@@ -446,5 +455,42 @@ fn local_groups_pass_the_communicator_conformance_check() {
         run_ok(world, |pg| {
             common::conformance(&pg, |v| v.to_vec(), |b| b);
         });
+    }
+}
+
+/// Every async form checks the caller's output length before any communication, naming the op.
+#[test]
+fn every_async_form_checks_the_output_length() {
+    let results = run_ok(2, |pg| {
+        let x = || vec![1f32; 4];
+        let short = || vec![0f32; 3];
+        [
+            pg.all_gather_async(x(), short()).map(|_| ()).unwrap_err(),
+            pg.reduce_scatter_async(x(), short())
+                .map(|_| ())
+                .unwrap_err(),
+            pg.all_reduce_async(x(), ReduceOp::Sum, short())
+                .map(|_| ())
+                .unwrap_err(),
+            pg.broadcast_async(x(), 1, short()).map(|_| ()).unwrap_err(),
+        ]
+    });
+    for errors in results {
+        let want = [
+            ("all_gather", 8),
+            ("reduce_scatter", 2),
+            ("all_reduce", 4),
+            ("broadcast", 4),
+        ];
+        for (e, (op, expected)) in errors.into_iter().zip(want) {
+            assert_eq!(
+                e,
+                CommError::BufferSize {
+                    op,
+                    expected,
+                    got: 3
+                }
+            );
+        }
     }
 }

@@ -3,11 +3,11 @@
 //!
 //! Every collective runs on a dedicated communication stream. It first waits for an event
 //! recorded on the compute stream (the context's default stream, which is what cudarc buffers
-//! use), and records a completion event the [`NcclWork`] handle gives back: [`NcclWork::wait`]
+//! use), and records a completion event the [`Work`] handle gives back: [`Work::wait`]
 //! makes that compute stream wait for it (no host block), so an all-gather issued before a matmul
 //! on cudarc buffers really runs beside it. Burn's CUDA tensors live on cubecl's own streams,
 //! which this event ordering cannot see: burn-tp's CUDA backend (`backend/cuda.rs` in burn-tp)
-//! syncs cubecl's stream before a post and blocks the host on [`NcclWork::wait_host`] instead.
+//! syncs cubecl's stream before a post and blocks the host on [`Work::wait_host`] instead.
 //!
 //! cudarc loads `libcuda` and `libnccl` at run time and panics if they are missing, so
 //! [`probe`] checks first and returns errors instead. NCCL installs as `libnccl.so.2`, a name
@@ -24,7 +24,7 @@ use cudarc::nccl::{Comm, Id, NcclType};
 
 mod work;
 
-pub use work::{NcclWork, RawDeviceBuffer, RawOp};
+pub use work::{RawDeviceBuffer, RawOp, Work};
 
 use crate::communicator::Communicator;
 use crate::store::{LaunchEnv, StoreClient};
@@ -344,7 +344,7 @@ impl NcclGroup {
         &self,
         op: &str,
         launch: impl FnOnce(&Comm, u64) -> std::result::Result<(), CommError>,
-    ) -> Result<NcclWork> {
+    ) -> Result<Work> {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let cuda = |e| nccl_err(op, seq, self.rank, e);
         let comm = self.comm.lock();
@@ -353,7 +353,7 @@ impl NcclGroup {
         launch(&comm, seq)?;
         let done = self.comm_stream.record_event(None).map_err(cuda)?;
         let what = format!("NCCL {op} #{seq} on rank {}", self.rank);
-        Ok(NcclWork {
+        Ok(Work {
             done,
             compute: self.compute.clone(),
             what,
@@ -405,7 +405,7 @@ impl NcclGroup {
     /// # Errors
     /// [`CommError::BufferSize`], [`CommError::NotDivisible`] or [`CommError::InvalidRoot`]
     /// before any communication; an NCCL error naming the op, sequence number and rank.
-    pub fn post_into<T, S, R>(&self, op: RawOp, input: &S, out: &mut R) -> Result<NcclWork>
+    pub fn post_into<T, S, R>(&self, op: RawOp, input: &S, out: &mut R) -> Result<Work>
     where
         T: NcclType + DeviceRepr,
         S: DevicePtr<T>,
@@ -445,7 +445,7 @@ impl NcclGroup {
         dtype: DType,
         (input, input_len): (CUdeviceptr, usize),
         (out, out_len): (CUdeviceptr, usize),
-    ) -> Result<NcclWork> {
+    ) -> Result<Work> {
         let stream = &self.comm_stream;
         macro_rules! typed {
             ($t:ty) => {{
@@ -586,7 +586,7 @@ impl NcclGroup {
         op: RawOp,
         input: CudaSlice<T>,
         out_len: usize,
-    ) -> Result<NcclWork<CudaSlice<T>>> {
+    ) -> Result<Work<CudaSlice<T>>> {
         let cuda = |e| nccl_err("alloc", 0, self.rank, e);
         // Safety: every element is written by the collective before the output is read.
         let mut out = unsafe { self.compute.alloc::<T>(out_len) }.map_err(cuda)?;
@@ -600,7 +600,7 @@ where
     T: CommElement + NcclType + DeviceRepr,
 {
     type Buffer = CudaSlice<T>;
-    type Work = NcclWork<CudaSlice<T>>;
+    type Work = Work<CudaSlice<T>>;
 
     fn rank(&self) -> usize {
         self.rank
@@ -626,6 +626,15 @@ where
     }
     fn barrier(&self) -> Result<()> {
         NcclGroup::barrier(self)
+    }
+    fn wait(&self, work: Self::Work, timeout: Option<Duration>) -> Result<CudaSlice<T>> {
+        match timeout {
+            Some(t) => work.wait_host_timeout(t),
+            None => work.wait(),
+        }
+    }
+    fn is_completed(&self, work: &Self::Work) -> bool {
+        work.is_completed()
     }
 }
 

@@ -1,4 +1,5 @@
-//! The handles of NCCL calls: [`NcclWork`] (a call in flight), [`RawOp`] (a call on raw device
+//! The handles of NCCL calls: [`Work`] (a call in flight: this transport's
+//! [`crate::Work`]), [`RawOp`] (a call on raw device
 //! pointers) and [`RawDeviceBuffer`] (a buffer another allocator owns).
 
 use std::marker::PhantomData;
@@ -8,13 +9,12 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 
-use crate::communicator::CommWork;
 use crate::{CommError, ReduceOp, Result};
 
 /// A collective in flight on the communication stream, holding its output (and keeping its
 /// input alive) until waited on.
 #[must_use = "a collective is ordered before later compute only once waited on"]
-pub struct NcclWork<O = ()> {
+pub struct Work<O = ()> {
     pub(super) done: CudaEvent,
     pub(super) compute: Arc<CudaStream>,
     pub(super) what: String,
@@ -24,7 +24,7 @@ pub struct NcclWork<O = ()> {
     pub(super) _input: Option<Box<dyn std::any::Any + Send>>,
 }
 
-impl<O> NcclWork<O> {
+impl<O> Work<O> {
     /// Orders the compute stream after the collective (the host does not block) and returns
     /// the output.
     ///
@@ -86,8 +86,8 @@ impl<O> NcclWork<O> {
         self,
         output: P,
         input: Box<dyn std::any::Any + Send>,
-    ) -> NcclWork<P> {
-        NcclWork {
+    ) -> Work<P> {
+        Work {
             done: self.done,
             compute: self.compute,
             what: self.what,
@@ -110,19 +110,6 @@ pub(crate) fn event_status(
         // The status code by name: `DriverError`'s Debug asks libcuda for a description,
         // which panics where libcuda cannot be loaded.
         Err(e) => Err(CommError::Backend(format!("{what}: CUDA error {:?}", e.0))),
-    }
-}
-
-impl<O> CommWork for NcclWork<O> {
-    type Output = O;
-    fn wait(self) -> Result<O> {
-        NcclWork::wait(self)
-    }
-    fn wait_timeout(self, timeout: Duration) -> Result<O> {
-        self.wait_host_timeout(timeout)
-    }
-    fn is_completed(&self) -> bool {
-        NcclWork::is_completed(self)
     }
 }
 

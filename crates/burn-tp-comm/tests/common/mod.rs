@@ -1,7 +1,7 @@
 //! One conformance check of the `Communicator` trait, run on every transport.
 
 use burn_tp_comm::{
-    CommError, CommWork, Communicator, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp,
+    CommError, Communicator, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp,
 };
 
 /// Every collective of the trait on one rank, with values that differ per rank and position, so a
@@ -25,7 +25,10 @@ pub fn conformance<C: Communicator<f32>>(
     assert_eq!(gathered, want, "all_gather on rank {rank}");
 
     let work = c.reduce_scatter_async(to(&mine)).unwrap();
-    let scattered = from(work.wait().unwrap());
+    let scattered = from(
+        c.wait(work, Some(std::time::Duration::from_secs(30)))
+            .unwrap(),
+    );
     let chunk = len / n;
     let want: Vec<f32> = (rank * chunk..(rank + 1) * chunk)
         .map(|i| (0..n).map(|r| value(r, i)).sum())

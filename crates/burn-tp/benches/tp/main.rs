@@ -144,7 +144,7 @@ fn bench_collectives(quick: bool) {
                 let agi = timed(&g, reps, || {
                     let out = std::mem::take(&mut buf);
                     buf = g
-                        .all_gather_into_async(inputs.pop().unwrap(), out)
+                        .all_gather_async(inputs.pop().unwrap(), out)
                         .unwrap()
                         .wait()
                         .unwrap();
@@ -182,7 +182,7 @@ fn bench_collectives(quick: bool) {
             let (ag, agi, rs, ar, tag, trs, tar, t_all) = times[0];
             for (op, t) in [
                 ("all_gather", ag),
-                ("all_gather_into", agi),
+                ("all_gather_async (warm out)", agi),
                 ("reduce_scatter", rs),
                 ("all_reduce", ar),
                 ("tensor all_gather (pooled)", tag),

@@ -37,7 +37,7 @@ use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use burn_tp_comm::nccl::{NcclGroup, NcclWork, RawOp};
+use burn_tp_comm::nccl::{self, NcclGroup, RawOp};
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 use cubecl_runtime::runtime::Runtime;
 
@@ -45,7 +45,7 @@ use super::host::{
     chunk_rows, comm_dtype, dense_layout, dim_first, host_resolve, host_resolve_part, host_start,
     part_unsupported, rows,
 };
-use super::types::InFlight;
+use super::types::TransportWork;
 use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 
 type Server = <CudaRuntime as Runtime>::Server;
@@ -114,7 +114,7 @@ unsafe impl Sync for Pinned {}
 
 /// A collective posted on NCCL's communication stream from cubecl buffers.
 struct DeviceWork {
-    work: Mutex<Option<NcclWork>>,
+    work: Mutex<Option<nccl::Work>>,
     /// Ok(()) once the host has seen the completion event, or the error it got.
     state: Mutex<Option<Result<(), CommError>>>,
     /// The output, collective dim first (`[.., n_d * tp, ..]` moved to dim 0).
@@ -125,7 +125,7 @@ struct DeviceWork {
     _pins: [Pinned; 2],
 }
 
-impl InFlight for DeviceWork {
+impl TransportWork for DeviceWork {
     fn finish(&self) -> Result<burn::tensor::TensorData, CommError> {
         Err(CommError::Backend(
             "a device collective resolved through the host".into(),
@@ -287,7 +287,7 @@ fn device_start(
         Ok(w) => w,
         Err(e) => return failed(op, group, x, e),
     };
-    let inner: Arc<dyn InFlight> = Arc::new(DeviceWork {
+    let inner: Arc<dyn TransportWork> = Arc::new(DeviceWork {
         work: Mutex::new(Some(work)),
         state: Mutex::new(None),
         output,

@@ -12,7 +12,7 @@ use burn_tp_comm::{
 use half::{bf16, f16};
 
 use super::pool::PooledBuf;
-use super::types::{Collective, CollectiveOutput, InFlight, PendingCollective};
+use super::types::{Collective, CollectiveOutput, PendingCollective, TransportWork};
 
 /// A `burn-tp-comm` work handle writing into a pooled buffer, with the shapes of its output
 /// and of one input shard.
@@ -22,7 +22,7 @@ struct HostWork<T> {
     shard_shape: Shape,
 }
 
-impl<T: HostElement> InFlight for HostWork<T> {
+impl<T: HostElement> TransportWork for HostWork<T> {
     fn finish(&self) -> Result<TensorData, CommError> {
         let work = self.work.lock().unwrap_or_else(|e| e.into_inner()).take();
         let work =
@@ -198,37 +198,50 @@ pub(crate) fn host_start_with<B: Backend, R: HostRead>(
     PendingCollective::new(x, op, group, posted)
 }
 
+/// A tensor's values with its shape, which the transport checks across ranks and names in errors.
+struct Shaped<T> {
+    values: Box<dyn SendBuf<T>>,
+    dims: Vec<usize>,
+}
+
+impl<T: 'static> SendBuf<T> for Shaped<T> {
+    fn as_slice(&self) -> &[T] {
+        self.values.as_slice()
+    }
+    fn shape(&self) -> Vec<usize> {
+        self.dims.clone()
+    }
+}
+
 struct PostOnHost<'a> {
     op: Collective,
     group: &'a ProcessGroup,
 }
 
 impl HostCall for PostOnHost<'_> {
-    type Output = Result<Arc<dyn InFlight>, CommError>;
+    type Output = Result<Arc<dyn TransportWork>, CommError>;
 
     fn call<T: HostElement>(self, values: Box<dyn SendBuf<T>>, shard_shape: Shape) -> Self::Output {
         let (op, group) = (self.op, self.group);
         let world = group.world_size();
         let len = shard_shape.num_elements();
         let mut out_shape = shard_shape.clone();
-        let dims = shard_shape.to_vec();
+        let values = Shaped {
+            values,
+            dims: shard_shape.to_vec(),
+        };
         let work = match op {
             Collective::AllGather { .. } | Collective::GatherFromRegion { .. } => {
                 out_shape[0] *= world;
-                let out = PooledBuf::new(len * world);
-                group.all_gather_shaped_into_async(values, dims, out)?
+                group.all_gather_async(values, PooledBuf::new(len * world))?
             }
             Collective::ReduceScatter { .. } => {
                 out_shape[0] /= world;
-                let out = PooledBuf::new(len / world);
-                group.reduce_scatter_shaped_into_async(values, dims, out)?
+                group.reduce_scatter_async(values, PooledBuf::new(len / world))?
             }
-            Collective::AllReduce(r) => {
-                group.all_reduce_shaped_into_async(values, dims, r, PooledBuf::new(len))?
-            }
+            Collective::AllReduce(r) => group.all_reduce_async(values, r, PooledBuf::new(len))?,
             Collective::ReduceFromRegion => {
-                let out = PooledBuf::new(len);
-                group.all_reduce_shaped_into_async(values, dims, ReduceOp::Sum, out)?
+                group.all_reduce_async(values, ReduceOp::Sum, PooledBuf::new(len))?
             }
             Collective::CopyToRegion | Collective::ScatterToRegion { .. } => {
                 unreachable!("local forwards post nothing")

@@ -69,11 +69,13 @@ impl Collective {
     }
 }
 
-/// The transport's part of a collective in flight, as a backend implements it (the host
-/// transport's `HostWork`, the CUDA backend's `DeviceWork`). `Any`: a device backend finds its
-/// own work again. Not a fourth name for work in flight to users: it is what a
-/// [`PendingCollective`] holds while its transport works.
-pub(crate) trait InFlight: std::any::Any + Send + Sync {
+/// A transport's [`Work`](burn_tp_comm::Work) as a [`PendingCollective`] holds it, its element
+/// type erased: the host transport's `HostWork`, the CUDA backend's `DeviceWork` (a
+/// `burn_tp_comm::nccl::Work` with the buffers it keeps alive). `Any`: a device
+/// backend finds its own work again. The vocabulary of work in flight, one stem per layer: a
+/// transport's `*Work`, the backend's [`PendingCollective`], the tensor's
+/// [`Pending`](crate::ops::Pending).
+pub(crate) trait TransportWork: std::any::Any + Send + Sync {
     /// Waits for the whole result (once), collective dim first.
     fn finish(&self) -> Result<TensorData, CommError>;
     /// For an all-gather: waits for rows `rows` (dim 0) of rank `part`'s shard only.
@@ -95,7 +97,7 @@ pub struct PendingCollective<B: Backend> {
     /// `Ok(Some(..))` communication in flight (shared so the handle crosses the dispatch
     /// boundary by clone), `Err(..)` a failure before any communication, which the resolve
     /// returns.
-    pub(crate) posted: Result<Option<Arc<dyn InFlight>>, CommError>,
+    pub(crate) posted: Result<Option<Arc<dyn TransportWork>>, CommError>,
 }
 
 impl<B: Backend> Clone for PendingCollective<B> {
@@ -125,7 +127,7 @@ impl<B: Backend> PendingCollective<B> {
         input: FloatTensor<B>,
         op: Collective,
         group: ProcessGroup,
-        posted: Result<Option<Arc<dyn InFlight>>, CommError>,
+        posted: Result<Option<Arc<dyn TransportWork>>, CommError>,
     ) -> Self {
         Self {
             input,
@@ -143,6 +145,10 @@ impl<B: Backend> PendingCollective<B> {
 
 /// The result of a resolved collective at the backend level: a `Result` that can cross the
 /// dispatch boundary. [`into_result`](Self::into_result) and `From<Result<..>>` convert.
+///
+/// Why not `Result`: burn 0.22.1's `#[backend_extension]` takes as an op's output tensors,
+/// `Option`s, `Vec`s, tuples and `#[extension_type]`s, and refuses any other named type holding
+/// `Self` ("named outputs containing `Self` aren't supported").
 #[derive(ExtensionType)]
 pub enum CollectiveOutput<B: Backend> {
     /// The collective completed.
@@ -171,6 +177,11 @@ impl<B: Backend> From<Result<FloatTensor<B>, CommError>> for CollectiveOutput<B>
 }
 
 /// Inputs of a parallel-linear op as they cross the dispatch boundary: an optional bias.
+///
+/// Why not `Option<FloatTensor<Self>>`: burn 0.22.1's `#[backend_extension]` accepts that input
+/// type but passes the `Option<DispatchTensor>` on unconverted to the backend's op (tried: it
+/// fails to compile, "expected `Option<FlexTensor>`, found `Option<DispatchTensor>`"); an
+/// `#[extension_type]` is unwrapped per backend.
 #[derive(ExtensionType)]
 pub enum Bias<B: Backend> {
     /// No bias.
