@@ -381,32 +381,15 @@ impl<O> Work<O> {
     where
         O: RecvBuf<T>,
     {
-        self.wait_part_range(part, 0..self.desc.len())
+        self.with_part_range(part, 0..self.desc.len(), <[T]>::to_vec)
     }
 
     /// For an all-gather: waits until elements `range` of rank `part`'s shard have arrived and
-    /// returns a copy of them (a ring delivers a shard progressively: the first chunks come
-    /// first).
+    /// lends them to `read` in place (a ring delivers a shard progressively: the first chunks
+    /// come first; the caller copies them where it wants, e.g. into a reused buffer).
     ///
     /// # Errors
     /// As [`wait_part`](Self::wait_part); [`CommError::Backend`] for a range past the shard.
-    pub fn wait_part_range<T: CommElement>(
-        &self,
-        part: usize,
-        range: std::ops::Range<usize>,
-    ) -> Result<Vec<T>>
-    where
-        O: RecvBuf<T>,
-    {
-        self.with_part_range(part, range, <[T]>::to_vec)
-    }
-
-    /// [`wait_part_range`](Self::wait_part_range) that lends the elements to `read` in place
-    /// instead of copying them into a new `Vec` (the caller copies them where it wants, e.g.
-    /// into a reused buffer).
-    ///
-    /// # Errors
-    /// As [`wait_part_range`](Self::wait_part_range).
     pub fn with_part_range<T: CommElement, R>(
         &self,
         part: usize,

@@ -24,7 +24,8 @@ use cudarc::nccl::{Comm, Id, NcclType};
 
 mod work;
 
-pub use work::{RawDeviceBuffer, RawOp, Work};
+pub(crate) use work::RawDeviceBuffer;
+pub use work::{RawOp, Work};
 
 use crate::communicator::Communicator;
 use crate::store::{LaunchEnv, StoreClient};
@@ -474,7 +475,7 @@ impl NcclGroup {
     ///
     /// # Errors
     /// As [`post_into`](Self::post_into), a CUDA copy error, or a timeout.
-    pub fn host_collective<T: CommElement>(&self, op: RawOp, input: &[T]) -> Result<Vec<T>> {
+    pub(crate) fn host_collective<T: CommElement>(&self, op: RawOp, input: &[T]) -> Result<Vec<T>> {
         let size = std::mem::size_of::<T>();
         let out_len = match op {
             RawOp::AllGather => input.len() * self.world_size,

@@ -47,10 +47,11 @@ pub use pool::pool_stats;
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
 use burn_tp_comm::ProcessGroup;
 
-pub use types::{
-    Bias, Collective, CollectiveOutput, LinearSpec, OverlapSchedule, PendingCollective, TpMode,
-    TpSettings,
-};
+pub use types::{Collective, LinearSpec, OverlapSchedule, TpMode, TpSettings};
+// The types `TpBackend`'s ops cross the dispatch boundary in: public because the trait's
+// signatures name them, hidden because users hold `ops::Pending`, an `Option` and a `Result`.
+#[doc(hidden)]
+pub use types::{Bias, CollectiveOutput, PendingCollective};
 
 /// Collectives and parallel linears as backend operations. Implemented for Flex, for burn's
 /// CUDA backend (feature `cuda`) and for `Autodiff<B>` (with custom backward nodes); call them

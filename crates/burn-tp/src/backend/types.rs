@@ -88,11 +88,11 @@ pub(crate) trait TransportWork: std::any::Any + Send + Sync {
 pub struct PendingCollective<B: Backend> {
     /// The tensor the collective was started from: it routes the resolve to its backend and is
     /// the autodiff parent of the result.
-    pub input: FloatTensor<B>,
+    pub(crate) input: FloatTensor<B>,
     /// The collective.
-    pub op: Collective,
+    pub(crate) op: Collective,
     /// The group it runs on.
-    pub group: ProcessGroup,
+    pub(crate) group: ProcessGroup,
     /// What the start posted: `Ok(None)` nothing to communicate ([`Collective::is_local`]),
     /// `Ok(Some(..))` communication in flight (shared so the handle crosses the dispatch
     /// boundary by clone), `Err(..)` a failure before any communication, which the resolve
