@@ -15,7 +15,7 @@ use crate::{Result as TpResult, TpError};
 
 /// The vocabulary padded to a multiple of `multiple * tp` (Megatron's
 /// `make_vocab_size_divisible_by`), so any tokenizer size shards at any tp.
-pub fn padded_vocab(n_vocab: usize, multiple: usize, tp: usize) -> usize {
+pub(crate) fn padded_vocab(n_vocab: usize, multiple: usize, tp: usize) -> usize {
     n_vocab.next_multiple_of(multiple.max(1) * tp)
 }
 
@@ -34,13 +34,13 @@ pub struct VocabParallelEmbeddingConfig {
     /// Initializer of the full table (Burn's `EmbeddingConfig` default).
     #[config(default = "Initializer::Normal{mean:0.0, std:1.0}")]
     pub initializer: Initializer,
-    /// The padded vocabulary is a multiple of `vocab_multiple * tp` (see [`padded_vocab`]).
+    /// The padded vocabulary is a multiple of `vocab_multiple * tp` (Megatron's `make_vocab_size_divisible_by`).
     #[config(default = 1)]
     pub vocab_multiple: usize,
 }
 
 /// Embedding whose rows are split over the tensor-parallel group: rank `r` holds ids
-/// `r * V_p/tp .. (r+1) * V_p/tp` of the padded vocabulary `V_p` (see [`padded_vocab`]; the
+/// `r * V_p/tp .. (r+1) * V_p/tp` of the padded vocabulary `V_p` (a multiple of `vocab_multiple * tp`, [`Self::padded_vocab`]; the
 /// padding rows are zero and never looked up). Ids outside that range look up zero; the partial
 /// embeddings are then summed over the group (all-reduce, or reduce-scatter over dim 0 in
 /// REDUCE_SCATTER mode).

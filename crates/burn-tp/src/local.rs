@@ -11,7 +11,7 @@ use std::sync::Arc;
 use burn_tp_comm::{LocalGroup, ProcessGroup};
 
 /// Environment variable overriding the threads of each rank's pool.
-pub const THREADS_PER_RANK_ENV: &str = "BURN_TP_THREADS_PER_RANK";
+pub(crate) const THREADS_PER_RANK_ENV: &str = "BURN_TP_THREADS_PER_RANK";
 
 /// How many threads each of `world` rank threads gets: `BURN_TP_THREADS_PER_RANK` if set (and
 /// positive), else `max(1, cores / world)`.
@@ -33,7 +33,7 @@ fn threads_for(env: Option<&str>, cores: usize, world: usize) -> usize {
 /// Environment variable: `1` makes the runner call [`keep_freed_memory`] (a library does not
 /// change the process's allocator unasked); `0` stops [`keep_freed_memory_unless_disabled`], which
 /// the example and the benches call.
-pub const KEEP_FREED_MEMORY_ENV: &str = "BURN_TP_KEEP_FREED_MEMORY";
+pub(crate) const KEEP_FREED_MEMORY_ENV: &str = "BURN_TP_KEEP_FREED_MEMORY";
 
 /// Options of [`run_ranks_with`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
