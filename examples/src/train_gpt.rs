@@ -15,7 +15,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, FloatDType};
 use burn_tp::checkpoint::{CheckpointInfo, load_sharded, load_sharded_optimizer, save_sharded};
 use burn_tp::comm::Profile;
-use burn_tp::dp::{average_gradients, broadcast_parameters};
+use burn_tp::dp::{GradReducer, average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::hf::HfConfig;
 use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
@@ -118,6 +118,13 @@ pub struct Args {
     /// Use the plain composed collectives instead of the overlapped ops.
     #[arg(long)]
     pub no_async: bool,
+    /// Average the gradients over dp while the backward runs, in buckets started as soon as
+    /// their last gradient is ready (`burn_tp::dp::GradReducer`), instead of after it.
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
+    /// Bucket size of `--overlap-grad-reduce`, in MiB.
+    #[arg(long, default_value_t = 4.0, value_name = "MIB")]
+    pub bucket_mb: f64,
     /// Optimizer steps.
     #[arg(long, default_value_t = 600)]
     pub steps: usize,
@@ -381,6 +388,12 @@ fn check(args: &Args) -> Result<(), String> {
     }
     if args.steps == 0 {
         return Err("--steps must be at least 1".into());
+    }
+    if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
+        return Err(format!(
+            "--bucket-mb must be a positive number (got {})",
+            args.bucket_mb
+        ));
     }
     if args.save_every == Some(0) {
         return Err("--save-every must be at least 1".into());
@@ -771,6 +784,13 @@ fn train_rank<M: LanguageModel>(
         held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?,
     )];
     let mut stopped = None;
+    let reducer = args.overlap_grad_reduce.then(|| {
+        GradReducer::new(
+            &model,
+            &dp_group,
+            (args.bucket_mb * (1 << 20) as f64) as usize,
+        )
+    });
     for step in first_step..first_step + args.steps {
         let (ids, targets) = batch(&data.train, args, step);
         let ids = dp_slice(&ids, args, dp_rank, &device);
@@ -778,7 +798,13 @@ fn train_rank<M: LanguageModel>(
         let working = compute(&model);
         let per = args.batch / args.dp;
         let dropout = DropoutStep::new(step as u64).with_batch(dp_rank * per, args.batch);
-        let loss = working.loss(ids, targets, Some(dropout))?;
+        let loss = match &reducer {
+            // The tapped view: each bucket's average starts during the backward.
+            Some(r) => r
+                .attach(working.clone(), true)
+                .loss(ids, targets, Some(dropout))?,
+            None => working.loss(ids, targets, Some(dropout))?,
+        };
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
         losses.push(value);
@@ -792,8 +818,17 @@ fn train_rank<M: LanguageModel>(
         }
         // The copy's parameters have the master's ids: its gradients, in f32, step the master.
         let mut grads = GradientsParams::from_grads(loss.backward(), &working);
-        cast_grads(&working, &mut grads, FloatDType::F32);
-        average_gradients(&model, &mut grads, &dp_group)?;
+        match &reducer {
+            // Averaged in f32 (half-precision gradients accumulate in f32 in the reducer).
+            Some(r) => {
+                r.finish(&working, &mut grads)?;
+                cast_grads(&working, &mut grads, FloatDType::F32);
+            }
+            None => {
+                cast_grads(&working, &mut grads, FloatDType::F32);
+                average_gradients(&model, &mut grads, &dp_group)?;
+            }
+        }
         model = optim.step(args.lr, model, grads);
         if (step + 1) % args.eval_every == 0 || step + 1 == first_step + args.steps {
             let loss = held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?;

@@ -3,6 +3,7 @@
 mod checkpoint;
 mod collectives;
 mod common;
+mod dp;
 mod dtype;
 mod gpt;
 mod gpu_check_script;

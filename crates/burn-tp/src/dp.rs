@@ -1,10 +1,18 @@
-//! Data parallelism on top of tensor parallelism: average gradients over a data-parallel group.
+//! Data parallelism on top of tensor parallelism: average gradients over a data-parallel group,
+//! after the backward ([`average_gradients`]) or overlapped with it in buckets
+//! ([`GradReducer`]).
 
-use burn::module::{Module, ModuleVisitor, Param};
+use std::fmt;
+use std::sync::Arc;
+
+use burn::backend::Dispatch;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
+use crate::backend::TpBackend;
+use crate::backend::grad_tap::{GradTap, TapShared, TapState};
 use crate::ops::all_reduce;
 use crate::{Result, TpError};
 
@@ -22,6 +30,7 @@ pub fn average_gradients<M: Module>(
     if dp_group.world_size() == 1 {
         return Ok(());
     }
+    let _scope = burn_tp_comm::profile::scope("dp gradient (after backward)");
     struct Averager<'a> {
         grads: &'a mut GradientsParams,
         group: &'a ProcessGroup,
@@ -92,4 +101,232 @@ pub fn broadcast_parameters<M: Module>(module: M, dp_group: &ProcessGroup) -> Re
     };
     let module = module.map(&mut mapper);
     mapper.error.map_or(Ok(module), Err)
+}
+
+/// Data-parallel gradient averaging overlapped with the backward, in buckets (PyTorch DDP's and
+/// Megatron's `overlap_grad_reduce`): each bucket's average over the data-parallel group starts
+/// the moment its last gradient is produced, while the backward goes on with earlier layers.
+///
+/// Burn has no gradient hooks: [`attach`](Self::attach) puts a tap op between each trainable
+/// parameter and its uses (`backend/grad_tap.rs` documents the mechanism); [`finish`](Self::finish)
+/// waits for the buckets and puts the averages in place of the gradients. Parameters are bucketed
+/// in reverse visiting order, at most `bucket_bytes` each (a larger parameter has its own).
+///
+/// ```ignore
+/// let reducer = GradReducer::new(&model, &dp_group, GradReducer::DEFAULT_BUCKET_BYTES);
+/// let view = reducer.attach(model.clone(), true); // the last (here the only) micro-batch
+/// let loss = view.loss(ids, targets, None)?;
+/// let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+/// reducer.finish(&model, &mut grads)?; // the dp averages, as average_gradients gives
+/// ```
+///
+/// Limits: every trainable parameter must get a gradient in each step's last backward (a
+/// parameter unused in the forward is an error at `finish`, naming how many, as DDP without
+/// `find_unused_parameters`); frozen parameters (not requiring grad at [`new`](Self::new)) are
+/// left out; gradients accumulate over micro-batches inside the reducer (in f32 for
+/// half-precision gradients, Megatron's `main_grad`) and only the last micro-batch's backward
+/// communicates. One view per backward: a parameter tapped twice in one graph counts twice.
+pub struct GradReducer {
+    shared: Arc<TapShared>,
+    group: ProcessGroup,
+    /// Per slot: its elements, and its offset in its bucket.
+    numel: Vec<usize>,
+    offset: Vec<usize>,
+}
+
+impl fmt::Debug for GradReducer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "GradReducer({} parameters in {} buckets over dp {})",
+            self.shared.bucket_of.iter().flatten().count(),
+            self.shared.buckets.len(),
+            self.group.world_size()
+        )
+    }
+}
+
+impl GradReducer {
+    /// The default bucket size: 4 MiB.
+    pub const DEFAULT_BUCKET_BYTES: usize = 4 << 20;
+
+    /// A reducer for `model`'s trainable parameters over `dp_group`, in buckets of at most
+    /// `bucket_bytes`.
+    pub fn new<M: Module>(model: &M, dp_group: &ProcessGroup, bucket_bytes: usize) -> Self {
+        struct Sizes(Vec<(usize, usize, bool)>);
+        impl ModuleVisitor for Sizes {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let t = param.val();
+                let n = t.shape().num_elements();
+                self.0.push((n, n * t.dtype().size(), t.is_require_grad()));
+            }
+        }
+        let mut sizes = Sizes(Vec::new());
+        model.visit(&mut sizes);
+        let sizes = sizes.0;
+        let mut bucket_of = vec![None; sizes.len()];
+        let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut filled = 0usize;
+        // Reverse visiting order: the backward produces the last layers' gradients first.
+        for slot in (0..sizes.len()).rev().filter(|&s| sizes[s].2) {
+            let bytes = sizes[slot].1;
+            if buckets.is_empty() || (filled > 0 && filled + bytes > bucket_bytes) {
+                buckets.push(Vec::new());
+                filled = 0;
+            }
+            buckets.last_mut().expect("a bucket").push(slot);
+            bucket_of[slot] = Some(buckets.len() - 1);
+            filled += bytes;
+        }
+        let mut offset = vec![0; sizes.len()];
+        for bucket in &buckets {
+            let mut at = 0;
+            for &slot in bucket {
+                offset[slot] = at;
+                at += sizes[slot].0;
+            }
+        }
+        let n_buckets = buckets.len();
+        let state = TapState {
+            acc: (0..sizes.len()).map(|_| None).collect(),
+            remaining: vec![0; n_buckets],
+            started: (0..n_buckets).map(|_| None).collect(),
+            ..TapState::default()
+        };
+        Self {
+            shared: Arc::new(TapShared {
+                group: dp_group.weak(),
+                bucket_of,
+                buckets,
+                state: std::sync::Mutex::new(state),
+            }),
+            group: dp_group.clone(),
+            numel: sizes.iter().map(|s| s.0).collect(),
+            offset,
+        }
+    }
+
+    /// Buckets (each one all-reduce per step).
+    pub fn buckets(&self) -> usize {
+        self.shared.buckets.len()
+    }
+
+    /// `model` with a tap on each trainable parameter: run this step's forward and backward on
+    /// it. `last_micro_batch`: this backward's gradients complete the step's (the buckets start);
+    /// earlier micro-batches only accumulate.
+    pub fn attach<M: Module>(&self, model: M, last_micro_batch: bool) -> M {
+        {
+            let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.last = last_micro_batch;
+            for (b, slots) in self.shared.buckets.iter().enumerate() {
+                st.remaining[b] = slots.len();
+            }
+        }
+        struct Tapper<'a> {
+            shared: &'a Arc<TapShared>,
+            slot: usize,
+        }
+        impl ModuleMapper for Tapper<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let slot = self.slot;
+                self.slot += 1;
+                if self.shared.bucket_of.get(slot).copied().flatten().is_none() {
+                    return param;
+                }
+                let tap = GradTap {
+                    shared: self.shared.clone(),
+                    slot,
+                };
+                param.map(|t| {
+                    Tensor::from_dispatch(<Dispatch as TpBackend>::tp_grad_tap(
+                        t.into_dispatch(),
+                        tap,
+                    ))
+                })
+            }
+        }
+        model.map(&mut Tapper {
+            shared: &self.shared,
+            slot: 0,
+        })
+    }
+
+    /// Waits for every bucket and puts the data-parallel average of each parameter's
+    /// (accumulated) gradient into `grads`, in place of this rank's. Call after the last
+    /// micro-batch's backward, with the model the view was attached to.
+    ///
+    /// # Errors
+    /// A communication error; a trainable parameter without a gradient this step (the group is
+    /// aborted, so every rank fails rather than waits).
+    pub fn finish<M: Module>(&self, model: &M, grads: &mut GradientsParams) -> Result<()> {
+        let missing = {
+            let st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.started.iter().filter(|s| s.is_none()).count()
+        };
+        if missing > 0 {
+            let e = burn_tp_comm::CommError::Backend(format!(
+                "overlapped gradient reduction: {missing} of {} buckets never completed: a \
+                 trainable parameter got no gradient this step (unused in the forward, or the \
+                 view not attached with last_micro_batch = true)",
+                self.buckets()
+            ));
+            self.group.abort(&e);
+            // The accumulators of this failed step go.
+            let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.acc.iter_mut().for_each(|a| *a = None);
+            st.started.iter_mut().for_each(|s| *s = None);
+            return Err(e.into());
+        }
+        struct Finisher<'a> {
+            reducer: &'a GradReducer,
+            grads: &'a mut GradientsParams,
+            slot: usize,
+            flat: Vec<Option<Tensor<1>>>,
+            error: Option<TpError>,
+        }
+        impl ModuleVisitor for Finisher<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let slot = self.slot;
+                self.slot += 1;
+                let r = self.reducer;
+                let Some(bucket) = r.shared.bucket_of.get(slot).copied().flatten() else {
+                    return;
+                };
+                let Some(own) = self.grads.remove::<D>(param.id) else {
+                    return;
+                };
+                if self.error.is_some() {
+                    return;
+                }
+                if self.flat[bucket].is_none() {
+                    let tap = GradTap {
+                        shared: r.shared.clone(),
+                        slot,
+                    };
+                    let like = own.clone().into_dispatch();
+                    match <Dispatch as TpBackend>::tp_grad_bucket(like, tap, bucket).into_result() {
+                        Ok(t) => self.flat[bucket] = Some(Tensor::from_dispatch(t)),
+                        Err(e) => {
+                            self.error = Some(e.into());
+                            return;
+                        }
+                    }
+                }
+                let flat = self.flat[bucket].clone().expect("resolved");
+                let avg: Tensor<D> = flat
+                    .narrow(0, r.offset[slot], r.numel[slot])
+                    .reshape(own.shape());
+                self.grads.register(param.id, avg);
+            }
+        }
+        let mut finisher = Finisher {
+            reducer: self,
+            grads,
+            slot: 0,
+            flat: vec![None; self.buckets()],
+            error: None,
+        };
+        model.visit(&mut finisher);
+        finisher.error.map_or(Ok(()), Err)
+    }
 }

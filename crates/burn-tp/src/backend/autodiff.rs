@@ -13,7 +13,7 @@ use super::overlap::{
     ColumnSaved, LinearGrads, Needs, column_backward, column_forward, row_backward, row_forward,
 };
 use super::{
-    Bias, Collective, CollectiveOutput, LinearSpec, PendingCollective, TpBackend,
+    Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective, TpBackend,
     collective_blocking,
 };
 
@@ -105,7 +105,47 @@ impl<B: TpBackend> Backward<B, 1> for CollectiveBackward {
     }
 }
 
+/// The gradient tap's node: the parameter's whole gradient of this backward, to the reducer.
+#[derive(Debug)]
+struct TapBackward;
+
+impl<B: TpBackend> Backward<B, 1> for TapBackward {
+    type State = GradTap;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _ck: &mut Checkpointer) {
+        let tap = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            tap.shared.deliver::<B>(tap.slot, grad.clone());
+            grad
+        });
+    }
+}
+
 impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
+    fn tp_grad_tap(x: FloatTensor<Self>, tap: GradTap) -> FloatTensor<Self> {
+        let out = x.primitive().clone();
+        match TapBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(tap, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn tp_grad_bucket(
+        like: FloatTensor<Self>,
+        tap: GradTap,
+        bucket: usize,
+    ) -> CollectiveOutput<Self> {
+        // The buckets were started by the inner backend's ops inside the backward.
+        match B::tp_grad_bucket(like.primitive().clone(), tap, bucket).into_result() {
+            Ok(t) => CollectiveOutput::Done(<Self as AutodiffBackend>::from_inner(t)),
+            Err(e) => CollectiveOutput::Failed(e),
+        }
+    }
+
     fn tp_start(
         x: FloatTensor<Self>,
         op: Collective,

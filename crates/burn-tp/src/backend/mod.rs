@@ -35,6 +35,7 @@ mod autodiff;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod flex;
+pub(crate) mod grad_tap;
 pub(crate) mod host;
 pub(crate) mod overlap;
 mod pool;
@@ -50,6 +51,8 @@ use burn_tp_comm::ProcessGroup;
 pub use types::{Collective, LinearSpec, OverlapSchedule, TpMode, TpSettings};
 // The types `TpBackend`'s ops cross the dispatch boundary in: public because the trait's
 // signatures name them, hidden because users hold `ops::Pending`, an `Option` and a `Result`.
+#[doc(hidden)]
+pub use grad_tap::GradTap;
 #[doc(hidden)]
 pub use types::{Bias, CollectiveOutput, PendingCollective};
 
@@ -95,6 +98,28 @@ pub trait TpBackend: Backend {
     ) -> FloatTensor<Self> {
         let _ = (input, jacobian);
         value
+    }
+
+    /// Identity forward; on `Autodiff`, its backward hands the gradient to `tap` (the overlapped
+    /// data-parallel reduction, [`crate::dp::GradReducer`]) and passes it on unchanged.
+    fn tp_grad_tap(x: FloatTensor<Self>, tap: GradTap) -> FloatTensor<Self> {
+        let _ = tap;
+        x
+    }
+
+    /// Waits for bucket `bucket` of `tap`'s reducer (`[n]`, the flattened average of its
+    /// gradients), started during the backward. `like` (any tensor of the backend that ran the
+    /// backward's inner ops) routes the call.
+    fn tp_grad_bucket(
+        like: FloatTensor<Self>,
+        tap: GradTap,
+        bucket: usize,
+    ) -> CollectiveOutput<Self> {
+        let _ = like;
+        match tap.shared.take::<Self>(bucket) {
+            Ok(pending) => Self::tp_resolve(pending),
+            Err(e) => CollectiveOutput::Failed(e),
+        }
     }
 
     /// Column-parallel linear with overlapped communication (see `overlap.rs`):
