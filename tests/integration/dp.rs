@@ -5,7 +5,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_tp::LocalGroup;
-use burn_tp::dp::{GradReducer, average_gradients, broadcast_parameters};
+use burn_tp::dp::{DistributedAdamW, GradReducer, average_gradients, broadcast_parameters};
 use burn_tp::gpt::GptConfig;
 use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::local::run_ranks;
@@ -26,11 +26,22 @@ enum Reduce {
     Overlap(usize),
     /// `GradReducer`, each replica's batch in two micro-batches of half the size.
     Accumulate(usize),
+    /// `DistributedAdamW` (reduce-scatter, AdamW on this rank's chunk, all-gather).
+    Distributed(usize),
 }
 
-/// `(losses, full parameters after STEPS AdamW steps, buckets)` of the GPT (tied embeddings,
-/// sequence parallel) at tp x dp, on rank 0.
-fn train(tp: usize, dp: usize, reduce: Reduce) -> (Vec<f64>, Vec<Vec<f64>>, usize) {
+/// What a run gave, on rank 0.
+struct Run {
+    losses: Vec<f64>,
+    /// The full parameters after the steps.
+    params: Vec<Vec<f64>>,
+    buckets: usize,
+    /// `Distributed`: (AdamW state bytes on this rank, elements of this rank's tp shard).
+    state: Option<(usize, usize)>,
+}
+
+/// STEPS AdamW steps of the GPT (tied embeddings, sequence parallel) at tp x dp.
+fn train(tp: usize, dp: usize, reduce: Reduce) -> Run {
     let config = GptConfig::new(V, S, 16, 4, 2)
         .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter));
     device().seed(7);
@@ -49,9 +60,10 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> (Vec<f64>, Vec<Vec<f64>>, usiz
         let mut model = broadcast_parameters(model, &dp_group).unwrap();
         let bucket_bytes = match reduce {
             Reduce::Plain => GradReducer::DEFAULT_BUCKET_BYTES,
-            Reduce::Overlap(b) | Reduce::Accumulate(b) => b,
+            Reduce::Overlap(b) | Reduce::Accumulate(b) | Reduce::Distributed(b) => b,
         };
         let reducer = GradReducer::new(&model, &dp_group, bucket_bytes);
+        let mut zero = DistributedAdamW::new(&AdamWConfig::new(), &model, &dp_group, bucket_bytes);
         let mut optim = AdamWConfig::new().init();
         let mut losses = Vec::new();
         let per = BATCH / dp;
@@ -66,6 +78,14 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> (Vec<f64>, Vec<Vec<f64>>, usiz
             };
             let mine = dp_rank * per..(dp_rank + 1) * per;
             // Rank 0's own loss (its dp slice) is logged: the same in every mode.
+            if let Reduce::Distributed(_) = reduce {
+                let (x, y) = columns(mine);
+                let loss = zero.attach(model.clone(), true).loss(x, y);
+                losses.push(f64s(loss.clone())[0]);
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = zero.step(1e-2, model, grads).unwrap();
+                continue;
+            }
             let grads = match reduce {
                 Reduce::Plain => {
                     let (x, y) = columns(mine);
@@ -84,6 +104,7 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> (Vec<f64>, Vec<Vec<f64>>, usiz
                     reducer.finish(&model, &mut grads).unwrap();
                     grads
                 }
+                Reduce::Distributed(_) => unreachable!("stepped above"),
                 Reduce::Accumulate(_) => {
                     let half = per / 2;
                     let mut total = 0.0;
@@ -105,6 +126,19 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> (Vec<f64>, Vec<Vec<f64>>, usiz
             };
             model = optim.step(1e-2, model, grads);
         }
+        struct Count(usize);
+        impl ModuleVisitor for Count {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                self.0 += p.val().shape().num_elements();
+            }
+        }
+        let mut count = Count(0);
+        model.visit(&mut count);
+        let state = matches!(reduce, Reduce::Distributed(_)).then(|| (zero.state_bytes(), count.0));
+        let buckets = match reduce {
+            Reduce::Distributed(_) => zero.buckets(),
+            _ => reducer.buckets(),
+        };
         let full = model.to_full_module().unwrap();
         struct Collect(Vec<Vec<f64>>);
         impl ModuleVisitor for Collect {
@@ -114,7 +148,12 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> (Vec<f64>, Vec<Vec<f64>>, usiz
         }
         let mut c = Collect(Vec::new());
         full.visit(&mut c);
-        (losses, c.0, reducer.buckets())
+        Run {
+            losses,
+            params: c.0,
+            buckets,
+            state,
+        }
     })
     .unwrap();
     out.into_iter().next().unwrap()
@@ -127,9 +166,18 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> (Vec<f64>, Vec<Vec<f64>>, usiz
 fn overlapped_reduction_gives_the_plain_runs_losses_and_parameters() {
     let _rng = rng_lock();
     for (tp, dp) in [(2usize, 2usize), (1, 4)] {
-        let (want_losses, want_params, _) = train(tp, dp, Reduce::Plain);
+        let Run {
+            losses: want_losses,
+            params: want_params,
+            ..
+        } = train(tp, dp, Reduce::Plain);
         for bucket in [GradReducer::DEFAULT_BUCKET_BYTES, 2048] {
-            let (losses, params, buckets) = train(tp, dp, Reduce::Overlap(bucket));
+            let Run {
+                losses,
+                params,
+                buckets,
+                ..
+            } = train(tp, dp, Reduce::Overlap(bucket));
             let tag = format!("tp {tp} dp {dp}, {buckets} buckets");
             if bucket == 2048 {
                 assert!(buckets > 3, "{tag}: small buckets");
@@ -154,11 +202,40 @@ fn overlapped_reduction_gives_the_plain_runs_losses_and_parameters() {
 #[test]
 fn accumulated_micro_batches_give_the_full_batch_step() {
     let _rng = rng_lock();
-    let (want_losses, want_params, _) = train(2, 2, Reduce::Plain);
-    let (losses, params, _) = train(2, 2, Reduce::Accumulate(2048));
+    let want = train(2, 2, Reduce::Plain);
+    let (want_losses, want_params) = (want.losses, want.params);
+    let got = train(2, 2, Reduce::Accumulate(2048));
+    let (losses, params) = (got.losses, got.params);
     assert_close(&losses, &want_losses, 1e-5, "losses");
     for (i, (a, b)) in params.iter().zip(&want_params).enumerate() {
         assert_close(a, b, 1e-4, &format!("parameter {i}"));
+    }
+}
+
+/// The distributed optimizer (AdamW moments sharded over dp, ZeRO stage 1) at tp 2 x dp 2 and
+/// tp 1 x dp 4, one bucket and 2 KiB buckets: the plain run's losses and parameters after 20
+/// steps, and each rank holds 1/dp of the moments (two f32 per element of its tp shard, plus at
+/// most dp - 1 padding elements per bucket).
+#[test]
+fn the_distributed_optimizer_gives_the_plain_run_with_1_over_dp_of_the_state() {
+    let _rng = rng_lock();
+    for (tp, dp) in [(2usize, 2usize), (1, 4)] {
+        let want = train(tp, dp, Reduce::Plain);
+        for bucket in [GradReducer::DEFAULT_BUCKET_BYTES, 2048] {
+            let got = train(tp, dp, Reduce::Distributed(bucket));
+            let tag = format!("tp {tp} dp {dp}, {} buckets", got.buckets);
+            assert_close(&got.losses, &want.losses, 1e-5, &format!("{tag}: losses"));
+            for (i, (a, b)) in got.params.iter().zip(&want.params).enumerate() {
+                assert_close(a, b, 1e-5, &format!("{tag}: parameter {i}"));
+            }
+            let (bytes, elements) = got.state.unwrap();
+            let floor = 8 * elements / dp;
+            let most = 8 * (elements.div_ceil(dp) + got.buckets * (dp - 1));
+            assert!(
+                bytes >= floor && bytes <= most,
+                "{tag}: {bytes} state bytes on rank 0, want {floor}..={most} (8 x {elements} / {dp})"
+            );
+        }
     }
 }
 

@@ -48,6 +48,11 @@ pub(crate) struct TapShared {
     pub(crate) bucket_of: Vec<Option<usize>>,
     /// Per bucket: its slots, in the order they are concatenated.
     pub(crate) buckets: Vec<Vec<usize>>,
+    /// Per bucket with `scatter`: its elements, zero-padded to a multiple of the dp size.
+    pub(crate) padded: Vec<usize>,
+    /// Reduce-scatter each bucket (the distributed optimizer: rank `r` keeps chunk `r` of the
+    /// average) instead of all-reducing it.
+    pub(crate) scatter: bool,
     pub(crate) state: Mutex<TapState>,
 }
 
@@ -119,17 +124,33 @@ impl TapShared {
                 }
             }
         }
+        let n: usize = flat.iter().map(|g| g.shape().num_elements()).sum();
+        if self.scatter && self.padded[bucket] > n {
+            let first = &flat[0];
+            let (device, dtype) = (first.device(), first.dtype().into());
+            flat.push(B::float_zeros(
+                Shape::from(vec![self.padded[bucket] - n]),
+                &device,
+                dtype,
+            ));
+        }
         let flat = if flat.len() == 1 {
             flat.pop().expect("one gradient")
         } else {
             B::float_cat(flat, 0)
         };
         let _scope = burn_tp_comm::profile::scope("dp gradient bucket (overlapped)");
-        let pending = B::tp_start(
-            flat,
-            Collective::AllReduce(ReduceOp::Avg),
-            self.group.clone(),
-        );
+        let (flat, op) = if self.scatter {
+            // The average as a sum of pre-scaled values (exact for a power-of-two dp).
+            let dp = self.group.world_size() as f64;
+            (
+                B::float_mul_scalar(flat, (1.0 / dp).into()),
+                Collective::ReduceScatter { dim: 0 },
+            )
+        } else {
+            (flat, Collective::AllReduce(ReduceOp::Avg))
+        };
+        let pending = B::tp_start(flat, op, self.group.clone());
         st.started[bucket] = Some(Box::new(pending));
     }
 

@@ -131,7 +131,7 @@ pub(crate) fn solo() -> ProcessGroup {
 }
 
 mod layout;
-mod optimizer;
+pub(crate) mod optimizer;
 
 pub use layout::{ParamLayout, Piece};
 pub use optimizer::FullOptimizerState;

@@ -1,6 +1,4 @@
-//! Data parallelism on top of tensor parallelism: average gradients over a data-parallel group,
-//! after the backward ([`average_gradients`]) or overlapped with it in buckets
-//! ([`GradReducer`]).
+//! [`GradReducer`]: the data-parallel gradient reduction overlapped with the backward.
 
 use std::fmt;
 use std::sync::Arc;
@@ -9,99 +7,11 @@ use burn::backend::Dispatch;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use burn_tp_comm::{ProcessGroup, ReduceOp};
+use burn_tp_comm::ProcessGroup;
 
 use crate::backend::TpBackend;
 use crate::backend::grad_tap::{GradTap, TapShared, TapState};
-use crate::ops::all_reduce;
 use crate::{Result, TpError};
-
-/// Averages every gradient of `module` in `grads` over `dp_group` (all-reduce, then / dp), in
-/// the module's parameter order, which is the same on every data-parallel rank. With tp x dp,
-/// `dp_group` joins the ranks holding the same shard (`ProcessGroup::split(rank % tp, rank)`).
-///
-/// # Errors
-/// The first communication error.
-pub fn average_gradients<M: Module>(
-    module: &M,
-    grads: &mut GradientsParams,
-    dp_group: &ProcessGroup,
-) -> Result<()> {
-    if dp_group.world_size() == 1 {
-        return Ok(());
-    }
-    let _scope = burn_tp_comm::profile::scope("dp gradient (after backward)");
-    struct Averager<'a> {
-        grads: &'a mut GradientsParams,
-        group: &'a ProcessGroup,
-        error: Option<TpError>,
-    }
-    impl ModuleVisitor for Averager<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.error.is_some() {
-                return;
-            }
-            if let Some(g) = self.grads.remove::<D>(param.id) {
-                match all_reduce(g, ReduceOp::Avg, self.group) {
-                    Ok(avg) => self.grads.register(param.id, avg),
-                    Err(e) => self.error = Some(e),
-                }
-            }
-        }
-    }
-    let mut visitor = Averager {
-        grads,
-        group: dp_group,
-        error: None,
-    };
-    module.visit(&mut visitor);
-    visitor.error.map_or(Ok(()), Err)
-}
-
-/// Copies every parameter of `module` from data-parallel rank 0 to the others, so all replicas
-/// start identical (what DDP does at construction). Collective over `dp_group`.
-///
-/// # Errors
-/// The first communication error.
-pub fn broadcast_parameters<M: Module>(module: M, dp_group: &ProcessGroup) -> Result<M> {
-    if dp_group.world_size() == 1 {
-        return Ok(module);
-    }
-    struct Broadcaster<'a> {
-        group: &'a ProcessGroup,
-        error: Option<TpError>,
-    }
-    impl burn::module::ModuleMapper for Broadcaster<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            if self.error.is_some() {
-                return param;
-            }
-            let group = self.group;
-            let mut error = None;
-            let param = param.map(|t| {
-                let requires_grad = t.is_require_grad();
-                match crate::ops::broadcast(t.clone(), 0, group) {
-                    Ok(b) => {
-                        let b = crate::init::owned(b);
-                        if requires_grad { b.require_grad() } else { b }
-                    }
-                    Err(e) => {
-                        error = Some(e);
-                        t
-                    }
-                }
-            });
-            self.error = error;
-            param
-        }
-    }
-    let mut mapper = Broadcaster {
-        group: dp_group,
-        error: None,
-    };
-    let module = module.map(&mut mapper);
-    mapper.error.map_or(Ok(module), Err)
-}
 
 /// Data-parallel gradient averaging overlapped with the backward, in buckets (PyTorch DDP's and
 /// Megatron's `overlap_grad_reduce`): each bucket's average over the data-parallel group starts
@@ -153,6 +63,17 @@ impl GradReducer {
     /// A reducer for `model`'s trainable parameters over `dp_group`, in buckets of at most
     /// `bucket_bytes`.
     pub fn new<M: Module>(model: &M, dp_group: &ProcessGroup, bucket_bytes: usize) -> Self {
+        Self::build(model, dp_group, bucket_bytes, false)
+    }
+
+    /// With `scatter`, each bucket is reduce-scattered (zero-padded to a multiple of the dp
+    /// size): rank `r` gets chunk `r` of the average ([`super::DistributedAdamW`]).
+    pub(crate) fn build<M: Module>(
+        model: &M,
+        dp_group: &ProcessGroup,
+        bucket_bytes: usize,
+        scatter: bool,
+    ) -> Self {
         struct Sizes(Vec<(usize, usize, bool)>);
         impl ModuleVisitor for Sizes {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -186,6 +107,11 @@ impl GradReducer {
                 at += sizes[slot].0;
             }
         }
+        let dp = dp_group.world_size().max(1);
+        let padded = buckets
+            .iter()
+            .map(|b| b.iter().map(|&s| sizes[s].0).sum::<usize>().div_ceil(dp) * dp)
+            .collect();
         let n_buckets = buckets.len();
         let state = TapState {
             acc: (0..sizes.len()).map(|_| None).collect(),
@@ -198,6 +124,8 @@ impl GradReducer {
                 group: dp_group.weak(),
                 bucket_of,
                 buckets,
+                padded,
+                scatter,
                 state: std::sync::Mutex::new(state),
             }),
             group: dp_group.clone(),
@@ -259,6 +187,48 @@ impl GradReducer {
     /// A communication error; a trainable parameter without a gradient this step (the group is
     /// aborted, so every rank fails rather than waits).
     pub fn finish<M: Module>(&self, model: &M, grads: &mut GradientsParams) -> Result<()> {
+        self.check_started()?;
+        let Some(like) = first_grad(model, grads) else {
+            return Ok(());
+        };
+        let flat = self.resolve(like)?;
+        struct Finisher<'a> {
+            reducer: &'a GradReducer,
+            grads: &'a mut GradientsParams,
+            slot: usize,
+            flat: Vec<Tensor<1>>,
+        }
+        impl ModuleVisitor for Finisher<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let slot = self.slot;
+                self.slot += 1;
+                let r = self.reducer;
+                let Some(bucket) = r.shared.bucket_of.get(slot).copied().flatten() else {
+                    return;
+                };
+                let Some(own) = self.grads.remove::<D>(param.id) else {
+                    return;
+                };
+                let avg: Tensor<D> = self.flat[bucket]
+                    .clone()
+                    .narrow(0, r.offset[slot], r.numel[slot])
+                    .reshape(own.shape());
+                self.grads.register(param.id, avg);
+            }
+        }
+        model.visit(&mut Finisher {
+            reducer: self,
+            grads,
+            slot: 0,
+            flat,
+        });
+        Ok(())
+    }
+
+    /// `Ok` when every bucket was started in this step's last backward; otherwise the error,
+    /// after aborting the group (so every rank fails rather than waits) and dropping the
+    /// step's accumulators.
+    pub(crate) fn check_started(&self) -> Result<()> {
         let missing = {
             let st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
             st.started.iter().filter(|s| s.is_none()).count()
@@ -277,56 +247,56 @@ impl GradReducer {
             st.started.iter_mut().for_each(|s| *s = None);
             return Err(e.into());
         }
-        struct Finisher<'a> {
-            reducer: &'a GradReducer,
-            grads: &'a mut GradientsParams,
-            slot: usize,
-            flat: Vec<Option<Tensor<1>>>,
-            error: Option<TpError>,
-        }
-        impl ModuleVisitor for Finisher<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let slot = self.slot;
-                self.slot += 1;
-                let r = self.reducer;
-                let Some(bucket) = r.shared.bucket_of.get(slot).copied().flatten() else {
-                    return;
+        Ok(())
+    }
+
+    /// Waits for every bucket, in order: the flat average (or, scattering, this rank's chunk of
+    /// it). `like`: any gradient of the backward, which routes the call to its backend.
+    pub(crate) fn resolve(&self, like: Tensor<1>) -> Result<Vec<Tensor<1>>> {
+        (0..self.buckets())
+            .map(|bucket| {
+                let tap = GradTap {
+                    shared: self.shared.clone(),
+                    slot: 0,
                 };
-                let Some(own) = self.grads.remove::<D>(param.id) else {
-                    return;
-                };
-                if self.error.is_some() {
-                    return;
-                }
-                if self.flat[bucket].is_none() {
-                    let tap = GradTap {
-                        shared: r.shared.clone(),
-                        slot,
-                    };
-                    let like = own.clone().into_dispatch();
-                    match <Dispatch as TpBackend>::tp_grad_bucket(like, tap, bucket).into_result() {
-                        Ok(t) => self.flat[bucket] = Some(Tensor::from_dispatch(t)),
-                        Err(e) => {
-                            self.error = Some(e.into());
-                            return;
-                        }
-                    }
-                }
-                let flat = self.flat[bucket].clone().expect("resolved");
-                let avg: Tensor<D> = flat
-                    .narrow(0, r.offset[slot], r.numel[slot])
-                    .reshape(own.shape());
-                self.grads.register(param.id, avg);
+                let like = like.clone().into_dispatch();
+                <Dispatch as TpBackend>::tp_grad_bucket(like, tap, bucket)
+                    .into_result()
+                    .map(Tensor::from_dispatch)
+                    .map_err(TpError::from)
+            })
+            .collect()
+    }
+
+    /// Per slot: its elements and its offset in its bucket; per bucket: its slots.
+    pub(crate) fn layout(&self) -> (&[usize], &[usize], &[Vec<usize>], &[Option<usize>]) {
+        (
+            &self.numel,
+            &self.offset,
+            &self.shared.buckets,
+            &self.shared.bucket_of,
+        )
+    }
+
+    /// Per bucket: its padded length (a multiple of the dp size when scattering).
+    pub(crate) fn padded(&self) -> &[usize] {
+        &self.shared.padded
+    }
+}
+
+/// Any gradient in `grads` of a parameter of `model`, flattened (it routes the bucket resolves).
+pub(crate) fn first_grad<M: Module>(model: &M, grads: &GradientsParams) -> Option<Tensor<1>> {
+    struct First<'a>(&'a GradientsParams, Option<Tensor<1>>);
+    impl ModuleVisitor for First<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.1.is_none()
+                && let Some(g) = self.0.get::<D>(param.id)
+            {
+                self.1 = Some(g.flatten(0, D - 1));
             }
         }
-        let mut finisher = Finisher {
-            reducer: self,
-            grads,
-            slot: 0,
-            flat: vec![None; self.buckets()],
-            error: None,
-        };
-        model.visit(&mut finisher);
-        finisher.error.map_or(Ok(()), Err)
     }
+    let mut first = First(grads, None);
+    model.visit(&mut first);
+    first.1
 }
