@@ -15,7 +15,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, FloatDType};
 use burn_tp::checkpoint::{CheckpointInfo, load_sharded, load_sharded_optimizer, save_sharded};
 use burn_tp::comm::Profile;
-use burn_tp::dp::{GradReducer, average_gradients, broadcast_parameters};
+use burn_tp::dp::{DistributedAdamW, GradReducer, average_gradients, broadcast_parameters};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::hf::HfConfig;
 use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
@@ -122,7 +122,12 @@ pub struct Args {
     /// their last gradient is ready (`burn_tp::dp::GradReducer`), instead of after it.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
-    /// Bucket size of `--overlap-grad-reduce`, in MiB.
+    /// Shard AdamW's moments over dp (ZeRO stage 1, Megatron's distributed optimizer,
+    /// `burn_tp::dp::DistributedAdamW`): each bucket of gradients is reduce-scattered during the
+    /// backward, each dp rank updates its 1/dp chunk, the chunks are all-gathered.
+    #[arg(long)]
+    pub distributed_optimizer: bool,
+    /// Bucket size of `--overlap-grad-reduce` and `--distributed-optimizer`, in MiB.
     #[arg(long, default_value_t = 4.0, value_name = "MIB")]
     pub bucket_mb: f64,
     /// Optimizer steps.
@@ -784,13 +789,29 @@ fn train_rank<M: LanguageModel>(
         held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?,
     )];
     let mut stopped = None;
-    let reducer = args.overlap_grad_reduce.then(|| {
-        GradReducer::new(
-            &model,
-            &dp_group,
-            (args.bucket_mb * (1 << 20) as f64) as usize,
-        )
-    });
+    let bucket_bytes = (args.bucket_mb * (1 << 20) as f64) as usize;
+    let mut zero = match args.distributed_optimizer {
+        true => {
+            let mut zero =
+                DistributedAdamW::new(&AdamWConfig::new(), &model, &dp_group, bucket_bytes);
+            // This rank's chunks of a resumed state (saved at any dp).
+            zero.load_module_optimizer(&optim, &model)?;
+            Some(zero)
+        }
+        false => None,
+    };
+    let reducer = (args.overlap_grad_reduce && zero.is_none())
+        .then(|| GradReducer::new(&model, &dp_group, bucket_bytes));
+    // The state the checkpoints write: the distributed optimizer's chunks gathered over dp.
+    let synced = |zero: &Option<DistributedAdamW>,
+                  model: &M,
+                  optim: burn::optim::ModuleOptimizer|
+     -> burn_tp::Result<burn::optim::ModuleOptimizer> {
+        match zero {
+            Some(z) => z.to_module_optimizer(&AdamWConfig::new(), model),
+            None => Ok(optim),
+        }
+    };
     for step in first_step..first_step + args.steps {
         let (ids, targets) = batch(&data.train, args, step);
         let ids = dp_slice(&ids, args, dp_rank, &device);
@@ -798,12 +819,15 @@ fn train_rank<M: LanguageModel>(
         let working = compute(&model);
         let per = args.batch / args.dp;
         let dropout = DropoutStep::new(step as u64).with_batch(dp_rank * per, args.batch);
-        let loss = match &reducer {
-            // The tapped view: each bucket's average starts during the backward.
-            Some(r) => r
+        let loss = match (&zero, &reducer) {
+            // The tapped view: each bucket's reduction starts during the backward.
+            (Some(z), _) => z
                 .attach(working.clone(), true)
                 .loss(ids, targets, Some(dropout))?,
-            None => working.loss(ids, targets, Some(dropout))?,
+            (None, Some(r)) => r
+                .attach(working.clone(), true)
+                .loss(ids, targets, Some(dropout))?,
+            (None, None) => working.loss(ids, targets, Some(dropout))?,
         };
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
@@ -818,18 +842,24 @@ fn train_rank<M: LanguageModel>(
         }
         // The copy's parameters have the master's ids: its gradients, in f32, step the master.
         let mut grads = GradientsParams::from_grads(loss.backward(), &working);
-        match &reducer {
-            // Averaged in f32 (half-precision gradients accumulate in f32 in the reducer).
-            Some(r) => {
-                r.finish(&working, &mut grads)?;
-                cast_grads(&working, &mut grads, FloatDType::F32);
+        if let Some(z) = &mut zero {
+            // This rank's chunks of the f32 average, stepped, gathered.
+            cast_grads(&working, &mut grads, FloatDType::F32);
+            model = z.step(args.lr, model, grads)?;
+        } else {
+            match &reducer {
+                // Averaged in f32 (half-precision gradients accumulate in f32 in the reducer).
+                Some(r) => {
+                    r.finish(&working, &mut grads)?;
+                    cast_grads(&working, &mut grads, FloatDType::F32);
+                }
+                None => {
+                    cast_grads(&working, &mut grads, FloatDType::F32);
+                    average_gradients(&model, &mut grads, &dp_group)?;
+                }
             }
-            None => {
-                cast_grads(&working, &mut grads, FloatDType::F32);
-                average_gradients(&model, &mut grads, &dp_group)?;
-            }
+            model = optim.step(args.lr, model, grads);
         }
-        model = optim.step(args.lr, model, grads);
         if (step + 1) % args.eval_every == 0 || step + 1 == first_step + args.steps {
             let loss = held_out_loss(&compute(&model), args, data, dp_rank, &dp_group, &device)?;
             held_out.push((step + 1, loss));
@@ -840,6 +870,7 @@ fn train_rank<M: LanguageModel>(
                 .save_every
                 .is_some_and(|n| (step + 1 - first_step) % n == 0)
         {
+            optim = synced(&zero, &model, optim)?;
             save(&model, &optim, step + 1)?;
         }
         if let Some(bar) = &progress {
@@ -871,6 +902,7 @@ fn train_rank<M: LanguageModel>(
         world.barrier()?;
     }
     let save_start = Instant::now();
+    optim = synced(&zero, &model, optim)?;
     save(&model, &optim, first_step + args.steps)?;
     timings.save_s = save_start.elapsed().as_secs_f64();
     if let Some(file) = &args.export_full {

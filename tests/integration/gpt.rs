@@ -377,6 +377,73 @@ fn train_gpt_overlapped_grad_reduce_gives_the_same_losses() {
     assert!(e.contains("--bucket-mb") && e.contains('0'), "{e}");
 }
 
+/// `--distributed-optimizer` (AdamW's moments sharded over dp) gives the plain run's losses at
+/// tp 2 x dp 2 and tp 1 x dp 4, with and without `--overlap-grad-reduce`; its checkpoint (the
+/// chunks gathered into the sharded format) resumes at tp 1 x dp 4 with the distributed
+/// optimizer and at tp 2 x dp 1 without it, into the uninterrupted curve.
+#[test]
+fn train_gpt_distributed_optimizer_gives_the_same_curve_and_resumes_at_another_dp() {
+    let _rng = rng_lock();
+    for (tp, dp) in [("2", "2"), ("1", "4")] {
+        let base = ["--tp", tp, "--dp", dp, "--steps", "20"];
+        let plain = run(&tiny_args(&base, &temp_dir("zero-plain")))
+            .unwrap()
+            .losses;
+        for extra in [
+            &["--distributed-optimizer"][..],
+            &[
+                "--distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--bucket-mb",
+                "0.001",
+            ],
+        ] {
+            let mut argv = base.to_vec();
+            argv.extend_from_slice(extra);
+            let report = run(&tiny_args(&argv, &temp_dir("zero"))).unwrap();
+            assert_close(
+                &report.losses,
+                &plain,
+                1e-5,
+                &format!("tp {tp} dp {dp} {extra:?}"),
+            );
+        }
+    }
+    let whole = run(&tiny_args(
+        &["--tp", "2", "--dp", "2", "--steps", "40"],
+        &temp_dir("zero-whole"),
+    ))
+    .unwrap()
+    .losses;
+    let half = run(&tiny_args(
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--steps",
+            "20",
+            "--distributed-optimizer",
+        ],
+        &temp_dir("zero-half"),
+    ))
+    .unwrap();
+    let ckpt = half.checkpoint.to_str().unwrap().to_string();
+    for (tp, dp, zero) in [("1", "4", true), ("2", "1", false)] {
+        let mut argv = vec!["--tp", tp, "--dp", dp, "--steps", "20", "--resume", &ckpt];
+        if zero {
+            argv.push("--distributed-optimizer");
+        }
+        let rest = run(&tiny_args(&argv, &temp_dir("zero-rest"))).unwrap();
+        assert_close(
+            &rest.losses,
+            &whole[20..],
+            1e-4,
+            &format!("steps 20..40 resumed at tp {tp} x dp {dp} (distributed {zero})"),
+        );
+    }
+}
+
 /// In REDUCE_SCATTER mode each rank sees only its sequence shard; layer norms, positions and the
 /// row biases still get the full gradient and stay bitwise identical on every rank.
 #[test]

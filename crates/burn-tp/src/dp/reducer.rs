@@ -268,14 +268,14 @@ impl GradReducer {
             .collect()
     }
 
-    /// Per slot: its elements and its offset in its bucket; per bucket: its slots.
-    pub(crate) fn layout(&self) -> (&[usize], &[usize], &[Vec<usize>], &[Option<usize>]) {
-        (
-            &self.numel,
-            &self.offset,
-            &self.shared.buckets,
-            &self.shared.bucket_of,
-        )
+    /// Where each parameter lies in the buckets.
+    pub(crate) fn layout(&self) -> BucketLayout<'_> {
+        BucketLayout {
+            numel: &self.numel,
+            offset: &self.offset,
+            buckets: &self.shared.buckets,
+            bucket_of: &self.shared.bucket_of,
+        }
     }
 
     /// Per bucket: its padded length (a multiple of the dp size when scattering).
@@ -299,4 +299,16 @@ pub(crate) fn first_grad<M: Module>(model: &M, grads: &GradientsParams) -> Optio
     let mut first = First(grads, None);
     model.visit(&mut first);
     first.1
+}
+
+/// Where each parameter (slot, in visiting order) lies in the buckets.
+pub(crate) struct BucketLayout<'a> {
+    /// Per slot: its elements.
+    pub(crate) numel: &'a [usize],
+    /// Per slot: its offset in its bucket.
+    pub(crate) offset: &'a [usize],
+    /// Per bucket: its slots, in order.
+    pub(crate) buckets: &'a [Vec<usize>],
+    /// Per slot: its bucket (`None`: frozen).
+    pub(crate) bucket_of: &'a [Option<usize>],
 }

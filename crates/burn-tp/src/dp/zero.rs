@@ -12,7 +12,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{
-    AdaptiveMomentumState, AdamW, AdamWConfig, AdamWState, GradientsParams, LearningRate,
+    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate,
     ModuleOptimizer, Optimizer,
 };
 use burn::tensor::{Tensor, TensorData};
@@ -121,6 +121,8 @@ impl DistributedAdamW {
         let grad_chunks = self.reducer.resolve(like)?;
         let flat = self.flat_params(&model);
         let (r, dp) = (self.group.rank(), self.group.world_size());
+        let _scope =
+            burn_tp_comm::profile::scope("dp parameter all-gather (distributed optimizer)");
         let mut gathers = Vec::with_capacity(flat.len());
         for (b, (params, grad)) in flat.into_iter().zip(grad_chunks).enumerate() {
             let c = self.reducer.padded()[b] / dp;
@@ -149,8 +151,9 @@ impl DistributedAdamW {
         let mut values = Values(Vec::new());
         model.visit(&mut values);
         let mut values = values.0;
-        let (_, _, buckets, _) = self.reducer.layout();
-        buckets
+        self.reducer
+            .layout()
+            .buckets
             .iter()
             .enumerate()
             .map(|(b, slots)| {
@@ -194,11 +197,11 @@ impl DistributedAdamW {
                 })
             }
         }
-        let (numel, offset, _, bucket_of) = self.reducer.layout();
+        let layout = self.reducer.layout();
         model.map(&mut Replace {
-            numel,
-            offset,
-            bucket_of,
+            numel: layout.numel,
+            offset: layout.offset,
+            bucket_of: layout.bucket_of,
             flat,
             slot: 0,
         })
@@ -218,7 +221,8 @@ impl DistributedAdamW {
         let Some(time) = self.state.iter().flatten().map(|s| s.momentum.time).next() else {
             return Ok(optim);
         };
-        let (numel, offset, buckets, _) = self.reducer.layout();
+        let layout = self.reducer.layout();
+        let (numel, offset, buckets) = (layout.numel, layout.offset, layout.buckets);
         let shapes = shapes(model);
         let mut state = IndexedState::default();
         for (b, slots) in buckets.iter().enumerate() {
@@ -256,7 +260,8 @@ impl DistributedAdamW {
         model: &M,
     ) -> Result<()> {
         let state = IndexedState::of(optim, model)?;
-        let (numel, _, buckets, _) = self.reducer.layout();
+        let layout = self.reducer.layout();
+        let (numel, buckets) = (layout.numel, layout.buckets);
         let (r, dp) = (self.group.rank(), self.group.world_size());
         let device = first_device(model);
         for (b, slots) in buckets.iter().enumerate() {
@@ -278,10 +283,8 @@ impl DistributedAdamW {
                         )));
                     }
                 }
-                if let Some(Scalar::UInt(t)) = state
-                    .scalars
-                    .get(&format!("{slot}.momentum.time"))
-                    .copied()
+                if let Some(Scalar::UInt(t)) =
+                    state.scalars.get(&format!("{slot}.momentum.time")).copied()
                 {
                     time = Some(t as usize);
                 }
