@@ -21,6 +21,7 @@ use burn_tp::hf::HfConfig;
 use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
 use burn_tp::llama::{DropoutStep, Llama, LlamaConfig};
 use burn_tp::local::run_ranks;
+use burn_tp::mesh::DeviceMesh;
 use burn_tp::ops::all_reduce;
 use burn_tp::precision::{cast_grads, cast_params};
 use burn_tp::reshard::FullOptimizerState;
@@ -697,13 +698,10 @@ fn train_rank<M: LanguageModel>(
     checkpoint: &Path,
 ) -> Result<RankOut, Box<dyn std::error::Error>> {
     let rank = world.rank();
-    let (tp_rank, dp_rank) = (rank % args.tp, rank / args.tp);
-    // Without data parallelism the world is the tp group (no new communicator to make).
-    let (tp_group, dp_group) = if args.dp == 1 {
-        (world.clone(), LocalGroup::new(1)?.remove(0))
-    } else {
-        (world.split(dp_rank, rank)?, world.split(tp_rank, rank)?)
-    };
+    // The tp x dp grid, its groups made once (tp ranks adjacent).
+    let mesh = DeviceMesh::new(world.clone(), args.tp)?;
+    let dp_rank = mesh.dp_rank();
+    let (tp_group, dp_group) = (mesh.tp_group().clone(), mesh.dp_group().clone());
     let device = device.clone();
 
     // dp replica 0 draws the weights first (only its tp rank 0 uses the RNG); the others wait,

@@ -9,6 +9,7 @@ use burn_tp::dp::{DistributedAdamW, GradReducer, average_gradients, broadcast_pa
 use burn_tp::gpt::GptConfig;
 use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::local::run_ranks;
+use burn_tp::mesh::DeviceMesh;
 use burn_tp::reshard::Reshard;
 
 use crate::common::{assert_close, device, f64s, rng_lock, token_ids};
@@ -46,10 +47,9 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> Run {
         .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter));
     device().seed(7);
     let out = run_ranks(LocalGroup::new(tp * dp).unwrap(), move |world| {
-        let rank = world.rank();
-        let (tp_rank, dp_rank) = (rank % tp, rank / tp);
-        let tp_group = world.split(dp_rank, rank).unwrap();
-        let dp_group = world.split(tp_rank, rank).unwrap();
+        let mesh = DeviceMesh::new(world.clone(), tp).unwrap();
+        let dp_rank = mesh.dp_rank();
+        let (tp_group, dp_group) = (mesh.tp_group().clone(), mesh.dp_group().clone());
         if dp_rank != 0 {
             world.barrier().unwrap();
         }
@@ -266,5 +266,35 @@ fn finish_without_the_last_micro_batch_is_an_error_on_every_rank() {
             e.contains("never completed") && e.contains("buckets"),
             "{e}"
         );
+    }
+}
+
+/// The mesh's groups: at world 6 and tp 2, the tp groups are adjacent pairs of world ranks and
+/// the dp groups the ranks holding the same shard, each in rank order; tp 4 does not divide 6.
+#[test]
+fn the_mesh_groups_adjacent_tp_ranks_and_strided_dp_ranks() {
+    let out = run_ranks(LocalGroup::new(6).unwrap(), |world| {
+        let rank = world.rank() as i64;
+        let e = DeviceMesh::new(world.clone(), 4).unwrap_err().to_string();
+        assert!(e.contains("tp 4") && e.contains("6 ranks"), "{e}");
+        let mesh = DeviceMesh::new(world, 2).unwrap();
+        (
+            (
+                mesh.tp_rank(),
+                mesh.dp_rank(),
+                mesh.tp_size(),
+                mesh.dp_size(),
+            ),
+            mesh.tp_group().all_gather(vec![rank]).unwrap(),
+            mesh.dp_group().all_gather(vec![rank]).unwrap(),
+        )
+    })
+    .unwrap();
+    for (r, (ranks, tp, dp)) in out.into_iter().enumerate() {
+        assert_eq!(ranks, (r % 2, r / 2, 2, 3), "rank {r}");
+        let base = (r / 2 * 2) as i64;
+        assert_eq!(tp, vec![base, base + 1], "rank {r}'s tp group");
+        let first = (r % 2) as i64;
+        assert_eq!(dp, vec![first, first + 2, first + 4], "rank {r}'s dp group");
     }
 }

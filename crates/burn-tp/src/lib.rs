@@ -18,7 +18,9 @@
 //!   [`llama`]: a Llama-class model (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary, dropout).
 //! - [`model`]: [`LanguageModel`](model::LanguageModel), both models behind one trait for a
 //!   training loop (init, loss, logits, and `Reshard` for checkpoints).
-//! - [`reshard`]: moving a module between tp sizes; [`dp`]: data-parallel gradient averaging;
+//! - [`reshard`]: moving a module between tp sizes; [`dp`]: data-parallel gradient averaging
+//!   (after the backward, or overlapped with it in buckets) and the distributed optimizer;
+//!   [`mesh`]: the tp x dp grid of ranks and its groups;
 //!   [`precision`]: bf16 / f16 copies of a module and its gradients (mixed precision).
 //! - `init`: initialisation identical at every tp (internal); [`local`]: the runner of ranks as threads;
 //!   [`testing`]: a gradient checker by finite differences.
@@ -93,6 +95,7 @@ pub mod linear;
 pub mod llama;
 pub mod local;
 pub mod loss;
+pub mod mesh;
 pub mod model;
 pub mod ops;
 pub mod precision;
