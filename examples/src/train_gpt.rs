@@ -25,6 +25,7 @@ use burn_tp::mesh::DeviceMesh;
 use burn_tp::ops::all_reduce;
 use burn_tp::precision::{cast_grads, cast_params};
 use burn_tp::reshard::FullOptimizerState;
+use burn_tp::transformer::ReplicatedGrads;
 use burn_tp::{LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 use clap::{Parser, ValueEnum};
 
@@ -798,6 +799,10 @@ fn train_rank<M: LanguageModel>(
         }
         false => None,
     };
+    // One coalesced tp all-reduce per step for the replicated parameters (sequence parallel);
+    // the distributed optimizer reduces its gradients inside the backward, so it keeps the
+    // per-use all-reduces.
+    let replicated = zero.is_none().then(|| ReplicatedGrads::new(&tp_group));
     let reducer = (args.overlap_grad_reduce && zero.is_none())
         .then(|| GradReducer::new(&model, &dp_group, bucket_bytes));
     // The state the checkpoints write: the distributed optimizer's chunks gathered over dp.
@@ -817,15 +822,20 @@ fn train_rank<M: LanguageModel>(
         let working = compute(&model);
         let per = args.batch / args.dp;
         let dropout = DropoutStep::new(step as u64).with_batch(dp_rank * per, args.batch);
-        let loss = match (&zero, &reducer) {
+        let forward = || match (&zero, &reducer) {
             // The tapped view: each bucket's reduction starts during the backward.
             (Some(z), _) => z
                 .attach(working.clone(), true)
-                .loss(ids, targets, Some(dropout))?,
+                .loss(ids, targets, Some(dropout)),
             (None, Some(r)) => r
                 .attach(working.clone(), true)
-                .loss(ids, targets, Some(dropout))?,
-            (None, None) => working.loss(ids, targets, Some(dropout))?,
+                .loss(ids, targets, Some(dropout)),
+            (None, None) => working.loss(ids, targets, Some(dropout)),
+        };
+        let loss = match &replicated {
+            // The replicated parameters' tp sums deferred to one coalesced all-reduce.
+            Some(r) => r.scope(forward)?,
+            None => forward()?,
         };
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
@@ -845,16 +855,17 @@ fn train_rank<M: LanguageModel>(
             cast_grads(&working, &mut grads, FloatDType::F32);
             model = z.step(args.lr, model, grads)?;
         } else {
-            match &reducer {
-                // Averaged in f32 (half-precision gradients accumulate in f32 in the reducer).
-                Some(r) => {
-                    r.finish(&working, &mut grads)?;
-                    cast_grads(&working, &mut grads, FloatDType::F32);
-                }
-                None => {
-                    cast_grads(&working, &mut grads, FloatDType::F32);
-                    average_gradients(&model, &mut grads, &dp_group)?;
-                }
+            // Averaged in f32 (half-precision gradients accumulate in f32 in the reducer); the
+            // tp sum of the replicated parameters' gradients and the dp average commute.
+            if let Some(r) = &reducer {
+                r.finish(&working, &mut grads)?;
+            }
+            cast_grads(&working, &mut grads, FloatDType::F32);
+            if let Some(r) = &replicated {
+                r.finish(&working, &mut grads)?;
+            }
+            if reducer.is_none() {
+                average_gradients(&model, &mut grads, &dp_group)?;
             }
             model = optim.step(args.lr, model, grads);
         }

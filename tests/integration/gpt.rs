@@ -922,3 +922,94 @@ fn any_vocabulary_size_works_at_any_tp() {
         }
     }
 }
+
+/// Inside `ReplicatedGrads::scope` the sequence-parallel GPT's replicated parameters (layer norms,
+/// positions) post no collective in the backward; `finish` sums their gradients over tp in one
+/// all-reduce: the gradients of every parameter equal the per-use path's (one blocking
+/// all-reduce per use), at tp 2 and 4, and the profile counts 1 coalesced all-reduce against
+/// one per use before.
+#[test]
+fn coalesced_replicated_gradients_equal_the_per_use_all_reduces() {
+    use burn::module::{Module, ModuleVisitor};
+    use burn::optim::GradientsParams;
+    use burn_tp::LocalGroupOptions;
+    use burn_tp::local::run_ranks;
+    use burn_tp::transformer::ReplicatedGrads;
+    let _rng = rng_lock();
+    for tp in [2usize, 4] {
+        device().seed(11);
+        let options = LocalGroupOptions {
+            profile: true,
+            ..Default::default()
+        };
+        let out = run_ranks(LocalGroup::with_options(tp, options).unwrap(), move |g| {
+            let model = GptConfig::new(24, 8, 16, 4, 2)
+                .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter))
+                .init(&g, &device())
+                .unwrap();
+            let x: Vec<i64> = (0..16).map(|i| (i * 7 + 1) % 24).collect();
+            let y: Vec<i64> = (0..16).map(|i| (i * 5 + 2) % 24).collect();
+            let grads_of = |coalesce: bool| {
+                let loss = |m: &Gpt| m.loss(ids(x.clone(), [8, 2]), ids(y.clone(), [8, 2]));
+                let mut grads = if coalesce {
+                    let replicated = ReplicatedGrads::new(&g);
+                    let loss = replicated.scope(|| loss(&model));
+                    let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+                    replicated.finish(&model, &mut grads).unwrap();
+                    grads
+                } else {
+                    GradientsParams::from_grads(loss(&model).backward(), &model)
+                };
+                struct Collect<'a>(&'a mut GradientsParams, Vec<Vec<f64>>);
+                impl ModuleVisitor for Collect<'_> {
+                    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                        let g = self
+                            .0
+                            .remove::<D>(p.id)
+                            .expect("every parameter has a gradient");
+                        self.1.push(f64s(g));
+                    }
+                }
+                let mut c = Collect(&mut grads, Vec::new());
+                model.visit(&mut c);
+                c.1
+            };
+            let rows = |label: &str| -> u64 {
+                g.profile()
+                    .unwrap()
+                    .rows
+                    .iter()
+                    .filter(|r| r.label == label)
+                    .map(|r| r.calls)
+                    .sum()
+            };
+            let per_use = grads_of(false);
+            let before = (
+                rows("collective backward"),
+                rows("replicated gradients (coalesced)"),
+            );
+            let coalesced = grads_of(true);
+            let after = (
+                rows("collective backward"),
+                rows("replicated gradients (coalesced)"),
+            );
+            (per_use, coalesced, before, after)
+        })
+        .unwrap();
+        for (rank, (per_use, coalesced, before, after)) in out.into_iter().enumerate() {
+            for (i, (a, b)) in coalesced.iter().zip(&per_use).enumerate() {
+                assert_close(a, b, 1e-5, &format!("tp {tp} rank {rank} parameter {i}"));
+            }
+            // Per use: 2 norms x 2 blocks x (gamma, beta) + the final norm's 2 + positions = 11
+            // all-reduces in the backward; coalesced: none of them there, 1 after (the other
+            // collectives' backwards, the same in both runs, are counted in both).
+            let (per_use_calls, coalesced_calls) = (before.0, after.0 - before.0);
+            assert_eq!(
+                per_use_calls - coalesced_calls,
+                11,
+                "tp {tp}: backward collectives per use {per_use_calls}, coalesced {coalesced_calls}"
+            );
+            assert_eq!(after.1 - before.1, 1, "tp {tp}: one coalesced all-reduce");
+        }
+    }
+}

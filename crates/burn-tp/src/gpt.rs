@@ -258,7 +258,7 @@ impl Gpt {
                 group.rank() * chunk..(group.rank() + 1) * chunk
             }
         };
-        let pos = replicated_param(pos, mode, group).slice([rows, 0..d]);
+        let pos = replicated_param(&self.pos, mode, group).slice([rows, 0..d]);
         x = x + pos.unsqueeze_dim::<3>(1);
         for block in &self.blocks {
             x = block.try_forward(x)?;
@@ -298,7 +298,7 @@ impl Gpt {
             });
         }
         let mut x = self.tok.try_forward(ids)?;
-        let pos = replicated_param(pos, self.options.settings.mode, &self.group)
+        let pos = replicated_param(&self.pos, self.options.settings.mode, &self.group)
             .slice([start..start + s, 0..d]);
         x = x + pos.unsqueeze_dim::<3>(1);
         for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {

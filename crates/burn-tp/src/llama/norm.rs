@@ -64,7 +64,7 @@ impl TpRmsNorm {
 
     /// `[.., d_model] -> [.., d_model]`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let gamma = replicated_param(self.gamma.val(), self.mode, &self.group);
+        let gamma = replicated_param(&self.gamma, self.mode, &self.group);
         let dtype = x.dtype();
         let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + self.epsilon).sqrt();
         (x / rms.cast(dtype)) * gamma.unsqueeze()
