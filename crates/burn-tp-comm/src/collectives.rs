@@ -32,9 +32,9 @@ impl ProcessGroup {
             out.as_mut_slice().len(),
         )?;
         let desc = OpDesc::new(OpKind::AllGather, T::DTYPE, input.shape());
-        let out = match self.staged(&desc, input.as_slice(), out) {
+        let (input, out) = match self.remote(&desc, input, out) {
             Ok(work) => return Ok(work),
-            Err(out) => out,
+            Err(buffers) => buffers,
         };
         Ok(self.post(desc, payload(input), move |posts| {
             let mut out = out;
@@ -70,13 +70,15 @@ impl ProcessGroup {
         shape: Vec<usize>,
     ) -> Work<Vec<T>> {
         let desc = OpDesc::new(kind, T::DTYPE, shape);
-        if !self.is_local() {
-            // Staged through the GPU into a buffer of the output's length.
+        let input = if self.is_local() {
+            input
+        } else {
             let out = input.repeat(self.world_size());
-            if let Ok(work) = self.staged(&desc, &input, out) {
-                return work;
+            match self.remote(&desc, input, out) {
+                Ok(work) => return work,
+                Err((input, _)) => input,
             }
-        }
+        };
         self.post(desc, payload(input), |posts| {
             let parts: Vec<&[T]> = posts.iter().map(downcast::<T>).collect();
             let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
@@ -102,9 +104,9 @@ impl ProcessGroup {
         let chunk = len / self.world_size();
         Self::check_out("reduce_scatter", chunk, out.as_mut_slice().len())?;
         let desc = OpDesc::new(OpKind::ReduceScatter, T::DTYPE, input.shape());
-        let out = match self.staged(&desc, input.as_slice(), out) {
+        let (input, out) = match self.remote(&desc, input, out) {
             Ok(work) => return Ok(work),
-            Err(out) => out,
+            Err(buffers) => buffers,
         };
         let rank = self.rank();
         Ok(self.post(desc, payload(input), move |posts| {
@@ -150,9 +152,9 @@ impl ProcessGroup {
         let len = input.as_slice().len();
         Self::check_out("all_reduce", len, out.as_mut_slice().len())?;
         let desc = OpDesc::new(OpKind::AllReduce(op), T::DTYPE, input.shape());
-        let out = match self.staged(&desc, input.as_slice(), out) {
+        let (input, out) = match self.remote(&desc, input, out) {
             Ok(work) => return Ok(work),
-            Err(out) => out,
+            Err(buffers) => buffers,
         };
         let world = self.world_size();
         // Chunks of `ceil(len / world)`; the last ones may be shorter (or empty).
@@ -221,9 +223,9 @@ impl ProcessGroup {
         let len = input.as_slice().len();
         Self::check_out("broadcast", len, out.as_mut_slice().len())?;
         let desc = OpDesc::new(OpKind::Broadcast { root }, T::DTYPE, input.shape());
-        let out = match self.staged(&desc, input.as_slice(), out) {
+        let (input, out) = match self.remote(&desc, input, out) {
             Ok(work) => return Ok(work),
-            Err(out) => out,
+            Err(buffers) => buffers,
         };
         // Non-roots post nothing: their contents are never read.
         let data: Payload = if root == self.rank() {
@@ -265,6 +267,13 @@ impl ProcessGroup {
             Transport::Nccl(n) => {
                 let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 Work::done(self.clone(), seq, desc, n.barrier())
+            }
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => {
+                let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let (empty, out) = (Vec::<i64>::new(), Vec::<i64>::new());
+                let done = m.start(desc.clone(), seq, empty, out, |_| ());
+                Work::remote(self.clone(), seq, desc, done)
             }
         }
     }

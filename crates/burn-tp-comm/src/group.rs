@@ -1,11 +1,14 @@
 //! [`ProcessGroup`]: one rank's handle on a group, over one of the transports (ranks as threads,
-//! or NCCL with feature `nccl`), with every collective in an async and a blocking form.
+//! MPI processes with feature `mpi`, or NCCL with feature `nccl`), with every collective in an
+//! async and a blocking form.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+#[cfg(feature = "mpi")]
+use crate::ReduceOp;
 use crate::buffer::RecvBuf;
 use crate::local::{Membership, Payload, Shared};
 use crate::profile::{Profile, ProfileStore};
@@ -20,6 +23,10 @@ pub(crate) enum Transport {
     /// are staged through the GPU (blocking).
     #[cfg(feature = "nccl")]
     Nccl(Arc<crate::nccl::NcclGroup>),
+    /// One process per rank over MPI: host buffers, non-blocking collectives advanced by the
+    /// process's MPI thread ([`crate::mpi`]).
+    #[cfg(feature = "mpi")]
+    Mpi(crate::mpi::MpiGroup),
 }
 
 /// One rank's handle on a group. Cheap to clone; clones share the sequence counter, so one rank's
@@ -92,7 +99,30 @@ impl ProcessGroup {
     pub fn nccl(&self) -> Option<&Arc<crate::nccl::NcclGroup>> {
         match &self.transport {
             Transport::Nccl(n) => Some(n),
-            Transport::Local(_) => None,
+            _ => None,
+        }
+    }
+
+    /// This process's handle on `MPI_COMM_WORLD` (one rank per process, under `mpirun`): every
+    /// collective runs on MPI's non-blocking collectives, advanced by the runtime's MPI thread so
+    /// compute between the start and the wait overlaps them. The timeout of every wait is
+    /// `BURN_TP_TIMEOUT_S`, else [`DEFAULT_TIMEOUT`](crate::DEFAULT_TIMEOUT); what MPI cannot
+    /// do that threads do (cancel a timed-out call, abort one group) is in [`crate::mpi`].
+    #[cfg(feature = "mpi")]
+    pub fn from_mpi(runtime: &crate::mpi::MpiRuntime) -> ProcessGroup {
+        Self::over_mpi(runtime.world(), crate::LocalGroupOptions::default().timeout)
+    }
+
+    #[cfg(feature = "mpi")]
+    fn over_mpi(group: crate::mpi::MpiGroup, timeout: Duration) -> ProcessGroup {
+        Self {
+            rank: group.rank(),
+            world: group.world_size(),
+            timeout: Arc::new(Mutex::new(timeout)),
+            transport: Transport::Mpi(group),
+            seq: Arc::new(AtomicU64::new(0)),
+            membership: None,
+            profile: None,
         }
     }
 
@@ -130,15 +160,17 @@ impl ProcessGroup {
     pub fn link(&self) -> Option<LinkModel> {
         match &self.transport {
             Transport::Local(shared) => shared.options.link,
-            #[cfg(feature = "nccl")]
-            Transport::Nccl(_) => None,
+            #[allow(unreachable_patterns)]
+            _ => None,
         }
     }
 
     /// Aborts the group because of `error` on this rank (say, a collective that failed before it
     /// could be posted): every peer's pending and next call fails at once with
     /// [`CommError::Aborted`] naming this rank and the error, instead of waiting for a post that
-    /// never comes. A no-op on NCCL groups (their calls fail by their own timeout).
+    /// never comes. A no-op on NCCL groups (their calls fail by their own timeout). On MPI
+    /// groups it prints `error` and ends the whole job (`MPI_Abort`: MPI cannot abort one
+    /// group), so every process exits non-zero at once.
     pub fn abort(&self, error: &CommError) {
         match &self.transport {
             Transport::Local(shared) => {
@@ -147,6 +179,8 @@ impl ProcessGroup {
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(_) => {}
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.abort(error),
         }
     }
 
@@ -157,14 +191,15 @@ impl ProcessGroup {
     }
 
     /// Whether a collective in flight makes progress without the thread that posted it (NCCL on
-    /// its own stream, or the simulated [`LinkModel`]), so that compute placed between the start
+    /// its own stream, MPI on its own thread, or the simulated [`LinkModel`]), so that compute
+    /// placed between the start
     /// and the wait hides it. Ranks as threads without a link move the data inside `wait`, on
     /// the caller's thread: there the overlap schedules would only add work.
     pub fn progresses_in_background(&self) -> bool {
         match &self.transport {
             Transport::Local(shared) => shared.options.link.is_some(),
-            #[cfg(feature = "nccl")]
-            Transport::Nccl(_) => true,
+            #[allow(unreachable_patterns)]
+            _ => true,
         }
     }
 
@@ -182,35 +217,52 @@ impl ProcessGroup {
                 shared.post(seq, self.rank, desc.clone(), data);
                 Work::posted(self.clone(), shared.clone(), seq, desc, Box::new(finish))
             }
-            #[cfg(feature = "nccl")]
-            Transport::Nccl(_) => unreachable!("NCCL calls complete in `staged`"),
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("NCCL and MPI calls start in `remote`"),
         }
     }
 
-    /// On a transport that is not local (NCCL), runs the call at once with the host buffer staged
-    /// through the GPU, into `out`; `Err(out)` on the local transport, which posts instead.
-    pub(crate) fn staged<T: CommElement, O: RecvBuf<T>>(
+    /// On a transport that is not local, starts the call from `input` into `out`: over NCCL
+    /// at once, with the host buffer staged through the GPU; over MPI on the MPI thread. Gives
+    /// both buffers back on the local transport, which posts instead.
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn remote<T: CommElement, I: crate::SendBuf<T>, O: RecvBuf<T>>(
         &self,
         desc: &OpDesc,
-        input: &[T],
+        input: I,
         out: O,
-    ) -> std::result::Result<Work<O>, O> {
+    ) -> std::result::Result<Work<O>, (I, O)> {
         match &self.transport {
             Transport::Local(_) => {
-                let _ = (desc, input);
-                Err(out)
+                let _ = desc;
+                Err((input, out))
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(n) => {
                 let mut out = out;
                 let seq = self.seq.fetch_add(1, Ordering::SeqCst);
                 let result = crate::nccl::RawOp::try_from(desc.kind)
-                    .and_then(|op| n.host_collective(op, input))
+                    .and_then(|op| n.host_collective(op, input.as_slice()))
                     .map(|v| {
                         out.as_mut_slice().copy_from_slice(&v);
                         out
                     });
                 Ok(Work::done(self.clone(), seq, desc.clone(), result))
+            }
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => {
+                let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+                let (world, avg) = (self.world, desc.kind == OpKind::AllReduce(ReduceOp::Avg));
+                // MPI has no average: a sum, divided here.
+                let finish = move |mut out: O| {
+                    if avg {
+                        let v = out.as_mut_slice();
+                        v.iter_mut().for_each(|x| *x = x.div_count(world));
+                    }
+                    out
+                };
+                let done = m.start(desc.clone(), seq, input, out, finish);
+                Ok(Work::remote(self.clone(), seq, desc.clone(), done))
             }
         }
     }
@@ -239,7 +291,7 @@ impl ProcessGroup {
 
     /// Splits the group like `MPI_Comm_split`: ranks passing the same `color` form a new group,
     /// ordered by `(key, rank)`. Collective over this group. Over NCCL the new group is a new
-    /// communicator (`nccl::NcclGroup::split`, feature `nccl`). A world of 4 split with
+    /// communicator (`nccl::NcclGroup::split`, feature `nccl`); over MPI, `MPI_Comm_split`. A world of 4 split with
     /// `color = rank / 2` gives two groups of 2 (tensor parallel), `color = rank % 2` the
     /// orthogonal ones (data parallel).
     ///
@@ -248,6 +300,12 @@ impl ProcessGroup {
     pub fn split(&self, color: usize, key: usize) -> Result<ProcessGroup> {
         let parent = match &self.transport {
             Transport::Local(shared) => shared.clone(),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => {
+                let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+                let group = m.split(seq, color, key, self.timeout())?;
+                return Ok(ProcessGroup::over_mpi(group, self.timeout()));
+            }
             #[cfg(feature = "nccl")]
             Transport::Nccl(n) => {
                 let group = ProcessGroup::from_nccl(n.split(color, key)?);

@@ -2,7 +2,9 @@
 //! Collective communication for burn-tp, free of autodiff and of Burn itself.
 //!
 //! A [`ProcessGroup`] is one rank's handle on a group of `world_size` ranks. On the CPU the ranks
-//! are threads of one process ([`LocalGroup`], the embedded default: no setup). Every collective
+//! are threads of one process ([`LocalGroup`], the embedded default: no setup); with feature
+//! `mpi` they can be processes (`ProcessGroup::from_mpi`, one per rank under `mpirun`), and with
+//! feature `nccl` GPUs. Every collective
 //! has two forms: async, reading the input in place ([`SendBuf`]) and writing into the caller's
 //! output ([`RecvBuf`]), returning a [`Work`] handle; and blocking, from a `Vec` into a new `Vec`.
 //! [`Communicator`] is the same collectives over either transport (host buffers here, CUDA
@@ -37,6 +39,8 @@ mod error;
 mod group;
 mod link;
 mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod op;

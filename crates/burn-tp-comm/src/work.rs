@@ -22,6 +22,9 @@ pub struct Work<T> {
     consumed: bool,
     /// A call that completed when it was issued (staged through NCCL).
     done: Option<Result<T>>,
+    /// A call the MPI thread completes.
+    #[cfg(feature = "mpi")]
+    remote: Option<Arc<crate::mpi::Completion<T>>>,
 }
 
 impl<T> fmt::Debug for Work<T> {
@@ -66,6 +69,29 @@ impl<T> Work<T> {
             finish: Some(finish),
             consumed: false,
             done: None,
+            #[cfg(feature = "mpi")]
+            remote: None,
+        }
+    }
+
+    /// A call in flight on the MPI thread, which fills `done`.
+    #[cfg(feature = "mpi")]
+    pub(crate) fn remote(
+        group: ProcessGroup,
+        seq: u64,
+        desc: OpDesc,
+        done: Arc<crate::mpi::Completion<T>>,
+    ) -> Self {
+        Work {
+            group,
+            seq,
+            desc,
+            shared: None,
+            profiled: None,
+            finish: None,
+            consumed: true,
+            done: None,
+            remote: Some(done),
         }
     }
 
@@ -81,6 +107,8 @@ impl<T> Work<T> {
             finish: None,
             consumed: true,
             done: Some(result),
+            #[cfg(feature = "mpi")]
+            remote: None,
         }
     }
 
@@ -111,6 +139,10 @@ impl<T> Work<T> {
         if self.done.is_some() {
             return true;
         }
+        #[cfg(feature = "mpi")]
+        if let Some(remote) = &self.remote {
+            return remote.is_set();
+        }
         let st = self.shared().lock();
         match self.poll(&st, None) {
             Ok(Ready::Yes(_)) | Err(_) => true,
@@ -135,6 +167,13 @@ impl<T> Work<T> {
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<T> {
         if let Some(done) = self.done.take() {
             return done;
+        }
+        #[cfg(feature = "mpi")]
+        if let Some(remote) = self.remote.take() {
+            let crate::group::Transport::Mpi(m) = &self.group.transport else {
+                unreachable!("remote work lives on MPI groups")
+            };
+            return m.wait(&remote, &self.desc, self.seq, timeout);
         }
         if self.profiled.is_none() {
             let payloads = self.wait_ready(timeout, None)?;
@@ -415,6 +454,26 @@ impl<O> Work<O> {
         if let Some(done) = &self.done {
             let all = done.as_ref().map_err(Clone::clone)?.as_slice();
             return Ok(read(&all[part * shard..(part + 1) * shard][range]));
+        }
+        #[cfg(feature = "mpi")]
+        if let Some(remote) = &self.remote {
+            // MPI delivers the gather whole: wait for all of it, keep it for the final wait.
+            let timeout = self.group.timeout();
+            let read = |v: &mut Option<Result<O>>| match v.as_ref().expect("set") {
+                Ok(out) => Ok(read(
+                    &out.as_slice()[part * shard..(part + 1) * shard][range],
+                )),
+                Err(e) => Err(e.clone()),
+            };
+            return match remote.with(timeout, read) {
+                Some(r) => r,
+                None => {
+                    let crate::group::Transport::Mpi(m) = &self.group.transport else {
+                        unreachable!("remote work lives on MPI groups")
+                    };
+                    Err(m.timed_out(&self.desc, self.seq, timeout))
+                }
+            };
         }
         let frac = range.end as f64 / shard.max(1) as f64;
         let payloads = self.wait_ready(self.group.timeout(), Some((part, frac)))?;

@@ -1,0 +1,285 @@
+//! The MPI transport (feature `mpi`) under `mpirun` with 2 and 4 processes: the conformance
+//! check and every op and element type against references, splits, overlap, mismatches,
+//! timeouts, and a rank that panics or is killed. Each test runs this binary under `mpirun`,
+//! where only `mpi_rank_program` does anything (it plays the scenario named in the environment).
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use burn_tp_comm::mpi::MpiRuntime;
+use burn_tp_comm::{CommElement, CommError, ProcessGroup, ReduceOp};
+use half::{bf16, f16};
+
+const SCENARIO: &str = "BURN_TP_TEST_MPI_SCENARIO";
+
+/// `mpirun -n n` of this binary playing `scenario`.
+fn mpirun(n: usize, scenario: &str, env: &[(&str, &str)]) -> Output {
+    let me = std::env::current_exe().unwrap();
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--oversubscribe", "-n", &n.to_string()])
+        .arg(me)
+        .args([
+            "--exact",
+            "mpi_rank_program",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(SCENARIO, scenario)
+        // CI runs as root; Open MPI refuses that without both.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // No InfiniBand or other fabrics here: shared memory and TCP only, without warnings.
+        .env("OMPI_MCA_btl", "self,vader,tcp")
+        .env("OMPI_MCA_pml", "ob1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output()
+        .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see README")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn every_collective_and_element_type_matches_the_reference_on_2_and_4_processes() {
+    for n in [2, 4] {
+        let out = mpirun(n, "ops", &[]);
+        let all = text(&out);
+        assert!(out.status.success(), "{all}");
+        for r in 0..n {
+            assert!(all.contains(&format!("rank {r} of {n}: ops ok")), "{all}");
+        }
+    }
+}
+
+#[test]
+fn ranks_that_disagree_get_a_mismatch_naming_both_calls_on_every_rank() {
+    let out = mpirun(2, "mismatch", &[]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    for r in 0..2 {
+        assert!(
+            all.contains(&format!("rank {r}: mismatch: collective #1 mismatch")),
+            "{all}"
+        );
+    }
+    // Both calls are named: the all-gather of 4 and the one of 6 elements.
+    assert!(all.contains("all_gather of F32 [4]") && all.contains("all_gather of F32 [6]"));
+    // The group still works for nothing after: the next call fails at once.
+    assert!(all.contains("then: the group was aborted earlier"), "{all}");
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_a_timeout_on_the_others_and_the_job_ends() {
+    let start = Instant::now();
+    let out = mpirun(4, "timeout", &[]);
+    let all = text(&out);
+    for r in [0, 2, 3] {
+        assert!(
+            all.contains(&format!(
+                "rank {r}: timeout: all_reduce(Sum) of F32 [8] #1 on rank {r} timed out after 1s"
+            )),
+            "{all}"
+        );
+    }
+    assert!(!out.status.success(), "{all}");
+    assert!(start.elapsed() < Duration::from_secs(30), "{all}");
+}
+
+#[test]
+fn a_rank_that_panics_or_is_killed_ends_the_job_with_a_failure_on_every_rank() {
+    for how in ["panic", "kill"] {
+        let start = Instant::now();
+        // The survivors would wait 120 s in their all-reduce: mpirun ends them first.
+        let out = mpirun(4, how, &[("BURN_TP_TIMEOUT_S", "120")]);
+        let all = text(&out);
+        assert!(!out.status.success(), "{how}: {all}");
+        assert!(all.contains("rank 1 leaves"), "{how}: {all}");
+        assert!(!all.contains("survived"), "{how}: {all}");
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(30), "{how}: {took:?}\n{all}");
+    }
+}
+
+/// Inputs that differ per rank and position; multiples of 1/2 in [-4, 4) so sums of four are
+/// exact in every element type.
+fn value(rank: usize, i: usize) -> f64 {
+    (((rank * 7 + i * 13) % 16) as f64 - 8.0) * 0.5
+}
+
+fn check_ops<T: CommElement + PartialEq>(pg: &ProcessGroup, conv: fn(f64) -> T) {
+    let (rank, n) = (pg.rank(), pg.world_size());
+    for len in [0, 3 * n, 12 * n, 1024 * n + n] {
+        let x: Vec<T> = (0..len).map(|i| conv(value(rank, i))).collect();
+        let col = |i: usize| (0..n).map(move |r| value(r, i));
+        let each = |f: &dyn Fn(usize) -> f64| (0..len).map(|i| conv(f(i))).collect::<Vec<T>>();
+        let gathered: Vec<T> = (0..n)
+            .flat_map(|r| (0..len).map(move |i| conv(value(r, i))))
+            .collect();
+        let chunk = len / n;
+        assert_eq!(
+            pg.all_gather(x.clone()).unwrap(),
+            gathered,
+            "all_gather {len}"
+        );
+        assert_eq!(
+            pg.reduce_scatter(x.clone()).unwrap(),
+            each(&|i| col(i).sum())[rank * chunk..(rank + 1) * chunk],
+            "reduce_scatter {len}"
+        );
+        let sum = each(&|i| col(i).sum());
+        assert_eq!(pg.all_reduce(x.clone(), ReduceOp::Sum).unwrap(), sum);
+        let max = each(&|i| col(i).fold(f64::NEG_INFINITY, f64::max));
+        assert_eq!(pg.all_reduce(x.clone(), ReduceOp::Max).unwrap(), max);
+        let min = each(&|i| col(i).fold(f64::INFINITY, f64::min));
+        assert_eq!(pg.all_reduce(x.clone(), ReduceOp::Min).unwrap(), min);
+        let avg = each(&|i| col(i).sum::<f64>() / n as f64);
+        assert_eq!(pg.all_reduce(x.clone(), ReduceOp::Avg).unwrap(), avg);
+        let root = n - 1;
+        let last: Vec<T> = (0..len).map(|i| conv(value(root, i))).collect();
+        assert_eq!(pg.broadcast(x, root).unwrap(), last, "broadcast {len}");
+    }
+}
+
+fn ops(pg: &ProcessGroup) {
+    let (rank, n) = (pg.rank(), pg.world_size());
+    common::conformance(pg, |v| v.to_vec(), |v| v);
+    check_ops(pg, |x| x as f32);
+    check_ops(pg, |x| x);
+    check_ops(pg, f16::from_f64);
+    check_ops(pg, bf16::from_f64);
+    check_ops(pg, |x| (x * 2.0) as i64);
+    // 16-bit sums are float sums, not integer sums of the bits: 1.5 + 1.5 = 3.
+    let halves = pg
+        .all_reduce(vec![bf16::from_f32(1.5); 4], ReduceOp::Sum)
+        .unwrap();
+    assert_eq!(halves, vec![bf16::from_f32(1.5 * n as f32); 4]);
+
+    // Several in flight at once, waited out of order, into the caller's buffers.
+    let a = pg
+        .all_gather_async(vec![rank as f32; 3], vec![0f32; 3 * n])
+        .unwrap();
+    let b = pg
+        .all_reduce_async(vec![1f64; 5], ReduceOp::Sum, vec![0f64; 5])
+        .unwrap();
+    let c = pg
+        .reduce_scatter_async(vec![1f32; 2 * n], vec![0f32; 2])
+        .unwrap();
+    assert_eq!(c.wait().unwrap(), vec![n as f32; 2]);
+    assert_eq!(b.wait().unwrap(), vec![n as f64; 5]);
+    // A part of a gather (MPI delivers it whole), then the whole.
+    assert_eq!(a.wait_part::<f32>(n - 1).unwrap(), vec![(n - 1) as f32; 3]);
+    let want: Vec<f32> = (0..n).flat_map(|r| [r as f32; 3]).collect();
+    assert_eq!(a.wait().unwrap(), want);
+    // Checks before any communication, as with threads.
+    assert!(matches!(
+        pg.all_gather_async(vec![0f32; 3], vec![0f32; 4]),
+        Err(CommError::BufferSize { op: "all_gather", expected, got: 4 }) if expected == 3 * n
+    ));
+    assert!(matches!(
+        pg.reduce_scatter(vec![0f32; n + 1]),
+        Err(CommError::NotDivisible { .. })
+    ));
+
+    // The tp x dp split: tp groups of adjacent ranks, dp groups strided.
+    let tp = 2;
+    let tp_group = pg.split(rank / tp, rank).unwrap();
+    let dp_group = pg.split(rank % tp, rank).unwrap();
+    assert_eq!((tp_group.rank(), tp_group.world_size()), (rank % tp, tp));
+    assert_eq!(
+        (dp_group.rank(), dp_group.world_size()),
+        (rank / tp, n / tp)
+    );
+    let tp_ranks = tp_group.all_gather(vec![rank as i64]).unwrap();
+    assert_eq!(
+        tp_ranks,
+        vec![(rank / tp * tp) as i64, (rank / tp * tp + 1) as i64]
+    );
+    let dp_ranks = dp_group.all_gather(vec![rank as i64]).unwrap();
+    let want: Vec<i64> = (0..n / tp).map(|d| (d * tp + rank % tp) as i64).collect();
+    assert_eq!(dp_ranks, want);
+    // The groups are independent: calls on one do not disturb the other's order.
+    let t = tp_group
+        .all_reduce_async(vec![1f32], ReduceOp::Sum, vec![0f32])
+        .unwrap();
+    let d = dp_group.all_reduce(vec![1f32], ReduceOp::Sum).unwrap();
+    assert_eq!(
+        (t.wait().unwrap(), d),
+        (vec![tp as f32], vec![(n / tp) as f32])
+    );
+    pg.barrier().unwrap();
+    println!("\nrank {rank} of {n}: ops ok");
+}
+
+/// The rank program the tests above start under `mpirun` (a no-op in a normal test run).
+#[test]
+fn mpi_rank_program() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let runtime = MpiRuntime::init().unwrap();
+    let pg = ProcessGroup::from_mpi(&runtime);
+    let rank = pg.rank();
+    match scenario.as_str() {
+        "ops" => ops(&pg),
+        "mismatch" => {
+            pg.barrier().unwrap();
+            let len = if rank == 1 { 6 } else { 4 };
+            let e = pg.all_gather(vec![0f32; len]).unwrap_err();
+            println!("\nrank {rank}: mismatch: {e}");
+            let e = pg.barrier().unwrap_err();
+            let e = e.to_string();
+            let then = &e[e.find("the group").unwrap_or(0)..];
+            println!("\nrank {rank}: then: {then}");
+            // Every call after a mismatch fails at once, so MPI is left with nothing in flight.
+        }
+        "timeout" => {
+            pg.barrier().unwrap();
+            if rank == 1 {
+                // Never arrives; leaves once the others have given up.
+                std::thread::sleep(Duration::from_secs(4));
+                std::process::exit(0);
+            }
+            pg.set_timeout(Duration::from_secs(1));
+            let e = pg.all_reduce(vec![0f32; 8], ReduceOp::Sum).unwrap_err();
+            println!("\nrank {rank}: timeout: {e}");
+            // The call is still posted in MPI: end the job, as the docs say to.
+            runtime.abort(2);
+        }
+        "panic" | "kill" => {
+            pg.barrier().unwrap();
+            if rank == 1 {
+                eprintln!("rank 1 leaves");
+                if scenario == "panic" {
+                    panic!("rank 1 fails on purpose");
+                }
+                kill_self();
+            }
+            let r = pg.all_reduce(vec![0f32; 8], ReduceOp::Sum);
+            println!("\nrank {rank} survived: {r:?}");
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+    drop(pg);
+    drop(runtime);
+    std::process::exit(0);
+}
+
+/// SIGKILL to this process (no handler, no unwinding, no MPI_Finalize).
+fn kill_self() {
+    let _ = Command::new("kill")
+        .args(["-9", &std::process::id().to_string()])
+        .status();
+    std::thread::sleep(Duration::from_secs(60));
+}
