@@ -156,14 +156,15 @@ fn expect_close(f: &mut Figures, key: &str, err: f64, tol: f64) -> Result<(), St
 /// An NCCL group of this process alone on GPU 0, posting its collectives even at world size 1
 /// (the device path of `backend/cuda.rs`, not the shortcut). The store server is kept alive.
 fn nccl_world_of_one() -> Result<(StoreServer, ProcessGroup), String> {
-    let server = StoreServer::start("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let server = StoreServer::start("127.0.0.1:0", "").map_err(|e| e.to_string())?;
     let env = LaunchEnv {
         rank: 0,
         world_size: 1,
         local_rank: 0,
         master: server.addr().to_string(),
+        token: String::new(),
     };
-    let store = StoreClient::connect(&env.master, 0, TIMEOUT).map_err(|e| e.to_string())?;
+    let store = StoreClient::connect(&env.master, 0, "", TIMEOUT).map_err(|e| e.to_string())?;
     let nccl = NcclGroup::new(&env, &store, TIMEOUT).map_err(|e| e.to_string())?;
     Ok((
         server,

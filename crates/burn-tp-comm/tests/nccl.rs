@@ -16,15 +16,17 @@ fn world_of_one() -> Option<(StoreServer, NcclGroup)> {
         println!("SKIPPED (no GPU / NCCL on this machine): {e}");
         return None;
     }
-    let server = StoreServer::start("127.0.0.1:0").unwrap();
+    let server = StoreServer::start("127.0.0.1:0", "").unwrap();
     let env = LaunchEnv {
         rank: 0,
         world_size: 1,
         local_rank: 0,
         master: server.addr().to_string(),
+        token: String::new(),
     };
     let store =
-        burn_tp_comm::store::StoreClient::connect(&env.master, 0, Duration::from_secs(5)).unwrap();
+        burn_tp_comm::store::StoreClient::connect(&env.master, 0, "", Duration::from_secs(5))
+            .unwrap();
     let group = NcclGroup::new(&env, &store, Duration::from_secs(30)).unwrap();
     Some((server, group))
 }

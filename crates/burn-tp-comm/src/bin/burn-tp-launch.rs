@@ -2,7 +2,9 @@
 //!
 //! Starts `N` local processes of `<command>` with torchrun's environment (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT`), forwards their output line by line with
-//! a `[rank r]` prefix, and if one fails, kills the others and exits with its exit code.
+//! a `[rank r]` prefix, and if one fails, kills the others and exits with its exit code. Each
+//! launch gives its ranks a new `BURN_TP_STORE_TOKEN` (unless one is set), the secret of the
+//! rendezvous store.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -62,6 +64,20 @@ fn nccl_link_dir() -> Option<std::path::PathBuf> {
     Some(link_dir)
 }
 
+/// 128 random bits as hex, from the kernel (std's hasher keys as a fallback off Linux).
+fn new_token() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if read.is_err() {
+        use std::hash::{BuildHasher, RandomState};
+        let (a, b) = (RandomState::new(), RandomState::new());
+        bytes[..8].copy_from_slice(&a.hash_one(std::process::id()).to_le_bytes());
+        bytes[8..].copy_from_slice(&b.hash_one(std::time::SystemTime::now()).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn code(status: ExitStatus) -> i32 {
     status.code().unwrap_or(128)
 }
@@ -95,6 +111,8 @@ fn main() {
             .unwrap_or(29500)
     });
 
+    // The store's secret for this launch: only its own ranks can use the store.
+    let token = std::env::var("BURN_TP_STORE_TOKEN").unwrap_or_else(|_| new_token());
     let library_path = nccl_link_dir().map(|dir| {
         let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
         format!("{}:{old}", dir.display())
@@ -113,6 +131,7 @@ fn main() {
             .env("LOCAL_RANK", rank.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env("BURN_TP_STORE_TOKEN", &token)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn();
