@@ -92,6 +92,15 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// How CPU ranks talk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    /// Ranks are threads of this process (`--tp x --dp` of them).
+    Threads,
+    /// One rank per process under `mpirun -n (tp x dp)`, over MPI. Needs the `mpi` feature.
+    Mpi,
+}
+
 /// Command line of `train_gpt`.
 #[derive(Parser, Clone, Debug)]
 #[command(about = "Train a tiny character-level GPT with tensor parallelism (ranks are threads)")]
@@ -105,6 +114,9 @@ pub struct Args {
     /// Where the ranks run.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// How CPU ranks talk (`--device cpu`).
+    #[arg(long, value_enum, default_value_t = Transport::Threads)]
+    pub transport: Transport,
     /// Data-parallel size (world = tp x dp; gradients averaged over dp).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
@@ -270,6 +282,8 @@ pub struct Report {
     pub overlap: String,
     /// Time spent on checkpoints.
     pub checkpoint_times: CheckpointTimes,
+    /// This process's rank (0 when the ranks are threads): only rank 0 writes the files.
+    pub rank: usize,
 }
 
 /// The model configuration the arguments describe.
@@ -352,6 +366,11 @@ pub fn overlap_path(args: &Args) -> String {
         "tp 1: the layers communicate nothing".into()
     } else if args.device == DeviceKind::Cuda {
         format!("NCCL: the {schedule} schedule overlaps communication with compute on the GPU")
+    } else if args.transport == Transport::Mpi {
+        format!(
+            "MPI: the {schedule} schedule overlaps communication with compute (the MPI thread \
+             advances the collectives; an all-gather's parts arrive together)"
+        )
     } else if let Some(us) = args.link_latency_us {
         format!(
             "simulated link ({us} us, {} GB/s): the {schedule} schedule overlaps communication \
@@ -380,6 +399,16 @@ fn check(args: &Args) -> Result<(), String> {
                     .into(),
             );
         }
+    }
+    if args.transport == Transport::Mpi && args.device == DeviceKind::Cuda {
+        return Err("--transport mpi runs CPU ranks; --device cuda ranks talk over NCCL".into());
+    }
+    if args.transport == Transport::Mpi && args.link_latency_us.is_some() {
+        return Err(
+            "--link-latency-us simulates a link between ranks as threads; with --transport mpi \
+             the ranks talk over MPI"
+                .into(),
+        );
     }
     if args.tp == 0 || args.dp == 0 {
         return Err(format!(
@@ -575,6 +604,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         profile,
         overlap: overlap_path(args),
         checkpoint_times: timings,
+        rank,
     })
 }
 
@@ -587,6 +617,9 @@ fn launch<M: LanguageModel>(
     checkpoint: &Path,
 ) -> Result<(usize, RankOut), String> {
     match args.device {
+        DeviceKind::Cpu if args.transport == Transport::Mpi => {
+            mpi_rank::<M>(args, &config, data, checkpoint)
+        }
         DeviceKind::Cpu => {
             let device = Device::flex().autodiff();
             // One device RNG for every rank thread: seed it once, before they start.
@@ -674,6 +707,56 @@ fn cuda_rank<M: LanguageModel>(
         "--device cuda needs the `cuda` feature: cargo run --release --example train_gpt \
          --features cuda (see README: burn's CUDA backend cannot be linked on machines without \
          network access)"
+            .into(),
+    )
+}
+
+/// This process's rank of a `--transport mpi` run under `mpirun` (one rank per process, the
+/// world from MPI). Returns (rank, what it brought back). A rank that fails ends the job
+/// (`MPI_Abort`): its peers may be waiting for it in a collective.
+#[cfg(feature = "mpi")]
+fn mpi_rank<M: LanguageModel>(
+    args: &Args,
+    config: &M::Config,
+    data: &Data,
+    checkpoint: &Path,
+) -> Result<(usize, RankOut), String> {
+    use burn_tp::comm::mpi::MpiRuntime;
+    let runtime = MpiRuntime::init().map_err(|e| e.to_string())?;
+    let rank = runtime.rank();
+    if runtime.world_size() != args.tp * args.dp {
+        eprintln!(
+            "train_gpt: --transport mpi: mpirun started {} processes but --tp {} x --dp {} = {}",
+            runtime.world_size(),
+            args.tp,
+            args.dp,
+            args.tp * args.dp
+        );
+        runtime.abort(1);
+    }
+    let world = ProcessGroup::from_mpi(&runtime);
+    world.set_timeout(group_timeout(args));
+    let device = Device::flex().autodiff();
+    device.seed(args.seed);
+    match train_rank::<M>(args, config, data, world, &device, checkpoint) {
+        Ok(out) => Ok((rank, out)),
+        Err(e) => {
+            eprintln!("train_gpt: rank {rank}: {e}");
+            runtime.abort(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_rank<M: LanguageModel>(
+    _: &Args,
+    _: &M::Config,
+    _: &Data,
+    _: &Path,
+) -> Result<(usize, RankOut), String> {
+    Err(
+        "--transport mpi needs the `mpi` feature and a system MPI: cargo build --release \
+         --example train_gpt --features mpi, then mpirun -n TPxDP (see README)"
             .into(),
     )
 }

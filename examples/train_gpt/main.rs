@@ -5,12 +5,20 @@ use clap::Parser;
 
 fn main() {
     let args = Args::parse();
-    println!(
-        "{}\noverlap: {}",
-        burn_tp_examples::train_gpt::describe(&args),
-        burn_tp_examples::train_gpt::overlap_path(&args)
-    );
+    // Under mpirun (Open MPI, MPICH) only rank 0 introduces the run.
+    let mpi_rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok());
+    if mpi_rank.is_none_or(|r| r == "0") {
+        println!(
+            "{}\noverlap: {}",
+            burn_tp_examples::train_gpt::describe(&args),
+            burn_tp_examples::train_gpt::overlap_path(&args)
+        );
+    }
     match run(&args) {
+        // Under mpirun every process gets here: rank 0 speaks for the run.
+        Ok(report) if report.rank != 0 => {}
         Ok(report) => {
             let first = report.losses.first().copied().unwrap_or(f64::NAN);
             let last = report.losses.last().copied().unwrap_or(f64::NAN);

@@ -11,4 +11,5 @@ mod hf;
 mod linear;
 mod linear_checks;
 mod llama;
+mod mpi;
 mod reference;

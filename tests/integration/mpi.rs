@@ -1,0 +1,173 @@
+//! `train_gpt --transport mpi` under `mpirun` (feature `mpi`): the thread run's losses from 4
+//! processes, and a checkpoint written by 4 processes resumed by 2 and by threads. The ranks are
+//! this test binary running only `mpi_train_gpt_rank` (a no-op in a normal test run).
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use burn_tp_examples::train_gpt::{Args, run};
+use clap::Parser;
+
+use crate::common::{assert_close, rng_lock};
+
+const ARGS_VAR: &str = "BURN_TP_TEST_MPI_TRAIN_ARGS";
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-tp-mpi-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// The tiny run of the other train_gpt tests, with `extra` and `--out out`.
+fn argv(extra: &[&str], out: &Path) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "train_gpt",
+        "--quiet",
+        "--batch",
+        "4",
+        "--seq",
+        "8",
+        "--d-model",
+        "16",
+        "--heads",
+        "4",
+        "--layers",
+        "2",
+        "--lr",
+        "1e-2",
+        "--sample-len",
+        "8",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v.extend(["--out".to_string(), out.display().to_string()]);
+    v
+}
+
+/// `mpirun -n n` of this binary running train_gpt with `argv` (and `--transport mpi`); the
+/// losses rank 0 wrote to `loss.csv`.
+fn mpirun(n: usize, mut argv: Vec<String>) -> Vec<f64> {
+    argv.extend(["--transport".into(), "mpi".into()]);
+    let out_dir = PathBuf::from(&argv[argv.iter().position(|a| a == "--out").unwrap() + 1]);
+    let out = Command::new("mpirun")
+        .args(["--oversubscribe", "-n", &n.to_string()])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "mpi::mpi_train_gpt_rank",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(ARGS_VAR, argv.join("\u{1f}"))
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl", "self,vader,tcp")
+        .env("OMPI_MCA_pml", "ob1")
+        .output()
+        .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see README");
+    assert!(
+        out.status.success(),
+        "mpirun -n {n}: {:?}\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let csv = std::fs::read_to_string(out_dir.join("loss.csv")).unwrap();
+    csv.lines()
+        .skip(1)
+        .filter_map(|l| l.split(',').nth(1).and_then(|v| v.parse().ok()))
+        .collect()
+}
+
+/// 4 MPI processes at tp 2 x dp 2 give the thread run's losses (MPI sums in its own order: to
+/// float tolerance); their checkpoint resumes at 2 processes (tp 2) and at threads (tp 1 x dp 2)
+/// on the uninterrupted curve.
+#[test]
+fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywhere() {
+    let _rng = rng_lock();
+    let threads = |extra: &[&str], name: &str| {
+        run(&Args::try_parse_from(argv(extra, &temp_dir(name))).unwrap())
+            .unwrap()
+            .losses
+    };
+    let whole = threads(&["--tp", "2", "--dp", "2", "--steps", "20"], "whole");
+    let first = temp_dir("first");
+    let losses = mpirun(
+        4,
+        argv(&["--tp", "2", "--dp", "2", "--steps", "10"], &first),
+    );
+    assert_close(
+        &losses,
+        &whole[..10],
+        1e-5,
+        "mpirun -n 4 (tp 2 x dp 2) vs threads",
+    );
+
+    let ckpt = first.join("checkpoint").display().to_string();
+    let resume = ["--steps", "10", "--resume", &ckpt];
+    let at_2 = mpirun(
+        2,
+        argv(
+            &[&["--tp", "2", "--dp", "1"][..], &resume].concat(),
+            &temp_dir("r2"),
+        ),
+    );
+    assert_close(&at_2, &whole[10..], 1e-4, "resumed by 2 MPI processes");
+    let at_threads = threads(&[&["--tp", "1", "--dp", "2"][..], &resume].concat(), "rt");
+    assert_close(
+        &at_threads,
+        &whole[10..],
+        1e-4,
+        "resumed by threads (tp 1 x dp 2)",
+    );
+
+    // A world that does not match tp x dp is an error naming both, on every process.
+    let out = Command::new("mpirun")
+        .args(["--oversubscribe", "-n", "3"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "mpi::mpi_train_gpt_rank",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(
+            ARGS_VAR,
+            argv(
+                &["--tp", "2", "--dp", "2", "--transport", "mpi"],
+                &temp_dir("bad"),
+            )
+            .join("\u{1f}"),
+        )
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("mpirun started 3 processes but --tp 2 x --dp 2 = 4"),
+        "{stderr}"
+    );
+}
+
+/// One rank of the runs above, under mpirun (a no-op in a normal test run).
+#[test]
+fn mpi_train_gpt_rank() {
+    let Ok(joined) = std::env::var(ARGS_VAR) else {
+        return;
+    };
+    let args = Args::try_parse_from(joined.split('\u{1f}')).unwrap();
+    match run(&args) {
+        Ok(_) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("train_gpt: {e}");
+            std::process::exit(1);
+        }
+    }
+}
