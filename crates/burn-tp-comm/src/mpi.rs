@@ -135,6 +135,7 @@ impl MpiRuntime {
             comm: 0,
             rank: self.rank,
             world_size: self.world_size,
+            scratch: Scratch::default(),
         }
     }
 
@@ -222,6 +223,19 @@ pub(crate) struct MpiGroup {
     comm: usize,
     rank: usize,
     world_size: usize,
+    /// The reduce-scatters' receive buffers, reused (`Vec<T>`s of any element type): a fresh
+    /// 16 MiB buffer costs more in page faults than the transfer.
+    scratch: Scratch,
+}
+
+type Scratch = Arc<Mutex<Vec<Box<dyn std::any::Any + Send>>>>;
+
+/// Keeps `v` for a later reduce-scatter (at most four buffers).
+fn give_back<T: Send + 'static>(pool: &Scratch, v: Vec<T>) {
+    let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+    if pool.len() < 4 {
+        pool.push(Box::new(v));
+    }
 }
 
 /// The output of a call in flight, filled by the MPI thread.
@@ -330,6 +344,25 @@ enum Msg {
 }
 
 impl MpiGroup {
+    /// A buffer of `len` elements (contents unspecified: MPI overwrites them), reused if one
+    /// of this type and size was given back.
+    fn take_scratch<T: Copy + Send + 'static>(&self, len: usize, fill: T) -> Vec<T> {
+        let mut pool = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let found = pool.iter().position(|b| {
+            b.downcast_ref::<Vec<T>>()
+                .is_some_and(|v| v.capacity() >= len)
+        });
+        match found {
+            Some(i) => {
+                let mut v = *pool.swap_remove(i).downcast::<Vec<T>>().expect("checked");
+                v.truncate(len);
+                v.resize(len, fill);
+                v
+            }
+            None => vec![fill; len],
+        }
+    }
+
     pub(crate) fn rank(&self) -> usize {
         self.rank
     }
@@ -395,17 +428,42 @@ impl MpiGroup {
         // so a `RecvBuf` keeping its elements inline cannot move them either).
         let input = Box::new(input);
         let mut out = Box::new(out);
+        // A reduce-scatter is an all-to-all into `scratch` (chunk r of every rank to rank r),
+        // then the sum of the chunks in rank order here: 4x faster than Open MPI's
+        // `MPI_Ireduce_scatter_block` at 16-64 MiB (PERFORMANCE.md), and the same bits as
+        // the thread transport.
+        let mut scratch: Vec<T> = match (desc.kind, input.as_slice().first()) {
+            (OpKind::ReduceScatter, Some(&x)) => self.take_scratch(input.as_slice().len(), x),
+            _ => Vec::new(),
+        };
+        let pool = self.scratch.clone();
+        let recv = if desc.kind == OpKind::ReduceScatter {
+            scratch.as_mut_ptr()
+        } else {
+            out.as_mut_slice().as_mut_ptr()
+        };
         let call = Call {
             kind: desc.kind,
             dtype: desc.dtype,
             send: Ptr(input.as_slice().as_ptr() as *mut c_void),
-            recv: Ptr(out.as_mut_slice().as_mut_ptr() as *mut c_void),
+            recv: Ptr(recv as *mut c_void),
             count,
         };
         let slot = done.clone();
         let complete = Box::new(move |result: Result<()>| {
             drop(input);
-            slot.set(result.map(|()| finish(*out)));
+            slot.set(result.map(|()| {
+                if !scratch.is_empty() {
+                    let dst = out.as_mut_slice();
+                    let chunk = dst.len();
+                    dst.copy_from_slice(&scratch[..chunk]);
+                    for part in scratch.chunks_exact(chunk.max(1)).skip(1) {
+                        T::combine(ReduceOp::Sum, dst, part);
+                    }
+                    give_back(&pool, scratch);
+                }
+                finish(*out)
+            }));
         });
         self.submit(Job {
             comm: self.comm,
@@ -450,6 +508,7 @@ impl MpiGroup {
             comm,
             rank,
             world_size,
+            scratch: Scratch::default(),
         })
     }
 
@@ -759,12 +818,14 @@ fn post(
             OpKind::AllGather | OpKind::Split => {
                 ffi::MPI_Iallgather(send, n, dtype, recv, n, dtype, comm, &mut request)
             }
-            OpKind::ReduceScatter => ffi::MPI_Ireduce_scatter_block(
+            // Reduced by the job once every chunk is in (see `MpiGroup::start`).
+            OpKind::ReduceScatter => ffi::MPI_Ialltoall(
                 send,
+                n / size,
+                dtype,
                 recv,
                 n / size,
                 dtype,
-                ops.get(call.dtype, ReduceOp::Sum),
                 comm,
                 &mut request,
             ),

@@ -248,13 +248,15 @@ fn mpi_rank_program() {
             pg.barrier().unwrap();
             if rank == 1 {
                 // Never arrives; leaves once the others have given up.
-                std::thread::sleep(Duration::from_secs(4));
+                std::thread::sleep(Duration::from_secs(6));
                 std::process::exit(0);
             }
             pg.set_timeout(Duration::from_secs(1));
             let e = pg.all_reduce(vec![0f32; 8], ReduceOp::Sum).unwrap_err();
             println!("\nrank {rank}: timeout: {e}");
-            // The call is still posted in MPI: end the job, as the docs say to.
+            // The call is still posted in MPI: end the job, as the docs say to (after the other
+            // waiting ranks, which time out within milliseconds of this one, have said so too).
+            std::thread::sleep(Duration::from_secs(1));
             runtime.abort(2);
         }
         "panic" | "kill" => {

@@ -1,0 +1,214 @@
+//! The collectives over MPI (feature `mpi`) against memcpy and against ranks as threads, and
+//! how much of an all-gather the MPI thread hides behind compute. Run under mpirun:
+//!
+//! ```text
+//! cargo bench -p burn-tp-comm --features mpi --bench mpi --no-run
+//! mpirun --oversubscribe -n 2 target/release/deps/mpi-<hash>    # and -n 4
+//! ```
+//!
+//! `MiB` is the whole buffer: the all-gather's output, the reduce-scatter's input, the
+//! all-reduce's buffer. Every figure is the median of 5 timed calls after 2 warm ones, each the
+//! slowest rank's time, with every output buffer reused (the layers' steady state).
+
+use std::time::{Duration, Instant};
+
+use burn_tp_comm::mpi::MpiRuntime;
+use burn_tp_comm::{LocalGroup, ProcessGroup, ReduceOp};
+
+const REPS: usize = 5;
+const WARM: usize = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Op {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+}
+
+/// (input length, output length) per rank for a whole buffer of `len`.
+fn lens(op: Op, len: usize, n: usize) -> (usize, usize) {
+    match op {
+        Op::AllGather => (len / n, len),
+        Op::ReduceScatter => (len, len / n),
+        Op::AllReduce => (len, len),
+    }
+}
+
+/// Median of the slowest rank's time of `op` over `len` f32s.
+fn time(pg: &ProcessGroup, op: Op, len: usize) -> Duration {
+    let n = pg.world_size();
+    let (i, o) = lens(op, len, n);
+    let input: Vec<f32> = (0..i).map(|k| (k % 7) as f32).collect();
+    let mut out = vec![0f32; o];
+    let mut times = Vec::new();
+    for rep in 0..WARM + REPS {
+        // The input is sent in place; its copy is made before the clock starts.
+        let owned = input.clone();
+        pg.barrier().unwrap();
+        let start = Instant::now();
+        out = match op {
+            Op::AllGather => pg.all_gather_async(owned, out).unwrap().wait().unwrap(),
+            Op::ReduceScatter => pg.reduce_scatter_async(owned, out).unwrap().wait().unwrap(),
+            Op::AllReduce => pg
+                .all_reduce_async(owned, ReduceOp::Sum, out)
+                .unwrap()
+                .wait()
+                .unwrap(),
+        };
+        let mine = start.elapsed().as_secs_f64();
+        let slowest = pg.all_reduce(vec![mine], ReduceOp::Max).unwrap()[0];
+        if rep >= WARM {
+            times.push(slowest);
+        }
+    }
+    median(times)
+}
+
+fn median(mut v: Vec<f64>) -> Duration {
+    v.sort_by(f64::total_cmp);
+    Duration::from_secs_f64(v[v.len() / 2])
+}
+
+/// One memcpy of `len` f32s on this rank (median), with every rank copying at once when `all`.
+fn memcpy(pg: &ProcessGroup, len: usize, all: bool) -> Duration {
+    let src: Vec<f32> = (0..len).map(|k| k as f32).collect();
+    let mut dst = vec![0f32; len];
+    let mut times = Vec::new();
+    for rep in 0..WARM + REPS {
+        pg.barrier().unwrap();
+        let mine = if all || pg.rank() == 0 {
+            let start = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&dst);
+            start.elapsed().as_secs_f64()
+        } else {
+            0.0
+        };
+        let slowest = pg.all_reduce(vec![mine], ReduceOp::Max).unwrap()[0];
+        if rep >= WARM {
+            times.push(slowest);
+        }
+    }
+    median(times)
+}
+
+/// The same call with the ranks as threads of this process (rank 0's process only).
+fn threads(n: usize, op: Op, len: usize) -> Duration {
+    let groups = LocalGroup::new(n).unwrap();
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|pg| std::thread::spawn(move || time(&pg, op, len)))
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .max()
+        .unwrap()
+}
+
+/// Dense arithmetic for about `iters` passes over a 256 KiB buffer (cache-resident: no memory
+/// traffic to compete with the transfer's).
+fn compute(iters: usize) -> f32 {
+    let mut v: Vec<f32> = (0..65536).map(|k| k as f32 * 1e-6).collect();
+    for _ in 0..iters {
+        v.iter_mut().for_each(|x| *x = *x * 0.999 + 1e-3);
+    }
+    std::hint::black_box(v.iter().sum())
+}
+
+/// How much of a `len`-element all-gather the MPI thread hides behind compute: comm alone `c`,
+/// compute alone `p`, both `t`; hidden = (c + p - t) / c.
+fn overlap(pg: &ProcessGroup, len: usize) -> (Duration, Duration, Duration, f64) {
+    let n = pg.world_size();
+    let shard: Vec<f32> = vec![1.0; len / n];
+    let c = time(pg, Op::AllGather, len);
+    // Size the compute to the communication: calibrate on this rank, agree on the count.
+    let start = Instant::now();
+    compute(50);
+    let per_iter = start.elapsed().as_secs_f64() / 50.0;
+    let iters = (c.as_secs_f64() / per_iter).ceil() as usize;
+    let iters = pg.all_reduce(vec![iters as f64], ReduceOp::Max).unwrap()[0] as usize;
+    let (mut ps, mut ts) = (Vec::new(), Vec::new());
+    let mut out = vec![0f32; len];
+    for rep in 0..WARM + REPS {
+        pg.barrier().unwrap();
+        let start = Instant::now();
+        compute(iters);
+        let p = pg
+            .all_reduce(vec![start.elapsed().as_secs_f64()], ReduceOp::Max)
+            .unwrap()[0];
+        let owned = shard.clone();
+        pg.barrier().unwrap();
+        let start = Instant::now();
+        let work = pg.all_gather_async(owned, out).unwrap();
+        compute(iters);
+        out = work.wait().unwrap();
+        let t = pg
+            .all_reduce(vec![start.elapsed().as_secs_f64()], ReduceOp::Max)
+            .unwrap()[0];
+        if rep >= WARM {
+            ps.push(p);
+            ts.push(t);
+        }
+    }
+    let (p, t) = (median(ps), median(ts));
+    let hidden = (c + p).saturating_sub(t).as_secs_f64() / c.as_secs_f64();
+    (c, p, t, hidden.clamp(0.0, 1.0))
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64() * 1e3)
+}
+
+fn main() {
+    let runtime = MpiRuntime::init().expect("run under mpirun");
+    let pg = ProcessGroup::from_mpi(&runtime);
+    let (rank, n) = (pg.rank(), pg.world_size());
+    if rank == 0 {
+        println!(
+            "| op | processes | MiB | MPI ms | threads ms | memcpy ms | memcpy x ranks ms | MPI x memcpy | MPI x memcpy x ranks | MPI / threads |"
+        );
+        println!("|----|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    }
+    for mib in [16usize, 64] {
+        let len = mib << 18; // f32s
+        let one = memcpy(&pg, len, false);
+        let all = memcpy(&pg, len, true);
+        for op in [Op::AllGather, Op::ReduceScatter, Op::AllReduce] {
+            let mpi = time(&pg, op, len);
+            pg.barrier().unwrap();
+            let thr = if rank == 0 {
+                threads(n, op, len)
+            } else {
+                Duration::ZERO
+            };
+            pg.barrier().unwrap();
+            if rank == 0 {
+                let name = format!("{op:?}");
+                println!(
+                    "| {name} | {n} | {mib} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} |",
+                    ms(mpi),
+                    ms(thr),
+                    ms(one),
+                    ms(all),
+                    one.as_secs_f64() / mpi.as_secs_f64(),
+                    all.as_secs_f64() / mpi.as_secs_f64(),
+                    thr.as_secs_f64() / mpi.as_secs_f64(),
+                );
+            }
+        }
+    }
+    let (c, p, t, hidden) = overlap(&pg, 16 << 18);
+    if rank == 0 {
+        println!(
+            "\noverlap, 16 MiB all-gather at {n} processes: comm alone {} ms, compute alone {} ms, \
+             both {} ms: hidden {hidden:.2}",
+            ms(c),
+            ms(p),
+            ms(t)
+        );
+    }
+    pg.barrier().unwrap();
+    drop(pg);
+    drop(runtime);
+}
