@@ -47,12 +47,9 @@ fn argv(extra: &[&str], out: &Path) -> Vec<String> {
     v
 }
 
-/// `mpirun -n n` of this binary running train_gpt with `argv` (and `--transport mpi`); the
-/// losses rank 0 wrote to `loss.csv`.
-fn mpirun(n: usize, mut argv: Vec<String>) -> Vec<f64> {
-    argv.extend(["--transport".into(), "mpi".into()]);
-    let out_dir = PathBuf::from(&argv[argv.iter().position(|a| a == "--out").unwrap() + 1]);
-    let out = Command::new("mpirun")
+/// `mpirun -n n` of this binary running train_gpt with `argv`, its output.
+fn mpirun_output(n: usize, argv: &[String]) -> std::process::Output {
+    Command::new("mpirun")
         .args(["--oversubscribe", "-n", &n.to_string()])
         .arg(std::env::current_exe().unwrap())
         .args([
@@ -68,7 +65,15 @@ fn mpirun(n: usize, mut argv: Vec<String>) -> Vec<f64> {
         .env("OMPI_MCA_btl", "self,vader,tcp")
         .env("OMPI_MCA_pml", "ob1")
         .output()
-        .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see README");
+        .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see README")
+}
+
+/// `mpirun -n n` of this binary running train_gpt with `argv` (and `--transport mpi`); the
+/// losses rank 0 wrote to `loss.csv`.
+fn mpirun(n: usize, mut argv: Vec<String>) -> Vec<f64> {
+    argv.extend(["--transport".into(), "mpi".into()]);
+    let out_dir = PathBuf::from(&argv[argv.iter().position(|a| a == "--out").unwrap() + 1]);
+    let out = mpirun_output(n, &argv);
     assert!(
         out.status.success(),
         "mpirun -n {n}: {:?}\n{}\n{}",
@@ -126,28 +131,11 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
     );
 
     // A world that does not match tp x dp is an error naming both, on every process.
-    let out = Command::new("mpirun")
-        .args(["--oversubscribe", "-n", "3"])
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "mpi::mpi_train_gpt_rank",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(
-            ARGS_VAR,
-            argv(
-                &["--tp", "2", "--dp", "2", "--transport", "mpi"],
-                &temp_dir("bad"),
-            )
-            .join("\u{1f}"),
-        )
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .unwrap();
+    let bad = argv(
+        &["--tp", "2", "--dp", "2", "--transport", "mpi"],
+        &temp_dir("bad"),
+    );
+    let out = mpirun_output(3, &bad);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
