@@ -309,6 +309,9 @@ type NewComm = (usize, usize, usize);
 enum Action {
     Collective {
         call: Call,
+        /// A second phase: run once `call` is done, it gives the call to post next (the
+        /// all-reduce's all-gather after its all-to-all and local reduction).
+        then: Option<Box<dyn FnOnce() -> Call + Send>>,
         /// Runs once MPI is done with the buffers (it owns them), with MPI's verdict.
         complete: Box<dyn FnOnce(Result<()>) + Send>,
     },
@@ -429,37 +432,76 @@ impl MpiGroup {
         let input = Box::new(input);
         let mut out = Box::new(out);
         // A reduce-scatter is an all-to-all into `scratch` (chunk r of every rank to rank r),
-        // then the sum of the chunks in rank order here: 4x faster than Open MPI's
-        // `MPI_Ireduce_scatter_block` at 16-64 MiB (PERFORMANCE.md), and the same bits as
-        // the thread transport.
-        let mut scratch: Vec<T> = match (desc.kind, input.as_slice().first()) {
-            (OpKind::ReduceScatter, Some(&x)) => self.take_scratch(input.as_slice().len(), x),
+        // then the reduction of the chunks in rank order: 4x faster than Open MPI's
+        // `MPI_Ireduce_scatter_block` at 16-64 MiB (PERFORMANCE.md), and the same bits as the
+        // thread transport. An all-reduce (of a length the ranks divide) is that, then an
+        // all-gather of the reduced chunks: the thread transport's bits again, on every rank.
+        let n = self.world_size;
+        let len = input.as_slice().len();
+        let two_phase =
+            matches!(desc.kind, OpKind::AllReduce(_)) && n > 1 && len > 0 && len.is_multiple_of(n);
+        let mut scratch: Vec<T> = match input.as_slice().first() {
+            Some(&x) if desc.kind == OpKind::ReduceScatter || two_phase => {
+                self.take_scratch(len, x)
+            }
             _ => Vec::new(),
         };
         let pool = self.scratch.clone();
-        let recv = if desc.kind == OpKind::ReduceScatter {
-            scratch.as_mut_ptr()
+        let uses_scratch = !scratch.is_empty();
+        let (kind, recv) = if uses_scratch {
+            (OpKind::ReduceScatter, scratch.as_mut_ptr())
         } else {
-            out.as_mut_slice().as_mut_ptr()
+            (desc.kind, out.as_mut_slice().as_mut_ptr())
         };
         let call = Call {
-            kind: desc.kind,
+            kind,
             dtype: desc.dtype,
             send: Ptr(input.as_slice().as_ptr() as *mut c_void),
             recv: Ptr(recv as *mut c_void),
             count,
         };
+        let op = match desc.kind {
+            OpKind::AllReduce(op) => op,
+            _ => ReduceOp::Sum,
+        };
+        let chunk = len / n.max(1);
+        // Phase 2 of the all-reduce, run by the MPI thread once the all-to-all is in: reduce
+        // this rank's chunk into the front of `scratch`, then all-gather it into `out`.
+        let (front, out_ptr) = (
+            call.recv,
+            Ptr(out.as_mut_slice().as_mut_ptr() as *mut c_void),
+        );
+        let dtype = desc.dtype;
+        let then = two_phase.then(|| {
+            Box::new(move || {
+                // Safety: `scratch` (`len` elements) is owned by `complete`, which the MPI
+                // thread keeps until after this runs; nothing else touches it meanwhile.
+                let all = unsafe { std::slice::from_raw_parts_mut(front.0 as *mut T, len) };
+                let (first, rest) = all.split_at_mut(chunk);
+                for part in rest.chunks_exact(chunk) {
+                    T::combine(op, first, part);
+                }
+                Call {
+                    kind: OpKind::AllGather,
+                    dtype,
+                    send: front,
+                    recv: out_ptr,
+                    count: chunk as c_int,
+                }
+            }) as Box<dyn FnOnce() -> Call + Send>
+        });
         let slot = done.clone();
         let complete = Box::new(move |result: Result<()>| {
             drop(input);
             slot.set(result.map(|()| {
-                if !scratch.is_empty() {
+                if uses_scratch && !two_phase {
                     let dst = out.as_mut_slice();
-                    let chunk = dst.len();
                     dst.copy_from_slice(&scratch[..chunk]);
                     for part in scratch.chunks_exact(chunk.max(1)).skip(1) {
                         T::combine(ReduceOp::Sum, dst, part);
                     }
+                }
+                if uses_scratch {
                     give_back(&pool, scratch);
                 }
                 finish(*out)
@@ -470,7 +512,11 @@ impl MpiGroup {
             seq,
             rank: self.rank,
             desc,
-            action: Action::Collective { call, complete },
+            action: Action::Collective {
+                call,
+                then,
+                complete,
+            },
         });
         done
     }
@@ -562,7 +608,18 @@ struct Comm {
     queue: VecDeque<Job>,
     /// The head job's descriptor exchange.
     checking: Option<Checking>,
+    /// A two-phase job whose first phase runs: later jobs wait for its second phase to be
+    /// posted, so every rank posts the same collectives in the same order.
+    first_phase: Option<FirstPhase>,
 }
+
+/// The first phase's request, the second phase, the job's completion, and what it is.
+type FirstPhase = (
+    ffi::MPI_Request,
+    Box<dyn FnOnce() -> Call + Send>,
+    Box<dyn FnOnce(Result<()>) + Send>,
+    String,
+);
 
 /// A descriptor exchange in flight: the request, this rank's words, every rank's words (both
 /// kept alive until MPI is done), and the job waiting on it.
@@ -597,7 +654,10 @@ fn engine_main(rx: Receiver<Msg>, ready: Sender<Result<(usize, usize)>>, failed:
     let mut running: Vec<Running> = Vec::new();
     let mut last_progress = Instant::now();
     'outer: loop {
-        let busy = !running.is_empty() || comms.iter().any(|c| c.checking.is_some());
+        let busy = !running.is_empty()
+            || comms
+                .iter()
+                .any(|c| c.checking.is_some() || c.first_phase.is_some());
         // Idle: sleep until a job comes. Busy: spin a little (a collective on shared memory
         // completes in microseconds), then poll every 50 us so compute keeps the cores.
         let first = if !busy {
@@ -651,7 +711,11 @@ fn engine_main(rx: Receiver<Msg>, ready: Sender<Result<(usize, usize)>>, failed:
             last_progress = Instant::now();
         }
     }
-    let in_flight = running.len() + comms.iter().filter(|c| c.checking.is_some()).count();
+    let in_flight = running.len()
+        + comms
+            .iter()
+            .filter(|c| c.checking.is_some() || c.first_phase.is_some())
+            .count();
     if in_flight > 0 {
         // Finalising with requests in flight is erroneous (and can hang): end the job.
         eprintln!(
@@ -686,6 +750,7 @@ impl Comm {
             comm,
             queue: VecDeque::new(),
             checking: None,
+            first_phase: None,
         }
     }
 }
@@ -702,6 +767,23 @@ fn step_comm(
     let mut progressed = false;
     loop {
         let comm = &mut comms[c];
+        if let Some((request, ..)) = comm.first_phase.as_mut() {
+            let verdict = test(request);
+            if verdict == Ok(false) {
+                return progressed;
+            }
+            let (_, then, complete, what) = comm.first_phase.take().expect("first phase");
+            progressed = true;
+            match verdict.and_then(|_| post(&comm.comm, &then(), ops)) {
+                Ok(request) => running.push(Running {
+                    request,
+                    what,
+                    complete,
+                }),
+                Err(e) => complete(Err(CommError::Backend(format!("MPI {what}: {e}")))),
+            }
+            continue;
+        }
         if comm.checking.is_none() {
             let Some(job) = comm.queue.pop_front() else {
                 return progressed;
@@ -780,15 +862,22 @@ fn step_comm(
                     });
                 reply(result);
             }
-            Action::Collective { call, complete } => {
+            Action::Collective {
+                call,
+                then,
+                complete,
+            } => {
                 let what = format!("{} #{} on rank {}", job.desc, job.seq, job.rank);
-                match post(&comms[c].comm, &call, ops) {
-                    Ok(request) => running.push(Running {
+                match (post(&comms[c].comm, &call, ops), then) {
+                    (Ok(request), None) => running.push(Running {
                         request,
                         what,
                         complete,
                     }),
-                    Err(e) => complete(Err(CommError::Backend(format!("MPI {what}: {e}")))),
+                    (Ok(request), Some(then)) => {
+                        comms[c].first_phase = Some((request, then, complete, what));
+                    }
+                    (Err(e), _) => complete(Err(CommError::Backend(format!("MPI {what}: {e}")))),
                 }
             }
         }

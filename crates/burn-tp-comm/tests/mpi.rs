@@ -166,6 +166,28 @@ fn ops(pg: &ProcessGroup) {
         .unwrap();
     assert_eq!(halves, vec![bf16::from_f32(1.5 * n as f32); 4]);
 
+    // Sums of inexact values are the rank-order sums (the thread transport's bits), the same
+    // on every rank: reduce-scatter and all-reduce (of a length the ranks divide).
+    let len = 64 * n;
+    let noisy = |r: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((r * 7919 + i * 104729) % 1000) as f32 / 7.0 + 0.1)
+            .collect()
+    };
+    let rank_order: Vec<f32> = (0..len)
+        .map(|i| (1..n).fold(noisy(0)[i], |acc, r| acc + noisy(r)[i]))
+        .collect();
+    let summed = pg.all_reduce(noisy(rank), ReduceOp::Sum).unwrap();
+    assert!(
+        summed
+            .iter()
+            .zip(&rank_order)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    );
+    let chunk = len / n;
+    let scattered = pg.reduce_scatter(noisy(rank)).unwrap();
+    assert_eq!(scattered, rank_order[rank * chunk..(rank + 1) * chunk]);
+
     // Several in flight at once, waited out of order, into the caller's buffers.
     let a = pg
         .all_gather_async(vec![rank as f32; 3], vec![0f32; 3 * n])
