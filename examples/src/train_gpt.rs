@@ -368,8 +368,9 @@ pub fn overlap_path(args: &Args) -> String {
         format!("NCCL: the {schedule} schedule overlaps communication with compute on the GPU")
     } else if args.transport == Transport::Mpi {
         format!(
-            "MPI: the {schedule} schedule overlaps communication with compute (the MPI thread \
-             advances the collectives; an all-gather's parts arrive together)"
+            "MPI: the {schedule} schedule overlaps communication with compute where each rank \
+             has a spare core (else the async layers take one block; BURN_TP_MPI_OVERLAP=1|0 \
+             decides)"
         )
     } else if let Some(us) = args.link_latency_us {
         format!(

@@ -47,10 +47,14 @@ fn argv(extra: &[&str], out: &Path) -> Vec<String> {
     v
 }
 
-/// `mpirun -n n` of this binary running train_gpt with `argv`, its output.
-fn mpirun_output(n: usize, argv: &[String]) -> std::process::Output {
-    Command::new("mpirun")
-        .args(["--oversubscribe", "-n", &n.to_string()])
+/// `mpirun -n n` of this binary running train_gpt with `argv`, its output. `overlap` sets
+/// `BURN_TP_MPI_OVERLAP` (the overlap schedules on or off; unset: by the node's cores).
+fn mpirun_output(n: usize, argv: &[String], overlap: Option<bool>) -> std::process::Output {
+    let mut cmd = Command::new("mpirun");
+    if let Some(on) = overlap {
+        cmd.env("BURN_TP_MPI_OVERLAP", if on { "1" } else { "0" });
+    }
+    cmd.args(["--oversubscribe", "-n", &n.to_string()])
         .arg(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -70,10 +74,10 @@ fn mpirun_output(n: usize, argv: &[String]) -> std::process::Output {
 
 /// `mpirun -n n` of this binary running train_gpt with `argv` (and `--transport mpi`); the
 /// losses rank 0 wrote to `loss.csv`.
-fn mpirun(n: usize, mut argv: Vec<String>) -> Vec<f64> {
+fn mpirun(n: usize, mut argv: Vec<String>, overlap: Option<bool>) -> Vec<f64> {
     argv.extend(["--transport".into(), "mpi".into()]);
     let out_dir = PathBuf::from(&argv[argv.iter().position(|a| a == "--out").unwrap() + 1]);
-    let out = mpirun_output(n, &argv);
+    let out = mpirun_output(n, &argv, overlap);
     assert!(
         out.status.success(),
         "mpirun -n {n}: {:?}\n{}\n{}",
@@ -88,8 +92,9 @@ fn mpirun(n: usize, mut argv: Vec<String>) -> Vec<f64> {
         .collect()
 }
 
-/// 4 MPI processes at tp 2 x dp 2 give the thread run's losses (MPI sums in its own order: to
-/// float tolerance); their checkpoint resumes at 2 processes (tp 2) and at threads (tp 1 x dp 2)
+/// 4 MPI processes at tp 2 x dp 2 give the thread run's losses (to float tolerance: the
+/// autodiff graph differs with the schedule), with the overlap schedules on and off; their
+/// checkpoint resumes at 2 processes (tp 2) and at threads (tp 1 x dp 2)
 /// on the uninterrupted curve.
 #[test]
 fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywhere() {
@@ -101,16 +106,21 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
     };
     let whole = threads(&["--tp", "2", "--dp", "2", "--steps", "20"], "whole");
     let first = temp_dir("first");
-    let losses = mpirun(
-        4,
-        argv(&["--tp", "2", "--dp", "2", "--steps", "10"], &first),
-    );
-    assert_close(
-        &losses,
-        &whole[..10],
-        1e-5,
-        "mpirun -n 4 (tp 2 x dp 2) vs threads",
-    );
+    // The overlap schedules on (the ring's parts read from the whole gather), then off (one
+    // block), as the node's cores would decide.
+    for overlap in [true, false] {
+        let losses = mpirun(
+            4,
+            argv(&["--tp", "2", "--dp", "2", "--steps", "10"], &first),
+            Some(overlap),
+        );
+        assert_close(
+            &losses,
+            &whole[..10],
+            1e-5,
+            &format!("mpirun -n 4 (tp 2 x dp 2, overlap {overlap}) vs threads"),
+        );
+    }
 
     let ckpt = first.join("checkpoint").display().to_string();
     let resume = ["--steps", "10", "--resume", &ckpt];
@@ -120,6 +130,7 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
             &[&["--tp", "2", "--dp", "1"][..], &resume].concat(),
             &temp_dir("r2"),
         ),
+        None,
     );
     assert_close(&at_2, &whole[10..], 1e-4, "resumed by 2 MPI processes");
     let at_threads = threads(&[&["--tp", "1", "--dp", "2"][..], &resume].concat(), "rt");
@@ -135,7 +146,7 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         &["--tp", "2", "--dp", "2", "--transport", "mpi"],
         &temp_dir("bad"),
     );
-    let out = mpirun_output(3, &bad);
+    let out = mpirun_output(3, &bad, None);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(

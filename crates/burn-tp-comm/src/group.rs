@@ -191,13 +191,15 @@ impl ProcessGroup {
     }
 
     /// Whether a collective in flight makes progress without the thread that posted it (NCCL on
-    /// its own stream, MPI on its own thread, or the simulated [`LinkModel`]), so that compute
-    /// placed between the start
-    /// and the wait hides it. Ranks as threads without a link move the data inside `wait`, on
-    /// the caller's thread: there the overlap schedules would only add work.
+    /// its own stream, MPI on its own thread where the node has cores to spare, see
+    /// `mpi::MpiRuntime::overlaps`, or the simulated [`LinkModel`]), so that compute placed
+    /// between the start and the wait hides it. Ranks as threads without a link move the data
+    /// inside `wait`, on the caller's thread: there the overlap schedules would only add work.
     pub fn progresses_in_background(&self) -> bool {
         match &self.transport {
             Transport::Local(shared) => shared.options.link.is_some(),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.overlaps(),
             #[allow(unreachable_patterns)]
             _ => true,
         }

@@ -73,6 +73,7 @@ pub struct MpiRuntime {
     engine: Arc<Engine>,
     rank: usize,
     world_size: usize,
+    background: bool,
 }
 
 impl std::fmt::Debug for MpiRuntime {
@@ -105,9 +106,15 @@ impl MpiRuntime {
             .name("burn-tp-mpi".into())
             .spawn(move || engine_main(rx, ready_tx, failed2))
             .map_err(|e| CommError::Backend(format!("MPI: cannot start its thread: {e}")))?;
-        let (rank, world_size) = ready_rx
+        let (rank, world_size, local_ranks) = ready_rx
             .recv()
             .map_err(|_| CommError::Backend("MPI: its thread ended during MPI_Init".into()))??;
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let background = match std::env::var("BURN_TP_MPI_OVERLAP").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => cores >= 2 * local_ranks,
+        };
         Ok(Self {
             engine: Arc::new(Engine {
                 tx: Mutex::new(Some(tx)),
@@ -116,6 +123,7 @@ impl MpiRuntime {
             }),
             rank,
             world_size,
+            background,
         })
     }
 
@@ -129,12 +137,24 @@ impl MpiRuntime {
         self.world_size
     }
 
+    /// Whether the groups tell the parallel layers to run their overlap schedules
+    /// ([`ProcessGroup::progresses_in_background`](crate::ProcessGroup::progresses_in_background)):
+    /// when this node has at least two cores per rank on it, so a rank's MPI copies can run
+    /// beside its compute. With fewer, shared-memory MPI's copies and the compute take turns on
+    /// the same cores, and the schedules' extra blocks are pure cost (PERFORMANCE.md: 9% of
+    /// train_gpt's throughput at 2 ranks on 2 cores). `BURN_TP_MPI_OVERLAP=1` or `0` decides
+    /// instead.
+    pub fn overlaps(&self) -> bool {
+        self.background
+    }
+
     pub(crate) fn world(&self) -> MpiGroup {
         MpiGroup {
             engine: self.engine.clone(),
             comm: 0,
             rank: self.rank,
             world_size: self.world_size,
+            background: self.background,
             scratch: Scratch::default(),
         }
     }
@@ -223,6 +243,8 @@ pub(crate) struct MpiGroup {
     comm: usize,
     rank: usize,
     world_size: usize,
+    /// See [`MpiRuntime::overlaps`].
+    background: bool,
     /// The reduce-scatters' receive buffers, reused (`Vec<T>`s of any element type): a fresh
     /// 16 MiB buffer costs more in page faults than the transfer.
     scratch: Scratch,
@@ -372,6 +394,10 @@ impl MpiGroup {
 
     pub(crate) fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    pub(crate) fn overlaps(&self) -> bool {
+        self.background
     }
 
     fn aborted(&self, desc: &OpDesc, seq: u64, reason: String) -> CommError {
@@ -554,6 +580,7 @@ impl MpiGroup {
             comm,
             rank,
             world_size,
+            background: self.background,
             scratch: Scratch::default(),
         })
     }
@@ -632,7 +659,10 @@ struct Running {
     complete: Box<dyn FnOnce(Result<()>) + Send>,
 }
 
-fn engine_main(rx: Receiver<Msg>, ready: Sender<Result<(usize, usize)>>, failed: Failed) {
+/// What the MPI thread reports once MPI is up: rank, world size, ranks on this node.
+type Ready = Result<(usize, usize, usize)>;
+
+fn engine_main(rx: Receiver<Msg>, ready: Sender<Ready>, failed: Failed) {
     let Some((universe, threading)) = mpi::initialize_with_threading(mpi::Threading::Funneled)
     else {
         let _ = ready.send(Err(CommError::Backend(
@@ -649,8 +679,9 @@ fn engine_main(rx: Receiver<Msg>, ready: Sender<Result<(usize, usize)>>, failed:
     let ops = UserOps::new();
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
+    let local = world.split_shared(world.rank()).size() as usize;
     let mut comms = vec![Comm::new(world)];
-    let _ = ready.send(Ok((rank, size)));
+    let _ = ready.send(Ok((rank, size, local)));
     let mut running: Vec<Running> = Vec::new();
     let mut last_progress = Instant::now();
     'outer: loop {

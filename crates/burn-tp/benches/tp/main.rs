@@ -500,7 +500,7 @@ fn bench_scaling(quick: bool) {
 mod floor;
 mod grid;
 
-use floor::bench_layer_floor;
+use floor::{bench_layer_floor, floor_shape, layer_floor_rank, print_layer_floor};
 use grid::bench_async_grid;
 
 fn main() {
@@ -517,6 +517,9 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let only = std::env::args().find_map(|a| a.strip_prefix("--only=").map(str::to_string));
+    if std::env::args().any(|a| a == "--mpi") {
+        return bench_layer_floor_mpi(quick);
+    }
     match only.as_deref() {
         Some("floor") => return bench_layer_floor(quick),
         Some("collectives") => return bench_collectives(quick),
@@ -562,4 +565,31 @@ fn main() {
     bench_layer_floor(quick);
     bench_async_grid(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
+}
+
+/// Section 6 with the ranks as MPI processes (feature `mpi`), one rank per process under
+/// `RAYON_NUM_THREADS=1 mpirun -n 2 tp-<hash> --mpi` (one thread per rank, as section 6).
+#[cfg(feature = "mpi")]
+fn bench_layer_floor_mpi(quick: bool) {
+    let runtime = burn_tp::comm::mpi::MpiRuntime::init().expect("run under mpirun");
+    let g = ProcessGroup::from_mpi(&runtime);
+    let ((s, b, d), reps) = floor_shape(quick);
+    if g.rank() == 0 {
+        println!(
+            "\n## 6 over MPI: x [{s}, {b}, {d}] -> {d}, tp = {}, REDUCE_SCATTER, one process per \
+             rank\n",
+            g.world_size()
+        );
+    }
+    let (times, pairs) = layer_floor_rank(&g, (s, b, d), reps);
+    if g.rank() == 0 {
+        print_layer_floor(&times, &pairs);
+    }
+    g.barrier().unwrap();
+}
+
+#[cfg(not(feature = "mpi"))]
+fn bench_layer_floor_mpi(_: bool) {
+    eprintln!("--mpi needs the bench built with --features mpi (and run under mpirun)");
+    std::process::exit(2);
 }
