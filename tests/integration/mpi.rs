@@ -141,6 +141,28 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         "resumed by threads (tp 1 x dp 2)",
     );
 
+    // The other paths over MPI: the Llama in bf16 (16-bit sums by MPI's user ops), the dp
+    // gradient buckets overlapped with the backward and the distributed optimizer.
+    for extra in [
+        &["--arch", "llama", "--dtype", "bf16"][..],
+        &[
+            "--overlap-grad-reduce",
+            "--distributed-optimizer",
+            "--bucket-mb",
+            "0.001",
+        ],
+    ] {
+        let base = [&["--tp", "2", "--dp", "2", "--steps", "6"][..], extra].concat();
+        let want = threads(&base, "paths");
+        let got = mpirun(4, argv(&base, &temp_dir("paths-mpi")), None);
+        assert_close(
+            &got,
+            &want,
+            1e-5,
+            &format!("mpirun -n 4 {extra:?} vs threads"),
+        );
+    }
+
     // A world that does not match tp x dp is an error naming both, on every process.
     let bad = argv(
         &["--tp", "2", "--dp", "2", "--transport", "mpi"],
