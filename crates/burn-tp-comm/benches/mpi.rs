@@ -117,8 +117,16 @@ fn compute(iters: usize) -> f32 {
 }
 
 /// How much of a `len`-element all-gather the MPI thread hides behind compute: comm alone `c`,
-/// compute alone `p`, both `t`; hidden = (c + p - t) / c.
-fn overlap(pg: &ProcessGroup, len: usize) -> (Duration, Duration, Duration, f64) {
+/// compute alone `p`, both `t`; hidden = (c + p - t) / c. With `sleep`, the caller sleeps
+/// instead of computing: whether the transfer progresses with no MPI call on the caller's
+/// thread at all (Open MPI moves a large message only inside MPI calls), cores aside.
+/// Also returns the time left in the wait after the compute or sleep (slowest rank): near zero
+/// when the transfer went on meanwhile.
+fn overlap(
+    pg: &ProcessGroup,
+    len: usize,
+    sleep: bool,
+) -> (Duration, Duration, Duration, Duration, f64) {
     let n = pg.world_size();
     let shard: Vec<f32> = vec![1.0; len / n];
     let c = time(pg, Op::AllGather, len);
@@ -128,32 +136,43 @@ fn overlap(pg: &ProcessGroup, len: usize) -> (Duration, Duration, Duration, f64)
     let per_iter = start.elapsed().as_secs_f64() / 50.0;
     let iters = (c.as_secs_f64() / per_iter).ceil() as usize;
     let iters = pg.all_reduce(vec![iters as f64], ReduceOp::Max).unwrap()[0] as usize;
-    let (mut ps, mut ts) = (Vec::new(), Vec::new());
+    let work = |iters: usize| {
+        if sleep {
+            std::thread::sleep(c);
+        } else {
+            compute(iters);
+        }
+    };
+    let (mut ps, mut ts, mut ws) = (Vec::new(), Vec::new(), Vec::new());
     let mut out = vec![0f32; len];
     for rep in 0..WARM + REPS {
         pg.barrier().unwrap();
         let start = Instant::now();
-        compute(iters);
+        work(iters);
         let p = pg
             .all_reduce(vec![start.elapsed().as_secs_f64()], ReduceOp::Max)
             .unwrap()[0];
         let owned = shard.clone();
         pg.barrier().unwrap();
         let start = Instant::now();
-        let work = pg.all_gather_async(owned, out).unwrap();
-        compute(iters);
-        out = work.wait().unwrap();
+        let pending = pg.all_gather_async(owned, out).unwrap();
+        work(iters);
+        let before_wait = start.elapsed();
+        out = pending.wait().unwrap();
+        let in_wait = (start.elapsed() - before_wait).as_secs_f64();
+        let in_wait = pg.all_reduce(vec![in_wait], ReduceOp::Max).unwrap()[0];
         let t = pg
             .all_reduce(vec![start.elapsed().as_secs_f64()], ReduceOp::Max)
             .unwrap()[0];
         if rep >= WARM {
             ps.push(p);
             ts.push(t);
+            ws.push(in_wait);
         }
     }
-    let (p, t) = (median(ps), median(ts));
+    let (p, t, w) = (median(ps), median(ts), median(ws));
     let hidden = (c + p).saturating_sub(t).as_secs_f64() / c.as_secs_f64();
-    (c, p, t, hidden.clamp(0.0, 1.0))
+    (c, p, t, w, hidden.clamp(0.0, 1.0))
 }
 
 fn ms(d: Duration) -> String {
@@ -198,15 +217,18 @@ fn main() {
             }
         }
     }
-    let (c, p, t, hidden) = overlap(&pg, 16 << 18);
-    if rank == 0 {
-        println!(
-            "\noverlap, 16 MiB all-gather at {n} processes: comm alone {} ms, compute alone {} ms, \
-             both {} ms: hidden {hidden:.2}",
-            ms(c),
-            ms(p),
-            ms(t)
-        );
+    for (sleep, what) in [(false, "compute"), (true, "a sleeping caller")] {
+        let (c, p, t, w, hidden) = overlap(&pg, 16 << 18, sleep);
+        if rank == 0 {
+            println!(
+                "\noverlap, 16 MiB all-gather at {n} processes behind {what}: comm alone {} ms, \
+                 {what} alone {} ms, both {} ms, left to wait after it {} ms: hidden {hidden:.2}",
+                ms(c),
+                ms(p),
+                ms(t),
+                ms(w)
+            );
+        }
     }
     pg.barrier().unwrap();
     drop(pg);
