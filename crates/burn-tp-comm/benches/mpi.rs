@@ -175,6 +175,21 @@ fn overlap(
     (c, p, t, w, hidden.clamp(0.0, 1.0))
 }
 
+/// Median time of a blocking all-reduce of 8 floats over `reps` calls (the latency a step's
+/// many small collectives pay), slowest rank.
+fn small_latency(pg: &ProcessGroup, reps: usize, gap: Duration) -> Duration {
+    let mut times = Vec::with_capacity(reps);
+    pg.barrier().unwrap();
+    for _ in 0..reps {
+        std::thread::sleep(gap);
+        let start = Instant::now();
+        let _ = pg.all_reduce(vec![1f32; 8], ReduceOp::Sum).unwrap();
+        times.push(start.elapsed().as_secs_f64());
+    }
+    let m = median(times).as_secs_f64();
+    Duration::from_secs_f64(pg.all_reduce(vec![m], ReduceOp::Max).unwrap()[0])
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.2}", d.as_secs_f64() * 1e3)
 }
@@ -230,7 +245,31 @@ fn main() {
             );
         }
     }
-    pg.barrier().unwrap();
+    // Back to back, and after 1 ms idle each (as between a step's layers).
+    for gap in [Duration::ZERO, Duration::from_millis(1)] {
+        let mpi = small_latency(&pg, 300, gap);
+        pg.barrier().unwrap();
+        let thr = if rank == 0 {
+            let groups = LocalGroup::new(n).unwrap();
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| std::thread::spawn(move || small_latency(&g, 300, gap)))
+                .collect();
+            let each = handles.into_iter().map(|h| h.join().unwrap());
+            each.max().unwrap()
+        } else {
+            Duration::ZERO
+        };
+        pg.barrier().unwrap();
+        if rank == 0 {
+            println!(
+                "\nlatency of an all-reduce of 8 floats at {n} processes, {gap:?} idle before \
+                 each (median of 300): MPI {:.1} us, threads {:.1} us",
+                mpi.as_secs_f64() * 1e6,
+                thr.as_secs_f64() * 1e6
+            );
+        }
+    }
     drop(pg);
     drop(runtime);
 }

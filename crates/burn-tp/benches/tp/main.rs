@@ -500,7 +500,7 @@ fn bench_scaling(quick: bool) {
 mod floor;
 mod grid;
 
-use floor::{bench_layer_floor, floor_shape, layer_floor_rank, print_layer_floor};
+use floor::bench_layer_floor;
 use grid::bench_async_grid;
 
 fn main() {
@@ -571,6 +571,7 @@ fn main() {
 /// `RAYON_NUM_THREADS=1 mpirun -n 2 tp-<hash> --mpi` (one thread per rank, as section 6).
 #[cfg(feature = "mpi")]
 fn bench_layer_floor_mpi(quick: bool) {
+    use floor::{floor_shape, layer_floor_rank, print_layer_floor};
     let runtime = burn_tp::comm::mpi::MpiRuntime::init().expect("run under mpirun");
     let g = ProcessGroup::from_mpi(&runtime);
     let ((s, b, d), reps) = floor_shape(quick);
