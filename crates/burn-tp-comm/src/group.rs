@@ -113,6 +113,15 @@ impl ProcessGroup {
         Self::over_mpi(runtime.world(), crate::LocalGroupOptions::default().timeout)
     }
 
+    /// The MPI communicator of a group over MPI (where remote `Work` lives).
+    #[cfg(feature = "mpi")]
+    pub(crate) fn mpi(&self) -> &crate::mpi::MpiGroup {
+        match &self.transport {
+            Transport::Mpi(m) => m,
+            _ => unreachable!("MPI work lives on MPI groups"),
+        }
+    }
+
     #[cfg(feature = "mpi")]
     fn over_mpi(group: crate::mpi::MpiGroup, timeout: Duration) -> ProcessGroup {
         Self {
@@ -293,9 +302,9 @@ impl ProcessGroup {
 
     /// Splits the group like `MPI_Comm_split`: ranks passing the same `color` form a new group,
     /// ordered by `(key, rank)`. Collective over this group. Over NCCL the new group is a new
-    /// communicator (`nccl::NcclGroup::split`, feature `nccl`); over MPI, `MPI_Comm_split`. A world of 4 split with
-    /// `color = rank / 2` gives two groups of 2 (tensor parallel), `color = rank % 2` the
-    /// orthogonal ones (data parallel).
+    /// communicator (`nccl::NcclGroup::split`, feature `nccl`); over MPI, `MPI_Comm_split`. A
+    /// world of 4 split with `color = rank / 2` gives two groups of 2 (tensor parallel),
+    /// `color = rank % 2` the orthogonal ones (data parallel).
     ///
     /// # Errors
     /// See [`Work::wait`].

@@ -1117,33 +1117,27 @@ struct UserOps {
     half: [[ffi::MPI_Op; 3]; 2],
 }
 
-macro_rules! half_op {
-    ($name:ident, $ty:ty, $f:expr) => {
-        unsafe extern "C" fn $name(
-            input: *mut c_void,
-            inout: *mut c_void,
-            len: *mut c_int,
-            _: *mut ffi::MPI_Datatype,
-        ) {
-            // Safety: MPI passes two buffers of `*len` elements of the type the op was used with
-            // (uint16_t words holding `$ty`s, which have the same layout).
-            unsafe {
-                let n = *len as usize;
-                let a = std::slice::from_raw_parts(input as *const $ty, n);
-                let b = std::slice::from_raw_parts_mut(inout as *mut $ty, n);
-                let f: fn($ty, $ty) -> $ty = $f;
-                b.iter_mut().zip(a).for_each(|(b, a)| *b = f(*a, *b));
-            }
-        }
-    };
+/// `inout = inout op input` over `*len` elements of `T`, with the element's own arithmetic
+/// ([`CommElement::combine`](crate::CommElement::combine), as the thread transport reduces).
+/// `OP` is the index of [`REDUCTIONS`] (a `ReduceOp` cannot be a const parameter).
+unsafe extern "C" fn half_op<T: crate::CommElement, const OP: usize>(
+    input: *mut c_void,
+    inout: *mut c_void,
+    len: *mut c_int,
+    _: *mut ffi::MPI_Datatype,
+) {
+    // Safety: MPI passes two buffers of `*len` elements of the type the op was registered for
+    // (uint16_t words holding `T`s, which have the same layout).
+    unsafe {
+        let n = *len as usize;
+        let other = std::slice::from_raw_parts(input as *const T, n);
+        let acc = std::slice::from_raw_parts_mut(inout as *mut T, n);
+        T::combine(REDUCTIONS[OP], acc, other);
+    }
 }
 
-half_op!(f16_sum, f16, |a, b| a + b);
-half_op!(f16_max, f16, |a, b| if b > a { b } else { a });
-half_op!(f16_min, f16, |a, b| if b < a { b } else { a });
-half_op!(bf16_sum, bf16, |a, b| a + b);
-half_op!(bf16_max, bf16, |a, b| if b > a { b } else { a });
-half_op!(bf16_min, bf16, |a, b| if b < a { b } else { a });
+/// The reductions MPI does for us, by index (the average is a sum, divided afterwards).
+const REDUCTIONS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
 
 type UserFn = unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_int, *mut ffi::MPI_Datatype);
 
@@ -1157,8 +1151,16 @@ impl UserOps {
         };
         Self {
             half: [
-                [make(f16_sum), make(f16_max), make(f16_min)],
-                [make(bf16_sum), make(bf16_max), make(bf16_min)],
+                [
+                    make(half_op::<f16, 0>),
+                    make(half_op::<f16, 1>),
+                    make(half_op::<f16, 2>),
+                ],
+                [
+                    make(half_op::<bf16, 0>),
+                    make(half_op::<bf16, 1>),
+                    make(half_op::<bf16, 2>),
+                ],
             ],
         }
     }

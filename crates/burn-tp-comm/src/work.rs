@@ -74,7 +74,7 @@ impl<T> Work<T> {
         }
     }
 
-    /// A call in flight on the MPI thread, which fills `done`.
+    /// A call in flight on the MPI thread, which fills the completion `done`.
     #[cfg(feature = "mpi")]
     pub(crate) fn remote(
         group: ProcessGroup,
@@ -170,9 +170,7 @@ impl<T> Work<T> {
         }
         #[cfg(feature = "mpi")]
         if let Some(remote) = self.remote.take() {
-            let crate::group::Transport::Mpi(m) = &self.group.transport else {
-                unreachable!("remote work lives on MPI groups")
-            };
+            let m = self.group.mpi();
             return m.wait(&remote, &self.desc, self.seq, timeout);
         }
         if self.profiled.is_none() {
@@ -467,12 +465,7 @@ impl<O> Work<O> {
             };
             return match remote.with(timeout, read) {
                 Some(r) => r,
-                None => {
-                    let crate::group::Transport::Mpi(m) = &self.group.transport else {
-                        unreachable!("remote work lives on MPI groups")
-                    };
-                    Err(m.timed_out(&self.desc, self.seq, timeout))
-                }
+                None => Err(self.group.mpi().timed_out(&self.desc, self.seq, timeout)),
             };
         }
         let frac = range.end as f64 / shard.max(1) as f64;
