@@ -7,17 +7,20 @@
 //! value; the reply is `status: u8` (0 ok, 1 timed out, 2 refused), `len: u32 LE`, value (the
 //! reason, when refused). Each frame goes out in one write, on sockets without Nagle's delay at
 //! both ends (a set + get is a few round trips of microseconds, not 40 ms of delayed ACKs).
+//! A SET is answered before its value becomes visible to other clients, so a client's last SET
+//! can be the signal that it is done with the store: once the host sees it, the reply is sent,
+//! and the host may exit without cutting the client off.
 //!
 //! Written for a port others on the network may reach:
 //! - the first frame of a connection must be `HELLO` with the launch's shared secret
 //!   (`BURN_TP_STORE_TOKEN`, which `burn-tp-launch` makes for each launch): a stranger cannot
 //!   read or overwrite keys; a wrong token is refused and the connection closed;
-//! - a connection that has not said hello within [`HELLO_TIMEOUT`] is closed, and at most
-//!   [`MAX_CONNECTIONS`] are served at once (more are closed on accept), each on a thread with
-//!   a small stack;
-//! - values are at most 1 MiB, keys 4 KiB, one connection may store [`CONNECTION_QUOTA`] bytes
-//!   and the whole store [`STORE_QUOTA`]; a GET waits at most a day; frames that are not
-//!   requests close the connection.
+//! - a connection that has not said hello within 2 s is closed, and at most 512 are served at
+//!   once (more are closed on accept), each on a thread with a small stack;
+//! - values are at most 1 MiB, keys 4 KiB, one connection may store 16 MiB and the whole store
+//!   64 MiB; a GET waits at most a day; frames that are not requests close the connection.
+//!
+//! These limits are fixed (not settings): they bound what a stranger can cost the host.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -39,13 +42,13 @@ const REFUSED: u8 = 2;
 const MAX_VALUE: usize = 1 << 20;
 const MAX_KEY: usize = 4 << 10;
 /// Connections served at once; more are closed as they are accepted.
-pub const MAX_CONNECTIONS: usize = 512;
+const MAX_CONNECTIONS: usize = 512;
 /// How long a new connection has to present the token.
-pub const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Bytes (keys and values) one connection may store.
-pub const CONNECTION_QUOTA: usize = 16 << 20;
+const CONNECTION_QUOTA: usize = 16 << 20;
 /// Bytes (keys and values) the whole store holds.
-pub const STORE_QUOTA: usize = 64 << 20;
+const STORE_QUOTA: usize = 64 << 20;
 /// The longest a GET waits.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
@@ -171,7 +174,20 @@ fn serve(mut s: TcpStream, table: &Table, token: &[u8]) {
     let mut stored = 0usize;
     while let Ok((op, key, val)) = read_frame(&mut s) {
         let (status, reply) = match op {
-            SET => set(table, &mut stored, key, val),
+            SET => match admit(table, stored, &key, &val) {
+                // The reply goes out before the value is visible to anyone: whoever sees the key
+                // knows its writer has its answer, so a host that leaves once it has seen every
+                // client's last key cannot cut a client off before its reply.
+                Ok(()) => {
+                    if s.write_all(&frame(OK, &[&[]])).is_err() {
+                        return;
+                    }
+                    stored += key.len() + val.len();
+                    publish(table, key, val);
+                    continue;
+                }
+                Err(why) => (REFUSED, why.into_bytes()),
+            },
             GET => {
                 // The value of a GET is the timeout in milliseconds.
                 let ms = u64::from_le_bytes(
@@ -204,25 +220,34 @@ fn serve(mut s: TcpStream, table: &Table, token: &[u8]) {
     }
 }
 
-/// A SET within the quotas: this connection's `stored` bytes and the store's.
-fn set(table: &Table, stored: &mut usize, key: String, val: Vec<u8>) -> (u8, Vec<u8>) {
+/// Whether a SET of `key` fits the quotas: this connection's `stored` bytes and the store's
+/// (checked when the request arrives).
+fn admit(table: &Table, stored: usize, key: &str, val: &[u8]) -> std::result::Result<(), String> {
     let size = key.len() + val.len();
-    if *stored + size > CONNECTION_QUOTA {
-        let why = format!("this connection's quota of {CONNECTION_QUOTA} bytes is used up");
-        return (REFUSED, why.into_bytes());
+    if stored + size > CONNECTION_QUOTA {
+        return Err(format!(
+            "this connection's quota of {CONNECTION_QUOTA} bytes is used up"
+        ));
     }
+    let map = table.map.lock().unwrap_or_else(|e| e.into_inner());
+    let old = map.get(key).map_or(0, |v| key.len() + v.len());
+    if table.bytes.load(Ordering::SeqCst) - old + size > STORE_QUOTA {
+        return Err(format!(
+            "the store's quota of {STORE_QUOTA} bytes is used up"
+        ));
+    }
+    Ok(())
+}
+
+/// Makes an admitted SET visible and wakes the GETs waiting for it.
+fn publish(table: &Table, key: String, val: Vec<u8>) {
     let mut map = table.map.lock().unwrap_or_else(|e| e.into_inner());
     let old = map.get(&key).map_or(0, |v| key.len() + v.len());
-    let total = table.bytes.load(Ordering::SeqCst) - old + size;
-    if total > STORE_QUOTA {
-        let why = format!("the store's quota of {STORE_QUOTA} bytes is used up");
-        return (REFUSED, why.into_bytes());
-    }
-    table.bytes.store(total, Ordering::SeqCst);
-    *stored += size;
+    let size = key.len() + val.len();
+    table.bytes.fetch_add(size, Ordering::SeqCst);
+    table.bytes.fetch_sub(old, Ordering::SeqCst);
     map.insert(key, val);
     table.cv.notify_all();
-    (OK, Vec::new())
 }
 
 fn read_reply(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
@@ -241,7 +266,7 @@ pub struct StoreClient {
 
 impl StoreClient {
     /// Connects to `addr` and presents `token` (the server's; `""` for none), retrying until
-    /// `timeout` (the host may not be up yet, or busy with [`MAX_CONNECTIONS`]).
+    /// `timeout` (the host may not be up yet, or busy with its most connections).
     ///
     /// # Errors
     /// No connection within `timeout`, or a wrong token, naming the rank and the address.
