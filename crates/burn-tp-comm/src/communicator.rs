@@ -1,10 +1,13 @@
 //! The communicator trait every transport implements: [`ProcessGroup`] on host buffers (ranks as
 //! threads) and, with feature `nccl`, [`NcclGroup`](crate::nccl::NcclGroup) on CUDA device buffers.
 //!
-//! Code written against [`Communicator`] runs on either (the conformance tests run one check on
-//! both). Buffers move into the call and come back from the wait, so a transport keeps its input
-//! alive (and unaliased) while it is in flight; the transport allocates the output. A
-//! [`ProcessGroup`]'s own async collectives take the caller's output buffer instead.
+//! It is the transport extension point: code written against [`Communicator`] runs on every
+//! transport (the conformance tests run one check on both; a new transport passes them by
+//! implementing it). burn-tp's layers do not use it: they go through the backend extension,
+//! which holds a [`ProcessGroup`]. Buffers move into the call and come back from the wait, so a
+//! transport keeps its input alive (and unaliased) while it is in flight; the transport
+//! allocates the output. A [`ProcessGroup`]'s own async collectives take the caller's output
+//! buffer instead.
 
 use std::time::Duration;
 
@@ -15,8 +18,8 @@ use crate::{CommElement, ProcessGroup, ReduceOp, Result, Work};
 pub trait Communicator<T: CommElement>: Send + Sync {
     /// The transport's buffer: `Vec<T>` on the host, a `CudaSlice<T>` on a GPU.
     type Buffer;
-    /// The handle of a call in flight: [`crate::Work`] on the host, `nccl::Work` (feature `nccl`) on a
-    /// GPU. Waited on with [`wait`](Self::wait).
+    /// The handle of a call in flight: [`crate::Work`] on the host, `nccl::DeviceWork` (feature
+    /// `nccl`) on a GPU. Waited on with [`wait`](Self::wait).
     type Work;
 
     /// This rank's index in `0..world_size`.

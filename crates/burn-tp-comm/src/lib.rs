@@ -7,8 +7,18 @@
 //! feature `nccl` GPUs. Every collective
 //! has two forms: async, reading the input in place ([`SendBuf`]) and writing into the caller's
 //! output ([`RecvBuf`]), returning a [`Work`] handle; and blocking, from a `Vec` into a new `Vec`.
-//! [`Communicator`] is the same collectives over either transport (host buffers here, CUDA
-//! buffers with feature `nccl`).
+//! [`Communicator`] is the transport extension point: the same collectives over host buffers
+//! and, with feature `nccl`, CUDA buffers (the conformance tests run one check on both).
+//!
+//! | file | what |
+//! |---|---|
+//! | `group.rs`, `collectives.rs`, `work.rs` | [`ProcessGroup`], its collectives, [`Work`] (a call in flight) |
+//! | `local.rs`, `link.rs` | ranks as threads ([`LocalGroup`]), a simulated link ([`LinkModel`]) |
+//! | `op.rs`, `element.rs`, `buffer.rs`, `error.rs` | what ranks agree on, element types, buffers, [`CommError`] |
+//! | `communicator.rs` | [`Communicator`], the transport extension point |
+//! | `profile.rs` | [`profile`]: bytes, time in flight and time waited per scope |
+//! | `store.rs` | [`store`]: the rendezvous store of multi-process launches |
+//! | `mpi/`, `nccl/` | the MPI (feature `mpi`) and NCCL (feature `nccl`) transports |
 //!
 //! ```
 //! use burn_tp_comm::{LocalGroup, ReduceOp};
@@ -56,5 +66,4 @@ pub use group::ProcessGroup;
 pub use link::LinkModel;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup, LocalGroupOptions};
 pub use op::{OpDesc, OpKind};
-pub use profile::{Profile, ProfileRow};
 pub use work::Work;

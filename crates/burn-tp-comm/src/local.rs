@@ -26,7 +26,7 @@ pub struct LocalGroupOptions {
     pub poll_interval: Duration,
     /// Optional simulated link (off by default).
     pub link: Option<LinkModel>,
-    /// Count every call in a [`Profile`](crate::Profile) (off by default, or `BURN_TP_PROFILE=1`).
+    /// Count every call in a [`Profile`](crate::profile::Profile) (off by default, or `BURN_TP_PROFILE=1`).
     pub profile: bool,
 }
 

@@ -14,17 +14,29 @@ pub struct Work<T> {
     group: ProcessGroup,
     seq: u64,
     desc: OpDesc,
-    /// The local transport's meeting place; `None` for a call that completed when it was issued.
-    shared: Option<Arc<Shared>>,
+    state: InFlight<T>,
+}
+
+/// Where a call is, by transport.
+enum InFlight<T> {
+    /// Posted on the thread transport.
+    Local(LocalCall<T>),
+    /// Completed (or failed) when it was issued (staged through NCCL); taken by the wait.
+    #[cfg(feature = "nccl")]
+    Done(Option<Result<T>>),
+    /// In flight on the MPI thread, which fills the completion.
+    #[cfg(feature = "mpi")]
+    Mpi(Arc<crate::mpi::Completion<T>>),
+}
+
+/// A call on the thread transport: its meeting place, and how its result is made of every
+/// rank's posts.
+struct LocalCall<T> {
+    shared: Arc<Shared>,
     finish: Option<FinishFn<T>>,
     /// With profiling on: the label the call was issued under, and when it was posted.
     profiled: Option<(&'static str, Instant)>,
     consumed: bool,
-    /// A call that completed when it was issued (staged through NCCL).
-    done: Option<Result<T>>,
-    /// A call the MPI thread completes.
-    #[cfg(feature = "mpi")]
-    remote: Option<Arc<crate::mpi::Completion<T>>>,
 }
 
 impl<T> fmt::Debug for Work<T> {
@@ -60,17 +72,17 @@ impl<T> Work<T> {
             .profile
             .is_some()
             .then(|| (crate::profile::current_scope(), Instant::now()));
+        let state = InFlight::Local(LocalCall {
+            shared,
+            finish: Some(finish),
+            profiled,
+            consumed: false,
+        });
         Work {
             group,
             seq,
             desc,
-            profiled,
-            shared: Some(shared),
-            finish: Some(finish),
-            consumed: false,
-            done: None,
-            #[cfg(feature = "mpi")]
-            remote: None,
+            state,
         }
     }
 
@@ -86,12 +98,7 @@ impl<T> Work<T> {
             group,
             seq,
             desc,
-            shared: None,
-            profiled: None,
-            finish: None,
-            consumed: true,
-            done: None,
-            remote: Some(done),
+            state: InFlight::Mpi(done),
         }
     }
 
@@ -102,13 +109,7 @@ impl<T> Work<T> {
             group,
             seq,
             desc,
-            shared: None,
-            profiled: None,
-            finish: None,
-            consumed: true,
-            done: Some(result),
-            #[cfg(feature = "mpi")]
-            remote: None,
+            state: InFlight::Done(Some(result)),
         }
     }
 
@@ -123,10 +124,22 @@ impl<T> Work<T> {
             .max()
     }
 
+    fn local(&mut self) -> &mut LocalCall<T> {
+        match &mut self.state {
+            InFlight::Local(call) => call,
+            // Without features `mpi` and `nccl` every call is local.
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("only calls posted on the local transport are polled"),
+        }
+    }
+
     fn shared(&self) -> &Arc<Shared> {
-        self.shared
-            .as_ref()
-            .expect("only calls posted on the local transport are polled")
+        match &self.state {
+            InFlight::Local(call) => &call.shared,
+            // Without features `mpi` and `nccl` every call is local.
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("only calls posted on the local transport are polled"),
+        }
     }
 
     /// Per-group sequence number of this call.
@@ -136,12 +149,12 @@ impl<T> Work<T> {
 
     /// Whether [`wait`](Self::wait) would return without blocking (done, or failed).
     pub fn is_completed(&self) -> bool {
-        if self.done.is_some() {
-            return true;
-        }
-        #[cfg(feature = "mpi")]
-        if let Some(remote) = &self.remote {
-            return remote.is_set();
+        match &self.state {
+            #[cfg(feature = "nccl")]
+            InFlight::Done(_) => return true,
+            #[cfg(feature = "mpi")]
+            InFlight::Mpi(remote) => return remote.is_set(),
+            InFlight::Local(_) => {}
         }
         let st = self.shared().lock();
         match self.poll(&st, None) {
@@ -165,17 +178,19 @@ impl<T> Work<T> {
     /// # Errors
     /// As [`wait`](Self::wait).
     pub fn wait_timeout(mut self, timeout: Duration) -> Result<T> {
-        if let Some(done) = self.done.take() {
-            return done;
-        }
-        #[cfg(feature = "mpi")]
-        if let Some(remote) = self.remote.take() {
-            let m = self.group.mpi();
-            return m.wait(&remote, &self.desc, self.seq, timeout);
-        }
-        if self.profiled.is_none() {
+        let profiled = match &mut self.state {
+            #[cfg(feature = "nccl")]
+            InFlight::Done(done) => return done.take().expect("a Work completes once"),
+            #[cfg(feature = "mpi")]
+            InFlight::Mpi(remote) => {
+                let m = self.group.mpi();
+                return m.wait(remote, &self.desc, self.seq, timeout);
+            }
+            InFlight::Local(call) => call.profiled,
+        };
+        if profiled.is_none() {
             let payloads = self.wait_ready(timeout, None)?;
-            let finish = self.finish.take().expect("a Work completes once");
+            let finish = self.local().finish.take().expect("a Work completes once");
             let out = finish(&payloads);
             drop(payloads);
             self.consume();
@@ -196,10 +211,10 @@ impl<T> Work<T> {
             let delay = link.map_or(Duration::ZERO, |l| l.delay(bytes));
             (self.last_post().unwrap_or(entered) + delay).min(entered)
         };
-        let finish = self.finish.take().expect("a Work completes once");
+        let finish = self.local().finish.take().expect("a Work completes once");
         let out = finish(&payloads);
         drop(payloads);
-        if let (Some((label, posted)), Some(store)) = (self.profiled, &self.group.profile) {
+        if let (Some((label, posted)), Some(store)) = (profiled, &self.group.profile) {
             // The copy into the output is communication done by this thread.
             let copy = entered.elapsed() - (ready - entered);
             let comm = completed.saturating_duration_since(posted) + copy;
@@ -388,12 +403,18 @@ impl<T> Work<T> {
         })
     }
 
+    /// This rank is done with a call on the thread transport (the last rank frees its slot).
     fn consume(&mut self) {
-        if self.consumed {
+        let call = match &mut self.state {
+            InFlight::Local(call) => call,
+            #[allow(unreachable_patterns)]
+            _ => return,
+        };
+        if call.consumed {
             return;
         }
-        self.consumed = true;
-        let shared = self.shared();
+        call.consumed = true;
+        let shared = &call.shared;
         let mut st = shared.lock();
         let world = shared.world;
         if let Some(slot) = st.slots.get_mut(&self.seq) {
@@ -449,12 +470,13 @@ impl<O> Work<O> {
                 self.group.world_size()
             )));
         }
-        if let Some(done) = &self.done {
+        #[cfg(feature = "nccl")]
+        if let InFlight::Done(Some(done)) = &self.state {
             let all = done.as_ref().map_err(Clone::clone)?.as_slice();
             return Ok(read(&all[part * shard..(part + 1) * shard][range]));
         }
         #[cfg(feature = "mpi")]
-        if let Some(remote) = &self.remote {
+        if let InFlight::Mpi(remote) = &self.state {
             // MPI delivers the gather whole: wait for all of it, keep it for the final wait.
             let timeout = self.group.timeout();
             let read = |v: &mut Option<Result<O>>| match v.as_ref().expect("set") {

@@ -3,11 +3,11 @@
 //!
 //! Every collective runs on a dedicated communication stream. It first waits for an event
 //! recorded on the compute stream (the context's default stream, which is what cudarc buffers
-//! use), and records a completion event the [`Work`] handle gives back: [`Work::wait`]
+//! use), and records a completion event the [`DeviceWork`] handle gives back: [`DeviceWork::wait`]
 //! makes that compute stream wait for it (no host block), so an all-gather issued before a matmul
 //! on cudarc buffers really runs beside it. Burn's CUDA tensors live on cubecl's own streams,
 //! which this event ordering cannot see: burn-tp's CUDA backend (`backend/cuda.rs` in burn-tp)
-//! syncs cubecl's stream before a post and blocks the host on [`Work::wait_host`] instead.
+//! syncs cubecl's stream before a post and blocks the host on [`DeviceWork::wait_host`] instead.
 //!
 //! cudarc loads `libcuda` and `libnccl` at run time and panics if they are missing, so
 //! [`probe`] checks first and returns errors instead. NCCL installs as `libnccl.so.2`, a name
@@ -25,7 +25,7 @@ use cudarc::nccl::{Comm, Id, NcclType};
 mod work;
 
 pub(crate) use work::RawDeviceBuffer;
-pub use work::{RawOp, Work};
+pub use work::{DeviceWork, RawOp};
 
 use crate::communicator::Communicator;
 use crate::store::{LaunchEnv, StoreClient};
@@ -345,7 +345,7 @@ impl NcclGroup {
         &self,
         op: &str,
         launch: impl FnOnce(&Comm, u64) -> std::result::Result<(), CommError>,
-    ) -> Result<Work> {
+    ) -> Result<DeviceWork> {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let cuda = |e| nccl_err(op, seq, self.rank, e);
         let comm = self.comm.lock();
@@ -354,7 +354,7 @@ impl NcclGroup {
         launch(&comm, seq)?;
         let done = self.comm_stream.record_event(None).map_err(cuda)?;
         let what = format!("NCCL {op} #{seq} on rank {}", self.rank);
-        Ok(Work {
+        Ok(DeviceWork {
             done,
             compute: self.compute.clone(),
             what,
@@ -406,7 +406,7 @@ impl NcclGroup {
     /// # Errors
     /// [`CommError::BufferSize`], [`CommError::NotDivisible`] or [`CommError::InvalidRoot`]
     /// before any communication; an NCCL error naming the op, sequence number and rank.
-    pub fn post_into<T, S, R>(&self, op: RawOp, input: &S, out: &mut R) -> Result<Work>
+    pub fn post_into<T, S, R>(&self, op: RawOp, input: &S, out: &mut R) -> Result<DeviceWork>
     where
         T: NcclType + DeviceRepr,
         S: DevicePtr<T>,
@@ -446,7 +446,7 @@ impl NcclGroup {
         dtype: DType,
         (input, input_len): (CUdeviceptr, usize),
         (out, out_len): (CUdeviceptr, usize),
-    ) -> Result<Work> {
+    ) -> Result<DeviceWork> {
         let stream = &self.comm_stream;
         macro_rules! typed {
             ($t:ty) => {{
@@ -587,7 +587,7 @@ impl NcclGroup {
         op: RawOp,
         input: CudaSlice<T>,
         out_len: usize,
-    ) -> Result<Work<CudaSlice<T>>> {
+    ) -> Result<DeviceWork<CudaSlice<T>>> {
         let cuda = |e| nccl_err("alloc", 0, self.rank, e);
         // Safety: every element is written by the collective before the output is read.
         let mut out = unsafe { self.compute.alloc::<T>(out_len) }.map_err(cuda)?;
@@ -601,7 +601,7 @@ where
     T: CommElement + NcclType + DeviceRepr,
 {
     type Buffer = CudaSlice<T>;
-    type Work = Work<CudaSlice<T>>;
+    type Work = DeviceWork<CudaSlice<T>>;
 
     fn rank(&self) -> usize {
         self.rank

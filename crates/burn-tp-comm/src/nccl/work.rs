@@ -1,4 +1,4 @@
-//! The handles of NCCL calls: [`Work`] (a call in flight: this transport's
+//! The handles of NCCL calls: [`DeviceWork`] (a call in flight: this transport's
 //! [`crate::Work`]), [`RawOp`] (a call on raw device
 //! pointers) and [`RawDeviceBuffer`] (a buffer another allocator owns).
 
@@ -14,7 +14,7 @@ use crate::{CommError, ReduceOp, Result};
 /// A collective in flight on the communication stream, holding its output (and keeping its
 /// input alive) until waited on.
 #[must_use = "a collective is ordered before later compute only once waited on"]
-pub struct Work<O = ()> {
+pub struct DeviceWork<O = ()> {
     pub(super) done: CudaEvent,
     pub(super) compute: Arc<CudaStream>,
     pub(super) what: String,
@@ -24,7 +24,7 @@ pub struct Work<O = ()> {
     pub(super) _input: Option<Box<dyn std::any::Any + Send>>,
 }
 
-impl<O> Work<O> {
+impl<O> DeviceWork<O> {
     /// Orders the compute stream after the collective (the host does not block) and returns
     /// the output.
     ///
@@ -86,8 +86,8 @@ impl<O> Work<O> {
         self,
         output: P,
         input: Box<dyn std::any::Any + Send>,
-    ) -> Work<P> {
-        Work {
+    ) -> DeviceWork<P> {
+        DeviceWork {
             done: self.done,
             compute: self.compute,
             what: self.what,
