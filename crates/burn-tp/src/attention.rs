@@ -10,12 +10,12 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::dropout::{DropoutKey, tp_dropout};
 use crate::error::check_divisible;
 use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
     RowParallelLinearConfig, TpMode, TpSettings,
 };
-use crate::llama::dropout::{DropoutKey, tp_dropout};
 use crate::reshard::{ParamLayout, Reshard};
 use crate::{Result as TpResult, TpError};
 

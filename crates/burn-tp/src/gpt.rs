@@ -12,6 +12,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::attention::{DecodeCache, ParallelAttention, ParallelAttentionConfig};
+use crate::decoder::{Decoder, DecoderBlock};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
 use crate::init::init_replicated;
@@ -263,13 +264,7 @@ impl Gpt {
         for block in &self.blocks {
             x = block.try_forward(x)?;
         }
-        let x = self.ln_f.forward(x);
-        match &self.head {
-            Some(head) => head.try_forward(x),
-            None => self
-                .tok
-                .try_tied_logits(x, LinearSpec::new(self.options.settings)),
-        }
+        self.logits(x)
     }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
@@ -283,11 +278,8 @@ impl Gpt {
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
     ) -> TpResult<Tensor<3>> {
-        if cache.layers.len() != self.blocks.len() {
-            *cache = DecodeCache::new(self.blocks.len());
-        }
         let [s, _] = ids.dims();
-        let start = cache.len();
+        let start = self.cached_positions(cache);
         let pos = self.pos.val();
         let [max_seq, d] = pos.dims();
         if start + s > max_seq {
@@ -297,25 +289,10 @@ impl Gpt {
                 got: ids.dims().to_vec(),
             });
         }
-        let mut x = self.tok.try_forward(ids)?;
+        let x = self.tok.try_forward(ids)?;
         let pos = replicated_param(&self.pos, self.options.settings.mode, &self.group)
             .slice([start..start + s, 0..d]);
-        x = x + pos.unsqueeze_dim::<3>(1);
-        for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {
-            let a = block
-                .attn
-                .try_forward_cached(block.ln1.forward(x.clone()), kv)?;
-            let x1 = x + a;
-            let m = block.mlp.try_forward(block.ln2.forward(x1.clone()))?;
-            x = x1 + m;
-        }
-        let x = self.ln_f.forward(x);
-        match &self.head {
-            Some(head) => head.try_forward(x),
-            None => self
-                .tok
-                .try_tied_logits(x, LinearSpec::new(self.options.settings)),
-        }
+        self.decode(x + pos.unsqueeze_dim::<3>(1), cache)
     }
 
     /// Mean next-token cross-entropy (replicated on every rank).
@@ -352,6 +329,48 @@ impl Gpt {
             &options,
         )?;
         Ok(out.mean)
+    }
+}
+
+impl DecoderBlock for Block {
+    fn attention(&self) -> &ParallelAttention {
+        &self.attn
+    }
+
+    fn attn_norm(&self, x: Tensor<3>) -> Tensor<3> {
+        self.ln1.forward(x)
+    }
+
+    fn mlp_norm(&self, x: Tensor<3>) -> Tensor<3> {
+        self.ln2.forward(x)
+    }
+
+    fn mlp(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        self.mlp.try_forward(x)
+    }
+}
+
+impl Decoder for Gpt {
+    type Block = Block;
+
+    fn embedding(&self) -> &VocabParallelEmbedding {
+        &self.tok
+    }
+
+    fn head(&self) -> Option<&VocabParallelHead> {
+        self.head.as_ref()
+    }
+
+    fn blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+
+    fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
+        self.ln_f.forward(x)
+    }
+
+    fn settings(&self) -> TpSettings {
+        self.options.settings
     }
 }
 

@@ -1,32 +1,22 @@
 #![warn(missing_docs)]
 //! burn-tp: tensor parallelism (Megatron / nanotron style) for Burn.
 //!
-//! Dependencies run one way: `burn-tp-comm` (transport) -> [`backend`] -> [`ops`] -> layers
-//! ([`linear`], [`embedding`], [`loss`], [`transformer`]) -> models ([`gpt`]).
+//! Dependencies run one way, each floor using only those below it:
 //!
-//! - [`backend`]: the collectives and the parallel linears as a Burn backend extension
-//!   ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the
-//!   overlapped forward and backward of the parallel linears (communication in flight while
-//!   the local shard's matmul runs), with a diagram of the shards.
-//! - [`ops`]: differentiable collectives on `Tensor<D>` (all-gather, reduce-scatter, all-reduce,
-//!   copy-to / reduce-from the tensor-parallel region), each with an async form.
-//! - [`linear`]: [`ColumnParallelLinear`](linear::ColumnParallelLinear) and
-//!   [`RowParallelLinear`](linear::RowParallelLinear) in ALL_REDUCE and REDUCE_SCATTER (sequence
-//!   parallel) mode, and their functional forms.
-//! - [`embedding`]: the vocabulary-parallel embedding; [`loss`]: the sharded cross-entropy.
-//! - [`transformer`]: parallel attention, MLP, and a replicated layer norm; [`gpt`]: a tiny GPT;
-//!   [`llama`]: a Llama-class model (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary, dropout).
-//! - [`model`]: [`LanguageModel`](model::LanguageModel), both models behind one trait for a
-//!   training loop (init, loss, logits, and `Reshard` for checkpoints).
-//! - [`reshard`]: moving a module between tp sizes; [`dp`]: data-parallel gradient averaging
-//!   (after the backward, or overlapped with it in buckets) and the distributed optimizer;
-//!   [`mesh`]: the tp x dp grid of ranks and its groups;
-//!   [`precision`]: bf16 / f16 copies of a module and its gradients (mixed precision).
-//! - `init`: initialisation identical at every tp (internal); [`local`]: the runner of ranks as threads;
-//!   [`testing`]: a gradient checker by finite differences.
+//! | floor | modules |
+//! |---|---|
+//! | transport | `burn-tp-comm` ([`comm`]): process groups, no autodiff, no Burn |
+//! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards |
+//! | ops | [`ops`]: differentiable collectives on `Tensor<D>`, each with an async form |
+//! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`attention`] (both models' attention, with the KV cache), [`transformer`] (the GPT's MLP, a replicated layer norm, replicated gradients) |
+//! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary), sharing `decoder` (logits and the decode loop); [`model`]: [`LanguageModel`](model::LanguageModel), both behind one trait for a training loop |
+//! | use | [`generate`] (sampling with the KV cache), [`reshard`] (between tp sizes), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies) |
 //!
-//! Ranks are [`ProcessGroup`] handles from `burn-tp-comm`; on the CPU every rank is a thread
-//! ([`LocalGroup`]), all on the one Flex device. Each rank must build (or fork) its own module in
+//! Beside them: `init` (initialisation identical at every tp, internal), [`local`] (the runner of
+//! ranks as threads), [`testing`] (a gradient checker by finite differences).
+//!
+//! Ranks are [`comm::ProcessGroup`] handles; on the CPU every rank is a thread
+//! ([`comm::LocalGroup`]), all on the one Flex device. Each rank must build (or fork) its own module in
 //! its own thread: autodiff graphs that share a node merge and lock together.
 //!
 //! # Usage
@@ -41,7 +31,8 @@
 //!     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 //!     TpMode, TpSettings,
 //! };
-//! use burn_tp::{ProcessGroup, local::run_local};
+//! use burn_tp::local::run_local;
+//! use burn_tp::comm::ProcessGroup;
 //!
 //! /// A Megatron MLP, written like any Burn module.
 //! #[derive(Module, Debug)]
@@ -84,7 +75,9 @@
 pub mod attention;
 pub mod backend;
 pub mod checkpoint;
+pub(crate) mod decoder;
 pub mod dp;
+pub mod dropout;
 pub mod embedding;
 mod error;
 pub mod generate;
@@ -103,9 +96,7 @@ pub mod reshard;
 pub mod testing;
 pub mod transformer;
 
-/// The communication layer (process groups, the store, NCCL with feature `cuda`).
+/// The communication layer, the one path to its types: process groups ([`comm::ProcessGroup`],
+/// [`comm::LocalGroup`]), the rendezvous store, MPI with feature `mpi`, NCCL with feature `cuda`.
 pub use burn_tp_comm as comm;
-pub use burn_tp_comm::{
-    CommError, LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp,
-};
 pub use error::{Result, TpError};

@@ -4,7 +4,19 @@
 //!
 //! Burn's Flex kernels (GEMMs through `gemm`, elementwise through rayon) use the rayon pool they
 //! run in. Rank threads that shared the global pool would oversubscribe the cores `world` times
-//! over; instead each rank runs inside a pool of its own of [`threads_per_rank`] threads.
+//! over; instead each rank runs inside a pool of its own (`max(1, cores / world)` threads).
+//!
+//! # Configuration
+//! Two process-wide settings, each with one switch in code and one in the environment:
+//!
+//! | setting | in code | environment |
+//! |---|---|---|
+//! | threads of each rank's pool | [`RunOptions::threads_per_rank`] | `BURN_TP_THREADS_PER_RANK=N` |
+//! | freed memory kept mapped (glibc) | [`keep_freed_memory`], [`RunOptions::keep_freed_memory`] | `BURN_TP_KEEP_FREED_MEMORY=1` / `0` |
+//!
+//! A library does not change the process's allocator unasked: the runner keeps freed memory
+//! only when asked (the option, or `=1`); a training program (the example, the benches) calls
+//! [`keep_freed_memory_unless_disabled`] at start, which `=0` turns off.
 
 use std::sync::Arc;
 
@@ -15,7 +27,7 @@ pub(crate) const THREADS_PER_RANK_ENV: &str = "BURN_TP_THREADS_PER_RANK";
 
 /// How many threads each of `world` rank threads gets: `BURN_TP_THREADS_PER_RANK` if set (and
 /// positive), else `max(1, cores / world)`.
-pub fn threads_per_rank(world: usize) -> usize {
+fn threads_per_rank(world: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     threads_for(
         std::env::var(THREADS_PER_RANK_ENV).ok().as_deref(),
@@ -38,7 +50,8 @@ pub(crate) const KEEP_FREED_MEMORY_ENV: &str = "BURN_TP_KEEP_FREED_MEMORY";
 /// Options of [`run_ranks_with`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RunOptions {
-    /// Threads of each rank's rayon pool; `None`: [`threads_per_rank`].
+    /// Threads of each rank's rayon pool; `None`: `BURN_TP_THREADS_PER_RANK` if set, else
+    /// `max(1, cores / world)`.
     pub threads_per_rank: Option<usize>,
     /// Whether to call [`keep_freed_memory`] first; `None`: only if
     /// `BURN_TP_KEEP_FREED_MEMORY=1` (it changes the whole process's allocator settings).
@@ -82,7 +95,7 @@ fn keep_for(option: Option<bool>, env: Option<&str>) -> bool {
 }
 
 /// Runs `f` once per rank, each on its own thread with its own [`ProcessGroup`] and its own rayon
-/// pool of [`threads_per_rank`] threads, and returns the results in rank order.
+/// pool (see [`RunOptions::threads_per_rank`]), and returns the results in rank order.
 ///
 /// # Errors
 /// The panic message of the first rank that panicked, prefixed with its rank.

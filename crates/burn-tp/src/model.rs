@@ -1,7 +1,7 @@
 //! [`LanguageModel`]: the GPT and the Llama behind one trait, so a training loop, its
 //! checkpoints and its evaluation are written once for both (the example's `train_gpt` is one).
-
-use std::path::Path;
+//! It knows no file format: the sharded checkpoints go through [`Reshard`], Hugging Face's
+//! through [`crate::hf`].
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
@@ -9,8 +9,9 @@ use burn_tp_comm::ProcessGroup;
 
 use crate::attention::DecodeCache;
 
+use crate::dropout::DropoutStep;
 use crate::gpt::{Gpt, GptConfig};
-use crate::llama::{DropoutStep, Llama, LlamaConfig};
+use crate::llama::{Llama, LlamaConfig};
 use crate::reshard::Reshard;
 
 /// A sharded language model a training loop can train, evaluate and checkpoint (through
@@ -60,35 +61,6 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
 
     /// The same model (weights shared) run in `mode` (ALL_REDUCE to decode incrementally).
     fn with_mode(self, mode: crate::linear::TpMode) -> Self;
-
-    /// This model with the weights of the Hugging Face model in `dir` (its configuration must be
-    /// this model's). Local: each rank reads its own slices.
-    ///
-    /// # Errors
-    /// The import's errors; the default (models without a Hugging Face form, the GPT) refuses.
-    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> crate::Result<Self> {
-        let _ = (dir, group);
-        Err(crate::TpError::Config(
-            "this model has no Hugging Face form (the Llama has)".into(),
-        ))
-    }
-
-    /// Writes the model in Hugging Face's format into `dir` (gathered; rank 0 writes).
-    /// Collective.
-    ///
-    /// # Errors
-    /// The export's errors; the default refuses, as [`load_hf`](Self::load_hf).
-    fn save_hf(
-        &self,
-        config: &Self::Config,
-        dir: &Path,
-        group: &ProcessGroup,
-    ) -> crate::Result<()> {
-        let _ = (config, dir, group);
-        Err(crate::TpError::Config(
-            "this model has no Hugging Face form (the Llama has)".into(),
-        ))
-    }
 }
 
 impl LanguageModel for Gpt {
@@ -162,14 +134,5 @@ impl LanguageModel for Llama {
 
     fn with_mode(self, mode: crate::linear::TpMode) -> Self {
         Llama::with_mode(self, mode)
-    }
-
-    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> crate::Result<Self> {
-        let config = crate::hf::HfConfig::from_dir(dir)?;
-        crate::hf::load_into(self, &config, dir, group)
-    }
-
-    fn save_hf(&self, config: &LlamaConfig, dir: &Path, group: &ProcessGroup) -> crate::Result<()> {
-        crate::hf::save_llama(self, &crate::hf::HfConfig::from_llama(config), dir, group)
     }
 }

@@ -4,7 +4,7 @@
 use burn::module::Param;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
-use burn_tp::LocalGroupOptions;
+use burn_tp::comm::LocalGroupOptions;
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
     RowParallelLinearConfig, TpMode, TpSettings,
@@ -65,7 +65,7 @@ pub(crate) fn bench_layer_floor(quick: bool) {
 /// split / ring]` and the paired async / sync ratios `[row split, row ring, column split,
 /// column ring]`.
 pub(crate) fn layer_floor_rank(
-    g: &burn_tp::ProcessGroup,
+    g: &burn_tp::comm::ProcessGroup,
     (s, b, d): (usize, usize, usize),
     reps: usize,
 ) -> (Vec<f64>, [f64; 4]) {

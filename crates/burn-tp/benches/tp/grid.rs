@@ -5,7 +5,7 @@
 use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::Tensor;
-use burn_tp::LocalGroupOptions;
+use burn_tp::comm::LocalGroupOptions;
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LinearSpec, OverlapSchedule,
     RowParallelLinear, RowParallelLinearConfig, TpMode, TpSettings, column_parallel_linear,

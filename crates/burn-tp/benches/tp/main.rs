@@ -12,6 +12,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 use burn_tp::attention::ParallelAttentionConfig;
+use burn_tp::comm::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 use burn_tp::gpt::Block;
 use burn_tp::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
@@ -20,7 +21,6 @@ use burn_tp::linear::{
 use burn_tp::local::{RunOptions, run_ranks_with};
 use burn_tp::ops::all_gather;
 use burn_tp::transformer::{ParallelMlpConfig, TpLayerNorm};
-use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup, ReduceOp};
 
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

@@ -89,12 +89,12 @@ impl TpBackend for CubeBackend {
     }
 }
 
-fn device_work(pending: &PendingCollective<CubeBackend>) -> Option<Arc<DeviceWork>> {
+fn device_work(pending: &PendingCollective<CubeBackend>) -> Option<Arc<NcclWork>> {
     let Ok(Some(inner)) = &pending.posted else {
         return None;
     };
     (inner.clone() as Arc<dyn Any + Send + Sync>)
-        .downcast::<DeviceWork>()
+        .downcast::<NcclWork>()
         .ok()
 }
 
@@ -113,8 +113,8 @@ struct Pinned(#[allow(dead_code)] DeviceResource);
 unsafe impl Sync for Pinned {}
 
 /// A collective posted on NCCL's communication stream from cubecl buffers.
-struct DeviceWork {
-    work: Mutex<Option<nccl::Work>>,
+struct NcclWork {
+    work: Mutex<Option<nccl::DeviceWork>>,
     /// Ok(()) once the host has seen the completion event, or the error it got.
     state: Mutex<Option<Result<(), CommError>>>,
     /// The output, collective dim first (`[.., n_d * tp, ..]` moved to dim 0).
@@ -125,7 +125,7 @@ struct DeviceWork {
     _pins: [Pinned; 2],
 }
 
-impl TransportWork for DeviceWork {
+impl TransportWork for NcclWork {
     fn finish(&self) -> Result<burn::tensor::TensorData, CommError> {
         Err(CommError::Backend(
             "a device collective resolved through the host".into(),
@@ -140,7 +140,7 @@ impl TransportWork for DeviceWork {
     }
 }
 
-impl Drop for DeviceWork {
+impl Drop for NcclWork {
     fn drop(&mut self) {
         // Dropped unresolved (an error elsewhere, a discarded handle): NCCL may still read the
         // input or write the output, whose storage goes back to cubecl's pool right after this.
@@ -157,7 +157,7 @@ impl Drop for DeviceWork {
     }
 }
 
-impl DeviceWork {
+impl NcclWork {
     /// Blocks until the collective completed (once; later calls return the same outcome) and
     /// returns the output, collective dim first.
     fn completed(&self) -> Result<CubeTensor, CommError> {
@@ -281,13 +281,13 @@ fn device_start(
     }
     let (p_in, p_out) = (res_in.resource().ptr, res_out.resource().ptr);
     // Safety: both are live allocations of this GPU of `n_in` / `n_out` elements of `dtype`,
-    // pinned (and their tensors kept) in the `DeviceWork` until the collective has completed;
+    // pinned (and their tensors kept) in the `NcclWork` until the collective has completed;
     // the output is written by nobody else.
     let work = match unsafe { nccl.post_raw(raw, dtype, (p_in, n_in), (p_out, n_out)) } {
         Ok(w) => w,
         Err(e) => return failed(op, group, x, e),
     };
-    let inner: Arc<dyn TransportWork> = Arc::new(DeviceWork {
+    let inner: Arc<dyn TransportWork> = Arc::new(NcclWork {
         work: Mutex::new(Some(work)),
         state: Mutex::new(None),
         output,

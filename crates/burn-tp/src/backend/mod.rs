@@ -39,7 +39,7 @@ pub(crate) mod grad_tap;
 pub(crate) mod host;
 pub(crate) mod overlap;
 mod pool;
-mod types;
+pub(crate) mod types;
 
 // Public for the pool's own test in tests/ (no user needs it).
 #[doc(hidden)]
@@ -48,7 +48,8 @@ pub use pool::pool_stats;
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
 use burn_tp_comm::ProcessGroup;
 
-pub use types::{Collective, LinearSpec, OverlapSchedule, TpMode, TpSettings};
+pub use types::Collective;
+pub(crate) use types::{LinearSpec, OverlapSchedule, TpMode};
 // The types `TpBackend`'s ops cross the dispatch boundary in: public because the trait's
 // signatures name them, hidden because users hold `ops::Pending`, an `Option` and a `Result`.
 #[doc(hidden)]

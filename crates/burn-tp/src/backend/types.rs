@@ -70,8 +70,8 @@ impl Collective {
 }
 
 /// A transport's [`Work`](burn_tp_comm::Work) as a [`PendingCollective`] holds it, its element
-/// type erased: the host transport's `HostWork`, the CUDA backend's `DeviceWork` (a
-/// `burn_tp_comm::nccl::Work` with the buffers it keeps alive). `Any`: a device
+/// type erased: the host transport's `HostWork`, the CUDA backend's `NcclWork` (a
+/// `burn_tp_comm::nccl::DeviceWork` with the buffers it keeps alive). `Any`: a device
 /// backend finds its own work again. The vocabulary of work in flight, one stem per layer: a
 /// transport's `*Work`, the backend's [`PendingCollective`], the tensor's
 /// [`Pending`](crate::ops::Pending).

@@ -208,7 +208,7 @@ impl DistributedAdamW {
     }
 
     /// The state as a Burn AdamW over the whole model (each rank's chunks gathered over dp), to
-    /// save with [`crate::checkpoint::save_sharded`]. Collective over the dp group.
+    /// save with [`crate::checkpoint::save`]. Collective over the dp group.
     ///
     /// # Errors
     /// A communication error; an encoding error.
@@ -250,11 +250,11 @@ impl DistributedAdamW {
     }
 
     /// Takes this rank's chunks of a Burn AdamW's state over the whole model (loaded, say, by
-    /// [`crate::checkpoint::load_sharded_optimizer`], saved at any dp).
+    /// [`crate::checkpoint::load_optimizer`], saved at any dp).
     ///
     /// # Errors
     /// An encoding error; a parameter whose moments are missing while others have them.
-    pub fn load_module_optimizer<M: Module>(
+    pub fn shard_module_optimizer<M: Module>(
         &mut self,
         optim: &ModuleOptimizer,
         model: &M,

@@ -33,7 +33,7 @@ use burn_tp_comm::ProcessGroup;
 use crate::Result;
 use crate::init::init_replicated;
 
-pub use crate::backend::{LinearSpec, OverlapSchedule, TpMode, TpSettings};
+pub use crate::backend::types::{LinearSpec, OverlapSchedule, TpMode, TpSettings};
 pub use chunks::ColumnChunk;
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use functional::{column_parallel_linear, row_parallel_linear};

@@ -12,13 +12,12 @@
 //! | `mod.rs`       | [`LlamaConfig`], [`Llama`], [`LlamaBlock`]                       |
 //! | `mlp.rs`       | [`ParallelSwiGlu`]: fused gate / up, down                        |
 //! | `norm.rs`      | [`TpRmsNorm`]: replicated weight                                 |
-//! | `dropout.rs`   | [`DropoutKey`], [`tp_dropout`]: counter-based, tp-invariant masks |
+//!
+//! Dropout (both models' attention, this one's residuals) is [`crate::dropout`].
 
-pub(crate) mod dropout;
 mod mlp;
 mod norm;
 
-pub use dropout::{DropoutKey, DropoutStep, dropout_mask, tp_dropout};
 pub use mlp::{ParallelSwiGlu, ParallelSwiGluConfig};
 pub use norm::TpRmsNorm;
 
@@ -28,6 +27,8 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::attention::{DecodeCache, ParallelAttention, ParallelAttentionConfig};
+use crate::decoder::{Decoder, DecoderBlock};
+use crate::dropout::{DropoutKey, DropoutStep, tp_dropout};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
@@ -113,7 +114,8 @@ pub struct LlamaOptions {
 /// ```
 /// use burn::tensor::{Device, Int, Tensor, TensorData};
 /// use burn_tp::linear::{TpMode, TpSettings};
-/// use burn_tp::llama::{DropoutStep, LlamaConfig};
+/// use burn_tp::dropout::DropoutStep;
+/// use burn_tp::llama::LlamaConfig;
 /// use burn_tp::local::run_local;
 ///
 /// let device = Device::flex().autodiff();
@@ -355,11 +357,7 @@ impl Llama {
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.try_forward(x, key, o.dropout, i, &self.group, o.settings.mode)?;
         }
-        let x = self.norm.forward(x);
-        match &self.head {
-            Some(head) => head.try_forward(x),
-            None => self.tok.try_tied_logits(x, LinearSpec::new(o.settings)),
-        }
+        self.logits(x)
     }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
@@ -373,25 +371,8 @@ impl Llama {
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
     ) -> TpResult<Tensor<3>> {
-        if cache.layers.len() != self.blocks.len() {
-            *cache = DecodeCache::new(self.blocks.len());
-        }
-        let mut x = self.tok.try_forward(ids)?;
-        for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {
-            let a = block
-                .attn
-                .try_forward_cached(block.attn_norm.forward(x.clone()), kv)?;
-            let x1 = x + a;
-            let m = block.mlp.try_forward(block.mlp_norm.forward(x1.clone()))?;
-            x = x1 + m;
-        }
-        let x = self.norm.forward(x);
-        match &self.head {
-            Some(head) => head.try_forward(x),
-            None => self
-                .tok
-                .try_tied_logits(x, LinearSpec::new(self.options.settings)),
-        }
+        let x = self.tok.try_forward(ids)?;
+        self.decode(x, cache)
     }
 
     /// Mean next-token cross-entropy over every target (replicated on every rank), no dropout.
@@ -435,6 +416,48 @@ impl Llama {
             &self.group,
             &options,
         )
+    }
+}
+
+impl DecoderBlock for LlamaBlock {
+    fn attention(&self) -> &ParallelAttention {
+        &self.attn
+    }
+
+    fn attn_norm(&self, x: Tensor<3>) -> Tensor<3> {
+        self.attn_norm.forward(x)
+    }
+
+    fn mlp_norm(&self, x: Tensor<3>) -> Tensor<3> {
+        self.mlp_norm.forward(x)
+    }
+
+    fn mlp(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        self.mlp.try_forward(x)
+    }
+}
+
+impl Decoder for Llama {
+    type Block = LlamaBlock;
+
+    fn embedding(&self) -> &VocabParallelEmbedding {
+        &self.tok
+    }
+
+    fn head(&self) -> Option<&VocabParallelHead> {
+        self.head.as_ref()
+    }
+
+    fn blocks(&self) -> &[LlamaBlock] {
+        &self.blocks
+    }
+
+    fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
+        self.norm.forward(x)
+    }
+
+    fn settings(&self) -> TpSettings {
+        self.options.settings
     }
 }
 

@@ -1,0 +1,241 @@
+//! The checkpoint's format: the index and its entries, the stored dtypes, the cut dimension
+//! stored first.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{DType, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use super::ckpt_err;
+use crate::Result;
+use crate::reshard::ParamLayout;
+
+/// The index's file name.
+pub const INDEX: &str = "index.json";
+pub(super) const FORMAT: &str = "burn-tp-sharded/1";
+
+/// What a checkpoint records about the run that saved it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    /// Training steps done.
+    pub step: u64,
+    /// Tensor-parallel size of the run that saved it (any tp loads it).
+    pub tp: usize,
+    /// Data-parallel size of the run that saved it.
+    pub dp: usize,
+    /// The model's configuration, as JSON, without its `settings` (how the layers run: a
+    /// checkpoint resumes in any mode or schedule): [`load`](super::load) refuses a checkpoint of
+    /// another configuration.
+    pub config: serde_json::Value,
+}
+
+/// `config` as JSON, without a top-level `settings` (burn-tp's configs keep how the layers run
+/// there: not part of what the model is).
+pub(super) fn model_json(config: &impl Serialize) -> serde_json::Value {
+    let mut value = serde_json::to_value(config).unwrap_or(serde_json::Value::Null);
+    if let Some(object) = value.as_object_mut() {
+        object.remove("settings");
+    }
+    value
+}
+
+impl CheckpointInfo {
+    /// The info of a save after `step` steps of a run at `tp` x `dp` of the model `config`.
+    pub fn new(step: u64, tp: usize, dp: usize, config: &impl Serialize) -> Self {
+        Self {
+            step,
+            tp,
+            dp,
+            config: model_json(config),
+        }
+    }
+}
+
+/// One stored slice of a tensor: rows `offset..offset + (end - start)` (along the stored tensor's
+/// first dimension) of `name` in `file` hold indices `start..end` of the full tensor's `dim`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(super) struct StoredPiece {
+    pub(super) file: String,
+    pub(super) start: usize,
+    pub(super) end: usize,
+    pub(super) offset: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(super) struct TensorEntry {
+    pub(super) dtype: String,
+    pub(super) shape: Vec<usize>,
+    pub(super) dim: usize,
+    pub(super) pieces: Vec<StoredPiece>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub(super) enum ScalarValue {
+    Int(i64),
+    UInt(u64),
+    Float(f64),
+    Bool(bool),
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(super) struct Part {
+    pub(super) tensors: BTreeMap<String, TensorEntry>,
+    pub(super) scalars: BTreeMap<String, ScalarValue>,
+    pub(super) paths: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct Index {
+    pub(super) format: String,
+    pub(super) info: CheckpointInfo,
+    /// The folder of the shard files, relative to the checkpoint's.
+    pub(super) shards: String,
+    /// Float parameters of the model.
+    pub(super) params: usize,
+    pub(super) tensors: BTreeMap<String, TensorEntry>,
+    pub(super) scalars: BTreeMap<String, ScalarValue>,
+    pub(super) paths: BTreeMap<String, String>,
+}
+
+pub(super) fn dtype_name(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::F64 => "F64",
+        DType::F32 => "F32",
+        DType::F16 => "F16",
+        DType::BF16 => "BF16",
+        _ => return None,
+    })
+}
+
+pub(super) fn safetensors_dtype(name: &str) -> Option<safetensors::Dtype> {
+    Some(match name {
+        "F64" => safetensors::Dtype::F64,
+        "F32" => safetensors::Dtype::F32,
+        "F16" => safetensors::Dtype::F16,
+        "BF16" => safetensors::Dtype::BF16,
+        _ => return None,
+    })
+}
+
+/// A tensor as a rank stores it: its dimension `dim` first, row-major.
+pub(super) struct Stored {
+    pub(super) name: String,
+    pub(super) dtype: safetensors::Dtype,
+    pub(super) shape: Vec<usize>,
+    pub(super) bytes: Vec<u8>,
+}
+
+impl safetensors::View for &Stored {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// The float parameters of a module with `dim` of each moved first, in visiting order.
+pub(super) fn dim_first_values<M: Module>(module: &M, layouts: &[ParamLayout]) -> Vec<TensorData> {
+    struct Collect<'a>(Vec<TensorData>, &'a [ParamLayout]);
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let dim = self.1.get(self.0.len()).map_or(0, |l| l.dim);
+            self.0.push(param.val().swap_dims(0, dim).into_data());
+        }
+    }
+    let mut c = Collect(Vec::new(), layouts);
+    module.visit(&mut c);
+    c.0
+}
+
+/// `module` with parameter `k` replaced by `values[k]`, given with its dim `layouts[k].dim`
+/// first (kept where `None`).
+pub(super) fn with_dim_first_values<M: Module>(
+    module: M,
+    values: Vec<Option<TensorData>>,
+    layouts: &[ParamLayout],
+) -> M {
+    struct Replace<'a>(
+        std::vec::IntoIter<Option<TensorData>>,
+        &'a [ParamLayout],
+        usize,
+    );
+    impl ModuleMapper for Replace<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let dim = self.1.get(self.2).map_or(0, |l| l.dim);
+            self.2 += 1;
+            match self.0.next().flatten() {
+                Some(data) => param.map(|t| {
+                    let (device, dtype) = (t.device(), data.dtype());
+                    // A fresh tensor is not tracked: keep the parameter trainable as it was.
+                    Tensor::<D>::from_data(data, (&device, dtype))
+                        .swap_dims(0, dim)
+                        .set_require_grad(t.is_require_grad())
+                }),
+                None => param,
+            }
+        }
+    }
+    module.map(&mut Replace(values.into_iter(), layouts, 0))
+}
+
+impl From<burn_pack::Scalar> for ScalarValue {
+    fn from(v: burn_pack::Scalar) -> Self {
+        match v {
+            burn_pack::Scalar::Int(v) => Self::Int(v),
+            burn_pack::Scalar::UInt(v) => Self::UInt(v),
+            burn_pack::Scalar::Float(v) => Self::Float(v),
+            burn_pack::Scalar::Bool(v) => Self::Bool(v),
+        }
+    }
+}
+
+impl From<ScalarValue> for burn_pack::Scalar {
+    fn from(v: ScalarValue) -> Self {
+        match v {
+            ScalarValue::Int(v) => Self::Int(v),
+            ScalarValue::UInt(v) => Self::UInt(v),
+            ScalarValue::Float(v) => Self::Float(v),
+            ScalarValue::Bool(v) => Self::Bool(v),
+        }
+    }
+}
+
+/// `data` with `dim` swapped with the first (its own inverse), on the host.
+pub(super) fn dim_first(data: TensorData, dim: usize) -> TensorData {
+    if dim == 0 {
+        return data;
+    }
+    let (device, dtype) = (&burn::tensor::Device::flex(), data.dtype());
+    match data.shape().len() {
+        2 => Tensor::<2>::from_data(data, (device, dtype))
+            .swap_dims(0, dim)
+            .into_data(),
+        3 => Tensor::<3>::from_data(data, (device, dtype))
+            .swap_dims(0, dim)
+            .into_data(),
+        _ => Tensor::<4>::from_data(data, (device, dtype))
+            .swap_dims(0, dim)
+            .into_data(),
+    }
+}
+
+pub(super) fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| ckpt_err(path, format!("encoding: {e}")))?;
+    std::fs::write(path, text).map_err(|e| ckpt_err(path, format!("writing: {e}")))
+}
+
+pub(super) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| ckpt_err(path, format!("reading: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| ckpt_err(path, format!("not a valid index: {e}")))
+}

@@ -1,0 +1,311 @@
+//! Loading at any tp: each rank reads only the slices its shards overlap, from the
+//! memory-mapped shard files.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::ModuleOptimizer;
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_tp_comm::ProcessGroup;
+use serde::Serialize;
+
+use super::format::*;
+use super::{CheckpointInfo, INDEX, ckpt_err};
+use crate::Result;
+use crate::reshard::{IndexedState, ParamLayout, Reshard};
+
+/// The memory-mapped shard files of a checkpoint, opened as they are first needed.
+struct Files {
+    dir: PathBuf,
+    maps: BTreeMap<String, memmap2::Mmap>,
+}
+
+impl Files {
+    fn bytes(&mut self, file: &str) -> Result<&[u8]> {
+        if !self.maps.contains_key(file) {
+            let path = self.dir.join(file);
+            let f =
+                std::fs::File::open(&path).map_err(|e| ckpt_err(&path, format!("opening: {e}")))?;
+            // Safety: the checkpoint's files are not written while it is loaded (a save writes a
+            // new shard folder and renames it into place).
+            let map = unsafe { memmap2::Mmap::map(&f) }
+                .map_err(|e| ckpt_err(&path, format!("mapping: {e}")))?;
+            self.maps.insert(file.to_string(), map);
+        }
+        Ok(&self.maps[file])
+    }
+
+    /// Rows `rows` (of the stored tensor's first dimension) of `name` in `file`, as bytes.
+    fn rows(&mut self, file: &str, name: &str, rows: std::ops::Range<usize>) -> Result<Vec<u8>> {
+        let path = self.dir.join(file);
+        let bytes = self.bytes(file)?;
+        let st = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| ckpt_err(&path, format!("a truncated or damaged shard: {e}")))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| ckpt_err(&path, format!("{name}: {e}")))?;
+        let n0 = view.shape().first().copied().unwrap_or(1).max(1);
+        let row = view.data().len() / n0;
+        if rows.end > n0 {
+            return Err(ckpt_err(&path, format!("{name}: rows {rows:?} of {n0}")));
+        }
+        Ok(view.data()[rows.start * row..rows.end * row].to_vec())
+    }
+}
+
+/// This rank's tensor `name` for `layout` (its dim first, `local_rows` x `row_elems` of `dtype`),
+/// assembled from the stored slices that overlap its pieces; rows of no piece (padding) are
+/// zero.
+fn assemble(
+    files: &mut Files,
+    entry: &TensorEntry,
+    name: &str,
+    layout: &ParamLayout,
+    local_shape_dim_first: &[usize],
+    dtype: DType,
+) -> Result<TensorData> {
+    let elem = dtype.size();
+    let row_elems: usize = local_shape_dim_first[1..].iter().product();
+    let row_bytes = row_elems * elem;
+    let mut out = vec![0u8; local_shape_dim_first[0] * row_bytes];
+    for piece in &layout.pieces {
+        let mut covered = 0;
+        for s in &entry.pieces {
+            let (a, b) = (piece.global.start.max(s.start), piece.global.end.min(s.end));
+            if a >= b {
+                continue;
+            }
+            let src = s.offset + (a - s.start)..s.offset + (b - s.start);
+            let bytes = files.rows(&s.file, name, src)?;
+            if bytes.len() != (b - a) * row_bytes {
+                return Err(ckpt_err(
+                    &files.dir.join(&s.file),
+                    format!(
+                        "{name}: a row of {} bytes, the model needs {row_bytes}",
+                        bytes.len() / (b - a)
+                    ),
+                ));
+            }
+            let dst = piece.local.start + (a - piece.global.start);
+            out[dst * row_bytes..(dst + b - a) * row_bytes].copy_from_slice(&bytes);
+            covered += b - a;
+        }
+        if covered != piece.global.len() {
+            return Err(ckpt_err(
+                &files.dir,
+                format!(
+                    "{name}: indices {:?} of dim {} are in no shard",
+                    piece.global, layout.dim
+                ),
+            ));
+        }
+    }
+    Ok(TensorData::from_bytes_vec(
+        out,
+        local_shape_dim_first.to_vec(),
+        dtype,
+    ))
+}
+
+/// The local shapes and dtypes of a module's float parameters, in visiting order.
+pub(crate) fn param_shapes<M: Module>(module: &M) -> Vec<(Vec<usize>, DType)> {
+    struct Collect(Vec<(Vec<usize>, DType)>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            self.0.push((t.dims().to_vec(), t.dtype()));
+        }
+    }
+    let mut c = Collect(Vec::new());
+    module.visit(&mut c);
+    c.0
+}
+
+/// A checkpoint's index, with this rank's layouts and the model's local shapes and dtypes.
+type Opened = (Index, Vec<ParamLayout>, Vec<(Vec<usize>, DType)>);
+
+/// Reads and checks the index of the checkpoint in `dir` against `model`'s layout.
+fn open_index<M: Module + Reshard>(
+    model: &M,
+    dir: &Path,
+    config: Option<&serde_json::Value>,
+    group: &ProcessGroup,
+) -> Result<Opened> {
+    let index_path = dir.join(INDEX);
+    if !index_path.exists() {
+        return Err(ckpt_err(
+            &index_path,
+            "no index: not a checkpoint, or one whose save did not complete",
+        ));
+    }
+    let index: Index = read_json(&index_path)?;
+    if index.format != FORMAT {
+        return Err(ckpt_err(
+            &index_path,
+            format!("format {:?}, not {FORMAT:?}", index.format),
+        ));
+    }
+    if let Some(want) = config
+        && *want != index.info.config
+    {
+        return Err(ckpt_err(
+            &index_path,
+            format!(
+                "saved for another configuration: {} (this model: {want})",
+                index.info.config
+            ),
+        ));
+    }
+    let layouts = model.layout(group.rank());
+    if index.params != layouts.len() {
+        return Err(ckpt_err(
+            &index_path,
+            format!(
+                "{} parameters, this model has {}: another model",
+                index.params,
+                layouts.len()
+            ),
+        ));
+    }
+    Ok((index, layouts, param_shapes(model)))
+}
+
+/// The index's entry `name`, checked against this rank's layout and dtype.
+fn entry_for(
+    index: &Index,
+    index_path: &Path,
+    name: &str,
+    layout: &ParamLayout,
+    dtype: DType,
+) -> Result<TensorEntry> {
+    let entry = index
+        .tensors
+        .get(name)
+        .ok_or_else(|| ckpt_err(index_path, format!("{name} is missing")))?;
+    if entry.shape != layout.global_shape || entry.dim != layout.dim {
+        return Err(ckpt_err(
+            index_path,
+            format!(
+                "{name}: saved with shape {:?} cut along dim {}, this model's is {:?} along dim {}",
+                entry.shape, entry.dim, layout.global_shape, layout.dim
+            ),
+        ));
+    }
+    if Some(entry.dtype.as_str()) != dtype_name(dtype) {
+        return Err(ckpt_err(
+            index_path,
+            format!(
+                "{name}: saved in {}, this model holds {dtype:?}",
+                entry.dtype
+            ),
+        ));
+    }
+    Ok(entry.clone())
+}
+
+/// Fills `model` (built at any tp: its own values are replaced) from the checkpoint in `dir`,
+/// reading only this rank's slices. With `config`, a checkpoint of another configuration is
+/// refused. Returns the model and the checkpoint's info. Local to this rank: no communication.
+///
+/// # Errors
+/// [`TpError::Checkpoint`] naming the file and the tensor: no index (an incomplete save), a
+/// missing or truncated shard, a dtype or shape that does not fit the model, an index of another
+/// model or configuration.
+pub fn load<M: Module + Reshard>(
+    model: M,
+    dir: &Path,
+    config: Option<&impl Serialize>,
+    group: &ProcessGroup,
+) -> Result<(M, CheckpointInfo)> {
+    let config = config.map(model_json);
+    let (index, layouts, shapes) = open_index(&model, dir, config.as_ref(), group)?;
+    let index_path = dir.join(INDEX);
+    let mut files = Files {
+        dir: dir.to_path_buf(),
+        maps: BTreeMap::new(),
+    };
+    let mut values = Vec::with_capacity(layouts.len());
+    for (k, (layout, (shape, dtype))) in layouts.iter().zip(&shapes).enumerate() {
+        let name = format!("p{k}");
+        let entry = entry_for(&index, &index_path, &name, layout, *dtype)?;
+        let mut dim_first_shape = shape.clone();
+        dim_first_shape.swap(0, layout.dim);
+        values.push(Some(assemble(
+            &mut files,
+            &entry,
+            &name,
+            layout,
+            &dim_first_shape,
+            *dtype,
+        )?));
+    }
+    Ok((with_dim_first_values(model, values, &layouts), index.info))
+}
+
+/// `optim` with the state the checkpoint in `dir` saved (see [`save`](super::save)), resharded for
+/// `model`, this rank's shard at any tp (with any parameter ids). Local: no communication.
+///
+/// # Errors
+/// As [`load`]; a checkpoint saved without optimizer state gives `optim` unchanged.
+pub fn load_optimizer<M: Module + Reshard>(
+    optim: ModuleOptimizer,
+    model: &M,
+    dir: &Path,
+    group: &ProcessGroup,
+) -> Result<ModuleOptimizer> {
+    let (index, layouts, shapes) = open_index(model, dir, None, group)?;
+    let index_path = dir.join(INDEX);
+    let mut files = Files {
+        dir: dir.to_path_buf(),
+        maps: BTreeMap::new(),
+    };
+    let mut state = IndexedState::default();
+    for (name, entry) in &index.tensors {
+        let Some((k, field)) = name
+            .strip_prefix('p')
+            .and_then(|n| n.split_once('.'))
+            .and_then(|(k, f)| Some((k.parse::<usize>().ok()?, f)))
+        else {
+            continue;
+        };
+        let (Some(layout), Some((shape, _))) = (layouts.get(k), shapes.get(k)) else {
+            return Err(ckpt_err(
+                &index_path,
+                format!("{name}: a parameter past the model's"),
+            ));
+        };
+        let dtype = match entry.dtype.as_str() {
+            "F64" => DType::F64,
+            "F16" => DType::F16,
+            "BF16" => DType::BF16,
+            _ => DType::F32,
+        };
+        let entry = entry_for(&index, &index_path, name, layout, dtype)?;
+        let mut dim_first_shape = shape.clone();
+        dim_first_shape.swap(0, layout.dim);
+        let data = assemble(&mut files, &entry, name, layout, &dim_first_shape, dtype)?;
+        // Back to the parameter's own layout.
+        state
+            .tensors
+            .insert((k, field.to_string()), dim_first(data, layout.dim));
+    }
+    if state.tensors.is_empty() && index.scalars.is_empty() {
+        return Ok(optim);
+    }
+    state.scalars = index
+        .scalars
+        .iter()
+        .map(|(key, v)| (key.clone(), (*v).into()))
+        .collect();
+    for (k, path) in &index.paths {
+        let k = k
+            .parse::<usize>()
+            .map_err(|e| ckpt_err(&index_path, format!("optimizer path key {k}: {e}")))?;
+        state.paths.insert(k, path.clone());
+    }
+    let record = state
+        .record(model)
+        .map_err(|e| ckpt_err(&index_path, format!("optimizer state: {e}")))?;
+    Ok(optim.load_record(record))
+}

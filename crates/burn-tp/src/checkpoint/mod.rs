@@ -1,0 +1,64 @@
+//! Sharded checkpoints: every rank writes only the slices it owns, and any tp reads back only the
+//! slices it needs. No rank ever holds a full parameter, so checkpointing a model costs each
+//! rank its own shard's memory, not the whole model's (what
+//! [`FullOptimizerState`](crate::reshard::FullOptimizerState) and `to_full_module` cost).
+//!
+//! # Format
+//! A checkpoint is a folder:
+//! - `index.json`: the format, the run's [`CheckpointInfo`] (steps, tp, dp, the model's config),
+//!   and for every tensor (`p{k}` for parameter `k` in visiting order, `p{k}.{field}` for its
+//!   optimizer state, AdamW's moments) its dtype, full shape, the dimension it is cut along and
+//!   which file holds which slice; the optimizer's scalars. Written last, atomically (a
+//!   temporary file renamed over the old one): a folder without it is not a checkpoint.
+//! - `step-{N}/rank-{r}.safetensors`: tensor-parallel rank `r`'s tensors, each stored with the
+//!   dimension it is cut along first, so that a slice of it is one contiguous byte range. The
+//!   shard folder is written under a temporary name and renamed into place before the index
+//!   points at it; the folders of older saves are removed after.
+//!
+//! A crash at any point leaves the previous `index.json` pointing at its own intact shards.
+//! Data-parallel replicas hold the same tensors: only replica 0 writes.
+//!
+//! # Loading
+//! [`load`] fills a model built at any tp (and [`load_optimizer`] its optimizer)
+//! from a checkpoint saved at any other: each rank computes where its own shards lie ([`Reshard::layout`]) and copies each
+//! overlapping slice out of the memory-mapped files, touching only those pages.
+//!
+//! ```no_run
+//! # use burn_tp::checkpoint::{CheckpointInfo, load, save};
+//! # use burn_tp::gpt::GptConfig;
+//! # fn demo(group: &burn_tp::comm::ProcessGroup, device: &burn::tensor::Device) -> burn_tp::Result<()> {
+//! let config = GptConfig::new(64, 32, 64, 4, 2);
+//! let model = config.init(group, device)?;
+//! let info = CheckpointInfo::new(100, group.world_size(), 1, &config);
+//! save(&model, None, "out/checkpoint".as_ref(), &info, group, 0)?;
+//! // Later, at any tp: a freshly built model takes the saved values.
+//! let model = config.init(group, device)?;
+//! let (model, info) = load(model, "out/checkpoint".as_ref(), Some(&config), group)?;
+//! # Ok(()) }
+//! ```
+//!
+//! | file        | what                                                                  |
+//! |-------------|-----------------------------------------------------------------------|
+//! | `format.rs` | the index and its entries, dtypes, the cut dimension stored first     |
+//! | `save.rs`   | [`save`]: each rank its slices, the index last                         |
+//! | `load.rs`   | [`load`], [`load_optimizer`]: each rank the slices it needs, at any tp  |
+
+mod format;
+mod load;
+mod save;
+
+use std::path::Path;
+
+use crate::TpError;
+
+pub use format::{CheckpointInfo, INDEX};
+pub(crate) use load::param_shapes;
+pub use load::{load, load_optimizer};
+pub use save::save;
+
+fn ckpt_err(path: &Path, what: impl Into<String>) -> TpError {
+    TpError::Checkpoint {
+        path: path.display().to_string(),
+        what: what.into(),
+    }
+}

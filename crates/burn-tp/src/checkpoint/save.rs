@@ -1,0 +1,164 @@
+//! Saving: every rank writes its own slices; the index is written last, atomically.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::tensor::TensorData;
+use burn_tp_comm::ProcessGroup;
+
+use super::format::*;
+use super::{CheckpointInfo, INDEX, ckpt_err};
+use crate::Result;
+use crate::reshard::{IndexedState, ParamLayout, Reshard};
+
+/// Saves this rank's shards of `model` (and of `optim`'s state, if given) into the checkpoint
+/// folder `dir`, replacing any checkpoint there atomically (see [the module docs](self)).
+/// Collective over `group`, the model's tensor-parallel group; `dp_rank`: this rank's
+/// data-parallel replica (only replica 0 writes; the others return at once, and should wait
+/// for replica 0, e.g. at a barrier, before reading the checkpoint).
+///
+/// # Errors
+/// [`TpError::Checkpoint`] naming the file for a write that fails or a dtype a checkpoint
+/// cannot hold; a communication error.
+pub fn save<M: Module + Reshard>(
+    model: &M,
+    optim: Option<&ModuleOptimizer>,
+    dir: &Path,
+    info: &CheckpointInfo,
+    group: &ProcessGroup,
+    dp_rank: usize,
+) -> Result<()> {
+    if dp_rank != 0 {
+        return Ok(());
+    }
+    let (rank, tp) = (group.rank(), group.world_size());
+    let shards = format!("step-{}", info.step);
+    let tmp = dir.join(format!("{shards}.tmp"));
+    if rank == 0 {
+        std::fs::create_dir_all(dir).map_err(|e| ckpt_err(dir, format!("creating: {e}")))?;
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| ckpt_err(&tmp, format!("creating: {e}")))?;
+    }
+    group.barrier()?;
+
+    let layouts = model.layout(rank);
+    let file = format!("rank-{rank:05}.safetensors");
+    let mut part = Part::default();
+    let mut stored = Vec::new();
+    let mut store = |name: String, data: TensorData, layout: &ParamLayout| -> Result<()> {
+        let written: Vec<StoredPiece> = layout
+            .pieces
+            .iter()
+            .filter(|p| p.writes)
+            .map(|p| StoredPiece {
+                file: format!("{shards}/{file}"),
+                start: p.global.start,
+                end: p.global.end,
+                offset: p.local.start,
+            })
+            .collect();
+        if written.is_empty() {
+            return Ok(());
+        }
+        let dtype = dtype_name(data.dtype()).ok_or_else(|| {
+            ckpt_err(
+                dir,
+                format!("{name}: dtype {:?} cannot be saved", data.dtype()),
+            )
+        })?;
+        part.tensors.insert(
+            name.clone(),
+            TensorEntry {
+                dtype: dtype.into(),
+                shape: layout.global_shape.clone(),
+                dim: layout.dim,
+                pieces: written,
+            },
+        );
+        stored.push(Stored {
+            name,
+            dtype: safetensors_dtype(dtype).expect("a known dtype"),
+            shape: data.shape().to_vec(),
+            bytes: data.as_bytes().to_vec(),
+        });
+        Ok(())
+    };
+    for (k, data) in dim_first_values(model, &layouts).into_iter().enumerate() {
+        store(format!("p{k}"), data, &layouts[k])?;
+    }
+    if let Some(optim) = optim {
+        let state = IndexedState::of(optim, model)?;
+        for ((k, field), data) in state.tensors {
+            let layout = &layouts[k];
+            // The state is shaped like its parameter: store it with the same dim first.
+            let data = dim_first(data, layout.dim);
+            store(format!("p{k}.{field}"), data, layout)?;
+        }
+        part.scalars = state
+            .scalars
+            .into_iter()
+            .map(|(key, v)| (key, v.into()))
+            .collect();
+        part.paths = state
+            .paths
+            .into_iter()
+            .map(|(k, path)| (k.to_string(), path))
+            .collect();
+    }
+    let path = tmp.join(&file);
+    safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
+        .map_err(|e| ckpt_err(&path, format!("writing: {e}")))?;
+    let part_path = tmp.join(format!("rank-{rank:05}.json"));
+    write_json(&part_path, &part)?;
+    group.barrier()?;
+
+    if rank == 0 {
+        // Every rank's part, merged into the index.
+        let mut index = Index {
+            format: FORMAT.into(),
+            info: info.clone(),
+            shards: shards.clone(),
+            params: layouts.len(),
+            tensors: BTreeMap::new(),
+            scalars: BTreeMap::new(),
+            paths: BTreeMap::new(),
+        };
+        for r in 0..tp {
+            let p = tmp.join(format!("rank-{r:05}.json"));
+            let part: Part = read_json(&p)?;
+            for (name, entry) in part.tensors {
+                match index.tensors.get_mut(&name) {
+                    Some(e) => e.pieces.extend(entry.pieces),
+                    None => {
+                        index.tensors.insert(name, entry);
+                    }
+                }
+            }
+            index.scalars.extend(part.scalars);
+            index.paths.extend(part.paths);
+            let _ = std::fs::remove_file(&p);
+        }
+        let final_dir = dir.join(&shards);
+        let _ = std::fs::remove_dir_all(&final_dir);
+        std::fs::rename(&tmp, &final_dir)
+            .map_err(|e| ckpt_err(&final_dir, format!("renaming into place: {e}")))?;
+        let index_tmp = dir.join(format!("{INDEX}.tmp"));
+        write_json(&index_tmp, &index)?;
+        let index_path = dir.join(INDEX);
+        std::fs::rename(&index_tmp, &index_path)
+            .map_err(|e| ckpt_err(&index_path, format!("renaming into place: {e}")))?;
+        // The shards of older saves: nothing points at them any more.
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with("step-") && name != shards {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+    group.barrier()?;
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! [`HfConfig`]: a Hugging Face `config.json` of the Llama family, read and checked, and the
+//! burn-tp Llama it describes (both ways).
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::hf_err;
+use crate::Result;
+use crate::linear::TpSettings;
+use crate::llama::LlamaConfig;
+
+/// The architectures the import reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HfArchitecture {
+    /// `LlamaForCausalLM`.
+    Llama,
+    /// `MistralForCausalLM` (without a sliding window in use).
+    Mistral,
+    /// `Qwen2ForCausalLM` (q, k and v biases).
+    Qwen2,
+}
+
+/// A Hugging Face `config.json` of the Llama family, read and checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfConfig {
+    /// The architecture.
+    pub architecture: HfArchitecture,
+    /// `vocab_size`.
+    pub vocab_size: usize,
+    /// `hidden_size`.
+    pub hidden_size: usize,
+    /// `num_attention_heads`.
+    pub num_attention_heads: usize,
+    /// `num_key_value_heads` (defaults to `num_attention_heads`).
+    pub num_key_value_heads: usize,
+    /// `intermediate_size`.
+    pub intermediate_size: usize,
+    /// `num_hidden_layers`.
+    pub num_hidden_layers: usize,
+    /// `max_position_embeddings`.
+    pub max_position_embeddings: usize,
+    /// `rope_theta` (default 10000).
+    pub rope_theta: f64,
+    /// `rms_norm_eps`.
+    pub rms_norm_eps: f64,
+    /// `tie_word_embeddings`.
+    pub tie_word_embeddings: bool,
+    /// Biases on q, k and v (Qwen2, or Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// A bias on the output projection (Llama's `attention_bias`).
+    pub out_bias: bool,
+}
+
+impl HfConfig {
+    /// Reads `dir/config.json`.
+    ///
+    /// # Errors
+    /// [`TpError::Checkpoint`] naming the file and the field: a missing or malformed field, an
+    /// architecture or a feature the import does not support.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| hf_err(&path, format!("reading: {e}")))?;
+        let v: Value =
+            serde_json::from_str(&text).map_err(|e| hf_err(&path, format!("not JSON: {e}")))?;
+        Self::from_json(&v, &path)
+    }
+
+    fn from_json(v: &Value, path: &Path) -> Result<Self> {
+        let usize_field = |name: &str| -> Result<usize> {
+            v.get(name)
+                .and_then(Value::as_u64)
+                .map(|n| n as usize)
+                .ok_or_else(|| hf_err(path, format!("`{name}` is missing or not an integer")))
+        };
+        let f64_field = |name: &str, default: f64| -> Result<f64> {
+            match v.get(name) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => x
+                    .as_f64()
+                    .ok_or_else(|| hf_err(path, format!("`{name}` is not a number: {x}"))),
+            }
+        };
+        let bool_field = |name: &str| v.get(name).and_then(Value::as_bool).unwrap_or(false);
+        let arch = v
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(Value::as_str)
+            .ok_or_else(|| hf_err(path, "`architectures` is missing"))?;
+        let architecture = match arch {
+            "LlamaForCausalLM" => HfArchitecture::Llama,
+            "MistralForCausalLM" => HfArchitecture::Mistral,
+            "Qwen2ForCausalLM" => HfArchitecture::Qwen2,
+            other => {
+                return Err(hf_err(
+                    path,
+                    format!(
+                        "architecture {other:?} is not supported (LlamaForCausalLM, \
+                         MistralForCausalLM, Qwen2ForCausalLM are)"
+                    ),
+                ));
+            }
+        };
+        let heads = usize_field("num_attention_heads")?;
+        let hidden = usize_field("hidden_size")?;
+        let max_pos = usize_field("max_position_embeddings")?;
+        // Rotary settings: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
+        // (earlier); any scaling but the default is refused.
+        let rope = v.get("rope_parameters").filter(|r| !r.is_null());
+        for (field, params) in [
+            ("rope_parameters", rope),
+            ("rope_scaling", v.get("rope_scaling")),
+        ] {
+            let Some(params) = params.filter(|p| !p.is_null()) else {
+                continue;
+            };
+            let kind = params
+                .get("rope_type")
+                .or_else(|| params.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            if kind != "default" {
+                return Err(hf_err(
+                    path,
+                    format!("`{field}` of type {kind:?} is not supported (rope scaling): {params}"),
+                ));
+            }
+        }
+        let rope_theta = match rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(Value::as_f64)
+        {
+            Some(theta) => theta,
+            None => f64_field("rope_theta", 10000.0)?,
+        };
+        if let Some(hd) = v.get("head_dim").and_then(Value::as_u64)
+            && hd as usize * heads != hidden
+        {
+            return Err(hf_err(
+                path,
+                format!(
+                    "`head_dim` = {hd} is not hidden_size / num_attention_heads = {}",
+                    hidden / heads.max(1)
+                ),
+            ));
+        }
+        if bool_field("mlp_bias") {
+            return Err(hf_err(path, "`mlp_bias` = true is not supported"));
+        }
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
+            && act != "silu"
+        {
+            return Err(hf_err(
+                path,
+                format!("`hidden_act` = {act:?} is not supported (silu is)"),
+            ));
+        }
+        // A sliding window is in use when set below the context (Qwen2 only with its flag).
+        let window = v.get("sliding_window").and_then(Value::as_u64);
+        let window_on = match architecture {
+            HfArchitecture::Qwen2 => bool_field("use_sliding_window"),
+            _ => true,
+        };
+        if let Some(w) = window
+            && window_on
+            && (w as usize) < max_pos
+        {
+            return Err(hf_err(
+                path,
+                format!(
+                    "`sliding_window` = {w} below max_position_embeddings = {max_pos} is not \
+                     supported"
+                ),
+            ));
+        }
+        let attention_bias = bool_field("attention_bias");
+        Ok(Self {
+            architecture,
+            vocab_size: usize_field("vocab_size")?,
+            hidden_size: hidden,
+            num_attention_heads: heads,
+            num_key_value_heads: v
+                .get("num_key_value_heads")
+                .and_then(Value::as_u64)
+                .map_or(heads, |n| n as usize),
+            intermediate_size: usize_field("intermediate_size")?,
+            num_hidden_layers: usize_field("num_hidden_layers")?,
+            max_position_embeddings: max_pos,
+            rope_theta,
+            rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
+            tie_word_embeddings: bool_field("tie_word_embeddings"),
+            qkv_bias: architecture == HfArchitecture::Qwen2 || attention_bias,
+            out_bias: attention_bias,
+        })
+    }
+
+    /// The Hugging Face configuration of a burn-tp Llama (to export it): `LlamaForCausalLM`, or
+    /// `Qwen2ForCausalLM` for q, k and v biases without an output bias.
+    pub fn from_llama(c: &LlamaConfig) -> Self {
+        let qwen2 = c.qkv_bias && !c.out_bias;
+        Self {
+            architecture: if qwen2 {
+                HfArchitecture::Qwen2
+            } else {
+                HfArchitecture::Llama
+            },
+            vocab_size: c.n_vocab,
+            hidden_size: c.d_model,
+            num_attention_heads: c.n_heads,
+            num_key_value_heads: c.n_kv_heads,
+            intermediate_size: c.d_ff,
+            num_hidden_layers: c.n_layers,
+            max_position_embeddings: c.max_seq,
+            rope_theta: f64::from(c.rope_theta),
+            rms_norm_eps: c.norm_eps,
+            tie_word_embeddings: c.tie_embeddings,
+            qkv_bias: c.qkv_bias,
+            out_bias: c.out_bias,
+        }
+    }
+
+    /// The burn-tp Llama of this configuration.
+    pub fn llama_config(&self, settings: TpSettings) -> LlamaConfig {
+        LlamaConfig::new(
+            self.vocab_size,
+            self.max_position_embeddings,
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.num_hidden_layers,
+            self.intermediate_size,
+        )
+        .with_rope_theta(self.rope_theta as f32)
+        .with_norm_eps(self.rms_norm_eps)
+        .with_tie_embeddings(self.tie_word_embeddings)
+        .with_qkv_bias(self.qkv_bias)
+        .with_out_bias(self.out_bias)
+        .with_settings(settings)
+    }
+}

@@ -1,0 +1,139 @@
+//! The mapping between Hugging Face's tensors and the Llama's parameters, shared by the import
+//! and the export: which HF tensors, in which rows, make each parameter, and HF's rotate-half
+//! rotary order against Burn's interleaved pairs.
+
+use super::HfConfig;
+
+/// One HF tensor in a concatenation: its name, its rows, and the head size of a rotary
+/// permutation to apply to them (q and k).
+pub(super) struct Part {
+    pub(super) name: String,
+    pub(super) rows: usize,
+    pub(super) rope_head_dim: Option<usize>,
+}
+
+/// How one of the Llama's parameters comes from the HF tensors.
+pub(super) enum Source {
+    /// Our full tensor is the HF tensors' rows concatenated (transposed if `transpose`: a 2-D
+    /// `[in, out]` weight from `[out, in]` ones), so our cut dimension is their rows.
+    Rows { parts: Vec<Part>, transpose: bool },
+    /// Our full `[in, out]` tensor is HF `name` (`[out, in]`) transposed, cut along its columns.
+    Columns { name: String },
+}
+
+/// Every HF tensor the model needs, with the shape the configuration gives it.
+pub(super) fn expected_shapes(c: &HfConfig) -> Vec<(String, Vec<usize>)> {
+    let (d, ff, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let hd = d / c.num_attention_heads;
+    let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, d])];
+    for i in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        out.push((format!("{p}.input_layernorm.weight"), vec![d]));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
+        for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+            out.push((format!("{p}.self_attn.{proj}.weight"), vec![rows, d]));
+            if c.qkv_bias {
+                out.push((format!("{p}.self_attn.{proj}.bias"), vec![rows]));
+            }
+        }
+        out.push((format!("{p}.self_attn.o_proj.weight"), vec![d, q]));
+        if c.out_bias {
+            out.push((format!("{p}.self_attn.o_proj.bias"), vec![d]));
+        }
+        out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
+        out.push((format!("{p}.mlp.up_proj.weight"), vec![ff, d]));
+        out.push((format!("{p}.mlp.down_proj.weight"), vec![d, ff]));
+    }
+    out.push(("model.norm.weight".into(), vec![d]));
+    if !c.tie_word_embeddings {
+        out.push(("lm_head.weight".into(), vec![v, d]));
+    }
+    out
+}
+
+/// The Llama's parameters in visiting order, each with where it comes from.
+pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
+    let hd = c.hidden_size / c.num_attention_heads;
+    let rows = |name: &str, transpose: bool| Source::Rows {
+        parts: vec![Part {
+            name: name.into(),
+            rows: 0,
+            rope_head_dim: None,
+        }],
+        transpose,
+    };
+    let mut out = vec![rows("model.embed_tokens.weight", false)];
+    for i in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        let qkv = |suffix: &str| {
+            let part = |proj: &str, heads: usize, rope: bool| Part {
+                name: format!("{p}.self_attn.{proj}.{suffix}"),
+                rows: heads * hd,
+                rope_head_dim: rope.then_some(hd),
+            };
+            vec![
+                part("q_proj", c.num_attention_heads, true),
+                part("k_proj", c.num_key_value_heads, true),
+                part("v_proj", c.num_key_value_heads, false),
+            ]
+        };
+        out.push(rows(&format!("{p}.input_layernorm.weight"), false));
+        out.push(Source::Rows {
+            parts: qkv("weight"),
+            transpose: true,
+        });
+        if c.qkv_bias {
+            out.push(Source::Rows {
+                parts: qkv("bias"),
+                transpose: false,
+            });
+        }
+        out.push(Source::Columns {
+            name: format!("{p}.self_attn.o_proj.weight"),
+        });
+        if c.out_bias {
+            out.push(rows(&format!("{p}.self_attn.o_proj.bias"), false));
+        }
+        out.push(rows(&format!("{p}.post_attention_layernorm.weight"), false));
+        let ff = c.intermediate_size;
+        out.push(Source::Rows {
+            parts: ["gate_proj", "up_proj"]
+                .map(|proj| Part {
+                    name: format!("{p}.mlp.{proj}.weight"),
+                    rows: ff,
+                    rope_head_dim: None,
+                })
+                .into(),
+            transpose: true,
+        });
+        out.push(Source::Columns {
+            name: format!("{p}.mlp.down_proj.weight"),
+        });
+    }
+    out.push(rows("model.norm.weight", false));
+    if !c.tie_word_embeddings {
+        out.push(rows("lm_head.weight", true));
+    }
+    out
+}
+
+/// HF's rotate-half order to Burn's interleaved pairs, within each head of `hd` rows:
+/// row `2i` of a head takes HF row `i`, row `2i + 1` HF row `i + hd / 2`.
+pub(super) fn rope_row(r: usize, hd: usize) -> usize {
+    let (head, i) = (r / hd, r % hd);
+    head * hd + if i % 2 == 0 { i / 2 } else { hd / 2 + i / 2 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rope_row;
+
+    #[test]
+    fn the_rotary_permutation_interleaves_the_two_halves_of_each_head() {
+        // A head of 8: Burn's rows 0..8 take HF rows 0, 4, 1, 5, 2, 6, 3, 7; the next head the
+        // same, shifted.
+        let rows: Vec<usize> = (0..16).map(|r| rope_row(r, 8)).collect();
+        assert_eq!(rows, [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]);
+    }
+}

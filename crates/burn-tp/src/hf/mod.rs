@@ -1,0 +1,47 @@
+//! Hugging Face Llama-family checkpoints (`LlamaForCausalLM`, `MistralForCausalLM`,
+//! `Qwen2ForCausalLM`): a `config.json` and `model.safetensors` (or shards with
+//! `model.safetensors.index.json`) loaded into a [`Llama`] at any tp, each rank reading only its
+//! own slices.
+//!
+//! What the import maps:
+//! - HF's `[out, in]` weights into Burn's `[in, out]`;
+//! - the separate `q_proj`, `k_proj`, `v_proj` into the fused QKV projection's contiguous chunks
+//!   `[q | k | v]`, and `gate_proj`, `up_proj` into the SwiGLU's `[gate | up]`;
+//! - HF's rotary convention (rotate-half: feature `i` of a head turns with feature
+//!   `i + head_dim / 2`) into Burn's `RotaryEncoding` (which turns features `2i` and `2i + 1`): the
+//!   q and k projections' output features are permuted within each head (`2i <- i`,
+//!   `2i + 1 <- i + head_dim / 2`), which leaves every attention score, hence the logits,
+//!   unchanged;
+//! - Qwen2's q, k and v biases (and Llama's `attention_bias`), tied embeddings, any vocabulary
+//!   (padded to a multiple of tp, the padding masked out).
+//!
+//! What it refuses, with an error naming the field: another architecture, rope scaling, a
+//! sliding window in use, a `head_dim` other than `hidden_size / num_attention_heads`, an MLP bias,
+//! an activation other than SiLU.
+//!
+//! | file        | what                                                                     |
+//! |-------------|--------------------------------------------------------------------------|
+//! | `config.rs` | [`HfConfig`]: `config.json` read, checked, and made from a [`LlamaConfig`](crate::llama::LlamaConfig) |
+//! | `mapping.rs`| which HF tensors (names, rows, rotary order) make each of the Llama's parameters |
+//! | `import.rs` | [`load`], [`init_llama`]: each rank reads its own slices of the safetensors files |
+//! | `export.rs` | [`save`]: the model gathered, rank 0 writes HF's names and layouts        |
+
+mod config;
+mod export;
+mod import;
+mod mapping;
+
+use std::path::Path;
+
+use crate::TpError;
+
+pub use config::{HfArchitecture, HfConfig};
+pub use export::save;
+pub use import::{init_llama, load};
+
+fn hf_err(path: &Path, what: impl Into<String>) -> TpError {
+    TpError::Checkpoint {
+        path: path.display().to_string(),
+        what: what.into(),
+    }
+}
