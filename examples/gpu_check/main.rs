@@ -26,6 +26,7 @@ use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use burn_tp::comm::LocalGroup;
 use burn_tp::comm::nccl::{NcclGroup, probe};
 use burn_tp::comm::store::{LaunchEnv, StoreClient, StoreServer};
 use burn_tp::comm::{ProcessGroup, ReduceOp};
@@ -34,8 +35,8 @@ use burn_tp::linear::{
     TpMode, TpSettings,
 };
 use burn_tp::local::run_local;
+use burn_tp::ops;
 use burn_tp::precision::cast_params;
-use burn_tp::{LocalGroup, ops};
 use burn_tp_examples::checks::{Figures, Worst, rel_error, within};
 
 /// The group timeout of every check: a hang is an error well inside the script's bound.
@@ -257,7 +258,7 @@ fn device_path(f: &mut Figures) -> Result<(), String> {
                 &want,
             ),
             (
-                // `DeviceWork`'s Drop waits for NCCL before the buffers go back to the pool.
+                // `NcclWork`'s Drop waits for NCCL before the buffers go back to the pool.
                 "all_gather_after_a_dropped_one",
                 ops::all_gather_async(make(&dev), 2, &group)
                     .map(drop)

@@ -3,10 +3,10 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::attention::DecodeCache;
+use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::linear::TpMode;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::{all_reduce, gather_from_tp_region};
-use burn_tp::{ProcessGroup, ReduceOp};
 
 use crate::train_gpt::Args;
 

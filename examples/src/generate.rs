@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::generate::{GenerateOptions, generate};
-use burn_tp::hf::load_llama;
+use burn_tp::hf::init_llama;
 use burn_tp::linear::TpSettings;
 use burn_tp::local::run_local;
 use burn_tp::model::LanguageModel;
@@ -21,7 +21,10 @@ use crate::train_gpt::Precision;
 
 /// Generates text from a Hugging Face Llama-family model at any tp.
 #[derive(Parser, Clone, Debug)]
-#[command(version, about)]
+#[command(
+    version,
+    about = "Generate text from a Hugging Face Llama-family model at any tp, with the KV cache"
+)]
 pub struct Args {
     /// The model folder (`config.json`, `model.safetensors` or an index of shards).
     #[arg(long)]
@@ -132,7 +135,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
     let prompt = prompt_ids.clone();
     let out = run_local(args.tp, move |g| -> Result<Report, String> {
         let (model, config) =
-            load_llama(&a.model, TpSettings::new(), &g, &device).map_err(|e| e.to_string())?;
+            init_llama(&a.model, TpSettings::new(), &g, &device).map_err(|e| e.to_string())?;
         if let Some(n) = tokenizer_len.filter(|&n| n > config.vocab_size) {
             return Err(format!(
                 "{} has {n} tokens, more than the model's vocabulary of {}",

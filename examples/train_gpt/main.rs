@@ -33,16 +33,11 @@ fn main() {
             );
             let t = report.checkpoint_times;
             println!(
-                "checkpoint {}: saved in {:.2} s{}{}",
+                "checkpoint {}: saved in {:.2} s{}",
                 report.checkpoint.display(),
                 t.save_s,
                 if args.resume.is_some() {
                     format!(", resumed from --resume in {:.2} s", t.load_s)
-                } else {
-                    String::new()
-                },
-                if args.export_full.is_some() {
-                    format!(", full export in {:.2} s", t.export_s)
                 } else {
                     String::new()
                 },

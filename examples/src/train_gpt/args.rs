@@ -1,0 +1,403 @@
+//! The command line of `train_gpt`, its checks, and the configurations it describes.
+
+use std::path::PathBuf;
+
+use burn::tensor::FloatDType;
+use burn_tp::gpt::GptConfig;
+use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
+use burn_tp::llama::LlamaConfig;
+use clap::{Parser, ValueEnum};
+
+/// Activation layout, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Replicated activations; all-reduce after each row-parallel layer.
+    AllReduce,
+    /// Sequence parallel: activations sharded on the sequence.
+    ReduceScatter,
+}
+
+/// Overlap schedule of the parallel linears, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Schedule {
+    /// Own shard during the communication, the rest after it (nanotron).
+    Split,
+    /// Each peer's shard consumed as it arrives.
+    Ring,
+}
+
+/// Model architecture, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Arch {
+    /// The tiny GPT: learned positions, layer norms, GELU MLP, multi-head attention.
+    Gpt,
+    /// Llama-class: grouped-query attention (`--kv-heads`), RoPE, RMSNorm, SwiGLU, dropout, an
+    /// untied head, the real (padded) vocabulary.
+    Llama,
+}
+
+/// Compute dtype, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// f32 throughout.
+    F32,
+    /// bf16 forward and backward (weights, activations, gradients, collectives) on f32 master
+    /// weights: the gradients are cast to f32 for the dp average and the AdamW step (Megatron's
+    /// mixed precision). The cross-entropy computes in f32.
+    Bf16,
+}
+
+impl Precision {
+    /// The dtype of the forward and backward.
+    pub fn dtype(self) -> FloatDType {
+        match self {
+            Precision::F32 => FloatDType::F32,
+            Precision::Bf16 => FloatDType::BF16,
+        }
+    }
+}
+
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// Ranks are threads of this process on the CPU (Flex), with the in-process group.
+    Cpu,
+    /// One process per GPU, started by `burn-tp-launch` (or torchrun-style env), over NCCL.
+    /// Needs the `cuda` feature.
+    Cuda,
+}
+
+/// How CPU ranks talk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    /// Ranks are threads of this process (`--tp x --dp` of them).
+    Threads,
+    /// One rank per process under `mpirun -n (tp x dp)`, over MPI. Needs the `mpi` feature.
+    Mpi,
+}
+
+/// Command line of `train_gpt`.
+#[derive(Parser, Clone, Debug)]
+#[command(about = "Train a tiny character-level GPT with tensor parallelism (ranks are threads)")]
+pub struct Args {
+    /// Model architecture.
+    #[arg(long, value_enum, default_value_t = Arch::Gpt)]
+    pub arch: Arch,
+    /// Tensor-parallel size (with `--device cuda`: the launch's WORLD_SIZE).
+    #[arg(long, default_value_t = 2)]
+    pub tp: usize,
+    /// Where the ranks run.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+    /// How CPU ranks talk (`--device cpu`).
+    #[arg(long, value_enum, default_value_t = Transport::Threads)]
+    pub transport: Transport,
+    /// Data-parallel size (world = tp x dp; gradients averaged over dp).
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Activation layout (reduce-scatter: sequence parallel, the overlapped row-linear backward).
+    #[arg(long, value_enum, default_value_t = Mode::ReduceScatter)]
+    pub mode: Mode,
+    /// Overlap schedule of the async parallel linears.
+    #[arg(long, value_enum, default_value_t = Schedule::Ring)]
+    pub schedule: Schedule,
+    /// Compute dtype (the master weights and the optimizer stay f32).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub dtype: Precision,
+    /// Use the plain composed collectives instead of the overlapped ops.
+    #[arg(long)]
+    pub no_async: bool,
+    /// Average the gradients over dp while the backward runs, in buckets started as soon as
+    /// their last gradient is ready (`burn_tp::dp::GradReducer`), instead of after it.
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
+    /// Shard AdamW's moments over dp (ZeRO stage 1, Megatron's distributed optimizer,
+    /// `burn_tp::dp::DistributedAdamW`): each bucket of gradients is reduce-scattered during the
+    /// backward, each dp rank updates its 1/dp chunk, the chunks are all-gathered.
+    #[arg(long)]
+    pub distributed_optimizer: bool,
+    /// Bucket size of `--overlap-grad-reduce` and `--distributed-optimizer`, in MiB.
+    #[arg(long, default_value_t = 4.0, value_name = "MIB")]
+    pub bucket_mb: f64,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 600)]
+    pub steps: usize,
+    /// Sequences per step (over all dp ranks).
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    pub seq: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 128)]
+    pub d_model: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    /// Llama: key / value heads (default: half the heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Llama: SwiGLU hidden width (default: 8/3 d_model rounded up to a multiple of 32).
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// Llama: dropout of the attention probabilities and residual branches (default 0.1); the
+    /// masks are the same at every tp.
+    #[arg(long)]
+    pub dropout: Option<f64>,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    /// Seed of the weights and of the batches.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// UTF-8 text to train on (character level); the built-in corpus if absent.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Output folder: loss.csv, loss.png, sample.txt, the sharded checkpoint `checkpoint/`.
+    #[arg(long, default_value = "out")]
+    pub out: PathBuf,
+    /// Sharded checkpoint folder to continue from (`OUT/checkpoint` of an earlier run, written
+    /// at any tp x dp): the model, the optimizer state and the step count. The run continues its
+    /// curve.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Also save the sharded checkpoint every this many steps (the last save is kept; one is
+    /// always written at the end).
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<usize>,
+    /// Start the Llama from a Hugging Face model folder (LlamaForCausalLM, MistralForCausalLM,
+    /// Qwen2ForCausalLM): its sizes come from DIR's config.json (the size flags are not used),
+    /// its weights from DIR's safetensors. The text is tokenized by DIR's `tokenizer.json` when it
+    /// has one (which must fit in the model's vocabulary; `--export-hf` copies it); otherwise its
+    /// characters are token ids 0..n (in sorted order), which must fit. Needs `--arch llama`.
+    #[arg(long, value_name = "DIR")]
+    pub init_from: Option<PathBuf>,
+    /// At the end, also write the Llama in Hugging Face's format into DIR (config.json and
+    /// model.safetensors). Needs `--arch llama`.
+    #[arg(long, value_name = "DIR")]
+    pub export_hf: Option<PathBuf>,
+    /// Held-out loss every this many steps (and before the first, and after the last), on the
+    /// last tenth of the text, which is never trained on.
+    #[arg(long, default_value_t = 50)]
+    pub eval_every: usize,
+    /// Tokens (characters, without a tokenizer) the trained model writes at the end (printed, and
+    /// out/sample.txt); 0: none.
+    #[arg(long, default_value_t = 300)]
+    pub sample_len: usize,
+    /// Sampling temperature of that text (0: greedy); the draws are seeded by `--seed`.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Profile the communication: a table per layer and op at the end (bytes, time in flight,
+    /// time waited, fraction hidden), and out/comm.csv.
+    #[arg(long)]
+    pub profile: bool,
+    /// Go on when the loss is not finite (by default the run stops with an error naming the step).
+    #[arg(long)]
+    pub keep_going: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Seconds a collective (or, with `--device cuda`, NCCL's start-up) may wait for the other
+    /// ranks before every rank fails with an error; default `BURN_TP_TIMEOUT_S`, else 300.
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<f64>,
+    /// CPU ranks talk over a simulated link of this latency (and `--link-gb-s`): collectives
+    /// then progress in the background and the async layers run their overlap schedule block
+    /// by block, as over NCCL. Without it, ranks as threads move the data on the waiting thread
+    /// and the schedules take one block (nothing to hide).
+    #[arg(long, value_name = "US")]
+    pub link_latency_us: Option<f64>,
+    /// Bandwidth of the simulated link (`--link-latency-us`), in GB/s.
+    #[arg(long, default_value_t = 100.0, value_name = "GBPS")]
+    pub link_gb_s: f64,
+}
+
+/// The model configuration the arguments describe.
+pub fn model_config(args: &Args, n_vocab: usize) -> GptConfig {
+    GptConfig::new(n_vocab, args.seq, args.d_model, args.heads, args.layers)
+        .with_settings(settings(args))
+}
+
+/// The tensor-parallel settings the arguments describe (both architectures).
+pub fn settings(args: &Args) -> TpSettings {
+    TpSettings::new()
+        .with_mode(tp_mode(args))
+        .with_async_communication(!args.no_async)
+        .with_schedule(schedule(args))
+}
+
+fn tp_mode(args: &Args) -> TpMode {
+    match args.mode {
+        Mode::AllReduce => TpMode::AllReduce,
+        Mode::ReduceScatter => TpMode::ReduceScatter,
+    }
+}
+
+fn schedule(args: &Args) -> OverlapSchedule {
+    match args.schedule {
+        Schedule::Split => OverlapSchedule::Split,
+        Schedule::Ring => OverlapSchedule::Ring,
+    }
+}
+
+/// The Llama configuration the arguments describe, for the real vocabulary `n_vocab` (the model
+/// pads it itself).
+pub fn llama_config(args: &Args, n_vocab: usize) -> LlamaConfig {
+    let d_ff = args
+        .d_ff
+        .unwrap_or_else(|| (8 * args.d_model / 3).next_multiple_of(32));
+    LlamaConfig::new(
+        n_vocab,
+        args.seq,
+        args.d_model,
+        args.heads,
+        args.kv_heads.unwrap_or((args.heads / 2).max(1)),
+        args.layers,
+        d_ff,
+    )
+    .with_dropout(args.dropout.unwrap_or(0.1))
+    .with_dropout_seed(args.seed)
+    .with_settings(settings(args))
+}
+
+/// A one-line description of the run, for the plot's title.
+pub fn describe(args: &Args) -> String {
+    let arch = match args.arch {
+        Arch::Gpt => "tiny GPT".to_string(),
+        Arch::Llama => format!(
+            "Llama (kv heads {}, dropout {})",
+            args.kv_heads.unwrap_or((args.heads / 2).max(1)),
+            args.dropout.unwrap_or(0.1)
+        ),
+    };
+    format!(
+        "{arch}: tp={} dp={} {:?} {}schedule {:?}, {:?}, {} steps",
+        args.tp,
+        args.dp,
+        args.mode,
+        if args.no_async { "sync, " } else { "async, " },
+        args.schedule,
+        args.dtype.dtype(),
+        args.steps
+    )
+}
+
+/// Which path the parallel layers take in this run: whether their overlap schedules run block
+/// by block (NCCL, or a simulated link) or take one block (ranks as threads without a link).
+pub fn overlap_path(args: &Args) -> String {
+    let schedule = format!("{:?}", args.schedule).to_lowercase();
+    if args.no_async {
+        "sync layers (--no-async): each collective completes before the compute that uses it".into()
+    } else if args.tp == 1 {
+        "tp 1: the layers communicate nothing".into()
+    } else if args.device == DeviceKind::Cuda {
+        format!("NCCL: the {schedule} schedule overlaps communication with compute on the GPU")
+    } else if args.transport == Transport::Mpi {
+        format!(
+            "MPI: the {schedule} schedule overlaps communication with compute where each rank \
+             has a spare core (else the async layers take one block; BURN_TP_MPI_OVERLAP=1|0 \
+             decides)"
+        )
+    } else if let Some(us) = args.link_latency_us {
+        format!(
+            "simulated link ({us} us, {} GB/s): the {schedule} schedule overlaps communication \
+             with compute, block by block",
+            args.link_gb_s
+        )
+    } else {
+        "ranks as threads without a link: the async layers take one block (the data moves on \
+         the waiting thread, nothing to hide; --link-latency-us runs the schedules)"
+            .into()
+    }
+}
+
+pub(super) fn check(args: &Args) -> Result<(), String> {
+    if let Some(us) = args.link_latency_us {
+        if !(us.is_finite() && us >= 0.0 && args.link_gb_s.is_finite() && args.link_gb_s > 0.0) {
+            return Err(format!(
+                "--link-latency-us must be >= 0 and --link-gb-s > 0 (got {us}, {})",
+                args.link_gb_s
+            ));
+        }
+        if args.device == DeviceKind::Cuda {
+            return Err(
+                "--link-latency-us simulates a link between CPU ranks; with --device \
+                        cuda the ranks talk over NCCL"
+                    .into(),
+            );
+        }
+    }
+    if args.transport == Transport::Mpi && args.device == DeviceKind::Cuda {
+        return Err("--transport mpi runs CPU ranks; --device cuda ranks talk over NCCL".into());
+    }
+    if args.transport == Transport::Mpi && args.link_latency_us.is_some() {
+        return Err(
+            "--link-latency-us simulates a link between ranks as threads; with --transport mpi \
+             the ranks talk over MPI"
+                .into(),
+        );
+    }
+    if args.tp == 0 || args.dp == 0 {
+        return Err(format!(
+            "--tp and --dp must be at least 1 (got tp {} dp {})",
+            args.tp, args.dp
+        ));
+    }
+    if !args.batch.is_multiple_of(args.dp) {
+        return Err(format!(
+            "--batch {} is not divisible by --dp {}",
+            args.batch, args.dp
+        ));
+    }
+    if args.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
+        return Err(format!(
+            "--bucket-mb must be a positive number (got {})",
+            args.bucket_mb
+        ));
+    }
+    if args.save_every == Some(0) {
+        return Err("--save-every must be at least 1".into());
+    }
+    if args.arch != Arch::Llama && (args.init_from.is_some() || args.export_hf.is_some()) {
+        return Err(
+            "--init-from and --export-hf read and write Hugging Face Llama-family \
+                    models: use --arch llama"
+                .into(),
+        );
+    }
+    if args.seq == 0 || args.batch == 0 || args.eval_every == 0 {
+        return Err(format!(
+            "--seq, --batch and --eval-every must be at least 1 (got {}, {}, {})",
+            args.seq, args.batch, args.eval_every
+        ));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(format!("--lr must be a positive number (got {})", args.lr));
+    }
+    if let Some(p) = args.dropout {
+        if args.arch == Arch::Gpt && p != 0.0 {
+            return Err(format!(
+                "--dropout {p}: the GPT has no dropout (use --arch llama)"
+            ));
+        }
+        if !(0.0..1.0).contains(&p) {
+            return Err(format!("--dropout must be in [0, 1) (got {p})"));
+        }
+    }
+    if args.arch == Arch::Gpt && (args.kv_heads.is_some() || args.d_ff.is_some()) {
+        return Err("--kv-heads and --d-ff are Llama options (use --arch llama)".into());
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(format!(
+            "--temperature must be a number >= 0 (got {})",
+            args.temperature
+        ));
+    }
+    Ok(())
+}

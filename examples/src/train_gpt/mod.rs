@@ -1,0 +1,232 @@
+//! Trains the tiny GPT of `burn_tp::gpt` (or, with `--arch llama`, the Llama-class model of
+//! `burn_tp::llama`) at tp x dp ranks (threads on the CPU), with Burn's AdamW.
+//!
+//! Every rank runs the same loop on its shard; rank 0 reports. The checkpoint written at the end
+//! (and every `--save-every` steps) is sharded (`burn_tp::checkpoint`): each rank writes only its
+//! own slices of the model and of the AdamW state into `OUT/checkpoint/`, and a run resumes from
+//! it at any tp x dp into the curve it left. `--export-hf DIR` also writes the Llama in Hugging
+//! Face's format.
+//!
+//! | file        | what                                                                   |
+//! |-------------|------------------------------------------------------------------------|
+//! | `mod.rs`    | [`run`]: the data, the model's configuration, the files rank 0 writes  |
+//! | `args.rs`   | [`Args`]: the command line, its checks, the configurations it describes |
+//! | `launch.rs` | the ranks as threads, MPI processes or CUDA processes                   |
+//! | `train.rs`  | one rank's training: start or resume, the steps, the checkpoint         |
+
+mod args;
+mod launch;
+mod train;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn_tp::comm::profile::Profile;
+use burn_tp::gpt::Gpt;
+use burn_tp::hf::HfConfig;
+use burn_tp::llama::Llama;
+
+pub use args::*;
+pub use train::Trainable;
+
+use crate::corpus::{self, Codec, TOKENIZER_FILE, Vocab};
+use crate::eval::Data;
+use launch::launch;
+use train::RankOut;
+
+/// Seconds this rank spent on checkpoints (rank 0's are reported).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CheckpointTimes {
+    /// Reading the checkpoint of `--resume` (model and optimizer state).
+    pub load_s: f64,
+    /// The last sharded save.
+    pub save_s: f64,
+}
+
+/// What a run measured.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// Steps done before this run (from `--resume`); step `first_step + i` gave `losses[i]`.
+    pub first_step: usize,
+    /// Loss of every step (mean over the dp ranks).
+    pub losses: Vec<f64>,
+    /// `(steps done, loss)` on the held-out text.
+    pub held_out: Vec<(usize, f64)>,
+    /// Text the trained model wrote (`--sample-len` tokens).
+    pub sample: String,
+    /// Unigram entropy of the training text, in nats.
+    pub unigram_entropy: f64,
+    /// Tokens in the whole text (training and held out): its characters, or the tokenizer's ids
+    /// with `--init-from` a folder that has one.
+    pub text_tokens: usize,
+    /// Tokens processed per second.
+    pub tokens_per_s: f64,
+    /// The sharded checkpoint folder written (`OUT/checkpoint`).
+    pub checkpoint: PathBuf,
+    /// Rank 0's communication profile (`--profile`).
+    pub profile: Option<Profile>,
+    /// Which path the async layers took ([`overlap_path`]).
+    pub overlap: String,
+    /// Time spent on checkpoints.
+    pub checkpoint_times: CheckpointTimes,
+    /// This process's rank (0 when the ranks are threads): only rank 0 writes the files.
+    pub rank: usize,
+}
+
+/// Runs the training; the same arguments give the same losses at every tp.
+///
+/// # Errors
+/// Bad arguments, unreadable data, or a failure on any rank, as text.
+pub fn run(args: &Args) -> Result<Report, String> {
+    check(args)?;
+    let text = match &args.data {
+        Some(path) => {
+            std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?
+        }
+        None => corpus::builtin(200_000),
+    };
+    // The imported model's own tokenizer when its folder has one; characters otherwise.
+    let hf_codec = match &args.init_from {
+        Some(dir) => Codec::from_model_dir(dir)?,
+        None => None,
+    };
+    let codec = hf_codec.unwrap_or_else(|| Codec::Chars(Vocab::new(&text)));
+    let tokens = codec.encode(&text, false)?;
+    let unit = match &codec {
+        Codec::Chars(_) => "characters",
+        Codec::Hf(_) => "tokens",
+    };
+    // The last tenth is held out: never trained on, only evaluated.
+    let split = tokens.len() * 9 / 10;
+    if tokens.len() - split < args.seq + 2 {
+        return Err(format!(
+            "the data has {} {unit}; --seq {} needs at least {} (a tenth is held out)",
+            tokens.len(),
+            args.seq,
+            10 * (args.seq + 2)
+        ));
+    }
+    let data = Data {
+        train: tokens[..split].to_vec(),
+        held_out: tokens[split..].to_vec(),
+        vocab: codec.len(),
+    };
+    let unigram_entropy = corpus::unigram_entropy(&tokens, codec.len());
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| format!("creating {}: {e}", args.out.display()))?;
+    let checkpoint = args.out.join("checkpoint");
+    let start = Instant::now();
+    let (rank, out) = match args.arch {
+        Arch::Gpt => launch::<Gpt>(
+            args,
+            model_config(args, codec.padded_len()),
+            &data,
+            &checkpoint,
+        )?,
+        Arch::Llama => {
+            let config = match &args.init_from {
+                Some(dir) => {
+                    let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
+                    if codec.len() > hf.vocab_size {
+                        let what = match &codec {
+                            Codec::Chars(_) => {
+                                format!("the text has {} distinct characters", codec.len())
+                            }
+                            Codec::Hf(_) => format!(
+                                "{} has {} tokens",
+                                dir.join(TOKENIZER_FILE).display(),
+                                codec.len()
+                            ),
+                        };
+                        return Err(format!(
+                            "--init-from {}: {what}, more than the model's vocabulary of {}",
+                            dir.display(),
+                            hf.vocab_size
+                        ));
+                    }
+                    hf.llama_config(settings(args))
+                        .with_dropout(args.dropout.unwrap_or(0.1))
+                        .with_dropout_seed(args.seed)
+                }
+                None => llama_config(args, codec.len()),
+            };
+            launch::<Llama>(args, config, &data, &checkpoint)?
+        }
+    };
+    let RankOut {
+        stopped,
+        timings,
+        first_step,
+        losses,
+        held_out,
+        sample,
+        profile,
+    } = out;
+    let sample = codec.decode(&sample)?;
+    let elapsed = start.elapsed().as_secs_f64();
+    if let Some(why) = stopped {
+        if rank == 0 {
+            write_csv(&args.out.join("loss.csv"), first_step, &losses, &held_out)?;
+        }
+        return Err(why);
+    }
+    // Rank 0 (of the threads, or of a multi-process launch) writes the files.
+    if rank == 0 {
+        write_csv(&args.out.join("loss.csv"), first_step, &losses, &held_out)?;
+        let curves = crate::plot::LossCurves {
+            title: &describe(args),
+            first_step,
+            train: &losses,
+            held_out: &held_out,
+            reference: unigram_entropy,
+        };
+        crate::plot::loss_png(&args.out.join("loss.png"), &curves)?;
+        if let Some(profile) = &profile {
+            let path = args.out.join("comm.csv");
+            std::fs::write(&path, profile.to_csv())
+                .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        }
+        let path = args.out.join("sample.txt");
+        std::fs::write(&path, &sample).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        if let (Some(from), Some(to)) = (&args.init_from, &args.export_hf) {
+            corpus::copy_tokenizer_files(from, to)?;
+        }
+    }
+    let tokens_per_s = (args.steps * args.batch * args.seq) as f64 / elapsed;
+    Ok(Report {
+        first_step,
+        losses,
+        held_out,
+        sample,
+        unigram_entropy,
+        text_tokens: tokens.len(),
+        tokens_per_s,
+        checkpoint,
+        profile,
+        overlap: overlap_path(args),
+        checkpoint_times: timings,
+        rank,
+    })
+}
+
+/// `step,loss,held_out_loss`: the loss of step `i` (0-based) is the one before its update; the
+/// held-out loss on row `i` is after `i` updates (empty between evaluations).
+fn write_csv(
+    path: &Path,
+    first_step: usize,
+    losses: &[f64],
+    held_out: &[(usize, f64)],
+) -> Result<(), String> {
+    let mut csv = String::from("step,loss,held_out_loss\n");
+    for i in first_step..=first_step + losses.len() {
+        let train = losses
+            .get(i - first_step)
+            .map_or(String::new(), |l| l.to_string());
+        let held = held_out
+            .iter()
+            .find(|(s, _)| *s == i)
+            .map_or(String::new(), |(_, l)| l.to_string());
+        csv.push_str(&format!("{i},{train},{held}\n"));
+    }
+    std::fs::write(path, csv).map_err(|e| format!("writing {}: {e}", path.display()))
+}

@@ -1,0 +1,384 @@
+//! One rank's training: build (or resume) its shards, run the steps, save, sample.
+
+use std::path::Path;
+use std::time::Instant;
+
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, FloatDType, Int, Tensor};
+use burn_tp::checkpoint::{self, CheckpointInfo};
+use burn_tp::comm::profile::Profile;
+use burn_tp::comm::{ProcessGroup, ReduceOp};
+use burn_tp::dp::{DistributedAdamW, GradReducer, average_gradients, broadcast_parameters};
+use burn_tp::dropout::DropoutStep;
+use burn_tp::gpt::Gpt;
+use burn_tp::llama::{Llama, LlamaConfig};
+use burn_tp::mesh::DeviceMesh;
+use burn_tp::model::LanguageModel;
+use burn_tp::ops::all_reduce;
+use burn_tp::precision::{cast_grads, cast_params};
+use burn_tp::transformer::ReplicatedGrads;
+
+use super::{Args, CheckpointTimes};
+use crate::eval::{Data, batch, dp_slice, generate, held_out_loss};
+
+type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// What `train_gpt` needs of a model beyond [`LanguageModel`]: its Hugging Face form, where it
+/// has one (`--init-from`, `--export-hf`; the arguments refuse them for the GPT first).
+pub trait Trainable: LanguageModel {
+    /// This model with the weights of the Hugging Face model in `dir`.
+    ///
+    /// # Errors
+    /// The import's errors.
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self>;
+
+    /// Writes the model in Hugging Face's format into `dir`. Collective.
+    ///
+    /// # Errors
+    /// The export's errors.
+    fn save_hf(
+        &self,
+        config: &Self::Config,
+        dir: &Path,
+        group: &ProcessGroup,
+    ) -> burn_tp::Result<()>;
+}
+
+impl Trainable for Gpt {
+    fn load_hf(self, _: &Path, _: &ProcessGroup) -> burn_tp::Result<Self> {
+        Err(no_hf_form())
+    }
+
+    fn save_hf(&self, _: &Self::Config, _: &Path, _: &ProcessGroup) -> burn_tp::Result<()> {
+        Err(no_hf_form())
+    }
+}
+
+fn no_hf_form() -> burn_tp::TpError {
+    burn_tp::TpError::Config("the GPT has no Hugging Face form (the Llama has)".into())
+}
+
+impl Trainable for Llama {
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self> {
+        burn_tp::hf::load(self, dir, group)
+    }
+
+    fn save_hf(
+        &self,
+        config: &LlamaConfig,
+        dir: &Path,
+        group: &ProcessGroup,
+    ) -> burn_tp::Result<()> {
+        burn_tp::hf::save(self, &burn_tp::hf::HfConfig::from_llama(config), dir, group)
+    }
+}
+
+/// What a rank brings back.
+pub(super) struct RankOut {
+    /// Why training stopped early (a non-finite loss).
+    pub(super) stopped: Option<String>,
+    pub(super) profile: Option<Profile>,
+    pub(super) timings: CheckpointTimes,
+    pub(super) first_step: usize,
+    pub(super) losses: Vec<f64>,
+    pub(super) held_out: Vec<(usize, f64)>,
+    pub(super) sample: Vec<i64>,
+}
+
+/// This rank's place in the run: the world, the tp x dp mesh's groups, the device.
+struct Rank<'a, M: LanguageModel> {
+    args: &'a Args,
+    config: &'a M::Config,
+    data: &'a Data,
+    world: ProcessGroup,
+    tp_group: ProcessGroup,
+    dp_group: ProcessGroup,
+    dp_rank: usize,
+    device: Device,
+    checkpoint: &'a Path,
+}
+
+/// The optimizer of a run: Burn's AdamW (its gradients averaged over dp after the backward or
+/// in overlapped buckets), or the distributed optimizer (its state sharded over dp).
+struct Optimizer {
+    adamw: ModuleOptimizer,
+    zero: Option<DistributedAdamW>,
+    reducer: Option<GradReducer>,
+    /// One coalesced tp all-reduce per step for the replicated parameters (sequence parallel);
+    /// the distributed optimizer reduces its gradients inside the backward, so it keeps the
+    /// per-use all-reduces.
+    replicated: Option<ReplicatedGrads>,
+}
+
+pub(super) fn train_rank<M: Trainable>(
+    args: &Args,
+    config: &M::Config,
+    data: &Data,
+    world: ProcessGroup,
+    device: &Device,
+    checkpoint: &Path,
+) -> BoxResult<RankOut> {
+    // The tp x dp grid, its groups made once (tp ranks adjacent).
+    let mesh = DeviceMesh::new(world.clone(), args.tp)?;
+    let r = Rank::<M> {
+        args,
+        config,
+        data,
+        tp_group: mesh.tp_group().clone(),
+        dp_group: mesh.dp_group().clone(),
+        dp_rank: mesh.dp_rank(),
+        world,
+        device: device.clone(),
+        checkpoint,
+    };
+    let mut timings = CheckpointTimes::default();
+    let load_start = Instant::now();
+    let (model, first_step, mut optim) = r.start()?;
+    if args.resume.is_some() {
+        timings.load_s = load_start.elapsed().as_secs_f64();
+    }
+    let (mut model, out) = r.train(model, first_step, &mut optim)?;
+    if out.stopped.is_some() {
+        // No checkpoint or sample of a diverged model: only the curve up to there.
+        return Ok(RankOut { timings, ..out });
+    }
+    if let Some(dir) = &args.export_hf {
+        if r.dp_rank == 0 {
+            model.save_hf(config, dir, &r.tp_group)?;
+        }
+        r.world.barrier()?;
+    }
+    let save_start = Instant::now();
+    r.save(&mut model, &mut optim, first_step + args.steps)?;
+    timings.save_s = save_start.elapsed().as_secs_f64();
+    // The profile covers training only (not the sample below).
+    let profile = r.world.profile();
+    let sample = generate(&r.compute(&model), args, data, &r.tp_group, &r.device)?;
+    Ok(RankOut {
+        timings,
+        profile,
+        sample,
+        ..out
+    })
+}
+
+impl<M: Trainable> Rank<'_, M> {
+    /// This rank's shards (fresh, from a Hugging Face model, or resumed from the sharded
+    /// checkpoint at any tp x dp), the step they start at, and the optimizer.
+    fn start(&self) -> BoxResult<(M, usize, Optimizer)> {
+        let (args, tp_group) = (self.args, &self.tp_group);
+        // dp replica 0 draws the weights first (only its tp rank 0 uses the RNG); the others
+        // wait, then take replica 0's weights by broadcast.
+        if self.dp_rank != 0 {
+            self.world.barrier()?;
+        }
+        let fresh = M::init(self.config, tp_group, &self.device)?;
+        let (model, first_step) = match (&args.resume, &args.init_from) {
+            // Read slice by slice into this rank's shards.
+            (Some(dir), _) => {
+                let (model, info) = checkpoint::load(fresh, dir, Some(self.config), tp_group)?;
+                (model, info.step as usize)
+            }
+            // A Hugging Face model's weights in place of the drawn ones (each rank its slices).
+            (None, Some(dir)) => (fresh.load_hf(dir, tp_group)?, 0),
+            (None, None) => (fresh, 0),
+        };
+        if self.dp_rank == 0 {
+            self.world.barrier()?;
+        }
+        let model = broadcast_parameters(model, &self.dp_group)?;
+        let mut adamw = AdamWConfig::new().init();
+        // A resumed run continues where the checkpoint left off: the optimizer state (resharded
+        // to this tp) and the step count, so the batches and the AdamW bias correction go on.
+        if let Some(dir) = &args.resume {
+            adamw = checkpoint::load_optimizer(adamw, &model, dir, tp_group)?;
+        }
+        let bucket_bytes = (args.bucket_mb * (1 << 20) as f64) as usize;
+        let zero = match args.distributed_optimizer {
+            true => {
+                let mut zero = DistributedAdamW::new(
+                    &AdamWConfig::new(),
+                    &model,
+                    &self.dp_group,
+                    bucket_bytes,
+                );
+                // This rank's chunks of a resumed state (saved at any dp).
+                zero.shard_module_optimizer(&adamw, &model)?;
+                Some(zero)
+            }
+            false => None,
+        };
+        let replicated = zero.is_none().then(|| ReplicatedGrads::new(tp_group));
+        let reducer = (args.overlap_grad_reduce && zero.is_none())
+            .then(|| GradReducer::new(&model, &self.dp_group, bucket_bytes));
+        let optim = Optimizer {
+            adamw,
+            zero,
+            reducer,
+            replicated,
+        };
+        Ok((model, first_step, optim))
+    }
+
+    /// The model the forward and backward run: the master weights, or a bf16 copy of them.
+    fn compute(&self, model: &M) -> M {
+        cast_params(model.clone(), self.args.dtype.dtype())
+    }
+
+    fn held_out(&self, model: &M) -> BoxResult<f64> {
+        let (args, data) = (self.args, self.data);
+        held_out_loss(
+            &self.compute(model),
+            args,
+            data,
+            self.dp_rank,
+            &self.dp_group,
+            &self.device,
+        )
+    }
+
+    /// This rank's slices of the model and the AdamW state after `steps` steps, into the
+    /// sharded checkpoint (data-parallel replica 0 writes; every rank waits for it). The
+    /// distributed optimizer's chunks are gathered over dp first.
+    fn save(&self, model: &mut M, optim: &mut Optimizer, steps: usize) -> burn_tp::Result<()> {
+        if let Some(z) = &optim.zero {
+            optim.adamw = z.to_module_optimizer(&AdamWConfig::new(), model)?;
+        }
+        let a = self.args;
+        let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config);
+        checkpoint::save(
+            model,
+            Some(&optim.adamw),
+            self.checkpoint,
+            &info,
+            &self.tp_group,
+            self.dp_rank,
+        )?;
+        self.world.barrier()?;
+        Ok(())
+    }
+
+    /// The steps from `first_step`: the losses, the held-out losses, and why it stopped early.
+    fn train(
+        &self,
+        mut model: M,
+        first_step: usize,
+        optim: &mut Optimizer,
+    ) -> BoxResult<(M, RankOut)> {
+        let args = self.args;
+        let progress = (self.world.rank() == 0 && !args.quiet).then(|| {
+            let bar = indicatif::ProgressBar::new(args.steps as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")
+                    .expect("a valid template"),
+            );
+            bar
+        });
+        let start = Instant::now();
+        let mut losses = Vec::with_capacity(args.steps);
+        let mut held_out = vec![(first_step, self.held_out(&model)?)];
+        let mut stopped = None;
+        let end = first_step + args.steps;
+        for step in first_step..end {
+            let value;
+            (model, value) = self.step(model, step, optim)?;
+            losses.push(value);
+            // Every rank sees the same (dp-averaged) value, so all stop at the same step.
+            if !value.is_finite() && !args.keep_going {
+                stopped = Some(format!(
+                    "the loss is {value} at step {step}: training stopped (--keep-going to go \
+                     on); loss.csv has the steps up to there"
+                ));
+                break;
+            }
+            if (step + 1) % args.eval_every == 0 || step + 1 == end {
+                held_out.push((step + 1, self.held_out(&model)?));
+            }
+            if step + 1 != end
+                && args
+                    .save_every
+                    .is_some_and(|n| (step + 1 - first_step).is_multiple_of(n))
+            {
+                self.save(&mut model, optim, step + 1)?;
+            }
+            if let Some(bar) = &progress {
+                let tokens_per_s = ((step + 1 - first_step) * args.batch * args.seq) as f64
+                    / start.elapsed().as_secs_f64();
+                bar.set_message(format!("loss {value:.4}  {tokens_per_s:.0} tok/s"));
+                bar.inc(1);
+            }
+        }
+        if let Some(bar) = progress {
+            bar.finish();
+        }
+        let out = RankOut {
+            stopped,
+            profile: self.world.profile(),
+            timings: CheckpointTimes::default(),
+            first_step,
+            losses,
+            held_out,
+            sample: Vec::new(),
+        };
+        Ok((model, out))
+    }
+
+    /// One optimizer step: forward, backward, the gradients reduced over tp and dp, the update.
+    /// Returns the model after it and the step's loss (mean over dp).
+    fn step(&self, model: M, step: usize, optim: &mut Optimizer) -> BoxResult<(M, f64)> {
+        let args = self.args;
+        let (ids, targets) = self.batch(step);
+        let working = self.compute(&model);
+        let per = args.batch / args.dp;
+        let dropout = DropoutStep::new(step as u64).with_batch(self.dp_rank * per, args.batch);
+        let forward = || match (&optim.zero, &optim.reducer) {
+            // The tapped view: each bucket's reduction starts during the backward.
+            (Some(z), _) => z
+                .attach(working.clone(), true)
+                .loss(ids, targets, Some(dropout)),
+            (None, Some(r)) => r
+                .attach(working.clone(), true)
+                .loss(ids, targets, Some(dropout)),
+            (None, None) => working.loss(ids, targets, Some(dropout)),
+        };
+        let loss = match &optim.replicated {
+            // The replicated parameters' tp sums deferred to one coalesced all-reduce.
+            Some(r) => r.scope(forward)?,
+            None => forward()?,
+        };
+        let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &self.dp_group)?;
+        let value = mean.into_scalar::<f32>() as f64;
+        if !value.is_finite() && !args.keep_going {
+            return Ok((model, value));
+        }
+        // The copy's parameters have the master's ids: its gradients, in f32, step the master.
+        let mut grads = GradientsParams::from_grads(loss.backward(), &working);
+        if let Some(z) = &mut optim.zero {
+            // This rank's chunks of the f32 average, stepped, gathered.
+            cast_grads(&working, &mut grads, FloatDType::F32);
+            return Ok((z.step(args.lr, model, grads)?, value));
+        }
+        // Averaged in f32 (half-precision gradients accumulate in f32 in the reducer); the tp
+        // sum of the replicated parameters' gradients and the dp average commute.
+        if let Some(r) = &optim.reducer {
+            r.finish(&working, &mut grads)?;
+        }
+        cast_grads(&working, &mut grads, FloatDType::F32);
+        if let Some(r) = &optim.replicated {
+            r.finish(&working, &mut grads)?;
+        }
+        if optim.reducer.is_none() {
+            average_gradients(&model, &mut grads, &self.dp_group)?;
+        }
+        Ok((optim.adamw.step(args.lr, model, grads), value))
+    }
+
+    /// This dp rank's part of step `step`'s batch: ids and targets `[seq, batch / dp]`.
+    fn batch(&self, step: usize) -> (Tensor<2, Int>, Tensor<2, Int>) {
+        let (ids, targets) = batch(&self.data.train, self.args, step);
+        (
+            dp_slice(&ids, self.args, self.dp_rank, &self.device),
+            dp_slice(&targets, self.args, self.dp_rank, &self.device),
+        )
+    }
+}
