@@ -43,7 +43,7 @@ fn slice(shape: &[usize], values: &[f64], dim: usize, range: std::ops::Range<usi
 fn check_layouts<M: Module + Reshard + 'static>(
     tp: usize,
     tag: &str,
-    build: impl Fn(&burn_tp::ProcessGroup) -> M + Send + Sync + 'static,
+    build: impl Fn(&burn_tp::comm::ProcessGroup) -> M + Send + Sync + 'static,
 ) {
     type RankOut = (
         Vec<ParamLayout>,
@@ -148,9 +148,7 @@ mod sharded {
     use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
     use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
     use burn_tp::TpError;
-    use burn_tp::checkpoint::{
-        CheckpointInfo, INDEX, load_sharded, load_sharded_optimizer, save_sharded,
-    };
+    use burn_tp::checkpoint::{self, CheckpointInfo, INDEX};
     use burn_tp::gpt::{Gpt, GptConfig};
     use burn_tp::linear::{TpMode, TpSettings};
     use burn_tp::llama::LlamaConfig;
@@ -214,7 +212,7 @@ mod sharded {
             let mut optim = AdamWConfig::new().init();
             let (model, _) = train(model, &mut optim, 0, 2);
             let info = CheckpointInfo::new(2, 4, 1, &config());
-            save_sharded(&model, Some(&optim), &c, &info, &g, 0).unwrap();
+            checkpoint::save(&model, Some(&optim), &c, &info, &g, 0).unwrap();
             let saved = params(&model.to_full_module().unwrap());
             let (_, rest) = train(model, &mut optim, 2, 3);
             (saved, rest)
@@ -250,9 +248,9 @@ mod sharded {
             let c = ckpt.clone();
             let out = run_local(tp, move |g| {
                 let fresh = config().init(&g, &device()).unwrap();
-                let (model, info) = load_sharded(fresh, &c, Some(&config()), &g).unwrap();
+                let (model, info) = checkpoint::load(fresh, &c, Some(&config()), &g).unwrap();
                 let optim = AdamWConfig::new().init();
-                let mut optim = load_sharded_optimizer(optim, &model, &c, &g).unwrap();
+                let mut optim = checkpoint::load_optimizer(optim, &model, &c, &g).unwrap();
                 let loaded = params(&model.to_full_module().unwrap());
                 let (_, rest) = train(model, &mut optim, info.step as usize, 3);
                 (info.step, loaded, rest)
@@ -279,7 +277,7 @@ mod sharded {
         run_local(2, move |g| {
             let model = config().init(&g, &device()).unwrap();
             let info = CheckpointInfo::new(1, 2, 1, &config());
-            save_sharded(&model, None, &c, &info, &g, 0).unwrap();
+            checkpoint::save(&model, None, &c, &info, &g, 0).unwrap();
         })
         .unwrap();
         // The crash: the next save's shards, renamed into place, but no new index.
@@ -292,7 +290,10 @@ mod sharded {
         let c = ckpt.clone();
         let steps = run_local(2, move |g| {
             let fresh = config().init(&g, &device()).unwrap();
-            load_sharded(fresh, &c, Some(&config()), &g).unwrap().1.step
+            checkpoint::load(fresh, &c, Some(&config()), &g)
+                .unwrap()
+                .1
+                .step
         })
         .unwrap();
         assert_eq!(steps, vec![1, 1]);
@@ -301,7 +302,7 @@ mod sharded {
         run_local(2, move |g| {
             let model = config().init(&g, &device()).unwrap();
             let info = CheckpointInfo::new(3, 2, 1, &config());
-            save_sharded(&model, None, &c, &info, &g, 0).unwrap();
+            checkpoint::save(&model, None, &c, &info, &g, 0).unwrap();
         })
         .unwrap();
         let mut names: Vec<String> = std::fs::read_dir(&ckpt)
@@ -324,7 +325,7 @@ mod sharded {
         let c = ckpt.clone();
         run_local(2, move |g| {
             let model = config().init(&g, &device()).unwrap();
-            save_sharded(
+            checkpoint::save(
                 &model,
                 None,
                 &c,
@@ -340,10 +341,10 @@ mod sharded {
         let index = ckpt.join(INDEX);
 
         // Loads `build`'s model at tp 2 with `config` and returns rank 1's error.
-        let load_err = |build: fn(&burn_tp::ProcessGroup) -> Gpt, config: GptConfig| {
+        let load_err = |build: fn(&burn_tp::comm::ProcessGroup) -> Gpt, config: GptConfig| {
             let c = ckpt.clone();
             let out = run_local(2, move |g| {
-                load_sharded(build(&g), &c, Some(&config), &g).map(|_| ())
+                checkpoint::load(build(&g), &c, Some(&config), &g).map(|_| ())
             })
             .unwrap();
             match out[1].clone() {
@@ -351,7 +352,7 @@ mod sharded {
                 other => panic!("expected a checkpoint error, got {other:?}"),
             }
         };
-        let plain = |g: &burn_tp::ProcessGroup| config().init(g, &device()).unwrap();
+        let plain = |g: &burn_tp::comm::ProcessGroup| config().init(g, &device()).unwrap();
 
         // A truncated shard.
         std::fs::write(&shard, &good[..good.len() / 2]).unwrap();
@@ -404,12 +405,12 @@ mod sharded {
         run_local(2, move |g| {
             let cfg = LlamaConfig::new(V, 8, 16, 4, 2, 2, 32);
             let model = cfg.init(&g, &device()).unwrap();
-            save_sharded(&model, None, &l, &CheckpointInfo::new(1, 2, 1, &cfg), &g, 0).unwrap();
+            checkpoint::save(&model, None, &l, &CheckpointInfo::new(1, 2, 1, &cfg), &g, 0).unwrap();
         })
         .unwrap();
         let l = llama.clone();
         let out = run_local(2, move |g| {
-            load_sharded(
+            checkpoint::load(
                 config().init(&g, &device()).unwrap(),
                 &l,
                 None::<&GptConfig>,

@@ -1,9 +1,9 @@
 //! Shared helpers: devices, seeded random tensors, comparisons.
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_tp::comm::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup};
 use burn_tp::linear::OverlapSchedule;
 use burn_tp::local::run_ranks;
-use burn_tp::{LinkModel, LocalGroup, LocalGroupOptions, ProcessGroup};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 /// `run_local` over a group with a (very fast) simulated link: collectives then progress in the
@@ -165,4 +165,13 @@ pub fn rel_norm(a: &[f64], b: &[f64]) -> f64 {
     let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
     let n: f64 = b.iter().map(|y| y * y).sum();
     (d / n.max(1e-30)).sqrt()
+}
+
+/// Rank `r`'s part of `t` cut in `n` along `dim` (`t` itself at `n = 1`).
+pub(crate) fn chunk<const D: usize>(t: Tensor<D>, n: usize, dim: usize, r: usize) -> Tensor<D> {
+    if n == 1 {
+        t
+    } else {
+        t.chunk(n, dim).swap_remove(r)
+    }
 }

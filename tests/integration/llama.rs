@@ -10,8 +10,9 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, Linear, RmsNorm, RotaryEncoding, RotaryEncodingConfig, SwiGlu};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Gradients, Int, Tensor, TensorData};
+use burn_tp::dropout::{DropoutKey, DropoutStep, dropout_mask};
 use burn_tp::linear::{TpMode, TpSettings};
-use burn_tp::llama::{DropoutKey, DropoutStep, Llama, LlamaConfig, dropout_mask};
+use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::ops::gather_from_tp_region;
 use burn_tp::reshard::Reshard;
 
@@ -407,11 +408,12 @@ fn train_gpt_llama_agrees_across_tp_and_resumes_across_tp() {
 /// Head counts that do not fit are typed errors naming the values, before any communication.
 #[test]
 fn bad_head_counts_are_errors_naming_them() {
-    use burn_tp::{LocalGroup, TpError};
+    use burn_tp::TpError;
+    use burn_tp::comm::LocalGroup;
     let _rng = rng_lock();
     let groups = LocalGroup::new(3).unwrap();
     let g = &groups[0];
-    let err = |c: LlamaConfig, g: &burn_tp::ProcessGroup| c.init(g, &device()).unwrap_err();
+    let err = |c: LlamaConfig, g: &burn_tp::comm::ProcessGroup| c.init(g, &device()).unwrap_err();
     // 4 query heads at tp 3.
     let e = err(LlamaConfig::new(V, S, 16, 4, 2, 1, 6), g);
     assert!(

@@ -1,19 +1,6 @@
-//! Column/RowParallelLinear: the full grid against an unsharded Burn `Linear`, async vs sync,
-//! non-contiguous inputs (gradcheck, training and errors in `linear_checks.rs`).
+//! The parallel linears against an unsharded Burn `Linear`: every mode, layer and schedule.
 
-use burn::module::Param;
-use burn::nn::{Linear, LinearConfig};
-use burn::tensor::{DType, Device, Tensor};
-use burn_tp::linear::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, OverlapSchedule, RowParallelLinear,
-    RowParallelLinearConfig, TpMode, TpSettings,
-};
-use burn_tp::local::run_local;
-
-use crate::common::{assert_close, device, f64s, quarters, rng_lock, run_linked, tensor, uniform};
-
-pub(crate) const D_IN: usize = 12;
-pub(crate) const D_OUT: usize = 12;
+use super::*;
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -74,14 +61,6 @@ fn reference(linear: &Linear, x: Tensor<3>, g: Tensor<3>) -> Reference {
     }
 }
 
-pub(crate) fn chunk<const D: usize>(t: Tensor<D>, n: usize, dim: usize, r: usize) -> Tensor<D> {
-    if n == 1 {
-        t
-    } else {
-        t.chunk(n, dim).swap_remove(r)
-    }
-}
-
 /// One rank of a grid case: output, dX, dW, db, plus the full Linear gathered by `to_full`.
 type RankOut = (
     Vec<f64>,
@@ -99,7 +78,7 @@ fn run_case(case: Case, column: bool) {
     let g_vals = uniform(n_lead * D_OUT, 12);
     let lead2 = lead.clone();
     let run = if case.linked { run_linked } else { run_local };
-    let ranks: Vec<RankOut> = run(case.tp, move |group: burn_tp::ProcessGroup| {
+    let ranks: Vec<RankOut> = run(case.tp, move |group: burn_tp::comm::ProcessGroup| {
         let (r, n) = (group.rank(), group.world_size());
         let dev = device();
         let x_full = full_tensor(x_vals.clone(), &lead2, D_IN);
@@ -374,21 +353,6 @@ fn init_shards_are_slices_of_burns_linear_init() {
     }
 }
 
-pub(crate) fn int_linear(seed: u64) -> Linear {
-    Linear {
-        weight: Param::from_tensor(tensor(
-            quarters(D_IN * D_OUT, seed),
-            [D_IN, D_OUT],
-            DType::F32,
-        )),
-        bias: Some(Param::from_tensor(tensor(
-            quarters(D_OUT, seed + 1),
-            [D_OUT],
-            DType::F32,
-        ))),
-    }
-}
-
 /// Async (custom backward, overlapped) and sync (composed primitives) agree bitwise on
 /// integer-valued data, for every mode and tp.
 #[test]
@@ -544,5 +508,52 @@ fn non_contiguous_inputs_give_correct_results() {
             .flat_map(|row| row[r * D_OUT / 2..(r + 1) * D_OUT / 2].to_vec())
             .collect();
         assert_close(y, &mine, 1e-6, "RS strided shard");
+    }
+}
+
+/// 1-D inputs, as Burn's `Linear` takes them, in ALL_REDUCE mode, async and sync.
+#[test]
+fn one_dimensional_inputs_match_burns_linear() {
+    let _rng = rng_lock();
+    let x_vals = uniform(D_IN, 71);
+    let xs = x_vals.clone();
+    let reference = {
+        let l = int_linear(5);
+        let y = l.forward(tensor(xs.clone(), [D_IN], DType::F32));
+        f64s(y)
+    };
+    for tp in [1usize, 2, 3] {
+        for asynch in [true, false] {
+            let xs = x_vals.clone();
+            let out = run_local(tp, move |group| {
+                let (r, n) = (group.rank(), group.world_size());
+                let full = int_linear(5);
+                let col = ColumnParallelLinear::from_full(
+                    &full,
+                    &group,
+                    &ColumnParallelLinearConfig::new(D_IN, D_OUT)
+                        .with_settings(TpSettings::new().with_async_communication(asynch))
+                        .with_gather_output(true),
+                )
+                .unwrap();
+                let row = RowParallelLinear::from_full(
+                    &full,
+                    &group,
+                    &RowParallelLinearConfig::new(D_IN, D_OUT)
+                        .with_settings(TpSettings::new().with_async_communication(asynch)),
+                )
+                .unwrap();
+                let x = tensor(xs.clone(), [D_IN], DType::F32);
+                let y_col = col.forward(x.clone());
+                let x_r = chunk(x, n, 0, r);
+                let y_row = row.forward(x_r);
+                (f64s(y_col), f64s(y_row))
+            })
+            .unwrap();
+            for (y_col, y_row) in out {
+                assert_close(&y_col, &reference, 1e-5, "column, 1-D");
+                assert_close(&y_row, &reference, 1e-5, "row, 1-D");
+            }
+        }
     }
 }

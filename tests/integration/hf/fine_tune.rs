@@ -1,0 +1,213 @@
+//! Fine-tuning an imported model with `train_gpt --init-from`, its export, its tokenizer.
+
+use super::*;
+
+/// Fine-tuning an imported model: `train_gpt --arch llama --init-from DIR` trains the Hugging
+/// Face model at tp 2 (the loss falls from the imported weights), `--export-hf` writes the
+/// result, and that export and the run's own sharded checkpoint are the same model (the same
+/// held-out loss when either starts a run). The GPT, or a text with more characters than the
+/// model's vocabulary, is an error naming it.
+#[test]
+fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
+    use burn_tp_examples::train_gpt::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let root = std::env::temp_dir().join(format!("burn-tp-finetune-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let data = root.join("text.txt");
+    std::fs::write(&data, "hello tensor parallel world. ".repeat(40)).unwrap();
+    let model = fixture("llama_tied");
+    let args = |extra: &[&str], out: &str| {
+        let mut argv = vec![
+            "train_gpt",
+            "--quiet",
+            "--arch",
+            "llama",
+            "--tp",
+            "2",
+            "--batch",
+            "4",
+            "--seq",
+            "8",
+            "--lr",
+            "1e-2",
+            "--dropout",
+            "0",
+            "--sample-len",
+            "8",
+            "--eval-every",
+            "5",
+            "--data",
+            data.to_str().unwrap(),
+        ];
+        argv.extend_from_slice(extra);
+        let out = root.join(out);
+        let mut argv: Vec<String> = argv.into_iter().map(String::from).collect();
+        argv.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
+        Args::try_parse_from(argv).unwrap()
+    };
+    let export = root.join("export");
+    let tuned = run(&args(
+        &[
+            "--steps",
+            "10",
+            "--init-from",
+            model.to_str().unwrap(),
+            "--export-hf",
+            export.to_str().unwrap(),
+        ],
+        "tune",
+    ))
+    .unwrap();
+    assert!(
+        tuned.losses[9] < tuned.losses[0] - 0.5,
+        "fine-tuning lowers the loss: {:?}",
+        tuned.losses
+    );
+    assert!(export.join("config.json").exists() && export.join("model.safetensors").exists());
+    let from_export = run(&args(
+        &["--steps", "1", "--init-from", export.to_str().unwrap()],
+        "again",
+    ))
+    .unwrap();
+    let from_checkpoint = run(&args(
+        &[
+            "--steps",
+            "1",
+            "--resume",
+            tuned.checkpoint.to_str().unwrap(),
+            "--init-from",
+            model.to_str().unwrap(),
+        ],
+        "resumed",
+    ))
+    .unwrap();
+    // The held-out loss before the first step: the same evaluation batches on both models (the
+    // resumed run trains on step 10's batch, the other on step 0's).
+    assert_close(
+        &[from_export.held_out[0].1],
+        &[from_checkpoint.held_out[0].1],
+        1e-6,
+        "the export and the checkpoint: the held-out loss",
+    );
+    assert_close(
+        &[from_export.held_out[0].1],
+        &[tuned.held_out.last().unwrap().1],
+        1e-6,
+        "the export and the end of the fine-tuning run: the held-out loss",
+    );
+    // Errors naming the problem.
+    let e = run(&Args::try_parse_from([
+        "train_gpt",
+        "--init-from",
+        model.to_str().unwrap(),
+        "--out",
+        root.join("gpt").to_str().unwrap(),
+    ])
+    .unwrap())
+    .unwrap_err();
+    assert!(e.contains("--arch llama"), "{e}");
+    let wide: String = (0..70u8).map(|i| char::from(b'0' + i)).collect();
+    std::fs::write(&data, wide.repeat(20)).unwrap();
+    let e = run(&args(
+        &["--steps", "1", "--init-from", model.to_str().unwrap()],
+        "wide",
+    ))
+    .unwrap_err();
+    assert!(
+        e.contains("70 distinct characters") && e.contains("64"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// `train_gpt --init-from DIR` with a `tokenizer.json` in DIR trains on the tokenizer's ids (the
+/// built-in corpus, which it was made for, in fewer tokens than characters), its sample is the
+/// tokenizer's text, and `--export-hf` copies the tokenizer. A tokenizer larger than the model's
+/// vocabulary is an error naming both.
+#[test]
+fn train_gpt_fine_tunes_through_the_model_tokenizer() {
+    use burn_tp_examples::corpus;
+    use burn_tp_examples::train_gpt::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let root = std::env::temp_dir().join(format!("burn-tp-tokenizer-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let model = fixture("llama_text");
+    let export = root.join("export");
+    let args = |init: &Path, extra: &[&str]| {
+        let mut argv = vec![
+            "train_gpt",
+            "--quiet",
+            "--arch",
+            "llama",
+            "--tp",
+            "2",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--lr",
+            "1e-2",
+            "--dropout",
+            "0",
+            "--sample-len",
+            "12",
+            "--eval-every",
+            "10",
+            "--init-from",
+            init.to_str().unwrap(),
+        ];
+        argv.extend_from_slice(extra);
+        let mut argv: Vec<String> = argv.into_iter().map(String::from).collect();
+        argv.extend(["--out".into(), root.join("out").to_str().unwrap().into()]);
+        Args::try_parse_from(argv).unwrap()
+    };
+    let tuned = run(&args(
+        &model,
+        &["--steps", "10", "--export-hf", export.to_str().unwrap()],
+    ))
+    .unwrap();
+    let text = corpus::builtin(200_000);
+    let tokenizer = corpus::Codec::from_model_dir(&model).unwrap().unwrap();
+    let ids = tokenizer.encode(&text, false).unwrap();
+    assert_eq!(tuned.text_tokens, ids.len(), "the text's tokens");
+    assert!(
+        ids.len() < text.chars().count() / 2,
+        "the BPE merges: {} tokens for {} characters",
+        ids.len(),
+        text.chars().count()
+    );
+    assert!(
+        tuned.losses[9] < tuned.losses[0] - 0.5,
+        "fine-tuning lowers the loss: {:?}",
+        tuned.losses
+    );
+    // The sample is text of the corpus's alphabet (the tokenizer's pieces, `▁` back to spaces).
+    assert!(!tuned.sample.is_empty());
+    assert!(
+        tuned.sample.chars().all(|c| text.contains(c)),
+        "{:?}",
+        tuned.sample
+    );
+    assert_eq!(
+        std::fs::read(export.join("tokenizer.json")).unwrap(),
+        std::fs::read(model.join("tokenizer.json")).unwrap(),
+        "the export's tokenizer"
+    );
+    // The 96-token tokenizer beside a 64-token model.
+    let small = root.join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama_tied").join(f), small.join(f)).unwrap();
+    }
+    std::fs::copy(model.join("tokenizer.json"), small.join("tokenizer.json")).unwrap();
+    let e = run(&args(&small, &["--steps", "1"])).unwrap_err();
+    assert!(
+        e.contains("tokenizer.json has 96 tokens") && e.contains("vocabulary of 64"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -1,0 +1,278 @@
+//! Generation: the KV cache against a full recompute and transformers, the generate example
+//! (ids and text through the tokenizer), a sequence-parallel model decoding in ALL_REDUCE mode.
+
+use super::*;
+
+/// Generation with the KV cache: greedy tokens equal transformers' (computed by full
+/// recompute) at tp 1, 2 and 4, and at every step the cached logits equal a full recompute of
+/// the whole sequence, for the imported Llamas and for the GPT.
+#[test]
+fn kv_cache_decoding_equals_full_recompute_and_transformers() {
+    use burn_tp::attention::DecodeCache;
+    use burn_tp::generate::{GenerateOptions, generate};
+    use burn_tp::gpt::GptConfig;
+    use burn_tp::model::LanguageModel;
+
+    let _rng = rng_lock();
+    // Cached logits of each new position vs the last position of a full recompute.
+    fn step_by_step<M: LanguageModel>(
+        model: &M,
+        g: &burn_tp::comm::ProcessGroup,
+        prompt: &[i64],
+        steps: usize,
+    ) -> Vec<(Vec<f64>, Vec<f64>)> {
+        let vocab = model.n_vocab();
+        let ids = |v: &[i64]| {
+            Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), [v.len(), 1]), &device())
+        };
+        let last = |logits: Tensor<3>| {
+            let s = logits.dims()[0];
+            let l = gather_from_tp_region(logits.narrow(0, s - 1, 1), 2, g).unwrap();
+            f64s(l.narrow(2, 0, vocab).reshape([vocab]))
+        };
+        let mut cache = DecodeCache::default();
+        let mut seq = prompt.to_vec();
+        let mut fed = prompt.to_vec();
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let cached = last(model.logits_cached(ids(&fed), &mut cache).unwrap());
+            let full = last(model.logits(ids(&seq)).unwrap());
+            let next = (0..cached.len())
+                .max_by(|&a, &b| cached[a].total_cmp(&cached[b]))
+                .unwrap() as i64;
+            out.push((cached, full));
+            seq.push(next);
+            fed = vec![next];
+        }
+        out
+    }
+    for name in ["llama_gqa", "qwen2_bias"] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        for tp in [1usize, 2, 4] {
+            let (d, prompt, n) = (dir.clone(), want.prompt.clone(), want.greedy.len());
+            let out = run_local(tp, move |g| {
+                let (model, _) = init_llama(&d, TpSettings::new(), &g, &device()).unwrap();
+                let options = GenerateOptions {
+                    max_new_tokens: n,
+                    ..Default::default()
+                };
+                let tokens = generate(&model, &prompt, &options, &g, &device()).unwrap();
+                (tokens, step_by_step(&model, &g, &prompt, 4))
+            })
+            .unwrap();
+            for (r, (tokens, steps)) in out.into_iter().enumerate() {
+                let tag = format!("{name} tp {tp} rank {r}");
+                assert_eq!(tokens, want.greedy, "{tag}: generated tokens");
+                for (i, (cached, full)) in steps.iter().enumerate() {
+                    assert_close(cached, full, 1e-5, &format!("{tag}: step {i}"));
+                }
+            }
+        }
+    }
+    // The GPT (learned positions, biases, multi-head) at tp 2.
+    device().seed(9);
+    let out = run_local(2, |g| {
+        let model = GptConfig::new(13, 16, 16, 4, 2)
+            .init(&g, &device())
+            .unwrap();
+        step_by_step(&model, &g, &[1, 2, 3], 5)
+    })
+    .unwrap();
+    for (i, (cached, full)) in out[0].iter().enumerate() {
+        assert_close(cached, full, 1e-5, &format!("gpt step {i}"));
+    }
+    // In REDUCE_SCATTER mode a new token cannot be split over the sequence: a clear error.
+    let out = run_local(2, |g| {
+        let model = GptConfig::new(13, 16, 16, 4, 2)
+            .with_settings(TpSettings::new().with_mode(burn_tp::linear::TpMode::ReduceScatter))
+            .init(&g, &device())
+            .unwrap();
+        generate(&model, &[1, 2], &GenerateOptions::default(), &g, &device())
+            .unwrap_err()
+            .to_string()
+    })
+    .unwrap();
+    assert!(out[0].contains("ALL_REDUCE"), "{}", out[0]);
+}
+
+/// The `generate` example as a user runs it: at tp 2 the new ids are transformers' greedy
+/// tokens, `--logits-out` holds its last logits, `--no-cache` gives the same ids, and the
+/// printed line is JSON with the prompt and the new ids.
+#[test]
+fn the_generate_example_prints_transformers_tokens() {
+    use burn_tp_examples::generate::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let dir = fixture("llama_tied");
+    let want = expected(&dir);
+    let logits_out =
+        std::env::temp_dir().join(format!("burn-tp-generate-{}.json", std::process::id()));
+    let prompt = want
+        .prompt
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let args = |extra: &[&str]| {
+        let mut argv = vec![
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tp",
+            "2",
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0",
+        ];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    };
+    let a = args(&["--logits-out", logits_out.to_str().unwrap()]);
+    let report = run(&a).unwrap();
+    assert_eq!(report.new_ids, want.greedy);
+    let written: Vec<f64> =
+        serde_json::from_str(&std::fs::read_to_string(&logits_out).unwrap()).unwrap();
+    assert_close(&written, &want.last_logits, 1e-4, "--logits-out");
+    let line: serde_json::Value = serde_json::from_str(&report.json(&a)).unwrap();
+    assert_eq!(line["new_ids"], serde_json::json!(want.greedy));
+    assert_eq!(line["prompt_ids"], serde_json::json!(want.prompt));
+    assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0);
+    let recomputed = run(&args(&["--no-cache"])).unwrap();
+    assert_eq!(recomputed.new_ids, want.greedy);
+    std::fs::remove_file(&logits_out).unwrap();
+}
+
+/// `generate --prompt TEXT` through the folder's `tokenizer.json`: the prompt's ids are the ones
+/// the `tokenizers` library gave in Python (with Llama's `<s>`), the new ids are transformers'
+/// greedy tokens for them and the new text is their decoding; `--dtype bf16` keeps the logits
+/// near. `--prompt` without a tokenizer, or beside `--prompt-ids`, is an error.
+#[test]
+fn the_generate_example_takes_a_text_prompt_through_the_tokenizer() {
+    use burn_tp_examples::generate::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let dir = fixture("llama_text");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ints = |k: &str| -> Vec<i64> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect()
+    };
+    let text = v["prompt_text"].as_str().unwrap();
+    let args = |model: &Path, extra: &[&str]| {
+        let mut argv = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--tp",
+            "2",
+            "--prompt",
+            text,
+            "--max-new-tokens",
+            "6",
+        ];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv)
+    };
+    let a = args(&dir, &[]).unwrap();
+    let report = run(&a).unwrap();
+    assert_eq!(
+        report.prompt_ids,
+        ints("prompt_text_ids"),
+        "the prompt's ids"
+    );
+    assert_eq!(report.new_ids, ints("text_greedy_new_ids"), "the new ids");
+    assert_eq!(
+        report.new_text.as_deref(),
+        v["text_greedy_new_text"].as_str(),
+        "the new text"
+    );
+    let line: serde_json::Value = serde_json::from_str(&report.json(&a)).unwrap();
+    assert_eq!(
+        line["prompt_ids"],
+        serde_json::json!(ints("prompt_text_ids"))
+    );
+    assert_eq!(line["new_text"], v["text_greedy_new_text"]);
+    // bf16: the same prompt's last logits within bf16's rounding of the f32 ones.
+    let bf16 = run(&args(&dir, &["--dtype", "bf16"]).unwrap()).unwrap();
+    let scale = report
+        .last_logits
+        .iter()
+        .fold(0.0f64, |m, x| m.max(x.abs()));
+    let worst = bf16
+        .last_logits
+        .iter()
+        .zip(&report.last_logits)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst > 0.0 && worst < 0.05 * scale,
+        "bf16 logits {worst} from f32 (scale {scale})"
+    );
+    // Errors.
+    let e = run(&args(&fixture("llama_tied"), &[]).unwrap()).unwrap_err();
+    assert!(
+        e.contains("--prompt") && e.contains("llama_tied/tokenizer.json"),
+        "{e}"
+    );
+    let e = args(&dir, &["--prompt-ids", "1,2"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--prompt-ids") && e.contains("--prompt"), "{e}");
+}
+
+/// `with_mode`: a sequence-parallel model viewed in ALL_REDUCE mode (its weights shared) gives
+/// the same logits, so it can generate with the KV cache.
+#[test]
+fn a_sequence_parallel_model_viewed_in_all_reduce_mode_gives_the_same_logits() {
+    use burn_tp::gpt::GptConfig;
+    use burn_tp::linear::TpMode;
+    use burn_tp::model::LanguageModel;
+    let _rng = rng_lock();
+    device().seed(12);
+    let out = run_local(2, |g| {
+        let rs = TpSettings::new().with_mode(TpMode::ReduceScatter);
+        let gpt = GptConfig::new(13, 8, 16, 4, 2)
+            .with_settings(rs)
+            .init(&g, &device())
+            .unwrap();
+        let (llama, _) = init_llama(&fixture("llama_gqa"), rs, &g, &device()).unwrap();
+        let ids = Tensor::<2, Int>::from_data(
+            TensorData::new(vec![1i64, 2, 3, 4, 5, 6, 7, 8], [8, 1]),
+            &device(),
+        );
+        let both = |a: Tensor<3>, b: Tensor<3>| {
+            (
+                f64s(gather_from_tp_region(a, 2, &g).unwrap()),
+                f64s(gather_from_tp_region(b, 2, &g).unwrap()),
+            )
+        };
+        let g1 = both(
+            gpt.logits(ids.clone()).unwrap(),
+            gpt.clone()
+                .with_mode(TpMode::AllReduce)
+                .logits(ids.clone())
+                .unwrap(),
+        );
+        let l1 = both(
+            llama.logits(ids.clone()).unwrap(),
+            llama
+                .clone()
+                .with_mode(TpMode::AllReduce)
+                .logits(ids)
+                .unwrap(),
+        );
+        (g1, l1)
+    })
+    .unwrap();
+    for (r, ((g_rs, g_ar), (l_rs, l_ar))) in out.into_iter().enumerate() {
+        assert_close(&g_ar, &g_rs, 1e-5, &format!("gpt rank {r}"));
+        assert_close(&l_ar, &l_rs, 1e-5, &format!("llama rank {r}"));
+    }
+}

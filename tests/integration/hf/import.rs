@@ -1,0 +1,130 @@
+//! The import: transformers' logits and greedy tokens at every tp, configs read as transformers
+//! wrote them, unsupported ones refused naming the field.
+
+use super::*;
+
+#[test]
+fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() {
+    let _rng = rng_lock();
+    for name in [
+        "llama_gqa",
+        "llama_tied",
+        "qwen2_bias",
+        "mistral",
+        "llama_text",
+    ] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        for tp in [1usize, 2, 4] {
+            let (logits, greedy) = run(dir.clone(), tp, want.prompt.clone(), want.greedy.len());
+            let tag = format!("{name} at tp {tp}");
+            assert_close(
+                &logits,
+                &want.last_logits,
+                1e-4,
+                &format!("{tag}: last logits"),
+            );
+            assert_eq!(greedy, want.greedy, "{tag}: greedy tokens");
+        }
+    }
+}
+
+#[test]
+fn the_configs_read_as_transformers_wrote_them() {
+    let c = HfConfig::from_dir(&fixture("qwen2_bias")).unwrap();
+    assert_eq!(c.architecture, HfArchitecture::Qwen2);
+    assert_eq!(
+        (
+            c.vocab_size,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads
+        ),
+        (53, 32, 4, 2)
+    );
+    assert!(c.qkv_bias && !c.out_bias && !c.tie_word_embeddings);
+    let c = HfConfig::from_dir(&fixture("llama_tied")).unwrap();
+    assert_eq!(
+        (c.rope_theta, c.tie_word_embeddings, c.qkv_bias),
+        (500000.0, true, false)
+    );
+    let c = HfConfig::from_dir(&fixture("llama_gqa")).unwrap();
+    assert_eq!((c.num_key_value_heads, c.rms_norm_eps), (1, 1e-6));
+}
+
+/// What the import does not support is an error naming the file and the field, before any
+/// weight is read.
+#[test]
+fn unsupported_configs_are_errors_naming_the_field() {
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("llama_gqa").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("burn-tp-hf-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases: [(&str, serde_json::Value, &str); 5] = [
+        (
+            "architectures",
+            serde_json::json!(["GPT2LMHeadModel"]),
+            "GPT2LMHeadModel",
+        ),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+            "rope_parameters",
+        ),
+        ("sliding_window", serde_json::json!(8), "sliding_window"),
+        ("head_dim", serde_json::json!(16), "head_dim"),
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
+    ];
+    for (field, value, named) in cases {
+        let mut config = base.clone();
+        config[field] = value;
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        match HfConfig::from_dir(&dir) {
+            Err(TpError::Checkpoint { path, what }) => {
+                assert!(path.ends_with("config.json"), "{field}: {path}");
+                assert!(what.contains(named), "{field}: {what}");
+            }
+            other => panic!("{field}: expected an error, got {other:?}"),
+        }
+    }
+    // Weights of another model: the first tensor of another shape is named (llama_tied has
+    // two key / value heads where this config has one), and a tensor missing (it has no
+    // lm_head: its embeddings are tied) too.
+    std::fs::write(dir.join("config.json"), base.to_string()).unwrap();
+    std::fs::copy(
+        fixture("llama_tied").join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let load = |dir: &PathBuf| {
+        let d = dir.clone();
+        let out = run_local(1, move |g| {
+            init_llama(&d, TpSettings::new(), &g, &device()).map(|_| ())
+        })
+        .unwrap();
+        match out.into_iter().next().unwrap() {
+            Err(TpError::Checkpoint { path, what }) => format!("{path}: {what}"),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    };
+    let e = load(&dir);
+    assert!(
+        e.contains("model.safetensors") && e.contains("embed_tokens") && e.contains("[64, 32]"),
+        "{e}"
+    );
+    let mut config = base.clone();
+    config["vocab_size"] = serde_json::json!(64);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let e = load(&dir);
+    assert!(
+        e.contains("k_proj") && e.contains("[16, 32]") && e.contains("[8, 32]"),
+        "{e}"
+    );
+    config["num_key_value_heads"] = serde_json::json!(2);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let e = load(&dir);
+    assert!(e.contains("lm_head.weight is missing"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
