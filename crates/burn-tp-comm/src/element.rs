@@ -71,6 +71,15 @@ pub trait CommElement: Copy + Send + Sync + Debug + 'static {
             ReduceOp::Min => acc.iter_mut().zip(other).for_each(|(a, b)| *a = a.min(*b)),
         }
     }
+
+    /// Completes `op` over `ranks` ranks once every rank is folded in: [`ReduceOp::Avg`]'s
+    /// division (the other ops are complete). The one place every host transport (threads and
+    /// MPI) takes the average, so the thread tests check MPI's arithmetic too.
+    fn finish(op: ReduceOp, acc: &mut [Self], ranks: usize) {
+        if op == ReduceOp::Avg {
+            acc.iter_mut().for_each(|v| *v = v.div_count(ranks));
+        }
+    }
 }
 
 macro_rules! float_element {

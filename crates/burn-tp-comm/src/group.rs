@@ -263,13 +263,14 @@ impl ProcessGroup {
             #[cfg(feature = "mpi")]
             Transport::Mpi(m) => {
                 let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-                let (world, avg) = (self.world, desc.kind == OpKind::AllReduce(ReduceOp::Avg));
-                // MPI has no average: a sum, divided here.
+                let world = self.world;
+                // MPI has no average: a sum, finished here as the thread transport finishes it.
+                let op = match desc.kind {
+                    OpKind::AllReduce(op) => op,
+                    _ => ReduceOp::Sum,
+                };
                 let finish = move |mut out: O| {
-                    if avg {
-                        let v = out.as_mut_slice();
-                        v.iter_mut().for_each(|x| *x = x.div_count(world));
-                    }
+                    T::finish(op, out.as_mut_slice(), world);
                     out
                 };
                 let done = m.start(desc.clone(), seq, input, out, finish);

@@ -276,7 +276,5 @@ pub(crate) fn fold_rest_in_rank_order<T: CommElement>(
     for post in &posts[1..] {
         T::combine(op, acc, &downcast::<T>(post)[range.clone()]);
     }
-    if op == ReduceOp::Avg {
-        acc.iter_mut().for_each(|v| *v = v.div_count(posts.len()));
-    }
+    T::finish(op, acc, posts.len());
 }
