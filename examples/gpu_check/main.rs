@@ -18,6 +18,10 @@
 //! after every figure (a run killed by its bound still reports what it did); everything else
 //! (train_gpt's files) goes under SCRATCH_DIR (default: the system's temporary folder). Exits 1
 //! if a check failed (the others still run).
+//!
+//! Longer than 600 lines on purpose: it is the one prepared script a lent GPU runs once, its four
+//! checks share its helpers and read top to bottom in the order they run, and it is
+//! compiled only with the `cuda` feature (a split would be checked by CI's link build alone).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
