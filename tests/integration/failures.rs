@@ -128,20 +128,24 @@ fn a_start_error_on_one_rank_reaches_every_rank_at_once() {
         if rank == 1 {
             assert!(error.contains("rank 0"), "{error}");
         }
+        // Event driven (no timer on the path): here in microseconds; bounded at half the
+        // 60 s timeout so a loaded machine cannot fail it, while a wait for the timeout would.
+        eprintln!("rank {rank} heard after {elapsed:?}");
+        assert!(!error.contains("timed out"), "rank {rank}: {error}");
         assert!(
-            elapsed < Duration::from_secs(1),
+            elapsed < Duration::from_secs(30),
             "rank {rank} waited {elapsed:?}"
         );
     }
 }
 
 /// A rank that fails without posting (it panics, or it drops its group handle while its thread
-/// lives on) reaches every peer within a second: the peer's pending collective and its next one
+/// lives on) reaches every peer as soon as it fails: the peer's pending collective and its next one
 /// fail naming the failed rank, long before the 60 s timeout. The panic unwinds with
 /// `resume_unwind`, which skips the panic hook: the test times burn-tp, not the printing of a
 /// backtrace.
 #[test]
-fn a_panicking_or_departing_rank_reaches_every_peer_within_a_second() {
+fn a_panicking_or_departing_rank_reaches_every_peer_before_any_timeout() {
     use std::sync::{Arc, Mutex};
     type Seen = (usize, String, String, Instant);
     for panics in [true, false] {
@@ -179,9 +183,13 @@ fn a_panicking_or_departing_rank_reaches_every_peer_within_a_second() {
                 next.contains("[1]") || next.contains("rank 1"),
                 "{tag}: {next}"
             );
+            // Event driven: milliseconds here; bounded at half the 60 s timeout so a loaded
+            // machine cannot fail it, while a wait for the timeout would.
             let delay = heard.saturating_duration_since(failed_at);
+            eprintln!("{tag}: heard after {delay:?}");
+            assert!(!pending.contains("timed out"), "{tag}: {pending}");
             assert!(
-                delay < Duration::from_secs(1),
+                delay < Duration::from_secs(30),
                 "{tag}: heard after {delay:?}"
             );
         }

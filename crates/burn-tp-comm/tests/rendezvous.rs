@@ -202,24 +202,6 @@ fn raw_frame(op: u8, key: &[u8], val: &[u8]) -> Vec<u8> {
 }
 
 #[test]
-fn a_set_and_get_take_microseconds_not_delayed_acks() {
-    let server = StoreServer::start("127.0.0.1:0", "secret").unwrap();
-    let addr = server.addr().to_string();
-    let store = StoreClient::connect(&addr, 0, "secret", Duration::from_secs(5)).unwrap();
-    let rounds = 50;
-    let start = Instant::now();
-    for i in 0..rounds {
-        store.set(&format!("k{i}"), &[i as u8; 64]).unwrap();
-        assert_eq!(store.get(&format!("k{i}")).unwrap(), vec![i as u8; 64]);
-    }
-    // With Nagle on the server's side a set + get took ~42 ms (delayed ACKs); now well under 1 ms.
-    // Bounded at 10 ms on average, 4x below the old cost, so a loaded machine does not fail it.
-    let mean = start.elapsed() / rounds;
-    eprintln!("set + get over loopback: {mean:?} on average");
-    assert!(mean < Duration::from_millis(10), "set + get took {mean:?}");
-}
-
-#[test]
 fn a_client_without_the_token_can_neither_read_nor_write() {
     let server = StoreServer::start("127.0.0.1:0", "the-launch-secret").unwrap();
     let addr = server.addr().to_string();
