@@ -46,6 +46,8 @@ struct Run {
 fn train(tp: usize, dp: usize, reduce: Reduce) -> Run {
     let config = GptConfig::new(V, S, 16, 4, 2)
         .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter));
+    // Every dp divides the batch (4, or 6 at dp 3).
+    let batch = BATCH.div_ceil(dp) * dp;
     device().seed(7);
     let out = run_ranks(LocalGroup::new(tp * dp).unwrap(), move |world| {
         let mesh = DeviceMesh::new(world.clone(), tp).unwrap();
@@ -67,12 +69,12 @@ fn train(tp: usize, dp: usize, reduce: Reduce) -> Run {
         let mut zero = DistributedAdamW::new(&AdamWConfig::new(), &model, &dp_group, bucket_bytes);
         let mut optim = AdamWConfig::new().init();
         let mut losses = Vec::new();
-        let per = BATCH / dp;
+        let per = batch / dp;
         for step in 0..STEPS as i64 {
             let columns = |cols: std::ops::Range<usize>| {
-                let all = |k: i64| token_ids(S * BATCH, V, k, step * 3 + 1);
+                let all = |k: i64| token_ids(S * batch, V, k, step * 3 + 1);
                 let pick = |v: Vec<i64>| -> Tensor<2, Int> {
-                    let t = Tensor::<2, Int>::from_data(TensorData::new(v, [S, BATCH]), &device());
+                    let t = Tensor::<2, Int>::from_data(TensorData::new(v, [S, batch]), &device());
                     t.slice([0..S, cols.clone()])
                 };
                 (pick(all(7)), pick(all(5)))
@@ -213,14 +215,16 @@ fn accumulated_micro_batches_give_the_full_batch_step() {
     }
 }
 
-/// The distributed optimizer (AdamW moments sharded over dp, ZeRO stage 1) at tp 2 x dp 2 and
-/// tp 1 x dp 4, one bucket and 2 KiB buckets: the plain run's losses and parameters after 20
+/// The distributed optimizer (AdamW moments sharded over dp, ZeRO stage 1) at tp 2 x dp 2,
+/// tp 1 x dp 4 and tp 1 x dp 3 (padded buckets), one bucket and 2 KiB buckets: the plain run's losses and parameters after 20
 /// steps, and each rank holds 1/dp of the moments (two f32 per element of its tp shard, plus at
 /// most dp - 1 padding elements per bucket).
 #[test]
 fn the_distributed_optimizer_gives_the_plain_run_with_1_over_dp_of_the_state() {
     let _rng = rng_lock();
-    for (tp, dp) in [(2usize, 2usize), (1, 4)] {
+    // At dp 3 no bucket's length divides: each is zero-padded, and rank 2 owns (and steps) a
+    // last chunk that ends in padding.
+    for (tp, dp) in [(2usize, 2usize), (1, 4), (1, 3)] {
         let want = train(tp, dp, Reduce::Plain);
         for bucket in [GradReducer::DEFAULT_BUCKET_BYTES, 2048] {
             let got = train(tp, dp, Reduce::Distributed(bucket));
@@ -230,6 +234,12 @@ fn the_distributed_optimizer_gives_the_plain_run_with_1_over_dp_of_the_state() {
                 assert_close(a, b, 1e-5, &format!("{tag}: parameter {i}"));
             }
             let (bytes, elements) = got.state.unwrap();
+            if dp == 3 {
+                assert!(
+                    !elements.is_multiple_of(3),
+                    "{tag}: {elements} elements, none padded"
+                );
+            }
             let floor = 8 * elements / dp;
             let most = 8 * (elements.div_ceil(dp) + got.buckets * (dp - 1));
             assert!(

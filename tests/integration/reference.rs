@@ -242,8 +242,9 @@ fn the_gpt_equals_a_plain_burn_nn_reference_at_every_tp_and_mode() {
     let _rng = rng_lock();
     let x = crate::common::token_ids(S * B, V, 7, 3);
     let y = crate::common::token_ids(S * B, V, 5, 1);
-    // (tied head, fused QKV): the default, and the tied head with separate Q / K / V.
-    let variants = [(false, true), (true, false)];
+    // (tied head, fused QKV): the default, the tied head with separate Q / K / V, and the
+    // untied head with separate Q / K / V.
+    let variants = [(false, true), (true, false), (false, false)];
     let cases = [TpMode::AllReduce, TpMode::ReduceScatter]
         .into_iter()
         .flat_map(|mode| {

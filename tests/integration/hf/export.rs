@@ -24,7 +24,7 @@ fn import_export_import_is_bit_exact() {
         c.0
     }
     let _rng = rng_lock();
-    for name in ["llama_gqa", "llama_tied", "qwen2_bias"] {
+    for name in ["llama_gqa", "llama_tied", "qwen2_bias", "llama_far"] {
         let src = fixture(name);
         let out =
             std::env::temp_dir().join(format!("burn-tp-hf-export-{}-{name}", std::process::id()));

@@ -11,6 +11,7 @@ fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() 
         "llama_tied",
         "qwen2_bias",
         "mistral",
+        "llama_far",
         "llama_text",
     ] {
         let dir = fixture(name);
@@ -50,6 +51,17 @@ fn the_configs_read_as_transformers_wrote_them() {
     );
     let c = HfConfig::from_dir(&fixture("llama_gqa")).unwrap();
     assert_eq!((c.num_key_value_heads, c.rms_norm_eps), (1, 1e-6));
+    // Every field away from its default, each read from its own field.
+    let c = HfConfig::from_dir(&fixture("llama_far")).unwrap();
+    assert_eq!(
+        (c.rms_norm_eps, c.rope_theta, c.max_position_embeddings),
+        (1e-2, 2500.0, 40)
+    );
+    assert!(c.tie_word_embeddings && c.qkv_bias && c.out_bias);
+    assert_eq!((c.vocab_size, c.num_key_value_heads), (67, 2));
+    let l = c.llama_config(burn_tp::linear::TpSettings::new());
+    assert_eq!((l.norm_eps, l.rope_theta, l.max_seq), (1e-2, 2500.0, 40));
+    assert!(l.tie_embeddings && l.qkv_bias && l.out_bias);
 }
 
 /// What the import does not support is an error naming the file and the field, before any
