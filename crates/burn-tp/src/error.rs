@@ -75,3 +75,12 @@ pub(crate) fn check_divisible(what: impl Into<String>, size: usize, tp: usize) -
     }
     Ok(())
 }
+
+/// [`TpError::Checkpoint`] naming the file (or folder) `path` and what is wrong with it: every
+/// file format's error (the sharded checkpoints, Hugging Face's).
+pub(crate) fn file_error(path: &std::path::Path, what: impl Into<String>) -> TpError {
+    TpError::Checkpoint {
+        path: path.display().to_string(),
+        what: what.into(),
+    }
+}

@@ -209,7 +209,7 @@ fn entry_for(
 /// refused. Returns the model and the checkpoint's info. Local to this rank: no communication.
 ///
 /// # Errors
-/// [`TpError::Checkpoint`] naming the file and the tensor: no index (an incomplete save), a
+/// [`TpError::Checkpoint`](crate::TpError::Checkpoint) naming the file and the tensor: no index (an incomplete save), a
 /// missing or truncated shard, a dtype or shape that does not fit the model, an index of another
 /// model or configuration.
 pub fn load<M: Module + Reshard>(

@@ -20,7 +20,7 @@
 //!
 //! # Loading
 //! [`load`] fills a model built at any tp (and [`load_optimizer`] its optimizer)
-//! from a checkpoint saved at any other: each rank computes where its own shards lie ([`Reshard::layout`]) and copies each
+//! from a checkpoint saved at any other: each rank computes where its own shards lie ([`Reshard::layout`](crate::reshard::Reshard::layout)) and copies each
 //! overlapping slice out of the memory-mapped files, touching only those pages.
 //!
 //! ```no_run
@@ -47,18 +47,9 @@ mod format;
 mod load;
 mod save;
 
-use std::path::Path;
-
-use crate::TpError;
+use crate::error::file_error as ckpt_err;
 
 pub use format::{CheckpointInfo, INDEX};
 pub(crate) use load::param_shapes;
 pub use load::{load, load_optimizer};
 pub use save::save;
-
-fn ckpt_err(path: &Path, what: impl Into<String>) -> TpError {
-    TpError::Checkpoint {
-        path: path.display().to_string(),
-        what: what.into(),
-    }
-}

@@ -14,13 +14,13 @@ use crate::Result;
 use crate::reshard::{IndexedState, ParamLayout, Reshard};
 
 /// Saves this rank's shards of `model` (and of `optim`'s state, if given) into the checkpoint
-/// folder `dir`, replacing any checkpoint there atomically (see [the module docs](self)).
+/// folder `dir`, replacing any checkpoint there atomically (see [the module docs](super)).
 /// Collective over `group`, the model's tensor-parallel group; `dp_rank`: this rank's
 /// data-parallel replica (only replica 0 writes; the others return at once, and should wait
 /// for replica 0, e.g. at a barrier, before reading the checkpoint).
 ///
 /// # Errors
-/// [`TpError::Checkpoint`] naming the file for a write that fails or a dtype a checkpoint
+/// [`TpError::Checkpoint`](crate::TpError::Checkpoint) naming the file for a write that fails or a dtype a checkpoint
 /// cannot hold; a communication error.
 pub fn save<M: Module + Reshard>(
     model: &M,

@@ -56,7 +56,7 @@ impl HfConfig {
     /// Reads `dir/config.json`.
     ///
     /// # Errors
-    /// [`TpError::Checkpoint`] naming the file and the field: a missing or malformed field, an
+    /// [`TpError::Checkpoint`](crate::TpError::Checkpoint) naming the file and the field: a missing or malformed field, an
     /// architecture or a feature the import does not support.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");

@@ -21,7 +21,7 @@ use crate::reshard::Reshard;
 /// Collective over `group`.
 ///
 /// # Errors
-/// [`TpError::Checkpoint`] naming the file for a write that fails; a communication error.
+/// [`TpError::Checkpoint`](crate::TpError::Checkpoint) naming the file for a write that fails; a communication error.
 pub fn save(model: &Llama, config: &HfConfig, dir: &Path, group: &ProcessGroup) -> Result<()> {
     let full = model.to_full_module()?;
     if group.rank() != 0 {

@@ -231,7 +231,7 @@ fn local_values(
 /// projections' column slices excepted: strided, they are read whole).
 ///
 /// # Errors
-/// [`TpError::Checkpoint`] naming the file and the tensor or field: an unsupported
+/// [`TpError::Checkpoint`](crate::TpError::Checkpoint) naming the file and the tensor or field: an unsupported
 /// configuration, a missing or damaged file, a tensor missing or of another shape; head counts
 /// that do not fit tp.
 pub fn init_llama(

@@ -1,6 +1,6 @@
 //! Hugging Face Llama-family checkpoints (`LlamaForCausalLM`, `MistralForCausalLM`,
 //! `Qwen2ForCausalLM`): a `config.json` and `model.safetensors` (or shards with
-//! `model.safetensors.index.json`) loaded into a [`Llama`] at any tp, each rank reading only its
+//! `model.safetensors.index.json`) loaded into a [`Llama`](crate::llama::Llama) at any tp, each rank reading only its
 //! own slices.
 //!
 //! What the import maps:
@@ -31,17 +31,8 @@ mod export;
 mod import;
 mod mapping;
 
-use std::path::Path;
-
-use crate::TpError;
+use crate::error::file_error as hf_err;
 
 pub use config::{HfArchitecture, HfConfig};
 pub use export::save;
 pub use import::{init_llama, load};
-
-fn hf_err(path: &Path, what: impl Into<String>) -> TpError {
-    TpError::Checkpoint {
-        path: path.display().to_string(),
-        what: what.into(),
-    }
-}
