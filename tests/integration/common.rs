@@ -175,3 +175,17 @@ pub(crate) fn chunk<const D: usize>(t: Tensor<D>, n: usize, dim: usize, r: usize
         t.chunk(n, dim).swap_remove(r)
     }
 }
+
+/// Every float parameter's values of `module`, in visiting order.
+pub(crate) fn param_values<M: burn::module::Module>(module: &M) -> Vec<Vec<f64>> {
+    use burn::module::{ModuleVisitor, Param};
+    struct Collect(Vec<Vec<f64>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push(f64s(p.val()));
+        }
+    }
+    let mut c = Collect(Vec::new());
+    module.visit(&mut c);
+    c.0
+}

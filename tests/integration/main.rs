@@ -1,5 +1,6 @@
 //! Cross-crate tests of burn-tp, one binary (burn links once).
 
+mod attention;
 mod checkpoint;
 mod collectives;
 mod common;

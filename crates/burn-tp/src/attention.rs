@@ -3,6 +3,7 @@
 //! learned positions added before it) and grouped-query (the Llama: fewer key / value heads,
 //! sharded or replicated, rotary positions, no biases) are the same module.
 
+use burn::backend::Dispatch;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{RotaryEncoding, RotaryEncodingConfig};
@@ -10,6 +11,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::backend::{AttentionDropout, AttentionSpec, TpBackend};
 use crate::dropout::{DropoutKey, tp_dropout};
 use crate::error::check_divisible;
 use crate::linear::{
@@ -291,6 +293,27 @@ impl ParallelAttention {
         let hkv = self.local_kv_heads(tp);
         let [b, _, s, _] = q.dims();
         let t = k.dims()[2];
+        if self.out.spec().settings.fused_attention {
+            let dropout = dropout.filter(|_| self.dropout > 0.0).map(|key| {
+                let (batch_total, batch) = key.batch(b);
+                AttentionDropout {
+                    p: self.dropout,
+                    key,
+                    site,
+                    batch_total,
+                    batch,
+                    heads_total: self.n_heads,
+                    heads: rank * hq..(rank + 1) * hq,
+                }
+            });
+            let spec = AttentionSpec {
+                dropout,
+                ..AttentionSpec::causal(start)
+            };
+            let ctx = fused_attention(q, k, v, spec)?;
+            let ctx = ctx.permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
+            return self.out.try_forward(ctx);
+        }
         // Each local key / value head serves `hq / hkv` consecutive local query heads.
         let group = hq / hkv;
         let expand = |x: Tensor<4>| {
@@ -417,4 +440,50 @@ impl Reshard for ParallelAttention {
         out.extend(self.out.layout(rank));
         out
     }
+}
+
+/// Causal attention without the `[s, t]` score matrix (FlashAttention-2, the backend's
+/// `tp_attention`; its backward recomputes each block's probabilities): `q` `[b, hq, s, hd]`
+/// over `k`, `v` `[b, hkv, t, hd]`, query `i` at position `spec.start + i` seeing keys
+/// `0 ..= spec.start + i`; each key / value head serves `hq / hkv` consecutive query heads
+/// (never repeated in memory). Returns `[b, hq, s, hd]` in q's dtype (computed in f32).
+///
+/// # Errors
+/// [`TpError::Shape`] naming the shapes: other batch or head sizes, `hkv` not dividing `hq`,
+/// fewer keys than `spec.start + s`.
+pub fn fused_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    spec: AttentionSpec,
+) -> TpResult<Tensor<4>> {
+    let ([b, hq, s, hd], [kb, hkv, t, khd], vd) = (q.dims(), k.dims(), v.dims());
+    if kb != b
+        || khd != hd
+        || vd != [b, hkv, t, hd]
+        || hkv == 0
+        || !hq.is_multiple_of(hkv)
+        || t < spec.start + s
+        || spec.block == 0
+    {
+        return Err(TpError::Shape {
+            op: "fused_attention",
+            expected: format!(
+                "q [b, hq, s, hd], k and v [b, hkv, t, hd] with hkv dividing hq and t >= start \
+                 + s = {} (k {:?}, v {vd:?}, block {})",
+                spec.start + s,
+                k.dims(),
+                spec.block
+            ),
+            got: q.dims().to_vec(),
+        });
+    }
+    Ok(Tensor::from_dispatch(
+        <Dispatch as TpBackend>::tp_attention(
+            q.into_dispatch(),
+            k.into_dispatch(),
+            v.into_dispatch(),
+            spec,
+        ),
+    ))
 }

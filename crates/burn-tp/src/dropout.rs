@@ -89,6 +89,23 @@ pub fn dropout_mask<const D: usize>(
     p: f64,
     device: &Device,
 ) -> Tensor<D> {
+    let shape: [usize; D] = std::array::from_fn(|d| region[d].len());
+    let values = dropout_mask_values(key, site, full, region, p);
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// The values of [`dropout_mask`], row-major in the region's shape (the fused attention makes
+/// each block's mask from them).
+///
+/// # Panics
+/// As [`dropout_mask`].
+pub(crate) fn dropout_mask_values<const D: usize>(
+    key: DropoutKey,
+    site: u64,
+    full: [usize; D],
+    region: [Range<usize>; D],
+    p: f64,
+) -> Vec<f32> {
     assert!(
         (0.0..1.0).contains(&p),
         "dropout probability {p} not in [0, 1)"
@@ -125,7 +142,7 @@ pub fn dropout_mask<const D: usize>(
             idx[d] = 0;
         }
     }
-    Tensor::from_data(TensorData::new(values, shape), device)
+    values
 }
 
 /// Dropout of `x`, the `region` of a logical tensor of shape `full`, at `site`: `x` times its

@@ -8,6 +8,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, tensor::FloatTensor};
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 
+use super::flash::{self, AttentionSpec};
 use super::host::local_chunk;
 use super::overlap::{
     ColumnSaved, LinearGrads, Needs, column_backward, column_forward, row_backward, row_forward,
@@ -19,6 +20,17 @@ use super::{
 
 #[derive(Debug)]
 struct CollectiveBackward;
+
+/// What the attention's backward needs (and nothing more).
+#[derive(Clone, Debug)]
+struct AttentionState<B: Backend> {
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    out: FloatTensor<B>,
+    lse: flash::Lse<B>,
+    spec: AttentionSpec,
+}
 
 /// Of `eq` (1 where this rank's input equals the max / min), the elements where no lower rank's
 /// does: the gradient of a tie goes to one rank, the lowest, as it would for one rank's max.
@@ -187,6 +199,66 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         {
             OpsKind::Tracked(prep) => prep.finish(jacobian.into_primitive(), value),
             OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
+
+    fn tp_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct AttentionBackward;
+        impl<B: Backend> Backward<B, 3> for AttentionBackward {
+            type State = AttentionState<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 3>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let AttentionState {
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    spec,
+                } = ops.state;
+                let d_out = grads.consume::<B>(&ops.node);
+                let (dq, dk, dv) = flash::backward::<B>(q, k, v, out, &lse, d_out, &spec);
+                for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+                    if let Some(node) = parent {
+                        grads.register::<B>(node.id, grad);
+                    }
+                }
+            }
+        }
+        let (out, lse) = flash::forward::<B>(
+            q.primitive().clone(),
+            k.primitive().clone(),
+            v.primitive().clone(),
+            &spec,
+        );
+        match AttentionBackward
+            .prepare::<C>([q.node(), k.node(), v.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                // What FlashAttention keeps: q, k, v, the output and each row's log-sum-exp.
+                let state = AttentionState {
+                    q: q.into_primitive(),
+                    k: k.into_primitive(),
+                    v: v.into_primitive(),
+                    out: out.clone(),
+                    lse,
+                    spec,
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 

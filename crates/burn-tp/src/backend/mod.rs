@@ -14,6 +14,7 @@
 //! | `types.rs`    | [`Collective`], [`PendingCollective`], [`CollectiveOutput`], [`LinearSpec`] |
 //! | `host.rs`     | the host transport: one dtype switch, dim-first moves, slicing    |
 //! | `overlap.rs`  | the parallel-linear math and its overlap schedules (with diagram) |
+//! | `flash.rs`    | causal attention by blocks: no `[s, t]` scores (with diagram)     |
 //! | `flex.rs`     | `TpBackend` for Flex (the defaults)                               |
 //! | `autodiff.rs` | `TpBackend` for `Autodiff<B>`: the backward nodes                 |
 //! | `cuda.rs`     | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
@@ -34,6 +35,7 @@
 mod autodiff;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub(crate) mod flash;
 mod flex;
 pub(crate) mod grad_tap;
 pub(crate) mod host;
@@ -48,6 +50,7 @@ pub use pool::pool_stats;
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
 use burn_tp_comm::ProcessGroup;
 
+pub use flash::{AttentionDropout, AttentionSpec};
 pub use types::Collective;
 pub(crate) use types::{LinearSpec, OverlapSchedule, TpMode};
 // The types `TpBackend`'s ops cross the dispatch boundary in: public because the trait's
@@ -121,6 +124,19 @@ pub trait TpBackend: Backend {
             Ok(pending) => Self::tp_resolve(pending),
             Err(e) => CollectiveOutput::Failed(e),
         }
+    }
+
+    /// Causal attention of `q` (`[b, hq, s, hd]`) over `k`, `v` (`[b, hkv, t, hd]`, `hkv`
+    /// dividing `hq`) without the `[s, t]` score matrix (`flash.rs`): `[b, hq, s, hd]`. On
+    /// `Autodiff` its backward recomputes each block's probabilities from the kept
+    /// log-sum-exp.
+    fn tp_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> FloatTensor<Self> {
+        flash::forward::<Self>(q, k, v, &spec).0
     }
 
     /// Column-parallel linear with overlapped communication (see `overlap.rs`):

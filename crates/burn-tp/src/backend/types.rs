@@ -255,6 +255,11 @@ pub struct TpSettings {
     /// it in backward (less memory, one more all-gather, hidden behind the dgrad matmul).
     #[config(default = true)]
     pub recompute_all_gather: bool,
+    /// Attention by blocks, never materializing the `[s, t]` scores (FlashAttention-2: the
+    /// backward recomputes each block's probabilities); otherwise the scores, mask, softmax and
+    /// probabilities as separate tracked ops, each kept for the backward.
+    #[config(default = true)]
+    pub fused_attention: bool,
 }
 
 /// What one parallel linear runs with: the model's [`TpSettings`] and its own output layout.

@@ -1,0 +1,400 @@
+//! Causal attention that never materializes the `[s, t]` score matrix (the FlashAttention-2
+//! algorithm, on the backend's tensor ops): the forward walks query blocks and, for each, the key
+//! blocks it can see, with an online softmax; it keeps only the output and each row's
+//! log-sum-exp. The backward walks the same blocks again and recomputes each block's
+//! probabilities from the log-sum-exp.
+//!
+//! ```text
+//!  q [b, hq, s, hd] ─ rows of query block i, its group's heads stacked per key / value head:
+//!                     [b, hkv, g * Bq, hd]          (g = hq / hkv; no repeated keys / values)
+//!  k, v [b, hkv, t, hd] ─ key block j: [b, hkv, Bk, hd]
+//!
+//!              key blocks j ->
+//!  query    ┌────┬────┬────┬────┐   ■ computed in full   ◩ the diagonal: masked inside
+//!  blocks i │ ◩  │    │    │    │   (blank) skipped: every key is in the query's future
+//!     |     │ ■  │ ◩  │    │    │
+//!     v     │ ■  │ ■  │ ◩  │    │   query i sits at position start + i (the KV cache's offset),
+//!           │ ■  │ ■  │ ■  │ ◩  │   and sees keys 0 ..= start + i
+//!           └────┴────┴────┴────┘
+//! ```
+//!
+//! Half inputs are computed in f32 block by block (the output is cast back); f32 and f64 in
+//! their own precision. Dropout of the
+//! probabilities is the logical mask of [`crate::dropout`], regenerated per block, so it is the
+//! same mask as the materialized path's at every tp.
+
+use std::ops::Range;
+
+use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
+use burn::tensor::{FloatDType, Shape, Slice, TensorData};
+use burn_std::Scalar;
+
+use crate::dropout::{DropoutKey, dropout_mask_values};
+
+/// Rows of a query block and columns of a key block.
+pub const BLOCK: usize = 128;
+
+/// What one attention call needs besides q, k and v.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Position of the first query (the keys before it are a KV cache): query `i` sees keys
+    /// `0 ..= start + i`.
+    pub start: usize,
+    /// Dropout of the probabilities, if any.
+    pub dropout: Option<AttentionDropout>,
+    /// Query rows (and key columns) per block.
+    pub block: usize,
+}
+
+/// The dropout of one attention call: this rank's region of the logical mask of site `site`
+/// (`[batch_total, heads_total, s, t]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionDropout {
+    /// Probability of dropping.
+    pub p: f64,
+    /// The step's key.
+    pub key: DropoutKey,
+    /// The dropout site.
+    pub site: u64,
+    /// Sequences in the global batch.
+    pub batch_total: usize,
+    /// This rank's sequences in it.
+    pub batch: Range<usize>,
+    /// Query heads over all ranks.
+    pub heads_total: usize,
+    /// This rank's query heads among them.
+    pub heads: Range<usize>,
+}
+
+impl AttentionSpec {
+    /// Causal attention from position `start`, no dropout, blocks of 128 rows.
+    pub fn causal(start: usize) -> Self {
+        Self {
+            start,
+            dropout: None,
+            block: BLOCK,
+        }
+    }
+}
+
+/// What the forward keeps for the backward besides q, k, v and the output: each query block's
+/// log-sum-exp, `[b, hkv, g * Bq, 1]` in the compute dtype.
+pub(crate) type Lse<B> = Vec<FloatTensor<B>>;
+
+fn slice<B: Backend>(x: FloatTensor<B>, dim: usize, range: Range<usize>) -> FloatTensor<B> {
+    if range.start == 0 && range.end == x.shape()[dim] {
+        return x;
+    }
+    let mut slices = vec![Slice::full(); x.shape().num_dims()];
+    slices[dim] = Slice::new(range.start as isize, Some(range.end as isize), 1);
+    B::float_slice(x, &slices)
+}
+
+/// `x` in the dtype the blocks compute in: half dtypes widened to f32, f32 and f64 as they are.
+fn widen<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    match x.dtype() {
+        burn::tensor::DType::F16 | burn::tensor::DType::BF16 => B::float_cast(x, FloatDType::F32),
+        _ => x,
+    }
+}
+
+fn dims4(x: &impl TensorMetadata) -> [usize; 4] {
+    let s = x.shape();
+    [s[0], s[1], s[2], s[3]]
+}
+
+/// The geometry of one call: `b`, query heads `hq`, key / value heads `hkv`, `s` queries, `t`
+/// keys, head size `hd`.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    s: usize,
+    t: usize,
+    hd: usize,
+}
+
+impl Geometry {
+    fn of<B: Backend>(q: &FloatTensor<B>, k: &FloatTensor<B>) -> Self {
+        let [b, hq, s, hd] = dims4(q);
+        let [_, hkv, t, _] = dims4(k);
+        Self {
+            b,
+            hq,
+            hkv,
+            s,
+            t,
+            hd,
+        }
+    }
+
+    fn group(&self) -> usize {
+        self.hq / self.hkv
+    }
+
+    /// Query block `rows` of `x` (`[b, hq, s, c]`) as `[b, hkv, g * rows, c]` in f32.
+    fn stack<B: Backend>(&self, x: FloatTensor<B>, rows: Range<usize>) -> FloatTensor<B> {
+        let c = x.shape()[3];
+        let n = rows.len();
+        let x = widen::<B>(slice::<B>(x, 2, rows));
+        B::float_reshape(x, Shape::from(vec![self.b, self.hkv, self.group() * n, c]))
+    }
+
+    /// The inverse of [`stack`](Self::stack): `[b, hkv, g * n, c] -> [b, hq, n, c]`.
+    fn unstack<B: Backend>(&self, x: FloatTensor<B>, n: usize) -> FloatTensor<B> {
+        let c = x.shape()[3];
+        B::float_reshape(x, Shape::from(vec![self.b, self.hq, n, c]))
+    }
+}
+
+/// The key blocks query block `rows` sees (causal from `start`), and whether block `cols`
+/// needs the mask (some of its keys lie in the future of some of the block's queries).
+fn visible(start: usize, rows: &Range<usize>, cols: &Range<usize>) -> (bool, bool) {
+    let last_query = start + rows.end - 1;
+    let first_query = start + rows.start;
+    (cols.start <= last_query, cols.end - 1 > first_query)
+}
+
+fn blocks(n: usize, block: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..n.div_ceil(block)).map(move |i| i * block..((i + 1) * block).min(n))
+}
+
+/// Scores `[b, hkv, g * Bq, Bk]` of the (pre-scaled) stacked queries against key block `kb`,
+/// the future masked to `-inf`.
+fn scores<B: Backend>(
+    geo: &Geometry,
+    spec: &AttentionSpec,
+    q: &FloatTensor<B>,
+    kb: FloatTensor<B>,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+    masked: bool,
+) -> FloatTensor<B> {
+    let s = B::float_matmul(q.clone(), B::float_swap_dims(kb, 2, 3));
+    if !masked {
+        return s;
+    }
+    let g = geo.group();
+    let (n, m) = (rows.len(), cols.len());
+    let mut future = Vec::with_capacity(g * n * m);
+    for _ in 0..g {
+        for i in rows.clone() {
+            future.extend(cols.clone().map(|j| j > spec.start + i));
+        }
+    }
+    let device = s.device();
+    let mask = B::bool_from_data(TensorData::new(future, [1, 1, g * n, m]), &device);
+    let mask = B::bool_expand(mask, s.shape());
+    B::float_mask_fill(s, mask, Scalar::Float(f64::NEG_INFINITY))
+}
+
+/// The scaled keep mask (`0` or `1 / (1 - p)`) of block (`rows`, `cols`), stacked as the scores,
+/// in `dtype`.
+fn dropout_block<B: Backend>(
+    geo: &Geometry,
+    d: &AttentionDropout,
+    rows: &Range<usize>,
+    cols: &Range<usize>,
+    device: &B::Device,
+    dtype: burn::tensor::DType,
+) -> FloatTensor<B> {
+    let full = [d.batch_total, d.heads_total, geo.s, geo.t];
+    let region = [d.batch.clone(), d.heads.clone(), rows.clone(), cols.clone()];
+    let values = dropout_mask_values(d.key, d.site, full, region, d.p);
+    let shape = [geo.b, geo.hkv, geo.group() * rows.len(), cols.len()];
+    let mask = B::float_from_data(TensorData::new(values, shape), device);
+    if mask.dtype() == dtype {
+        mask
+    } else {
+        B::float_cast(mask, dtype.into())
+    }
+}
+
+/// The forward: the output `[b, hq, s, hd]` (in q's dtype) and each query block's
+/// log-sum-exp.
+///
+/// Shapes: `q` `[b, hq, s, hd]`, `k`, `v` `[b, hkv, t, hd]` with `hkv` dividing `hq` (each key
+/// / value head serves `hq / hkv` consecutive query heads) and `t >= spec.start + s`.
+pub(crate) fn forward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    spec: &AttentionSpec,
+) -> (FloatTensor<B>, Lse<B>) {
+    let geo = Geometry::of::<B>(&q, &k);
+    let dtype = q.dtype();
+    let scale = 1.0 / (geo.hd as f64).sqrt();
+    let device = q.device();
+    let mut outs = Vec::new();
+    let mut lses = Vec::new();
+    for rows in blocks(geo.s, spec.block) {
+        let qb = B::float_mul_scalar(
+            geo.stack::<B>(q.clone(), rows.clone()),
+            Scalar::Float(scale),
+        );
+        let mut state: Option<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> = None;
+        for cols in blocks(geo.t, spec.block) {
+            let (seen, masked) = visible(spec.start, &rows, &cols);
+            if !seen {
+                break;
+            }
+            let kb = widen::<B>(slice::<B>(k.clone(), 2, cols.clone()));
+            let vb = widen::<B>(slice::<B>(v.clone(), 2, cols.clone()));
+            let s = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
+            let block_max = B::float_max_dim(s.clone(), 3);
+            let (m, l, acc) = match state.take() {
+                None => {
+                    let p = B::float_exp(B::float_sub(s, block_max.clone()));
+                    let l = B::float_sum_dim(p.clone(), 3);
+                    let p = match &spec.dropout {
+                        Some(d) => {
+                            let dtype = p.dtype();
+                            B::float_mul(
+                                p,
+                                dropout_block::<B>(&geo, d, &rows, &cols, &device, dtype),
+                            )
+                        }
+                        None => p,
+                    };
+                    (block_max, l, B::float_matmul(p, vb))
+                }
+                Some((m, l, acc)) => {
+                    let m_new = B::float_max_dim(B::float_cat(vec![m.clone(), block_max], 3), 3);
+                    let p = B::float_exp(B::float_sub(s, m_new.clone()));
+                    let alpha = B::float_exp(B::float_sub(m, m_new.clone()));
+                    let l = B::float_add(
+                        B::float_mul(l, alpha.clone()),
+                        B::float_sum_dim(p.clone(), 3),
+                    );
+                    let p = match &spec.dropout {
+                        Some(d) => {
+                            let dtype = p.dtype();
+                            B::float_mul(
+                                p,
+                                dropout_block::<B>(&geo, d, &rows, &cols, &device, dtype),
+                            )
+                        }
+                        None => p,
+                    };
+                    let acc = B::float_add(B::float_mul(acc, alpha), B::float_matmul(p, vb));
+                    (m_new, l, acc)
+                }
+            };
+            state = Some((m, l, acc));
+        }
+        let (m, l, acc) = state.expect("key 0 is seen by every query");
+        let out = B::float_div(acc, l.clone());
+        outs.push(B::float_cast(
+            geo.unstack::<B>(out, rows.len()),
+            dtype.into(),
+        ));
+        lses.push(B::float_add(m, B::float_log(l)));
+    }
+    (B::float_cat(outs, 2), lses)
+}
+
+/// The backward: `(dq, dk, dv)` in the dtypes of q, k and v, from the upstream gradient
+/// `d_out` (`[b, hq, s, hd]`) and what the forward kept.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    out: FloatTensor<B>,
+    lse: &Lse<B>,
+    d_out: FloatTensor<B>,
+    spec: &AttentionSpec,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let geo = Geometry::of::<B>(&q, &k);
+    let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
+    let scale = 1.0 / (geo.hd as f64).sqrt();
+    let device = q.device();
+    let q_blocks: Vec<Range<usize>> = blocks(geo.s, spec.block).collect();
+    // Per query block: the scaled queries, the upstream gradient, and D = rowsum(dO * O).
+    let prepared: Vec<_> = q_blocks
+        .iter()
+        .map(|rows| {
+            let qb = B::float_mul_scalar(
+                geo.stack::<B>(q.clone(), rows.clone()),
+                Scalar::Float(scale),
+            );
+            let gb = geo.stack::<B>(d_out.clone(), rows.clone());
+            let ob = geo.stack::<B>(out.clone(), rows.clone());
+            let d = B::float_sum_dim(B::float_mul(gb.clone(), ob), 3);
+            (qb, gb, d)
+        })
+        .collect();
+    let mut dq: Vec<Option<FloatTensor<B>>> = vec![None; q_blocks.len()];
+    let mut dks = Vec::new();
+    let mut dvs = Vec::new();
+    let add = |acc: Option<FloatTensor<B>>, x: FloatTensor<B>| match acc {
+        Some(a) => B::float_add(a, x),
+        None => x,
+    };
+    for cols in blocks(geo.t, spec.block) {
+        let kb = widen::<B>(slice::<B>(k.clone(), 2, cols.clone()));
+        let vb = widen::<B>(slice::<B>(v.clone(), 2, cols.clone()));
+        let (mut dk, mut dv) = (None, None);
+        for (i, rows) in q_blocks.iter().enumerate() {
+            let (seen, masked) = visible(spec.start, rows, &cols);
+            if !seen {
+                continue;
+            }
+            let (qb, gb, d) = &prepared[i];
+            let s = scores::<B>(&geo, spec, qb, kb.clone(), rows, &cols, masked);
+            let p = B::float_exp(B::float_sub(s, lse[i].clone()));
+            let keep = spec
+                .dropout
+                .as_ref()
+                .map(|dr| dropout_block::<B>(&geo, dr, rows, &cols, &device, p.dtype()));
+            let p_kept = match &keep {
+                Some(m) => B::float_mul(p.clone(), m.clone()),
+                None => p.clone(),
+            };
+            dv = Some(add(
+                dv,
+                B::float_matmul(B::float_swap_dims(p_kept, 2, 3), gb.clone()),
+            ));
+            let dp = B::float_matmul(gb.clone(), B::float_swap_dims(vb.clone(), 2, 3));
+            let dp = match keep {
+                Some(m) => B::float_mul(dp, m),
+                None => dp,
+            };
+            let ds = B::float_mul(p, B::float_sub(dp, d.clone()));
+            dq[i] = Some(add(
+                dq[i].take(),
+                B::float_mul_scalar(
+                    B::float_matmul(ds.clone(), kb.clone()),
+                    Scalar::Float(scale),
+                ),
+            ));
+            dk = Some(add(
+                dk,
+                B::float_matmul(B::float_swap_dims(ds, 2, 3), qb.clone()),
+            ));
+        }
+        let zeros = || {
+            B::float_zeros(
+                Shape::from(vec![geo.b, geo.hkv, cols.len(), geo.hd]),
+                &device,
+                kb.dtype().into(),
+            )
+        };
+        dks.push(B::float_cast(dk.unwrap_or_else(zeros), k_dtype.into()));
+        dvs.push(B::float_cast(dv.unwrap_or_else(zeros), v_dtype.into()));
+    }
+    let dq = dq
+        .into_iter()
+        .zip(&q_blocks)
+        .map(|(g, rows)| {
+            let g = g.expect("every query sees key 0");
+            B::float_cast(geo.unstack::<B>(g, rows.len()), q_dtype.into())
+        })
+        .collect();
+    (
+        B::float_cat(dq, 2),
+        B::float_cat(dks, 2),
+        B::float_cat(dvs, 2),
+    )
+}

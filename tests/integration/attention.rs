@@ -1,0 +1,375 @@
+//! The fused attention (`burn_tp::attention::fused_attention`, FlashAttention-2 on the backend's
+//! ops) against plain f64 loops and against the materialized path (scores, mask, softmax and
+//! probabilities as tracked ops): values and the gradients of q, k and v in f64, f32 and bf16,
+//! causal from a query offset (the KV cache), grouped-query heads, dropout, blocks that do not
+//! divide the lengths; a finite-difference gradcheck in f64; and the models at sequences of
+//! several blocks, fused against materialized.
+
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_tp::attention::fused_attention;
+use burn_tp::backend::{AttentionDropout, AttentionSpec};
+use burn_tp::dropout::{DropoutKey, DropoutStep, dropout_mask};
+use burn_tp::gpt::GptConfig;
+use burn_tp::linear::{TpMode, TpSettings};
+use burn_tp::llama::LlamaConfig;
+use burn_tp::local::run_local;
+use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
+
+use crate::common::{assert_close, device, f64s, full_grads, rel_norm, rng_lock, tensor, uniform};
+
+fn fused(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, spec: AttentionSpec) -> Tensor<4> {
+    fused_attention(q, k, v, spec).unwrap()
+}
+
+/// q `[b, hq, s, hd]` and k, v `[b, hkv, t, hd]` of `seed`, in `dtype`.
+fn qkv([b, hq, hkv, s, t, hd]: [usize; 6], seed: u64, dtype: DType) -> [Tensor<4>; 3] {
+    [
+        tensor(uniform(b * hq * s * hd, seed), [b, hq, s, hd], dtype),
+        tensor(uniform(b * hkv * t * hd, seed + 1), [b, hkv, t, hd], dtype),
+        tensor(uniform(b * hkv * t * hd, seed + 2), [b, hkv, t, hd], dtype),
+    ]
+}
+
+/// Causal attention in plain f64 loops: query `i` (position `start + i`) over keys
+/// `0 ..= start + i`, query head `h` reading key / value head `h / (hq / hkv)`, the
+/// probabilities times `keep` (`[b, hq, s, t]`, the scaled dropout mask) if given.
+fn loops(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    [b, hq, s, hd]: [usize; 4],
+    [hkv, t]: [usize; 2],
+    start: usize,
+    keep: Option<&[f64]>,
+) -> Vec<f64> {
+    let mut out = vec![0.0; b * hq * s * hd];
+    let g = hq / hkv;
+    let scale = 1.0 / (hd as f64).sqrt();
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = h / g;
+            for i in 0..s {
+                let qrow = &q[((bi * hq + h) * s + i) * hd..][..hd];
+                let seen = start + i + 1;
+                let scores: Vec<f64> = (0..seen)
+                    .map(|j| {
+                        let krow = &k[((bi * hkv + kh) * t + j) * hd..][..hd];
+                        qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for (j, ej) in e.iter().enumerate() {
+                    let mut p = ej / sum;
+                    if let Some(keep) = keep {
+                        p *= keep[((bi * hq + h) * s + i) * t + j];
+                    }
+                    let vrow = &v[((bi * hkv + kh) * t + j) * hd..][..hd];
+                    for c in 0..hd {
+                        out[((bi * hq + h) * s + i) * hd + c] += p * vrow[c];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Today's path, materialized, as `ParallelAttention` ran it before the fused kernel: keys and
+/// values repeated per group, the `[s, t]` scores, the mask, softmax, dropout, `@ v`.
+fn materialized(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    start: usize,
+    keep: Option<Tensor<4>>,
+) -> Tensor<4> {
+    let [b, hq, s, hd] = q.dims();
+    let [_, hkv, t, _] = k.dims();
+    let g = hq / hkv;
+    let expand = |x: Tensor<4>| {
+        x.unsqueeze_dim::<5>(2)
+            .expand([b, hkv, g, t, hd])
+            .reshape([b, hq, t, hd])
+    };
+    // The scale as a tensor: Burn's scalar division's backward rounds the scalar to f32, which
+    // an f64 comparison would see (1.7e-8).
+    let scale = Tensor::<4>::full(
+        [1, 1, 1, 1],
+        1.0 / (hd as f64).sqrt(),
+        (&q.device(), q.dtype()),
+    );
+    let scores = q.matmul(expand(k).swap_dims(2, 3)) * scale;
+    let future =
+        Tensor::<2, Bool>::tril_mask([s, t], start as i64, &scores.device()).unsqueeze::<4>();
+    let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+    let att = match keep {
+        Some(m) => att * m.cast(q_dtype(&v)),
+        None => att,
+    };
+    att.matmul(expand(v))
+}
+
+fn q_dtype(x: &Tensor<4>) -> DType {
+    x.dtype()
+}
+
+/// Values and gradients of q, k, v (of the loss `sum(out * w)`) of `f`.
+fn value_and_grads(
+    [q, k, v]: [Tensor<4>; 3],
+    w: &Tensor<4>,
+    f: impl Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>,
+) -> [Vec<f64>; 4] {
+    let [q, k, v] = [q, k, v].map(|x| x.require_grad());
+    let out = f(q.clone(), k.clone(), v.clone());
+    let loss = (out.clone() * w.clone().cast(out.dtype())).sum();
+    let grads = loss.backward();
+    [
+        f64s(out),
+        f64s(q.grad(&grads).unwrap()),
+        f64s(k.grad(&grads).unwrap()),
+        f64s(v.grad(&grads).unwrap()),
+    ]
+}
+
+/// A geometry of the grid: `[b, hq, hkv, s, t, hd]`, the query offset, the block size.
+type Case = ([usize; 6], usize, usize);
+
+const CASES: [Case; 7] = [
+    ([2, 4, 4, 7, 7, 8], 0, 3),   // multi-head, odd length, blocks of 3
+    ([1, 4, 2, 9, 9, 4], 0, 4),   // grouped-query, 2 heads per key / value head
+    ([2, 4, 1, 5, 5, 8], 0, 2),   // one key / value head for all
+    ([1, 2, 2, 3, 10, 8], 7, 4),  // KV cache: 3 new queries after 7 cached positions
+    ([1, 4, 2, 1, 6, 8], 5, 128), // one decoding step
+    ([2, 2, 1, 16, 16, 8], 0, 4), // blocks that divide
+    ([1, 2, 2, 11, 11, 4], 0, 1), // blocks of one row
+];
+
+#[test]
+fn fused_attention_equals_f64_loops_and_the_materialized_path() {
+    let _rng = rng_lock();
+    for dtype in [DType::F64, DType::F32, DType::BF16] {
+        // f64: both exact to rounding; f32 and bf16: each path rounds on its own (the fused one
+        // in f32 blocks), so relative norms of differences.
+        let (val_tol, grad_tol) = match dtype {
+            DType::F64 => (1e-12, 1e-10),
+            DType::F32 => (1e-5, 1e-4),
+            _ => (2e-2, 4e-2),
+        };
+        for (n, &(geo, start, block)) in CASES.iter().enumerate() {
+            let [b, hq, hkv, s, t, hd] = geo;
+            let tag = format!(
+                "{dtype:?} case {n} (b {b} hq {hq} hkv {hkv} s {s} t {t} start {start} block {block})"
+            );
+            let inputs = qkv(geo, 11 + n as u64, dtype);
+            let w = tensor(uniform(b * hq * s * hd, 99), [b, hq, s, hd], dtype);
+            let spec = AttentionSpec {
+                block,
+                ..AttentionSpec::causal(start)
+            };
+            let [out, dq, dk, dv] =
+                value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
+            let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
+                materialized(q, k, v, start, None)
+            });
+            let [q, k, v] = inputs.map(f64s);
+            let exact = loops(&q, &k, &v, [b, hq, s, hd], [hkv, t], start, None);
+            assert!(
+                rel_norm(&out, &exact) <= val_tol,
+                "{tag}: out vs loops {:.2e}",
+                rel_norm(&out, &exact)
+            );
+            assert!(
+                rel_norm(&want, &exact) <= val_tol,
+                "{tag}: materialized vs loops"
+            );
+            for (name, got, want) in [("dq", dq, wdq), ("dk", dk, wdk), ("dv", dv, wdv)] {
+                let err = rel_norm(&got, &want);
+                assert!(err <= grad_tol, "{tag}: {name} {err:.2e}");
+                assert!(want.iter().any(|x| x.abs() > 1e-6), "{tag}: {name} is zero");
+            }
+        }
+    }
+}
+
+/// Dropout regenerated per block is the materialized path's logical mask: the same values and
+/// gradients, and both equal to the f64 loops with that mask.
+#[test]
+fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
+    let _rng = rng_lock();
+    let (b, hq, hkv, s, hd, p) = (2, 4, 2, 9, 8, 0.3);
+    let key = DropoutKey {
+        seed: 5,
+        at: DropoutStep::new(3).with_batch(2, 6),
+    };
+    // This rank's part of the logical mask: batch rows 2..4 of 6, query heads 4..8 of 8.
+    let full = [6, 8, s, s];
+    let region = [2..4, 4..8, 0..s, 0..s];
+    for block in [2, 4, 128] {
+        let inputs = qkv([b, hq, hkv, s, s, hd], 3, DType::F64);
+        let w = tensor(uniform(b * hq * s * hd, 98), [b, hq, s, hd], DType::F64);
+        let spec = AttentionSpec {
+            block,
+            dropout: Some(AttentionDropout {
+                p,
+                key,
+                site: 7,
+                batch_total: 6,
+                batch: 2..4,
+                heads_total: 8,
+                heads: 4..8,
+            }),
+            start: 0,
+        };
+        let keep = dropout_mask(key, 7, full, region.clone(), p, &device());
+        let [out, dq, dk, dv] =
+            value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
+        let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
+            materialized(q, k, v, 0, Some(keep.clone()))
+        });
+        let [q, k, v] = inputs.map(f64s);
+        let exact = loops(
+            &q,
+            &k,
+            &v,
+            [b, hq, s, hd],
+            [hkv, s],
+            0,
+            Some(&f64s(keep.clone())),
+        );
+        let tag = format!("block {block}");
+        assert_close(&out, &exact, 1e-12, &format!("{tag}: out vs loops"));
+        assert_close(
+            &want,
+            &exact,
+            1e-12,
+            &format!("{tag}: materialized vs loops"),
+        );
+        for (name, got, want) in [("dq", dq, wdq), ("dk", dk, wdk), ("dv", dv, wdv)] {
+            assert_close(&got, &want, 1e-10, &format!("{tag}: {name}"));
+        }
+    }
+}
+
+/// Central differences in f64 through q, k and v at once (blocks of 2 over 5 positions, two
+/// query heads per key / value head, a query offset).
+#[test]
+fn fused_attention_passes_a_finite_difference_gradcheck() {
+    let _rng = rng_lock();
+    let report = run_local(1, |g| {
+        let [q, k, v] = qkv([1, 2, 1, 3, 5, 4], 21, DType::F64);
+        let w = tensor(uniform(2 * 3 * 4, 22), [1, 2, 3, 4], DType::F64);
+        let spec = AttentionSpec {
+            block: 2,
+            ..AttentionSpec::causal(2)
+        };
+        // One input tensor for the checker: q, k, v stacked along the batch dim of a [3, ..].
+        let packed = Tensor::cat(
+            vec![
+                q.reshape([1, 2, 3, 4]).reshape([1, 24]),
+                k.reshape([1, 20]).pad_last(4),
+                v.reshape([1, 20]).pad_last(4),
+            ],
+            0,
+        );
+        gradcheck(
+            &g,
+            &[packed],
+            LossKind::Replicated,
+            GradcheckOptions::default(),
+            |x| {
+                let x = x[0].clone();
+                let q = x.clone().narrow(0, 0, 1).reshape([1, 2, 3, 4]);
+                let k = x
+                    .clone()
+                    .narrow(0, 1, 1)
+                    .narrow(1, 0, 20)
+                    .reshape([1, 1, 5, 4]);
+                let v = x.narrow(0, 2, 1).narrow(1, 0, 20).reshape([1, 1, 5, 4]);
+                (fused(q, k, v, spec.clone()) * w.clone()).sum()
+            },
+        )
+    })
+    .unwrap()
+    .remove(0);
+    let report = report.unwrap();
+    assert!(report.checked > 0, "{report:?}");
+}
+
+trait PadLast {
+    fn pad_last(self, n: usize) -> Self;
+}
+
+impl PadLast for Tensor<2> {
+    fn pad_last(self, n: usize) -> Self {
+        let [r, _] = self.dims();
+        let zeros = Tensor::<2>::zeros([r, n], (&self.device(), self.dtype()));
+        Tensor::cat(vec![self, zeros], 1)
+    }
+}
+
+fn ids(values: Vec<i64>, s: usize, b: usize) -> Tensor<2, Int> {
+    Tensor::from_data(TensorData::new(values, [s, b]), &device())
+}
+
+/// The GPT and the Llama (dropout on, grouped-query) at sequences of several blocks (260
+/// positions: two full blocks and a part), tp 1 and 2, both modes: the fused attention gives the
+/// materialized path's loss and gradients.
+#[test]
+fn the_models_fused_equal_the_materialized_path_over_several_blocks() {
+    let _rng = rng_lock();
+    let (s, b, v) = (260usize, 1usize, 13usize);
+    let x = crate::common::token_ids(s * b, v, 7, 3);
+    let y = crate::common::token_ids(s * b, v, 5, 1);
+    for llama in [false, true] {
+        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+            for tp in [1usize, 2] {
+                let run = |fused: bool| {
+                    device().seed(31);
+                    let (x, y) = (x.clone(), y.clone());
+                    run_local(tp, move |g| {
+                        let settings = TpSettings::new()
+                            .with_mode(mode)
+                            .with_fused_attention(fused);
+                        let (loss, grads) = if llama {
+                            let model = LlamaConfig::new(v, s, 16, 4, 2, 1, 16)
+                                .with_dropout(0.2)
+                                .with_settings(settings)
+                                .init(&g, &device())
+                                .unwrap();
+                            let step = Some(DropoutStep::new(2));
+                            let loss = model
+                                .try_loss(ids(x.clone(), s, b), ids(y.clone(), s, b), None, step)
+                                .unwrap()
+                                .mean;
+                            let grads = loss.backward();
+                            let full = full_grads(&model, &grads);
+                            (f64s(loss), crate::common::param_values(&full))
+                        } else {
+                            let model = GptConfig::new(v, s, 16, 4, 1)
+                                .with_settings(settings)
+                                .init(&g, &device())
+                                .unwrap();
+                            let loss = model.loss(ids(x.clone(), s, b), ids(y.clone(), s, b));
+                            let grads = loss.backward();
+                            let full = full_grads(&model, &grads);
+                            (f64s(loss), crate::common::param_values(&full))
+                        };
+                        (loss, grads)
+                    })
+                    .unwrap()
+                    .remove(0)
+                };
+                let (loss, grads) = run(true);
+                let (want_loss, want_grads) = run(false);
+                let tag = format!("llama {llama} {mode:?} tp {tp}");
+                assert_close(&loss, &want_loss, 1e-5, &format!("{tag}: loss"));
+                for (i, (g, w)) in grads.iter().zip(&want_grads).enumerate() {
+                    assert_close(g, w, 1e-4, &format!("{tag}: gradient {i}"));
+                }
+            }
+        }
+    }
+}
