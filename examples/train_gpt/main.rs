@@ -25,10 +25,11 @@ fn main() {
             let held = report.held_out.last().map_or(f64::NAN, |h| h.1);
             println!(
                 "{}: train loss {first:.4} -> {last:.4}, held-out {held:.4} (unigram entropy \
-                 {:.4}), {:.0} tokens/s; wrote {}",
+                 {:.4}), {:.0} tokens/s ({:.0} in the steps after the first); wrote {}",
                 burn_tp_examples::train_gpt::describe(&args),
                 report.unigram_entropy,
                 report.tokens_per_s,
+                report.step_tokens_per_s,
                 args.out.display()
             );
             let t = report.checkpoint_times;

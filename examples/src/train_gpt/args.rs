@@ -57,6 +57,15 @@ impl Precision {
     }
 }
 
+/// How the attention runs, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Attention {
+    /// By blocks with an online softmax; the backward recomputes each block (FlashAttention-2).
+    Fused,
+    /// The `[seq, seq]` scores and probabilities materialized and kept for the backward.
+    Materialized,
+}
+
 /// Where the ranks run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DeviceKind {
@@ -107,6 +116,11 @@ pub struct Args {
     /// Use the plain composed collectives instead of the overlapped ops.
     #[arg(long)]
     pub no_async: bool,
+    /// How the attention runs: by blocks, never materializing the `[seq, seq]` scores
+    /// (FlashAttention-2, the default), or materialized (scores, mask, softmax and
+    /// probabilities kept for the backward: the path before the fused kernel, to compare).
+    #[arg(long, value_enum, default_value_t = Attention::Fused)]
+    pub attention: Attention,
     /// Average the gradients over dp while the backward runs, in buckets started as soon as
     /// their last gradient is ready (`burn_tp::dp::GradReducer`), instead of after it.
     #[arg(long)]
@@ -227,6 +241,7 @@ pub fn settings(args: &Args) -> TpSettings {
         .with_mode(tp_mode(args))
         .with_async_communication(!args.no_async)
         .with_schedule(schedule(args))
+        .with_fused_attention(args.attention == Attention::Fused)
 }
 
 fn tp_mode(args: &Args) -> TpMode {

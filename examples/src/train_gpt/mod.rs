@@ -59,8 +59,12 @@ pub struct Report {
     /// Tokens in the whole text (training and held out): its characters, or the tokenizer's ids
     /// with `--init-from` a folder that has one.
     pub text_tokens: usize,
-    /// Tokens processed per second.
+    /// Tokens processed per second, over the whole run (building, evaluation and checkpoints
+    /// included).
     pub tokens_per_s: f64,
+    /// Tokens per second of the optimizer steps alone, after the first (a warm-up), as a
+    /// benchmark peer measures them; the first step's when there is only one.
+    pub step_tokens_per_s: f64,
     /// The sharded checkpoint folder written (`OUT/checkpoint`).
     pub checkpoint: PathBuf,
     /// Rank 0's communication profile (`--profile`).
@@ -161,6 +165,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         held_out,
         sample,
         profile,
+        step_s,
     } = out;
     let sample = codec.decode(&sample)?;
     let elapsed = start.elapsed().as_secs_f64();
@@ -193,6 +198,13 @@ pub fn run(args: &Args) -> Result<Report, String> {
         }
     }
     let tokens_per_s = (args.steps * args.batch * args.seq) as f64 / elapsed;
+    let warm = if step_s.len() > 1 {
+        &step_s[1..]
+    } else {
+        &step_s[..]
+    };
+    let step_tokens_per_s =
+        (warm.len() * args.batch * args.seq) as f64 / warm.iter().sum::<f64>().max(1e-9);
     Ok(Report {
         first_step,
         losses,
@@ -201,6 +213,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         unigram_entropy,
         text_tokens: tokens.len(),
         tokens_per_s,
+        step_tokens_per_s,
         checkpoint,
         profile,
         overlap: overlap_path(args),

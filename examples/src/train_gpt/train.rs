@@ -83,6 +83,9 @@ pub(super) struct RankOut {
     pub(super) losses: Vec<f64>,
     pub(super) held_out: Vec<(usize, f64)>,
     pub(super) sample: Vec<i64>,
+    /// Seconds of each optimizer step (forward, backward, reductions, update; no evaluation or
+    /// checkpoint).
+    pub(super) step_s: Vec<f64>,
 }
 
 /// This rank's place in the run: the world, the tp x dp mesh's groups, the device.
@@ -278,10 +281,13 @@ impl<M: Trainable> Rank<'_, M> {
         let mut losses = Vec::with_capacity(args.steps);
         let mut held_out = vec![(first_step, self.held_out(&model)?)];
         let mut stopped = None;
+        let mut step_s = Vec::with_capacity(args.steps);
         let end = first_step + args.steps;
         for step in first_step..end {
             let value;
+            let step_start = Instant::now();
             (model, value) = self.step(model, step, optim)?;
+            step_s.push(step_start.elapsed().as_secs_f64());
             losses.push(value);
             // Every rank sees the same (dp-averaged) value, so all stop at the same step.
             if !value.is_finite() && !args.keep_going {
@@ -319,6 +325,7 @@ impl<M: Trainable> Rank<'_, M> {
             losses,
             held_out,
             sample: Vec::new(),
+            step_s,
         };
         Ok((model, out))
     }
