@@ -59,6 +59,11 @@ pub(crate) fn held_out_loss<M: LanguageModel>(
     dp_group: &ProcessGroup,
     device: &Device,
 ) -> Result<f64, Box<dyn std::error::Error>> {
+    // Off autodiff: on an autodiff device a forward keeps its graph until a backward that never
+    // comes (burn-tp's ops whose backward communicates are always tracked): each evaluation's,
+    // for the rest of the run.
+    let model = model.valid();
+    let device = &device.clone().without_autodiff();
     let mut sum = 0.0;
     for k in 0..EVAL_BATCHES {
         let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
@@ -82,7 +87,8 @@ pub(crate) fn generate<M: LanguageModel>(
     tp_group: &ProcessGroup,
     device: &Device,
 ) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
-    let model = model.clone().with_mode(TpMode::AllReduce);
+    let model = model.valid().with_mode(TpMode::AllReduce);
+    let device = &device.clone().without_autodiff();
     let window = args.seq;
     let mut context = data.held_out[..window].to_vec();
     let mut state = args.seed ^ 0x5eed_5a3b_1e00_0000;

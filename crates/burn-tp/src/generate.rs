@@ -120,6 +120,11 @@ pub fn generate<M: LanguageModel>(
     if prompt.is_empty() {
         return Err(TpError::Config("generate: an empty prompt".into()));
     }
+    // Off autodiff: on an autodiff device a forward keeps its graph until a backward that never
+    // comes (burn-tp's ops whose backward communicates are always tracked), every step's, for
+    // the whole generation.
+    let model = model.valid();
+    let device = &device.clone().without_autodiff();
     let vocab = model.n_vocab();
     let mut cache = DecodeCache::default();
     let mut rng = SplitMix(options.seed);
