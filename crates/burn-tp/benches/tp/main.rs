@@ -497,9 +497,11 @@ fn bench_scaling(quick: bool) {
     println!("| {:.1} | {:.1} | {:.3} |", t1 * 1e3, t2 * 1e3, t2 / t1);
 }
 
+mod attention;
 mod floor;
 mod grid;
 
+use attention::bench_attention;
 use floor::bench_layer_floor;
 use grid::bench_async_grid;
 
@@ -522,6 +524,7 @@ fn main() {
     }
     match only.as_deref() {
         Some("floor") => return bench_layer_floor(quick),
+        Some("attention") => return bench_attention(quick),
         Some("collectives") => return bench_collectives(quick),
         Some("grid") => return bench_async_grid(quick),
         Some("split") => {
@@ -564,6 +567,7 @@ fn main() {
     }
     bench_layer_floor(quick);
     bench_async_grid(quick);
+    bench_attention(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }
 

@@ -32,7 +32,7 @@ use burn_std::Scalar;
 use crate::dropout::{DropoutKey, dropout_mask_values};
 
 /// Rows of a query block and columns of a key block.
-pub const BLOCK: usize = 128;
+pub const BLOCK: usize = 256;
 
 /// What one attention call needs besides q, k and v.
 #[derive(Clone, Debug, PartialEq)]
@@ -67,7 +67,7 @@ pub struct AttentionDropout {
 }
 
 impl AttentionSpec {
-    /// Causal attention from position `start`, no dropout, blocks of 128 rows.
+    /// Causal attention from position `start`, no dropout, blocks of 256 rows.
     pub fn causal(start: usize) -> Self {
         Self {
             start,
