@@ -315,7 +315,7 @@ fn ids(values: Vec<i64>, s: usize, b: usize) -> Tensor<2, Int> {
 }
 
 /// The GPT and the Llama (dropout on, grouped-query) at sequences of several blocks (260
-/// positions: two full blocks and a part), tp 1 and 2, both modes: the fused attention gives the
+/// positions: a full block of 256 and a part), tp 1 and 2, both modes: the fused attention gives the
 /// materialized path's loss and gradients.
 #[test]
 fn the_models_fused_equal_the_materialized_path_over_several_blocks() {

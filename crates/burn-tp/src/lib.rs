@@ -8,7 +8,7 @@
 //! | transport | `burn-tp-comm` ([`comm`]): process groups, no autodiff, no Burn |
 //! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards |
 //! | ops | [`ops`]: differentiable collectives on `Tensor<D>`, each with an async form |
-//! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`attention`] (both models' attention, with the KV cache), [`transformer`] (the GPT's MLP, a replicated layer norm, replicated gradients) |
+//! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`attention`] (both models' attention, by blocks without the `[s, s]` scores, with the KV cache), [`transformer`] (the GPT's MLP, a replicated layer norm, replicated gradients) |
 //! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary), sharing `decoder` (logits and the decode loop); [`model`]: [`LanguageModel`](model::LanguageModel), both behind one trait for a training loop |
 //! | use | [`generate`] (sampling with the KV cache), [`reshard`] (between tp sizes), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies) |
 //!
