@@ -243,45 +243,34 @@ pub(crate) fn forward<B: Backend>(
             let vb = widen::<B>(slice::<B>(v.clone(), 2, cols.clone()));
             let s = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
             let block_max = B::float_max_dim(s.clone(), 3);
-            let (m, l, acc) = match state.take() {
-                None => {
-                    let p = B::float_exp(B::float_sub(s, block_max.clone()));
-                    let l = B::float_sum_dim(p.clone(), 3);
-                    let p = match &spec.dropout {
-                        Some(d) => {
-                            let dtype = p.dtype();
-                            B::float_mul(
-                                p,
-                                dropout_block::<B>(&geo, d, &rows, &cols, &device, dtype),
-                            )
-                        }
-                        None => p,
-                    };
-                    (block_max, l, B::float_matmul(p, vb))
+            // The running max over the blocks seen so far.
+            let m_new = match &state {
+                None => block_max,
+                Some((m, _, _)) => B::float_max_dim(B::float_cat(vec![m.clone(), block_max], 3), 3),
+            };
+            let p = B::float_exp(B::float_sub(s, m_new.clone()));
+            // The normalizer sums the undropped probabilities; the output the kept ones.
+            let row_sum = B::float_sum_dim(p.clone(), 3);
+            let p = match &spec.dropout {
+                Some(d) => {
+                    let keep = dropout_block::<B>(&geo, d, &rows, &cols, &device, p.dtype());
+                    B::float_mul(p, keep)
                 }
+                None => p,
+            };
+            let pv = B::float_matmul(p, vb);
+            let (l, acc) = match state.take() {
+                None => (row_sum, pv),
                 Some((m, l, acc)) => {
-                    let m_new = B::float_max_dim(B::float_cat(vec![m.clone(), block_max], 3), 3);
-                    let p = B::float_exp(B::float_sub(s, m_new.clone()));
+                    // Earlier blocks' sums and outputs, rescaled to the new max.
                     let alpha = B::float_exp(B::float_sub(m, m_new.clone()));
-                    let l = B::float_add(
-                        B::float_mul(l, alpha.clone()),
-                        B::float_sum_dim(p.clone(), 3),
-                    );
-                    let p = match &spec.dropout {
-                        Some(d) => {
-                            let dtype = p.dtype();
-                            B::float_mul(
-                                p,
-                                dropout_block::<B>(&geo, d, &rows, &cols, &device, dtype),
-                            )
-                        }
-                        None => p,
-                    };
-                    let acc = B::float_add(B::float_mul(acc, alpha), B::float_matmul(p, vb));
-                    (m_new, l, acc)
+                    (
+                        B::float_add(B::float_mul(l, alpha.clone()), row_sum),
+                        B::float_add(B::float_mul(acc, alpha), pv),
+                    )
                 }
             };
-            state = Some((m, l, acc));
+            state = Some((m_new, l, acc));
         }
         let (m, l, acc) = state.expect("key 0 is seen by every query");
         let out = B::float_div(acc, l.clone());
