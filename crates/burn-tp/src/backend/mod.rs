@@ -15,6 +15,7 @@
 //! | `host.rs`     | the host transport: one dtype switch, dim-first moves, slicing    |
 //! | `overlap.rs`  | the parallel-linear math and its overlap schedules (with diagram) |
 //! | `flash.rs`    | causal attention by blocks: no `[s, t]` scores (with diagram)     |
+//! | `gemm.rs`     | [`gemm`]: a row-major strided product as a column-major BLAS call |
 //! | `flex.rs`     | `TpBackend` for Flex (the defaults)                               |
 //! | `autodiff.rs` | `TpBackend` for `Autodiff<B>`: the backward nodes                 |
 //! | `cuda.rs`     | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
@@ -37,6 +38,7 @@ mod autodiff;
 mod cuda;
 pub(crate) mod flash;
 mod flex;
+pub mod gemm;
 pub(crate) mod grad_tap;
 pub(crate) mod host;
 pub(crate) mod overlap;
