@@ -156,15 +156,8 @@ fn the_generate_example_takes_a_text_prompt_through_the_tokenizer() {
     use clap::Parser;
     let _rng = rng_lock();
     let dir = fixture("llama_text");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let ints = |k: &str| -> Vec<i64> {
-        v[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_i64().unwrap())
-            .collect()
-    };
+    let v = expected_json(&dir);
+    let ints = |k: &str| json_ints(&v, k);
     let text = v["prompt_text"].as_str().unwrap();
     let args = |model: &Path, extra: &[&str]| {
         let mut argv = vec![

@@ -35,16 +35,24 @@ struct Expected {
     greedy: Vec<i64>,
 }
 
-fn expected(dir: &Path) -> Expected {
+/// A fixture's `expected.json`.
+fn expected_json(dir: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ints = |k: &str| -> Vec<i64> {
-        v[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_i64().unwrap())
-            .collect()
-    };
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The integer list `k` of an `expected.json`.
+fn json_ints(v: &serde_json::Value, k: &str) -> Vec<i64> {
+    v[k].as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+fn expected(dir: &Path) -> Expected {
+    let v = expected_json(dir);
+    let ints = |k: &str| json_ints(&v, k);
     Expected {
         prompt: ints("prompt_ids"),
         last_logits: v["last_logits"]

@@ -26,9 +26,10 @@
 use std::ops::Range;
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
-use burn::tensor::{FloatDType, Shape, Slice, TensorData};
+use burn::tensor::{FloatDType, Shape, TensorData};
 use burn_std::Scalar;
 
+use super::host::slice_dim;
 use crate::dropout::{DropoutKey, dropout_mask_values};
 
 /// Rows of a query block and columns of a key block.
@@ -81,15 +82,6 @@ impl AttentionSpec {
 /// log-sum-exp, `[b, hkv, g * Bq, 1]` in the compute dtype.
 pub(crate) type Lse<B> = Vec<FloatTensor<B>>;
 
-fn slice<B: Backend>(x: FloatTensor<B>, dim: usize, range: Range<usize>) -> FloatTensor<B> {
-    if range.start == 0 && range.end == x.shape()[dim] {
-        return x;
-    }
-    let mut slices = vec![Slice::full(); x.shape().num_dims()];
-    slices[dim] = Slice::new(range.start as isize, Some(range.end as isize), 1);
-    B::float_slice(x, &slices)
-}
-
 /// `x` in the dtype the blocks compute in: half dtypes widened to f32, f32 and f64 as they are.
 fn widen<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     match x.dtype() {
@@ -133,11 +125,12 @@ impl Geometry {
         self.hq / self.hkv
     }
 
-    /// Query block `rows` of `x` (`[b, hq, s, c]`) as `[b, hkv, g * rows, c]` in f32.
+    /// Query block `rows` of `x` (`[b, hq, s, c]`) as `[b, hkv, g * rows, c]`, widened (see
+    /// [`widen`]).
     fn stack<B: Backend>(&self, x: FloatTensor<B>, rows: Range<usize>) -> FloatTensor<B> {
         let c = x.shape()[3];
         let n = rows.len();
-        let x = widen::<B>(slice::<B>(x, 2, rows));
+        let x = widen::<B>(slice_dim::<B>(x, 2, rows));
         B::float_reshape(x, Shape::from(vec![self.b, self.hkv, self.group() * n, c]))
     }
 
@@ -239,8 +232,8 @@ pub(crate) fn forward<B: Backend>(
             if !seen {
                 break;
             }
-            let kb = widen::<B>(slice::<B>(k.clone(), 2, cols.clone()));
-            let vb = widen::<B>(slice::<B>(v.clone(), 2, cols.clone()));
+            let kb = widen::<B>(slice_dim::<B>(k.clone(), 2, cols.clone()));
+            let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
             let s = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
             let block_max = B::float_max_dim(s.clone(), 3);
             // The running max over the blocks seen so far.
@@ -322,8 +315,8 @@ pub(crate) fn backward<B: Backend>(
         None => x,
     };
     for cols in blocks(geo.t, spec.block) {
-        let kb = widen::<B>(slice::<B>(k.clone(), 2, cols.clone()));
-        let vb = widen::<B>(slice::<B>(v.clone(), 2, cols.clone()));
+        let kb = widen::<B>(slice_dim::<B>(k.clone(), 2, cols.clone()));
+        let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
         let (mut dk, mut dv) = (None, None);
         for (i, rows) in q_blocks.iter().enumerate() {
             let (seen, masked) = visible(spec.start, rows, &cols);
