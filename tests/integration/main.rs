@@ -8,6 +8,7 @@ mod dp;
 mod dtype;
 mod embedding;
 mod failures;
+mod fused_ops;
 mod gpt;
 mod gpu_check_script;
 mod hf;

@@ -11,7 +11,10 @@
 
 use std::ops::Range;
 
+use burn::backend::{Backend, Dispatch, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::backend::TpBackend;
 
 /// The training step a forward runs (dropout on, with that step's masks), and where this
 /// data-parallel rank's batch sits in the global batch.
@@ -70,9 +73,13 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Uniform in `[0, 1)` for element `index` of `site` at `key`.
-fn uniform(key: DropoutKey, site: u64, index: u64) -> f64 {
-    let stream = splitmix64(splitmix64(splitmix64(key.seed) ^ site) ^ key.at.step);
+/// The stream of `site` at `key`: element `index` draws [`uniform`]`(stream, index)`.
+fn stream(key: DropoutKey, site: u64) -> u64 {
+    splitmix64(splitmix64(splitmix64(key.seed) ^ site) ^ key.at.step)
+}
+
+/// Uniform in `[0, 1)` for element `index` of a [`stream`].
+fn uniform(stream: u64, index: u64) -> f64 {
     (splitmix64(stream ^ index) >> 11) as f64 / (1u64 << 53) as f64
 }
 
@@ -123,13 +130,14 @@ pub(crate) fn dropout_mask_values<const D: usize>(
     }
     let n: usize = shape.iter().product();
     let scale = (1.0 / (1.0 - p)) as f32;
+    let stream = stream(key, site);
     let mut values = Vec::with_capacity(n);
     let mut idx = [0usize; D];
     for _ in 0..n {
         let global: u64 = (0..D)
             .map(|d| (region[d].start + idx[d]) as u64 * strides[d])
             .sum();
-        values.push(if uniform(key, site, global) >= p {
+        values.push(if uniform(stream, global) >= p {
             scale
         } else {
             0.0
@@ -146,7 +154,11 @@ pub(crate) fn dropout_mask_values<const D: usize>(
 }
 
 /// Dropout of `x`, the `region` of a logical tensor of shape `full`, at `site`: `x` times its
-/// part of the logical mask, or `x` itself when `key` is `None` or `p == 0`.
+/// part of the logical mask, or `x` itself when `key` is `None` or `p == 0`. One op whose
+/// backward regenerates the mask from the counter-based RNG: nothing is kept for it.
+///
+/// # Panics
+/// If `D > 4`, the region does not fit in `full`, or `p` is not in `[0, 1)`.
 pub fn tp_dropout<const D: usize>(
     x: Tensor<D>,
     p: f64,
@@ -157,11 +169,55 @@ pub fn tp_dropout<const D: usize>(
 ) -> Tensor<D> {
     match key {
         Some(key) if p > 0.0 => {
-            let mask = dropout_mask(key, site, full, region, p, &x.device()).cast(x.dtype());
-            x * mask
+            assert!(D <= 4, "tp_dropout: rank {D} > 4");
+            // Leading dims of one element leave every global index as it is.
+            let lead = 4 - D;
+            let spec = DropoutSpec {
+                p,
+                key,
+                site,
+                full: std::array::from_fn(|d| if d < lead { 1 } else { full[d - lead] }),
+                region: std::array::from_fn(|d| {
+                    if d < lead {
+                        0..1
+                    } else {
+                        region[d - lead].clone()
+                    }
+                }),
+            };
+            Tensor::from_dispatch(<Dispatch as TpBackend>::tp_dropout(x.into_dispatch(), spec))
         }
         _ => x,
     }
+}
+
+/// One dropout call: `region` of the logical mask of `site` (shape `full`, padded to rank 4
+/// with leading ones) at `key`, dropping with probability `p`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DropoutSpec {
+    /// Probability of dropping.
+    pub p: f64,
+    /// The step's key.
+    pub key: DropoutKey,
+    /// The dropout site.
+    pub site: u64,
+    /// The logical tensor's shape.
+    pub full: [usize; 4],
+    /// This call's region of it (the input's shape).
+    pub region: [Range<usize>; 4],
+}
+
+/// `x` times the scaled keep mask of `spec` (the forward and, for the gradient, the backward of
+/// [`TpBackend::tp_dropout`]).
+pub(crate) fn apply_mask<B: Backend>(x: FloatTensor<B>, spec: &DropoutSpec) -> FloatTensor<B> {
+    let values = dropout_mask_values(spec.key, spec.site, spec.full, spec.region.clone(), spec.p);
+    let mask = B::float_from_data(TensorData::new(values, x.shape()), &x.device());
+    let mask = if mask.dtype() == x.dtype() {
+        mask
+    } else {
+        B::float_cast(mask, x.dtype().into())
+    };
+    B::float_mul(x, mask)
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
+use burn::backend::Dispatch;
 use burn::config::Config;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::nn::{LayerNorm, LayerNormConfig};
@@ -15,6 +16,7 @@ use burn::tensor::{Device, Tensor};
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use crate::Result as TpResult;
+use crate::backend::{NormSpec, TpBackend};
 use crate::init::owned;
 use crate::linear::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
@@ -232,8 +234,28 @@ impl TpLayerNorm {
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let gamma = replicated_param(&self.gamma, self.mode, &self.group);
         let beta = replicated_param(&self.beta, self.mode, &self.group);
-        burn::tensor::module::layer_norm(x, gamma, Some(beta), self.epsilon)
+        let spec = NormSpec {
+            rms: false,
+            epsilon: self.epsilon,
+        };
+        norm(x, gamma, Some(beta), spec)
     }
+}
+
+/// Layer norm or RMSNorm over the last dim as one backend op ([`TpBackend::tp_norm`]), whose
+/// backward keeps only `x` and `gamma`: `[.., d] -> [.., d]`.
+pub(crate) fn norm<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    beta: Option<Tensor<1>>,
+    spec: NormSpec,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as TpBackend>::tp_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.map(Tensor::into_dispatch).into(),
+        spec,
+    ))
 }
 
 /// Configuration of a [`ParallelMlp`].

@@ -10,13 +10,16 @@ use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 
 use super::flash::{self, AttentionSpec};
 use super::host::local_chunk;
+use super::norm::{self, NormSpec};
 use super::overlap::{
     ColumnSaved, LinearGrads, Needs, column_backward, column_forward, row_backward, row_forward,
 };
+use super::swiglu;
 use super::{
     Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective, TpBackend,
     collective_blocking,
 };
+use crate::dropout::{DropoutSpec, apply_mask};
 
 #[derive(Debug)]
 struct CollectiveBackward;
@@ -262,6 +265,105 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         }
     }
 
+    fn tp_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Bias<Self>,
+        spec: NormSpec,
+    ) -> FloatTensor<Self> {
+        let beta = beta.into_option();
+        let y = norm::forward::<B>(
+            x.primitive().clone(),
+            gamma.primitive().clone(),
+            beta.as_ref().map(|b| b.primitive().clone()),
+            &spec,
+        );
+        // What the backward needs: the input and the weight (the statistics are recomputed).
+        let state = NormState {
+            x: x.primitive().clone(),
+            gamma: gamma.primitive().clone(),
+            spec,
+        };
+        match beta {
+            Some(b) => match NormBackward
+                .prepare::<C>([x.node(), gamma.node(), b.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            },
+            None => match NormBackward
+                .prepare::<C>([x.node(), gamma.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            },
+        }
+    }
+
+    fn tp_dropout(x: FloatTensor<Self>, spec: DropoutSpec) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct DropoutBackward;
+        impl<B: Backend> Backward<B, 1> for DropoutBackward {
+            type State = DropoutSpec;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let dy = grads.consume::<B>(&ops.node);
+                let [parent] = ops.parents;
+                if let Some(node) = parent {
+                    grads.register::<B>(node.id, apply_mask::<B>(dy, &ops.state));
+                }
+            }
+        }
+        let y = apply_mask::<B>(x.primitive().clone(), &spec);
+        match DropoutBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            // The mask is regenerated from its counters: nothing else is kept.
+            OpsKind::Tracked(prep) => prep.finish(spec, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn tp_swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct SwiGluBackward;
+        impl<B: Backend> Backward<B, 1> for SwiGluBackward {
+            type State = FloatTensor<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let dz = grads.consume::<B>(&ops.node);
+                let [parent] = ops.parents;
+                if let Some(node) = parent {
+                    grads.register::<B>(node.id, swiglu::backward::<B>(ops.state, dz));
+                }
+            }
+        }
+        let z = swiglu::forward::<B>(y.primitive().clone());
+        match SwiGluBackward
+            .prepare::<C>([y.node()])
+            .compute_bound()
+            .stateful()
+        {
+            // Only the input: the gate's sigmoid is recomputed.
+            OpsKind::Tracked(prep) => prep.finish(y.into_primitive(), z),
+            OpsKind::UnTracked(prep) => prep.finish(z),
+        }
+    }
+
     fn tp_column_linear(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -313,6 +415,32 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
                 OpsKind::UnTracked(prep) => prep.finish(out),
             },
         )
+    }
+}
+
+/// The backward node of the norms, over 2 parents (x, gamma) or 3 (x, gamma, beta).
+#[derive(Debug)]
+struct NormBackward;
+
+#[derive(Clone, Debug)]
+struct NormState<B: Backend> {
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    spec: NormSpec,
+}
+
+impl<B: Backend, const N: usize> Backward<B, N> for NormBackward {
+    type State = NormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _ck: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let NormState { x, gamma, spec } = ops.state;
+        let (dx, d_gamma, d_beta) = norm::backward::<B>(x, gamma, dy, &spec);
+        for (parent, g) in ops.parents.into_iter().zip([dx, d_gamma, d_beta]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, g);
+            }
+        }
     }
 }
 

@@ -204,8 +204,8 @@ fn dropout_block<B: Backend>(
     }
 }
 
-/// The forward: the output `[b, hq, s, hd]` (in q's dtype) and each query block's
-/// log-sum-exp.
+/// The forward: the output `[b, hq, s, hd]` (in q's dtype, laid out as `[s, b, hq, hd]`) and
+/// each query block's log-sum-exp.
 ///
 /// Shapes: `q` `[b, hq, s, hd]`, `k`, `v` `[b, hkv, t, hd]` with `hkv` dividing `hq` (each key
 /// / value head serves `hq / hkv` consecutive query heads) and `t >= spec.start + s`.
@@ -273,7 +273,14 @@ pub(crate) fn forward<B: Backend>(
         ));
         lses.push(B::float_add(m, B::float_log(l)));
     }
-    (B::float_cat(outs, 2), lses)
+    // Laid out as `[s, b, hq, hd]` in memory: the attention layer's `permute([2, 0, 1, 3])` and
+    // reshape before its output projection are then views, and the projection keeps this same
+    // buffer for its backward instead of a second copy of the output.
+    let outs = outs
+        .into_iter()
+        .map(|o| B::float_permute(o, &[2, 0, 1, 3]))
+        .collect();
+    (B::float_permute(B::float_cat(outs, 0), &[1, 2, 0, 3]), lses)
 }
 
 /// The backward: `(dq, dk, dv)` in the dtypes of q, k and v, from the upstream gradient

@@ -15,6 +15,8 @@
 //! | `host.rs`     | the host transport: one dtype switch, dim-first moves, slicing    |
 //! | `overlap.rs`  | the parallel-linear math and its overlap schedules (with diagram) |
 //! | `flash.rs`    | causal attention by blocks: no `[s, t]` scores (with diagram)     |
+//! | `norm.rs`     | layer norm and RMSNorm whose backward keeps only the input        |
+//! | `swiglu.rs`   | `silu(gate) * up` whose backward keeps only the input             |
 //! | `gemm.rs`     | [`gemm`]: a row-major strided product as a column-major BLAS call |
 //! | `flex.rs`     | `TpBackend` for Flex (the defaults)                               |
 //! | `autodiff.rs` | `TpBackend` for `Autodiff<B>`: the backward nodes                 |
@@ -41,18 +43,23 @@ mod flex;
 pub mod gemm;
 pub(crate) mod grad_tap;
 pub(crate) mod host;
+mod norm;
 pub(crate) mod overlap;
 mod pool;
+mod swiglu;
 pub(crate) mod types;
 
-// Public for the pool's own test in tests/ (no user needs it).
+// Public for the pool's own test in tests/ and the memory bench (no user needs them).
 #[doc(hidden)]
-pub use pool::pool_stats;
+pub use pool::{pool_free_bytes, pool_stats};
 
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
 use burn_tp_comm::ProcessGroup;
 
+use crate::dropout::DropoutSpec;
+
 pub use flash::{AttentionDropout, AttentionSpec};
+pub use norm::NormSpec;
 pub use types::Collective;
 pub(crate) use types::{LinearSpec, OverlapSchedule, TpMode};
 // The types `TpBackend`'s ops cross the dispatch boundary in: public because the trait's
@@ -139,6 +146,30 @@ pub trait TpBackend: Backend {
         spec: AttentionSpec,
     ) -> FloatTensor<Self> {
         flash::forward::<Self>(q, k, v, &spec).0
+    }
+
+    /// Layer norm or RMSNorm (`spec`) of `x` (`[.., d]`) over the last dim, with `gamma` (and
+    /// `beta`, `[d]`): `[.., d]` in x's dtype (`norm.rs`). On `Autodiff` its backward keeps only
+    /// `x` and `gamma` and recomputes the row statistics.
+    fn tp_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        #[extension_type] beta: Bias<Self>,
+        spec: NormSpec,
+    ) -> FloatTensor<Self> {
+        norm::forward::<Self>(x, gamma, beta.into_option(), &spec)
+    }
+
+    /// Dropout of `x` with the logical mask of `spec` (`crate::dropout`): `x` times the scaled
+    /// keep mask. On `Autodiff` its backward regenerates the mask (nothing kept).
+    fn tp_dropout(x: FloatTensor<Self>, spec: DropoutSpec) -> FloatTensor<Self> {
+        crate::dropout::apply_mask::<Self>(x, &spec)
+    }
+
+    /// SwiGLU's gate: `silu(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`, in y's
+    /// dtype; `swiglu.rs`). On `Autodiff` its backward keeps only `y`.
+    fn tp_swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::forward::<Self>(y)
     }
 
     /// Column-parallel linear with overlapped communication (see `overlap.rs`):

@@ -101,6 +101,11 @@ pub fn pool_stats() -> (u64, u64) {
     (p.taken, p.reused)
 }
 
+/// Bytes of the free blocks the pool keeps (allocated, held by no tensor).
+pub fn pool_free_bytes() -> usize {
+    pool().bytes
+}
+
 /// An output buffer of `len` elements of `T` from the pool, for a collective to write into.
 pub(crate) struct PooledBuf<T> {
     block: Option<Block>,

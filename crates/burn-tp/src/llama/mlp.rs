@@ -1,12 +1,13 @@
 //! SwiGLU MLP: gate and up as one fused column-parallel layer of two contiguous chunks.
 
+use burn::backend::Dispatch;
 use burn::config::Config;
 use burn::module::Module;
-use burn::tensor::activation::silu;
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::Result as TpResult;
+use crate::backend::TpBackend;
 use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
     RowParallelLinearConfig, TpSettings,
@@ -75,9 +76,9 @@ impl ParallelSwiGlu {
     /// As [`forward`](Self::forward)'s panics.
     pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
         let y = self.gate_up.try_forward(x)?;
-        let f = y.dims()[2] / 2;
-        let (gate, up) = (y.clone().narrow(2, 0, f), y.narrow(2, f, f));
-        self.down.try_forward(silu(gate) * up)
+        // One op whose backward keeps only `y` (silu and the product recomputed).
+        let z = <Dispatch as TpBackend>::tp_swiglu(y.into_dispatch());
+        self.down.try_forward(Tensor::from_dispatch(z))
     }
 }
 

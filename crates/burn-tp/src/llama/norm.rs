@@ -2,16 +2,18 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{RmsNorm, RmsNormConfig};
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::Result as TpResult;
+use crate::backend::NormSpec;
 use crate::init::owned;
 use crate::linear::TpMode;
 use crate::reshard::{ParamLayout, Reshard, solo};
-use crate::transformer::replicated_param;
+use crate::transformer::{norm, replicated_param};
 
-/// RMSNorm over the last dim, as Burn's `RmsNorm` (the mean square in f32), with a replicated
+/// RMSNorm over the last dim, as Burn's `RmsNorm` (half inputs computed in f32), one op whose
+/// backward keeps only the input and the weight ([`TpBackend::tp_norm`](crate::backend::TpBackend::tp_norm)), with a replicated
 /// `gamma` whose gradient is summed over the group in REDUCE_SCATTER mode, where each rank
 /// normalizes its own sequence shard (like [`TpLayerNorm`](crate::transformer::TpLayerNorm)).
 #[derive(Module, Debug)]
@@ -65,9 +67,11 @@ impl TpRmsNorm {
     /// `[.., d_model] -> [.., d_model]`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let gamma = replicated_param(&self.gamma, self.mode, &self.group);
-        let dtype = x.dtype();
-        let rms = (x.clone().cast(DType::F32).square().mean_dim(D - 1) + self.epsilon).sqrt();
-        (x / rms.cast(dtype)) * gamma.unsqueeze()
+        let spec = NormSpec {
+            rms: true,
+            epsilon: self.epsilon,
+        };
+        norm(x, gamma, None, spec)
     }
 }
 

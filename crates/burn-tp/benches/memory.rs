@@ -1,0 +1,328 @@
+//! What the autodiff graph keeps for the backward, per transformer layer, counted exactly: every
+//! allocation of the process goes through a counting allocator, and a layer's share is the bytes
+//! still allocated after the forward of a 2-layer model minus those after the forward of a
+//! 1-layer model (same shapes, same rank), each measured before its backward. Per rank: the
+//! ranks are threads of one process, so the process's count is divided by tp (every rank holds
+//! the same shapes). The parts (each norm, the attention, the MLP) are the same difference for
+//! the part alone on a tracked input.
+//!
+//! The reference is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+//! Transformer Models": with sequence parallelism and selective recompute a layer keeps
+//! `34 s b h / t` bytes in 16-bit, twice that in f32 (GELU MLP, attention dropout; the SwiGLU
+//! MLP of the Llama keeps more: its formula is printed beside it).
+//!
+//! ```text
+//! cargo bench -p burn-tp --bench memory            # the issue's shapes
+//! cargo bench -p burn-tp --bench memory -- --quick # small shapes (CI smoke)
+//! ```
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use burn::tensor::{Device, FloatDType, Int, Tensor};
+use burn_tp::attention::ParallelAttentionConfig;
+use burn_tp::comm::{LocalGroup, ProcessGroup};
+use burn_tp::dropout::{DropoutKey, DropoutStep};
+use burn_tp::gpt::{Gpt, GptConfig};
+use burn_tp::linear::{TpMode, TpSettings};
+use burn_tp::llama::{Llama, LlamaConfig, ParallelSwiGluConfig, TpRmsNorm};
+use burn_tp::local::{RunOptions, run_ranks_with};
+use burn_tp::model::LanguageModel;
+use burn_tp::precision::cast_params;
+use burn_tp::transformer::{ParallelMlpConfig, TpLayerNorm};
+
+/// Bytes the process holds (all threads).
+static LIVE: AtomicI64 = AtomicI64::new(0);
+
+struct Counting;
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new as i64 - layout.size() as i64, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Bytes held by tensors and everything else: allocated, less the free blocks the collectives'
+/// buffer pool keeps for reuse.
+fn live() -> i64 {
+    LIVE.load(Ordering::SeqCst) - burn_tp::backend::pool_free_bytes() as i64
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Arch {
+    Gpt,
+    Llama,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    arch: Arch,
+    d: usize,
+    heads: usize,
+    kv_heads: usize,
+    seq: usize,
+    batch: usize,
+    tp: usize,
+    dtype: FloatDType,
+}
+
+impl Case {
+    fn settings(&self) -> TpSettings {
+        TpSettings::new().with_mode(if self.tp > 1 {
+            TpMode::ReduceScatter
+        } else {
+            TpMode::AllReduce
+        })
+    }
+
+    /// Megatron's bytes per layer (sequence parallel, selective recompute) in this dtype, for a
+    /// layer with `per` bytes per `s b h` in 16-bit.
+    fn megatron(&self, per: f64) -> f64 {
+        let sbh = (self.seq * self.batch * self.d) as f64;
+        let scale = match self.dtype {
+            FloatDType::F32 => 2.0,
+            _ => 1.0,
+        };
+        per * sbh * scale / self.tp as f64
+    }
+
+    /// Korthikanti et al.'s count for this very layer, in 16-bit bytes per `s b h`: the two norms'
+    /// inputs (4); the attention's input (2), q (2), k and v (`4 kv / heads`), the projection's
+    /// input (2), the dropout mask (1); the MLP's input (2), then GELU's input and output (8 + 8)
+    /// or SwiGLU's gate, up and product (8 + 8 + 8, d_ff = 4h), and its dropout mask (1). The
+    /// GPT's is the paper's 34.
+    fn own_count(&self) -> f64 {
+        let attention = 7.0 + 4.0 * self.kv_heads as f64 / self.heads as f64;
+        let mlp = match self.arch {
+            Arch::Gpt => 19.0,
+            Arch::Llama => 27.0,
+        };
+        4.0 + attention + mlp
+    }
+}
+
+/// The bytes the forward of a `layers`-layer model (its loss, before the backward) adds,
+/// divided by tp.
+fn model_forward_bytes(case: Case, layers: usize) -> f64 {
+    let world = case.tp;
+    let groups = LocalGroup::new(world).unwrap();
+    let out = run_ranks_with(
+        groups,
+        RunOptions {
+            threads_per_rank: Some(1),
+            keep_freed_memory: Some(false),
+        },
+        move |g: ProcessGroup| {
+            let dev = Device::flex().autodiff();
+            match case.arch {
+                Arch::Gpt => {
+                    let config = GptConfig::new(27, case.seq, case.d, case.heads, layers)
+                        .with_settings(case.settings());
+                    measure(case, Gpt::init(&config, &g, &dev).unwrap(), &g, &dev)
+                }
+                Arch::Llama => {
+                    let config = LlamaConfig::new(
+                        27,
+                        case.seq,
+                        case.d,
+                        case.heads,
+                        case.kv_heads,
+                        layers,
+                        4 * case.d,
+                    )
+                    .with_dropout(0.1)
+                    .with_settings(case.settings());
+                    measure(case, Llama::init(&config, &g, &dev).unwrap(), &g, &dev)
+                }
+            }
+        },
+    )
+    .unwrap();
+    out[0]
+}
+
+fn measure<M: LanguageModel>(case: Case, model: M, g: &ProcessGroup, dev: &Device) -> f64 {
+    let model = cast_params(model, case.dtype);
+    let ids = Tensor::<1, Int>::arange(0..(case.seq * case.batch) as i64, dev)
+        .remainder_scalar(27)
+        .reshape([case.seq, case.batch]);
+    let targets = ids.clone();
+    g.barrier().unwrap();
+    let before = live();
+    g.barrier().unwrap();
+    let loss = model.loss(ids, targets, Some(DropoutStep::new(1))).unwrap();
+    g.barrier().unwrap();
+    let after = live();
+    g.barrier().unwrap();
+    drop(loss.backward());
+    (after - before) as f64 / case.tp as f64
+}
+
+/// Bytes the forward of one part adds (the input made before the count), divided by tp.
+fn part_bytes(case: Case, part: &'static str) -> f64 {
+    let groups = LocalGroup::new(case.tp).unwrap();
+    let out = run_ranks_with(
+        groups,
+        RunOptions {
+            threads_per_rank: Some(1),
+            keep_freed_memory: Some(false),
+        },
+        move |g: ProcessGroup| {
+            let dev = Device::flex().autodiff();
+            let settings = case.settings();
+            let rows = case.seq / if case.tp > 1 { case.tp } else { 1 };
+            let x = Tensor::<3>::ones([rows, case.batch, case.d], &dev)
+                .cast(case.dtype)
+                .require_grad();
+            let llama = matches!(case.arch, Arch::Llama);
+            let f: Box<dyn Fn(Tensor<3>) -> Tensor<3>> = match part {
+                "norm" if llama => {
+                    let n = TpRmsNorm::new(case.d, 1e-5, settings.mode, &g, &dev);
+                    let n = cast_params(n, case.dtype);
+                    Box::new(move |x| n.forward(x))
+                }
+                "norm" => {
+                    let n = cast_params(
+                        TpLayerNorm::new(case.d, settings.mode, &g, &dev),
+                        case.dtype,
+                    );
+                    Box::new(move |x| n.forward(x))
+                }
+                "attention" => {
+                    let mut config = ParallelAttentionConfig::new(case.d, case.heads)
+                        .with_n_kv_heads(Some(case.kv_heads))
+                        .with_settings(settings);
+                    if llama {
+                        config = config
+                            .with_rope_theta(Some(10000.0))
+                            .with_max_seq(case.seq)
+                            .with_dropout(0.1);
+                    }
+                    let a = cast_params(config.init(&g, &dev).unwrap(), case.dtype);
+                    let key = DropoutKey {
+                        seed: 0,
+                        at: DropoutStep::new(1),
+                    };
+                    Box::new(move |x| a.try_forward(x, Some(key), 1).unwrap())
+                }
+                _ if llama => {
+                    let m = ParallelSwiGluConfig::new(case.d, 4 * case.d)
+                        .with_settings(settings)
+                        .init(&g, &dev)
+                        .unwrap();
+                    let m = cast_params(m, case.dtype);
+                    Box::new(move |x| m.forward(x))
+                }
+                _ => {
+                    let m = cast_params(
+                        ParallelMlpConfig::new(case.d, 4 * case.d)
+                            .with_settings(settings)
+                            .init(&g, &dev)
+                            .unwrap(),
+                        case.dtype,
+                    );
+                    Box::new(move |x| m.forward(x))
+                }
+            };
+            // One step first: what the first call allocates once (pools, caches) is not the
+            // part's.
+            drop(f(x.clone()).sum().backward());
+            g.barrier().unwrap();
+            let before = live();
+            g.barrier().unwrap();
+            let y = f(x);
+            g.barrier().unwrap();
+            let after = live();
+            g.barrier().unwrap();
+            drop(y.sum().backward());
+            (after - before) as f64 / case.tp as f64
+        },
+    )
+    .unwrap();
+    out[0]
+}
+
+fn mb(x: f64) -> String {
+    format!("{:.1}", x / 1e6)
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (seq, batch) = if quick { (128, 2) } else { (1024, 8) };
+    let mut cases = Vec::new();
+    for dtype in [FloatDType::F32, FloatDType::BF16] {
+        for tp in [1, 4] {
+            cases.push(Case {
+                arch: Arch::Gpt,
+                d: 256,
+                heads: 4,
+                kv_heads: 4,
+                seq,
+                batch,
+                tp,
+                dtype,
+            });
+        }
+    }
+    for tp in [1, 4] {
+        cases.push(Case {
+            arch: Arch::Llama,
+            d: 512,
+            heads: 8,
+            kv_heads: 2,
+            seq,
+            batch,
+            tp,
+            dtype: FloatDType::F32,
+        });
+    }
+    println!(
+        "## Activation bytes per layer, per rank (MB; s {seq}, b {batch}; tp > 1 sequence parallel)\n"
+    );
+    println!(
+        "| model | dtype | tp | layer | 34 s b h / t | Megatron's count of this layer | layer / count | parts: norm, attention, MLP |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---|");
+    for case in cases {
+        let one = model_forward_bytes(case, 1);
+        let two = model_forward_bytes(case, 2);
+        let layer = two - one;
+        let parts = format!(
+            "{}, {}, {}",
+            mb(part_bytes(case, "norm")),
+            mb(part_bytes(case, "attention")),
+            mb(part_bytes(case, "mlp"))
+        );
+        let count = case.megatron(case.own_count());
+        println!(
+            "| {:?} d {} | {:?} | {} | {} | {} | {} ({}) | {:.2} | {} |",
+            case.arch,
+            case.d,
+            case.dtype,
+            case.tp,
+            mb(layer),
+            mb(case.megatron(34.0)),
+            mb(count),
+            case.own_count(),
+            layer / count,
+            parts
+        );
+    }
+}
