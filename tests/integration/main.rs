@@ -16,5 +16,6 @@ mod linear;
 mod llama;
 mod loss;
 mod mpi;
+mod recompute;
 mod reference;
 mod train_gpt;

@@ -239,6 +239,19 @@ impl Gpt {
     /// # Errors
     /// As [`forward`](Self::forward)'s panics.
     pub fn try_forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
+        let mut x = self.embed(ids)?;
+        for block in &self.blocks {
+            x = block.try_forward(x)?;
+        }
+        self.logits(x)
+    }
+
+    /// The first block's input: token embeddings plus positions, `[seq, batch] -> [s(/tp),
+    /// batch, d_model]` (this rank's sequence shard in REDUCE_SCATTER mode).
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub(crate) fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
         let [s, _] = ids.dims();
         let pos = self.pos.val();
         let [max_seq, d] = pos.dims();
@@ -250,7 +263,7 @@ impl Gpt {
             });
         }
         let (mode, group) = (self.options.settings.mode, &self.group);
-        let mut x = self.tok.try_forward(ids)?;
+        let x = self.tok.try_forward(ids)?;
         // Positions of this rank's rows: all of them, or its sequence shard.
         let rows = match mode {
             TpMode::AllReduce => 0..s,
@@ -260,11 +273,7 @@ impl Gpt {
             }
         };
         let pos = replicated_param(&self.pos, mode, group).slice([rows, 0..d]);
-        x = x + pos.unsqueeze_dim::<3>(1);
-        for block in &self.blocks {
-            x = block.try_forward(x)?;
-        }
-        self.logits(x)
+        Ok(x + pos.unsqueeze_dim::<3>(1))
     }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
@@ -312,7 +321,15 @@ impl Gpt {
     /// # Errors
     /// As [`loss`](Self::loss)'s panics.
     pub fn try_loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
-        let logits = self.try_forward(ids)?;
+        self.loss_of_logits(self.try_forward(ids)?, targets)
+    }
+
+    /// The mean cross-entropy of vocab-sharded `logits` (`[seq, batch, V_p / tp]`).
+    pub(crate) fn loss_of_logits(
+        &self,
+        logits: Tensor<3>,
+        targets: Tensor<2, Int>,
+    ) -> TpResult<Tensor<1>> {
         let [s, b, v] = logits.dims();
         // The logits cover the padded vocabulary: mask the padding.
         let options = CrossEntropyOptions {

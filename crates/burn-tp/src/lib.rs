@@ -6,11 +6,11 @@
 //! | floor | modules |
 //! |---|---|
 //! | transport | `burn-tp-comm` ([`comm`]): process groups, no autodiff, no Burn |
-//! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards |
+//! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards; the attention, norms, SwiGLU gate and dropout as ops whose backward keeps only what Megatron keeps |
 //! | ops | [`ops`]: differentiable collectives on `Tensor<D>`, each with an async form |
 //! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`attention`] (both models' attention, by blocks without the `[s, s]` scores, with the KV cache), [`transformer`] (the GPT's MLP, a replicated layer norm, replicated gradients) |
 //! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary), sharing `decoder` (logits and the decode loop); [`model`]: [`LanguageModel`](model::LanguageModel), both behind one trait for a training loop |
-//! | use | [`generate`] (sampling with the KV cache), [`reshard`] (between tp sizes), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies) |
+//! | use | [`generate`] (sampling with the KV cache), [`reshard`] (between tp sizes), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies), [`recompute`] (full activation recompute: one tensor kept per block) |
 //!
 //! Beside them: `init` (initialisation identical at every tp, internal), [`local`] (the runner of
 //! ranks as threads), [`testing`] (a gradient checker by finite differences).
@@ -92,6 +92,7 @@ pub mod mesh;
 pub mod model;
 pub mod ops;
 pub mod precision;
+pub mod recompute;
 pub mod reshard;
 pub mod testing;
 pub mod transformer;

@@ -8,6 +8,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::attention::DecodeCache;
+use crate::decoder::Decoder;
 
 use crate::dropout::DropoutStep;
 use crate::gpt::{Gpt, GptConfig};
@@ -61,6 +62,37 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
 
     /// The same model (weights shared) run in `mode` (ALL_REDUCE to decode incrementally).
     fn with_mode(self, mode: crate::linear::TpMode) -> Self;
+
+    /// The first block's input, `[seq, batch]` ids -> `[s(/tp), batch, d_model]` (this rank's
+    /// sequence shard in REDUCE_SCATTER mode). With [`layer`](Self::layer) and
+    /// [`head_loss`](Self::head_loss), the parts [`loss`](Self::loss) composes, which
+    /// [`crate::recompute`] runs one at a time.
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss).
+    fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>>;
+
+    /// The number of blocks.
+    fn num_layers(&self) -> usize;
+
+    /// Block `index` of `x` (`[s(/tp), batch, d_model]`), dropout on as in
+    /// [`loss`](Self::loss) with `step`.
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss).
+    fn layer(
+        &self,
+        index: usize,
+        x: Tensor<3>,
+        step: Option<DropoutStep>,
+    ) -> crate::Result<Tensor<3>>;
+
+    /// The mean next-token loss of the last block's output `x` (`[s(/tp), batch, d_model]`):
+    /// the final norm, the head and the cross-entropy.
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss).
+    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>>;
 }
 
 impl LanguageModel for Gpt {
@@ -98,6 +130,27 @@ impl LanguageModel for Gpt {
     fn with_mode(self, mode: crate::linear::TpMode) -> Self {
         Gpt::with_mode(self, mode)
     }
+
+    fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
+        Gpt::embed(self, ids)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn layer(
+        &self,
+        index: usize,
+        x: Tensor<3>,
+        _step: Option<DropoutStep>,
+    ) -> crate::Result<Tensor<3>> {
+        self.blocks[index].try_forward(x)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>> {
+        self.loss_of_logits(Decoder::logits(self, x)?, targets)
+    }
 }
 
 impl LanguageModel for Llama {
@@ -134,5 +187,28 @@ impl LanguageModel for Llama {
 
     fn with_mode(self, mode: crate::linear::TpMode) -> Self {
         Llama::with_mode(self, mode)
+    }
+
+    fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
+        Llama::embed(self, ids)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn layer(
+        &self,
+        index: usize,
+        x: Tensor<3>,
+        step: Option<DropoutStep>,
+    ) -> crate::Result<Tensor<3>> {
+        Llama::layer(self, index, x, step)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>> {
+        Ok(self
+            .loss_of_logits(Decoder::logits(self, x)?, targets, None)?
+            .mean)
     }
 }

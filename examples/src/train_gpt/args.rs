@@ -121,6 +121,12 @@ pub struct Args {
     /// probabilities kept for the backward: the path before the fused kernel, to compare).
     #[arg(long, value_enum, default_value_t = Attention::Fused)]
     pub attention: Attention,
+    /// Keep only each block's input in the forward and recompute the block in the backward
+    /// (Megatron's `--recompute-granularity full`, `burn_tp::recompute`): the least memory, at
+    /// the cost of a second forward of the blocks. The gradients are averaged over dp after the
+    /// backward (not with --overlap-grad-reduce or --distributed-optimizer).
+    #[arg(long)]
+    pub recompute_layers: bool,
     /// Average the gradients over dp while the backward runs, in buckets started as soon as
     /// their last gradient is ready (`burn_tp::dp::GradReducer`), instead of after it.
     #[arg(long)]
@@ -383,6 +389,12 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         return Err(
             "--init-from and --export-hf read and write Hugging Face Llama-family \
                     models: use --arch llama"
+                .into(),
+        );
+    }
+    if args.recompute_layers && (args.overlap_grad_reduce || args.distributed_optimizer) {
+        return Err(
+            "--recompute-layers runs one backward per block: its gradients are averaged over dp              after them (drop --overlap-grad-reduce / --distributed-optimizer)"
                 .into(),
         );
     }

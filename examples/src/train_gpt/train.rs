@@ -16,6 +16,7 @@ use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::all_reduce;
 use burn_tp::precision::{cast_grads, cast_params};
+use burn_tp::recompute;
 use burn_tp::transformer::ReplicatedGrads;
 
 use super::{Args, CheckpointTimes};
@@ -338,6 +339,11 @@ impl<M: Trainable> Rank<'_, M> {
         let working = self.compute(&model);
         let per = args.batch / args.dp;
         let dropout = DropoutStep::new(step as u64).with_batch(self.dp_rank * per, args.batch);
+        // Each block recomputed in the backward: the loss and the gradients at once.
+        let recomputed = {
+            let (ids, targets, working) = (ids.clone(), targets.clone(), &working);
+            move || recompute::loss_and_grads(working, ids, targets, Some(dropout))
+        };
         let forward = || match (&optim.zero, &optim.reducer) {
             // The tapped view: each bucket's reduction starts during the backward.
             (Some(z), _) => z
@@ -348,10 +354,12 @@ impl<M: Trainable> Rank<'_, M> {
                 .loss(ids, targets, Some(dropout)),
             (None, None) => working.loss(ids, targets, Some(dropout)),
         };
-        let loss = match &optim.replicated {
+        let (loss, recomputed) = match (&optim.replicated, args.recompute_layers) {
             // The replicated parameters' tp sums deferred to one coalesced all-reduce.
-            Some(r) => r.scope(forward)?,
-            None => forward()?,
+            (Some(r), false) => (r.scope(forward)?, None),
+            (None, false) => (forward()?, None),
+            (Some(r), true) => r.scope(recomputed).map(|(l, g)| (l, Some(g)))?,
+            (None, true) => recomputed().map(|(l, g)| (l, Some(g)))?,
         };
         let mean = all_reduce(loss.clone().detach(), ReduceOp::Avg, &self.dp_group)?;
         let value = mean.into_scalar::<f32>() as f64;
@@ -359,7 +367,10 @@ impl<M: Trainable> Rank<'_, M> {
             return Ok((model, value));
         }
         // The copy's parameters have the master's ids: its gradients, in f32, step the master.
-        let mut grads = GradientsParams::from_grads(loss.backward(), &working);
+        let mut grads = match recomputed {
+            Some(grads) => grads,
+            None => GradientsParams::from_grads(loss.backward(), &working),
+        };
         if let Some(z) = &mut optim.zero {
             // This rank's chunks of the f32 average, stepped, gathered.
             cast_grads(&working, &mut grads, FloatDType::F32);

@@ -335,6 +335,18 @@ impl Llama {
         ids: Tensor<2, Int>,
         step: Option<DropoutStep>,
     ) -> TpResult<Tensor<3>> {
+        let mut x = self.embed(ids)?;
+        for i in 0..self.blocks.len() {
+            x = self.layer(i, x, step)?;
+        }
+        self.logits(x)
+    }
+
+    /// The first block's input, `[seq, batch] -> [s(/tp), batch, d_model]`.
+    ///
+    /// # Errors
+    /// As [`forward`](Self::forward)'s panics.
+    pub(crate) fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
         let [s, _] = ids.dims();
         let max_seq = self
             .blocks
@@ -348,16 +360,25 @@ impl Llama {
                 got: ids.dims().to_vec(),
             });
         }
+        self.tok.try_forward(ids)
+    }
+
+    /// Block `index` of `x`; with `step`, dropout on with that step's masks.
+    ///
+    /// # Errors
+    /// As the block's layers.
+    pub(crate) fn layer(
+        &self,
+        index: usize,
+        x: Tensor<3>,
+        step: Option<DropoutStep>,
+    ) -> TpResult<Tensor<3>> {
         let o = self.options;
         let key = step.map(|at| DropoutKey {
             seed: o.dropout_seed,
             at,
         });
-        let mut x = self.tok.try_forward(ids)?;
-        for (i, block) in self.blocks.iter().enumerate() {
-            x = block.try_forward(x, key, o.dropout, i, &self.group, o.settings.mode)?;
-        }
-        self.logits(x)
+        self.blocks[index].try_forward(x, key, o.dropout, index, &self.group, o.settings.mode)
     }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
@@ -402,7 +423,17 @@ impl Llama {
         loss_mask: Option<Tensor<2>>,
         step: Option<DropoutStep>,
     ) -> TpResult<CrossEntropyOutput> {
-        let logits = self.try_forward(ids, step)?;
+        self.loss_of_logits(self.try_forward(ids, step)?, targets, loss_mask)
+    }
+
+    /// The cross-entropy of vocab-sharded `logits` (`[seq, batch, V_p / tp]`), as
+    /// [`try_loss`](Self::try_loss).
+    pub(crate) fn loss_of_logits(
+        &self,
+        logits: Tensor<3>,
+        targets: Tensor<2, Int>,
+        loss_mask: Option<Tensor<2>>,
+    ) -> TpResult<CrossEntropyOutput> {
         let [s, b, v] = logits.dims();
         let options = CrossEntropyOptions {
             n_vocab: Some(self.n_vocab()),

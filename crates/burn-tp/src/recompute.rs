@@ -1,0 +1,101 @@
+//! Full activation recompute (Megatron's `--recompute-granularity full`): the forward keeps only
+//! each block's input, and the backward recomputes each block, tracked, just before its own
+//! backward. For the longest sequences, where even the activations Megatron keeps per layer
+//! ([`crate::backend`]'s fused ops) do not fit.
+//!
+//! ```text
+//!  forward (untracked)   ids ─ embed ─> x0 ─ block 0 ─> x1 ─ ... ─> xL
+//!                                       kept           kept        kept
+//!  backward              head_loss(xL) ─ backward ─> dxL
+//!                        block L-1(x(L-1)) tracked, backward with dxL ─> dx(L-1)
+//!                        ...
+//!                        embed(ids) tracked, backward with dx0
+//! ```
+//!
+//! Each part's backward is seeded with the gradient of its output (`sum(y * dy)`: the
+//! gradient of `y` is `dy`), and the parameter gradients of the parts are summed (a tied
+//! embedding gets the head's and the embedding's). The dropout masks are the same in the
+//! recomputation: they are functions of their counters ([`crate::dropout`]). Every rank runs
+//! the same parts in the same order, so the collectives of each part's backward meet.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Gradients, Int, Tensor};
+
+use crate::Result as TpResult;
+use crate::dropout::DropoutStep;
+use crate::model::LanguageModel;
+
+/// The loss of `model` on `ids`, `targets` (`[seq, batch]`) and its parameters' gradients, with
+/// every block recomputed in the backward: the forward keeps one `[s(/tp), batch, d_model]`
+/// tensor per block. The same values as `model.loss(..)` then `backward()` (the same ops,
+/// cut at the blocks), at the cost of one more forward of the blocks.
+///
+/// # Errors
+/// As [`LanguageModel::loss`].
+pub fn loss_and_grads<M: LanguageModel>(
+    model: &M,
+    ids: Tensor<2, Int>,
+    targets: Tensor<2, Int>,
+    step: Option<DropoutStep>,
+) -> TpResult<(Tensor<1>, GradientsParams)> {
+    // The forward, untracked: only the blocks' inputs stay.
+    let inner = model.valid();
+    let mut inputs = Vec::with_capacity(model.num_layers() + 1);
+    let mut x = inner.embed(ids.clone().inner())?;
+    for i in 0..model.num_layers() {
+        let next = inner.layer(i, x.clone(), step)?;
+        inputs.push(x);
+        x = next;
+    }
+    drop(inner);
+
+    let mut total = GradientsParams::new();
+    let leaf = |x: Tensor<3>| Tensor::from_inner(x).require_grad();
+    let h = leaf(x);
+    let loss = model.head_loss(h.clone(), targets)?;
+    let mut grads = loss.backward();
+    let mut dy = take_grad(&h, &mut grads);
+    merge(&mut total, grads, model);
+    for i in (0..model.num_layers()).rev() {
+        let x = leaf(inputs.pop().expect("one input per block"));
+        let y = model.layer(i, x.clone(), step)?;
+        let mut grads = seeded_backward(y, dy);
+        dy = take_grad(&x, &mut grads);
+        merge(&mut total, grads, model);
+    }
+    let grads = seeded_backward(model.embed(ids)?, dy);
+    merge(&mut total, grads, model);
+    Ok((loss.detach(), total))
+}
+
+/// The backward of `y` with upstream gradient `dy` (inner): `sum(y * dy)`'s.
+fn seeded_backward(y: Tensor<3>, dy: Tensor<3>) -> Gradients {
+    (y * Tensor::from_inner(dy)).sum().backward()
+}
+
+fn take_grad(x: &Tensor<3>, grads: &mut Gradients) -> Tensor<3> {
+    x.grad_remove(grads)
+        .expect("a block's input takes part in its output")
+}
+
+/// Adds the gradients of `model`'s parameters in `grads` to `total`.
+fn merge<M: Module>(total: &mut GradientsParams, grads: Gradients, model: &M) {
+    struct Add<'a> {
+        total: &'a mut GradientsParams,
+        part: GradientsParams,
+    }
+    impl ModuleVisitor for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.part.remove::<D>(param.id) {
+                let g = match self.total.remove::<D>(param.id) {
+                    Some(sum) => sum + g,
+                    None => g,
+                };
+                self.total.register(param.id, g);
+            }
+        }
+    }
+    let part = GradientsParams::from_grads(grads, model);
+    model.visit(&mut Add { total, part });
+}
