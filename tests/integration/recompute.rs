@@ -17,6 +17,9 @@ use burn_tp::recompute::loss_and_grads;
 
 use crate::common::{assert_close, device, f64s, rng_lock};
 
+/// A run's loss and every parameter's gradient (`None`: no gradient).
+type Run = (f64, Vec<Option<Vec<f64>>>);
+
 /// Every parameter's gradient in `grads`, in the model's visiting order (`None`: no gradient).
 fn grads_of<M: Module>(model: &M, grads: &GradientsParams) -> Vec<Option<Vec<f64>>> {
     struct Collect<'a>(&'a GradientsParams, Vec<Option<Vec<f64>>>);
@@ -38,7 +41,7 @@ fn ids(seq: usize, batch: usize, seed: i64) -> Tensor<2, Int> {
 }
 
 /// The plain backward's and the recomputed backward's loss and gradients on every rank.
-fn both<M: LanguageModel>(model: M) -> [(f64, Vec<Option<Vec<f64>>>); 2] {
+fn both<M: LanguageModel>(model: M) -> [Run; 2] {
     let (x, y) = (ids(8, 2, 1), ids(8, 2, 5));
     let step = Some(DropoutStep::new(3));
     let loss = model.loss(x.clone(), y.clone(), step).unwrap();
@@ -50,7 +53,7 @@ fn both<M: LanguageModel>(model: M) -> [(f64, Vec<Option<Vec<f64>>>); 2] {
     ]
 }
 
-fn check(what: &str, per_rank: Vec<[(f64, Vec<Option<Vec<f64>>>); 2]>) {
+fn check(what: &str, per_rank: Vec<[Run; 2]>) {
     for (rank, [(loss, plain), (loss_r, recomputed)]) in per_rank.into_iter().enumerate() {
         assert_close(
             &[loss_r],
