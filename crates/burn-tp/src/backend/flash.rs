@@ -78,9 +78,15 @@ impl AttentionSpec {
     }
 }
 
-/// What the forward keeps for the backward besides q, k, v and the output: each query block's
-/// log-sum-exp, `[b, hkv, g * Bq, 1]` in the compute dtype.
-pub(crate) type Lse<B> = Vec<FloatTensor<B>>;
+/// What the forward keeps for the backward besides q, k, v and the output: each row's
+/// log-sum-exp.
+#[derive(Clone, Debug)]
+pub(crate) enum Lse<B: Backend> {
+    /// Per query block, `[b, hkv, g * Bq, 1]` in the compute dtype (the tensor-op path).
+    Blocks(Vec<FloatTensor<B>>),
+    /// `[b, hq, s]` in f32 (the CPU kernel, `flash_cpu.rs`).
+    Rows(FloatTensor<B>),
+}
 
 /// `x` in the dtype the blocks compute in: half dtypes widened to f32, f32 and f64 as they are.
 fn widen<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
@@ -215,6 +221,10 @@ pub(crate) fn forward<B: Backend>(
     v: FloatTensor<B>,
     spec: &AttentionSpec,
 ) -> (FloatTensor<B>, Lse<B>) {
+    if super::flash_cpu::supports::<B>(&q) {
+        let (out, lse) = super::flash_cpu::forward::<B>(q, k, v, spec);
+        return (out, Lse::Rows(lse));
+    }
     let geo = Geometry::of::<B>(&q, &k);
     let dtype = q.dtype();
     let scale = 1.0 / (geo.hd as f64).sqrt();
@@ -280,7 +290,10 @@ pub(crate) fn forward<B: Backend>(
         .into_iter()
         .map(|o| B::float_permute(o, &[2, 0, 1, 3]))
         .collect();
-    (B::float_permute(B::float_cat(outs, 0), &[1, 2, 0, 3]), lses)
+    (
+        B::float_permute(B::float_cat(outs, 0), &[1, 2, 0, 3]),
+        Lse::Blocks(lses),
+    )
 }
 
 /// The backward: `(dq, dk, dv)` in the dtypes of q, k and v, from the upstream gradient
@@ -295,6 +308,12 @@ pub(crate) fn backward<B: Backend>(
     d_out: FloatTensor<B>,
     spec: &AttentionSpec,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let lse = match lse {
+        Lse::Rows(lse) => {
+            return super::flash_cpu::backward::<B>(q, k, v, out, lse.clone(), d_out, spec);
+        }
+        Lse::Blocks(lse) => lse,
+    };
     let geo = Geometry::of::<B>(&q, &k);
     let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
     let scale = 1.0 / (geo.hd as f64).sqrt();

@@ -15,6 +15,7 @@
 //! | `host.rs`     | the host transport: one dtype switch, dim-first moves, slicing    |
 //! | `overlap.rs`  | the parallel-linear math and its overlap schedules (with diagram) |
 //! | `flash.rs`    | causal attention by blocks: no `[s, t]` scores (with diagram)     |
+//! | `flash_cpu.rs`| its blocks as one CPU kernel on Flex's storage (GEMM calls)       |
 //! | `norm.rs`     | layer norm and RMSNorm whose backward keeps only the input        |
 //! | `swiglu.rs`   | `silu(gate) * up` whose backward keeps only the input             |
 //! | `gemm.rs`     | [`gemm`]: a row-major strided product as a column-major BLAS call |
@@ -39,6 +40,7 @@ mod autodiff;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub(crate) mod flash;
+mod flash_cpu;
 mod flex;
 pub mod gemm;
 pub(crate) mod grad_tap;
