@@ -40,6 +40,9 @@ pub struct ParallelAttentionConfig {
     /// Longest sequence: the rotary table's length (only with `rope_theta`).
     #[config(default = 0)]
     pub max_seq: usize,
+    /// Llama 3's scaling of the rotary frequencies (only with `rope_theta`).
+    #[config(default = "None")]
+    pub rope_scaling: Option<Llama3RopeScaling>,
     /// Biases on the q, k and v projections (the GPT's, Qwen2's).
     #[config(default = false)]
     pub qkv_bias: bool,
@@ -56,6 +59,56 @@ pub struct ParallelAttentionConfig {
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
+}
+
+/// Llama 3's scaling of the rotary frequencies (Hugging Face's `rope_scaling` / `rope_parameters`
+/// of type `llama3`; Llama 3.1 - 3.3): wavelengths shorter than
+/// `original_max_position_embeddings / high_freq_factor` are kept, those longer than
+/// `original_max_position_embeddings / low_freq_factor` divided by `factor`, and those between
+/// interpolated smoothly between the two.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    /// How much longer the context is than the one trained at first.
+    pub factor: f64,
+    /// Wavelengths above `original / low_freq_factor` are divided by `factor`.
+    pub low_freq_factor: f64,
+    /// Wavelengths below `original / high_freq_factor` are kept.
+    pub high_freq_factor: f64,
+    /// The context the model was first trained at.
+    pub original_max_position_embeddings: usize,
+}
+
+impl Llama3RopeScaling {
+    /// The scaled inverse frequencies of `freqs` (`[head_dim / 2]`), as transformers'
+    /// `_compute_llama3_parameters`.
+    pub fn apply(&self, freqs: Tensor<1>) -> Tensor<1> {
+        let device = freqs.device();
+        let values: Vec<f64> = freqs
+            .into_data()
+            .convert::<f64>()
+            .try_to_vec::<f64>()
+            .expect("f64 values");
+        let old = self.original_max_position_embeddings as f64;
+        let (low_wavelen, high_wavelen) = (old / self.low_freq_factor, old / self.high_freq_factor);
+        let scaled: Vec<f32> = values
+            .iter()
+            .map(|&f| {
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                let f = if wavelen < high_wavelen {
+                    f
+                } else if wavelen > low_wavelen {
+                    f / self.factor
+                } else {
+                    let smooth = (old / wavelen - self.low_freq_factor)
+                        / (self.high_freq_factor - self.low_freq_factor);
+                    (1.0 - smooth) * f / self.factor + smooth * f
+                };
+                f as f32
+            })
+            .collect();
+        let n = scaled.len();
+        Tensor::from_data(burn::tensor::TensorData::new(scaled, [n]), &device)
+    }
 }
 
 /// Causal self-attention with heads split over the tensor-parallel group: the QKV projection
@@ -149,9 +202,13 @@ impl ParallelAttentionConfig {
             qkv,
             out,
             rope: self.rope_theta.map(|theta| {
-                RotaryEncodingConfig::new(self.max_seq, hd)
-                    .with_theta(theta)
-                    .init(device)
+                let config = RotaryEncodingConfig::new(self.max_seq, hd).with_theta(theta);
+                match self.rope_scaling {
+                    Some(scaling) => {
+                        config.init_with_frequency_scaling(|f| scaling.apply(f), device)
+                    }
+                    None => config.init(device),
+                }
             }),
             n_heads: h,
             n_kv_heads: kv,

@@ -24,7 +24,13 @@ fn import_export_import_is_bit_exact() {
         c.0
     }
     let _rng = rng_lock();
-    for name in ["llama_gqa", "llama_tied", "qwen2_bias", "llama_far"] {
+    for name in [
+        "llama_gqa",
+        "llama_tied",
+        "qwen2_bias",
+        "llama_far",
+        "llama3_scaled",
+    ] {
         let src = fixture(name);
         let out =
             std::env::temp_dir().join(format!("burn-tp-hf-export-{}-{name}", std::process::id()));

@@ -13,6 +13,7 @@ fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() 
         "mistral",
         "llama_far",
         "llama_text",
+        "llama3_scaled",
     ] {
         let dir = fixture(name);
         let want = expected(&dir);
@@ -62,6 +63,41 @@ fn the_configs_read_as_transformers_wrote_them() {
     let l = c.llama_config(burn_tp::linear::TpSettings::new());
     assert_eq!((l.norm_eps, l.rope_theta, l.max_seq), (1e-2, 2500.0, 40));
     assert!(l.tie_embeddings && l.qkv_bias && l.out_bias);
+    assert_eq!(l.rope_scaling, None);
+    // Llama 3's rotary scaling, as transformers 5 writes it (`rope_parameters`) and as earlier
+    // versions did (`rope_theta` beside `rope_scaling`, its kind under `type`).
+    let scaled = burn_tp::attention::Llama3RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 32,
+    };
+    let c = HfConfig::from_dir(&fixture("llama3_scaled")).unwrap();
+    assert_eq!((c.rope_theta, c.rope_scaling), (100.0, Some(scaled)));
+    let l = c.llama_config(burn_tp::linear::TpSettings::new());
+    assert_eq!(
+        (l.rope_theta, l.rope_scaling, l.max_seq),
+        (100.0, Some(scaled), 256)
+    );
+    let mut old: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("llama3_scaled").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let params = old["rope_parameters"].take();
+    old["rope_theta"] = params["rope_theta"].clone();
+    old["rope_scaling"] = serde_json::json!({
+        "type": "llama3",
+        "factor": params["factor"],
+        "low_freq_factor": params["low_freq_factor"],
+        "high_freq_factor": params["high_freq_factor"],
+        "original_max_position_embeddings": params["original_max_position_embeddings"],
+    });
+    let dir = std::env::temp_dir().join(format!("burn-tp-hf-llama3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), old.to_string()).unwrap();
+    let c = HfConfig::from_dir(&dir).unwrap();
+    assert_eq!((c.rope_theta, c.rope_scaling), (100.0, Some(scaled)));
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// What the import does not support is an error naming the file and the field, before any
@@ -74,7 +110,7 @@ fn unsupported_configs_are_errors_naming_the_field() {
     .unwrap();
     let dir = std::env::temp_dir().join(format!("burn-tp-hf-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let cases: [(&str, serde_json::Value, &str); 5] = [
+    let cases: [(&str, serde_json::Value, &str); 6] = [
         (
             "architectures",
             serde_json::json!(["GPT2LMHeadModel"]),
@@ -84,6 +120,12 @@ fn unsupported_configs_are_errors_naming_the_field() {
             "rope_parameters",
             serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
             "rope_parameters",
+        ),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "llama3", "rope_theta": 10000.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+            "factor",
         ),
         ("sliding_window", serde_json::json!(8), "sliding_window"),
         ("head_dim", serde_json::json!(16), "head_dim"),

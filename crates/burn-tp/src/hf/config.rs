@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use super::hf_err;
 use crate::Result;
+use crate::attention::Llama3RopeScaling;
 use crate::linear::TpSettings;
 use crate::llama::LlamaConfig;
 
@@ -42,6 +43,8 @@ pub struct HfConfig {
     pub max_position_embeddings: usize,
     /// `rope_theta` (default 10000).
     pub rope_theta: f64,
+    /// Llama 3's rotary scaling (`rope_parameters` / `rope_scaling` of type `llama3`).
+    pub rope_scaling: Option<Llama3RopeScaling>,
     /// `rms_norm_eps`.
     pub rms_norm_eps: f64,
     /// `tie_word_embeddings`.
@@ -106,8 +109,9 @@ impl HfConfig {
         let hidden = usize_field("hidden_size")?;
         let max_pos = usize_field("max_position_embeddings")?;
         // Rotary settings: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
-        // (earlier); any scaling but the default is refused.
+        // (earlier); the default or Llama 3's scaling, any other refused.
         let rope = v.get("rope_parameters").filter(|r| !r.is_null());
+        let mut rope_scaling = None;
         for (field, params) in [
             ("rope_parameters", rope),
             ("rope_scaling", v.get("rope_scaling")),
@@ -120,11 +124,18 @@ impl HfConfig {
                 .or_else(|| params.get("type"))
                 .and_then(Value::as_str)
                 .unwrap_or("default");
-            if kind != "default" {
-                return Err(hf_err(
-                    path,
-                    format!("`{field}` of type {kind:?} is not supported (rope scaling): {params}"),
-                ));
+            match kind {
+                "default" => {}
+                "llama3" => rope_scaling = Some(llama3_scaling(params, field, path)?),
+                _ => {
+                    return Err(hf_err(
+                        path,
+                        format!(
+                            "`{field}` of type {kind:?} is not supported (rope scaling: default \
+                             and llama3 are): {params}"
+                        ),
+                    ));
+                }
             }
         }
         let rope_theta = match rope
@@ -188,6 +199,7 @@ impl HfConfig {
             num_hidden_layers: usize_field("num_hidden_layers")?,
             max_position_embeddings: max_pos,
             rope_theta,
+            rope_scaling,
             rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
             tie_word_embeddings: bool_field("tie_word_embeddings"),
             qkv_bias: architecture == HfArchitecture::Qwen2 || attention_bias,
@@ -213,6 +225,7 @@ impl HfConfig {
             num_hidden_layers: c.n_layers,
             max_position_embeddings: c.max_seq,
             rope_theta: f64::from(c.rope_theta),
+            rope_scaling: c.rope_scaling,
             rms_norm_eps: c.norm_eps,
             tie_word_embeddings: c.tie_embeddings,
             qkv_bias: c.qkv_bias,
@@ -232,10 +245,39 @@ impl HfConfig {
             self.intermediate_size,
         )
         .with_rope_theta(self.rope_theta as f32)
+        .with_rope_scaling(self.rope_scaling)
         .with_norm_eps(self.rms_norm_eps)
         .with_tie_embeddings(self.tie_word_embeddings)
         .with_qkv_bias(self.qkv_bias)
         .with_out_bias(self.out_bias)
         .with_settings(settings)
     }
+}
+
+/// The fields of a `llama3` rotary scaling in `params` (of config field `field`).
+fn llama3_scaling(params: &Value, field: &str, path: &Path) -> Result<Llama3RopeScaling> {
+    let number = |name: &str| {
+        params.get(name).and_then(Value::as_f64).ok_or_else(|| {
+            hf_err(
+                path,
+                format!("`{field}` of type \"llama3\" needs a number `{name}`: {params}"),
+            )
+        })
+    };
+    let scaling = Llama3RopeScaling {
+        factor: number("factor")?,
+        low_freq_factor: number("low_freq_factor")?,
+        high_freq_factor: number("high_freq_factor")?,
+        original_max_position_embeddings: number("original_max_position_embeddings")? as usize,
+    };
+    if !(scaling.factor > 0.0 && scaling.high_freq_factor > scaling.low_freq_factor) {
+        return Err(hf_err(
+            path,
+            format!(
+                "`{field}` of type \"llama3\": factor must be > 0 and high_freq_factor > \
+                 low_freq_factor: {params}"
+            ),
+        ));
+    }
+    Ok(scaling)
 }

@@ -166,6 +166,16 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
         "hidden_act": "silu",
         "torch_dtype": dtype_name,
     });
+    if let Some(r) = config.rope_scaling {
+        json["rope_parameters"] = serde_json::json!({
+            "rope_type": "llama3",
+            "rope_theta": config.rope_theta,
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+        });
+    }
     match config.architecture {
         HfArchitecture::Qwen2 => json["use_sliding_window"] = serde_json::json!(false),
         _ => json["attention_bias"] = serde_json::json!(config.out_bias),

@@ -26,7 +26,9 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use crate::attention::{DecodeCache, ParallelAttention, ParallelAttentionConfig};
+use crate::attention::{
+    DecodeCache, Llama3RopeScaling, ParallelAttention, ParallelAttentionConfig,
+};
 use crate::decoder::{Decoder, DecoderBlock};
 use crate::dropout::{DropoutKey, DropoutStep, tp_dropout};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
@@ -54,6 +56,9 @@ pub struct LlamaConfig {
     /// Rotary base.
     #[config(default = 10000.0)]
     pub rope_theta: f32,
+    /// Llama 3's scaling of the rotary frequencies (Llama 3.1 - 3.3).
+    #[config(default = "None")]
+    pub rope_scaling: Option<Llama3RopeScaling>,
     /// RMSNorm epsilon.
     #[config(default = 1e-5)]
     pub norm_eps: f64,
@@ -178,6 +183,7 @@ impl LlamaConfig {
         let attn = ParallelAttentionConfig::new(d, self.n_heads)
             .with_n_kv_heads(Some(self.n_kv_heads))
             .with_rope_theta(Some(self.rope_theta))
+            .with_rope_scaling(self.rope_scaling)
             .with_max_seq(self.max_seq)
             .with_dropout(self.dropout)
             .with_qkv_bias(self.qkv_bias)
