@@ -118,44 +118,41 @@ impl Case {
     }
 }
 
+/// `f` on every rank of a tp group of `case` (one thread each, the allocator's settings left
+/// alone), on the autodiff Flex device: rank 0's value.
+fn rank_zero(case: Case, f: impl Fn(ProcessGroup, Device) -> f64 + Send + Sync + 'static) -> f64 {
+    let options = RunOptions {
+        threads_per_rank: Some(1),
+        keep_freed_memory: Some(false),
+    };
+    let groups = LocalGroup::new(case.tp).unwrap();
+    run_ranks_with(groups, options, move |g| f(g, Device::flex().autodiff())).unwrap()[0]
+}
+
 /// The bytes the forward of a `layers`-layer model (its loss, before the backward) adds,
 /// divided by tp.
 fn model_forward_bytes(case: Case, layers: usize) -> f64 {
-    let world = case.tp;
-    let groups = LocalGroup::new(world).unwrap();
-    let out = run_ranks_with(
-        groups,
-        RunOptions {
-            threads_per_rank: Some(1),
-            keep_freed_memory: Some(false),
-        },
-        move |g: ProcessGroup| {
-            let dev = Device::flex().autodiff();
-            match case.arch {
-                Arch::Gpt => {
-                    let config = GptConfig::new(27, case.seq, case.d, case.heads, layers)
-                        .with_settings(case.settings());
-                    measure(case, Gpt::init(&config, &g, &dev).unwrap(), &g, &dev)
-                }
-                Arch::Llama => {
-                    let config = LlamaConfig::new(
-                        27,
-                        case.seq,
-                        case.d,
-                        case.heads,
-                        case.kv_heads,
-                        layers,
-                        4 * case.d,
-                    )
-                    .with_dropout(0.1)
-                    .with_settings(case.settings());
-                    measure(case, Llama::init(&config, &g, &dev).unwrap(), &g, &dev)
-                }
-            }
-        },
-    )
-    .unwrap();
-    out[0]
+    rank_zero(case, move |g, dev| match case.arch {
+        Arch::Gpt => {
+            let config = GptConfig::new(27, case.seq, case.d, case.heads, layers)
+                .with_settings(case.settings());
+            measure(case, Gpt::init(&config, &g, &dev).unwrap(), &g, &dev)
+        }
+        Arch::Llama => {
+            let config = LlamaConfig::new(
+                27,
+                case.seq,
+                case.d,
+                case.heads,
+                case.kv_heads,
+                layers,
+                4 * case.d,
+            )
+            .with_dropout(0.1)
+            .with_settings(case.settings());
+            measure(case, Llama::init(&config, &g, &dev).unwrap(), &g, &dev)
+        }
+    })
 }
 
 fn measure<M: LanguageModel>(case: Case, model: M, g: &ProcessGroup, dev: &Device) -> f64 {
@@ -177,86 +174,75 @@ fn measure<M: LanguageModel>(case: Case, model: M, g: &ProcessGroup, dev: &Devic
 
 /// Bytes the forward of one part adds (the input made before the count), divided by tp.
 fn part_bytes(case: Case, part: &'static str) -> f64 {
-    let groups = LocalGroup::new(case.tp).unwrap();
-    let out = run_ranks_with(
-        groups,
-        RunOptions {
-            threads_per_rank: Some(1),
-            keep_freed_memory: Some(false),
-        },
-        move |g: ProcessGroup| {
-            let dev = Device::flex().autodiff();
-            let settings = case.settings();
-            let rows = case.seq / if case.tp > 1 { case.tp } else { 1 };
-            let x = Tensor::<3>::ones([rows, case.batch, case.d], &dev)
-                .cast(case.dtype)
-                .require_grad();
-            let llama = matches!(case.arch, Arch::Llama);
-            let f: Box<dyn Fn(Tensor<3>) -> Tensor<3>> = match part {
-                "norm" if llama => {
-                    let n = TpRmsNorm::new(case.d, 1e-5, settings.mode, &g, &dev);
-                    let n = cast_params(n, case.dtype);
-                    Box::new(move |x| n.forward(x))
+    rank_zero(case, move |g, dev| {
+        let settings = case.settings();
+        let rows = case.seq / if case.tp > 1 { case.tp } else { 1 };
+        let x = Tensor::<3>::ones([rows, case.batch, case.d], &dev)
+            .cast(case.dtype)
+            .require_grad();
+        let llama = matches!(case.arch, Arch::Llama);
+        let f: Box<dyn Fn(Tensor<3>) -> Tensor<3>> = match part {
+            "norm" if llama => {
+                let n = TpRmsNorm::new(case.d, 1e-5, settings.mode, &g, &dev);
+                let n = cast_params(n, case.dtype);
+                Box::new(move |x| n.forward(x))
+            }
+            "norm" => {
+                let n = cast_params(
+                    TpLayerNorm::new(case.d, settings.mode, &g, &dev),
+                    case.dtype,
+                );
+                Box::new(move |x| n.forward(x))
+            }
+            "attention" => {
+                let mut config = ParallelAttentionConfig::new(case.d, case.heads)
+                    .with_n_kv_heads(Some(case.kv_heads))
+                    .with_settings(settings);
+                if llama {
+                    config = config
+                        .with_rope_theta(Some(10000.0))
+                        .with_max_seq(case.seq)
+                        .with_dropout(0.1);
                 }
-                "norm" => {
-                    let n = cast_params(
-                        TpLayerNorm::new(case.d, settings.mode, &g, &dev),
-                        case.dtype,
-                    );
-                    Box::new(move |x| n.forward(x))
-                }
-                "attention" => {
-                    let mut config = ParallelAttentionConfig::new(case.d, case.heads)
-                        .with_n_kv_heads(Some(case.kv_heads))
-                        .with_settings(settings);
-                    if llama {
-                        config = config
-                            .with_rope_theta(Some(10000.0))
-                            .with_max_seq(case.seq)
-                            .with_dropout(0.1);
-                    }
-                    let a = cast_params(config.init(&g, &dev).unwrap(), case.dtype);
-                    let key = DropoutKey {
-                        seed: 0,
-                        at: DropoutStep::new(1),
-                    };
-                    Box::new(move |x| a.try_forward(x, Some(key), 1).unwrap())
-                }
-                _ if llama => {
-                    let m = ParallelSwiGluConfig::new(case.d, 4 * case.d)
+                let a = cast_params(config.init(&g, &dev).unwrap(), case.dtype);
+                let key = DropoutKey {
+                    seed: 0,
+                    at: DropoutStep::new(1),
+                };
+                Box::new(move |x| a.try_forward(x, Some(key), 1).unwrap())
+            }
+            _ if llama => {
+                let m = ParallelSwiGluConfig::new(case.d, 4 * case.d)
+                    .with_settings(settings)
+                    .init(&g, &dev)
+                    .unwrap();
+                let m = cast_params(m, case.dtype);
+                Box::new(move |x| m.forward(x))
+            }
+            _ => {
+                let m = cast_params(
+                    ParallelMlpConfig::new(case.d, 4 * case.d)
                         .with_settings(settings)
                         .init(&g, &dev)
-                        .unwrap();
-                    let m = cast_params(m, case.dtype);
-                    Box::new(move |x| m.forward(x))
-                }
-                _ => {
-                    let m = cast_params(
-                        ParallelMlpConfig::new(case.d, 4 * case.d)
-                            .with_settings(settings)
-                            .init(&g, &dev)
-                            .unwrap(),
-                        case.dtype,
-                    );
-                    Box::new(move |x| m.forward(x))
-                }
-            };
-            // One step first: what the first call allocates once (pools, caches) is not the
-            // part's.
-            drop(f(x.clone()).sum().backward());
-            g.barrier().unwrap();
-            let before = live();
-            g.barrier().unwrap();
-            let y = f(x);
-            g.barrier().unwrap();
-            let after = live();
-            g.barrier().unwrap();
-            drop(y.sum().backward());
-            (after - before) as f64 / case.tp as f64
-        },
-    )
-    .unwrap();
-    out[0]
+                        .unwrap(),
+                    case.dtype,
+                );
+                Box::new(move |x| m.forward(x))
+            }
+        };
+        // One step first: what the first call allocates once (pools, caches) is not the
+        // part's.
+        drop(f(x.clone()).sum().backward());
+        g.barrier().unwrap();
+        let before = live();
+        g.barrier().unwrap();
+        let y = f(x);
+        g.barrier().unwrap();
+        let after = live();
+        g.barrier().unwrap();
+        drop(y.sum().backward());
+        (after - before) as f64 / case.tp as f64
+    })
 }
 
 fn mb(x: f64) -> String {

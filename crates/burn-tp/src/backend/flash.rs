@@ -26,10 +26,10 @@
 use std::ops::Range;
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
-use burn::tensor::{FloatDType, Shape, TensorData};
+use burn::tensor::{Shape, TensorData};
 use burn_std::Scalar;
 
-use super::host::slice_dim;
+use super::host::{slice_dim, widen};
 use crate::dropout::{DropoutKey, dropout_mask_values};
 
 /// Rows of a query block and columns of a key block.
@@ -86,14 +86,6 @@ pub(crate) enum Lse<B: Backend> {
     Blocks(Vec<FloatTensor<B>>),
     /// `[b, hq, s]` in f32 (the CPU kernel, `flash_cpu.rs`).
     Rows(FloatTensor<B>),
-}
-
-/// `x` in the dtype the blocks compute in: half dtypes widened to f32, f32 and f64 as they are.
-fn widen<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    match x.dtype() {
-        burn::tensor::DType::F16 | burn::tensor::DType::BF16 => B::float_cast(x, FloatDType::F32),
-        _ => x,
-    }
 }
 
 fn dims4(x: &impl TensorMetadata) -> [usize; 4] {

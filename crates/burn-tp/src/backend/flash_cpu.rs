@@ -252,6 +252,38 @@ fn mask_future(
     }
 }
 
+/// The scores of block (`rows`, `cols`) of key / value head `kh` of batch `bi` into `tile`
+/// (`[g * rows, cols]`): the packed, scaled queries `qp` times the block's keys, with the keys
+/// in a query's future at `-inf`.
+#[allow(clippy::too_many_arguments)]
+fn block_scores(
+    tile: &mut [f32],
+    qp: &[f32],
+    k: &View,
+    [bi, kh]: [usize; 2],
+    g: usize,
+    rows: &std::ops::Range<usize>,
+    cols: &std::ops::Range<usize>,
+    start: usize,
+) {
+    let (hd, mk) = (k.dims[3], cols.len());
+    let kp = k.at(bi, kh, cols.start);
+    gemm(
+        [g * rows.len(), mk, hd],
+        tile.as_mut_ptr(),
+        mk as isize,
+        false,
+        qp.as_ptr(),
+        [hd as isize, 1],
+        k.data()[kp..].as_ptr(),
+        [k.strides[3], k.strides[2]],
+        1.0,
+    );
+    if cols.end - 1 > start + rows.start {
+        mask_future(tile, g, rows, cols, start);
+    }
+}
+
 /// The keep mask (scaled) of block (`rows`, `cols`) for batch `bi`'s heads `heads` (local).
 fn keep_block(
     spec: &AttentionSpec,
@@ -303,28 +335,14 @@ pub(crate) fn forward<B: Backend>(
         let mut m = vec![f32::NEG_INFINITY; gn];
         let mut l = vec![0.0f32; gn];
         let mut sc = vec![0.0f32; gn * spec.block];
-        let (kd, vd) = (k.data(), v.data());
+        let vd = v.data();
         for cols in &k_blocks {
             if cols.start > spec.start + rows.end - 1 {
                 break;
             }
             let mk = cols.len();
             let tile = &mut sc[..gn * mk];
-            let kp = k.at(bi, kh, cols.start);
-            gemm(
-                [gn, mk, hd],
-                tile.as_mut_ptr(),
-                mk as isize,
-                false,
-                qp.as_ptr(),
-                [hd as isize, 1],
-                kd[kp..].as_ptr(),
-                [k.strides[3], k.strides[2]],
-                1.0,
-            );
-            if cols.end - 1 > spec.start + rows.start {
-                mask_future(tile, g, &rows, cols, spec.start);
-            }
+            block_scores(tile, &qp, &k, [bi, kh], g, &rows, cols, spec.start);
             let keep = keep_block(spec, [s, t], bi, heads.clone(), &rows, cols);
             for (r, row) in tile.chunks_mut(mk).enumerate() {
                 let new_max = m[r].max(max(row));
@@ -460,20 +478,7 @@ pub(crate) fn backward<B: Backend>(
                 let gn = g * rows.len();
                 let (qp, gp, dd, ls) = &prepared[i];
                 let p = &mut p[..gn * mk];
-                gemm(
-                    [gn, mk, hd],
-                    p.as_mut_ptr(),
-                    mk as isize,
-                    false,
-                    qp.as_ptr(),
-                    [hd as isize, 1],
-                    kd[kp..].as_ptr(),
-                    [k.strides[3], k.strides[2]],
-                    1.0,
-                );
-                if cols.end - 1 > spec.start + rows.start {
-                    mask_future(p, g, rows, cols, spec.start);
-                }
+                block_scores(p, qp, &k, [bi, kh], g, rows, cols, spec.start);
                 for (row, &l) in p.chunks_mut(mk).zip(ls) {
                     exp_shifted(row, l);
                 }

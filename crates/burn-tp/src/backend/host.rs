@@ -336,6 +336,26 @@ pub(crate) fn dense_layout(
     Ok(())
 }
 
+/// `x` in the dtype the fused ops compute in: half dtypes widened to f32, f32 and f64 as they
+/// are.
+pub(crate) fn widen<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    match x.dtype() {
+        burn::tensor::DType::F16 | burn::tensor::DType::BF16 => {
+            B::float_cast(x, burn::tensor::FloatDType::F32)
+        }
+        _ => x,
+    }
+}
+
+/// `x` in `dtype` (no op when it is already).
+pub(crate) fn cast_to<B: Backend>(x: FloatTensor<B>, dtype: burn::tensor::DType) -> FloatTensor<B> {
+    if x.dtype() == dtype {
+        x
+    } else {
+        B::float_cast(x, dtype.into())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::dense_layout;

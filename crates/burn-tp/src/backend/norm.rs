@@ -6,8 +6,10 @@
 //! Half inputs are computed in f32 (the output cast back); f32 and f64 in their own precision.
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
-use burn::tensor::{DType, FloatDType, Shape};
+use burn::tensor::Shape;
 use burn_std::Scalar;
+
+use super::host::{cast_to, widen};
 
 /// Which normalization, and its epsilon.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -17,22 +19,6 @@ pub struct NormSpec {
     pub rms: bool,
     /// Added to the variance (mean square) before the square root.
     pub epsilon: f64,
-}
-
-/// `x` in the dtype the norm computes in: half dtypes widened to f32.
-fn widen<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    match x.dtype() {
-        DType::F16 | DType::BF16 => B::float_cast(x, FloatDType::F32),
-        _ => x,
-    }
-}
-
-fn cast<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
-    if x.dtype() == dtype {
-        x
-    } else {
-        B::float_cast(x, dtype.into())
-    }
 }
 
 /// `[d]` as `[1, .., 1, d]` of rank `rank`.
@@ -81,7 +67,7 @@ pub(crate) fn forward<B: Backend>(
         Some(b) => B::float_add(y, row::<B>(widen::<B>(b), rank)),
         None => y,
     };
-    cast::<B>(y, dtype)
+    cast_to::<B>(y, dtype)
 }
 
 /// Gradients of the norm: `(dx, dgamma, dbeta)` in the dtypes of x, gamma and gamma, from the
@@ -116,8 +102,8 @@ pub(crate) fn backward<B: Backend>(
     }
     let dx = B::float_mul(inner, rstd);
     (
-        cast::<B>(dx, x_dtype),
-        cast::<B>(d_gamma, g_dtype),
-        cast::<B>(d_beta, g_dtype),
+        cast_to::<B>(dx, x_dtype),
+        cast_to::<B>(d_gamma, g_dtype),
+        cast_to::<B>(d_beta, g_dtype),
     )
 }

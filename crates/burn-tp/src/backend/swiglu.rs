@@ -5,25 +5,9 @@
 //! Half inputs are computed in f32 (the output cast back); f32 and f64 in their own precision.
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
-use burn::tensor::{DType, FloatDType};
 use burn_std::Scalar;
 
-use super::host::slice_dim;
-
-fn widen<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    match x.dtype() {
-        DType::F16 | DType::BF16 => B::float_cast(x, FloatDType::F32),
-        _ => x,
-    }
-}
-
-fn cast<B: Backend>(x: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
-    if x.dtype() == dtype {
-        x
-    } else {
-        B::float_cast(x, dtype.into())
-    }
-}
+use super::host::{cast_to, slice_dim, widen};
 
 /// `(gate, up)`: the two halves of the last dim, widened.
 fn halves<B: Backend>(y: FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {
@@ -42,7 +26,7 @@ pub(crate) fn forward<B: Backend>(y: FloatTensor<B>) -> FloatTensor<B> {
     let dtype = y.dtype();
     let (gate, up) = halves::<B>(y);
     let silu = B::float_mul(gate.clone(), B::sigmoid(gate));
-    cast::<B>(B::float_mul(silu, up), dtype)
+    cast_to::<B>(B::float_mul(silu, up), dtype)
 }
 
 /// The gradient of `y` (`[.., 2 f]`, `[d_gate | d_up]`) from the upstream `dz` (`[.., f]`).
@@ -61,5 +45,5 @@ pub(crate) fn backward<B: Backend>(y: FloatTensor<B>, dz: FloatTensor<B>) -> Flo
         B::float_add_scalar(B::float_mul(gate, one_minus), Scalar::Float(1.0)),
     );
     let d_gate = B::float_mul(B::float_mul(dz, up), slope);
-    cast::<B>(B::float_cat(vec![d_gate, d_up], last), dtype)
+    cast_to::<B>(B::float_cat(vec![d_gate, d_up], last), dtype)
 }
