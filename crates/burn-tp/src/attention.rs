@@ -33,6 +33,10 @@ pub struct ParallelAttentionConfig {
     /// each rank keeps the one its query heads use, the gradients summed over those ranks).
     #[config(default = "None")]
     pub n_kv_heads: Option<usize>,
+    /// Size of each head: `None` for `d_model / n_heads`; else any (Qwen3, Mistral NeMo: the
+    /// projections are `d_model -> n_heads head_dim` and back).
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
     /// Rotary positions with this base (Burn's `RotaryEncoding`, over `max_seq` positions); `None`
     /// for none (positions added to the embeddings instead).
     #[config(default = "None")]
@@ -134,6 +138,11 @@ impl ParallelAttentionConfig {
         self.n_kv_heads.unwrap_or(self.n_heads)
     }
 
+    /// `head_dim`, or `d_model / n_heads`.
+    fn head_size(&self) -> usize {
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
     /// Checks the head counts and widths against `tp` (before any communication).
     ///
     /// # Errors
@@ -151,15 +160,20 @@ impl ParallelAttentionConfig {
                 "ParallelAttention: n_kv_heads = {kv} at tp = {tp}: one must divide the other"
             )));
         }
-        if !d.is_multiple_of(h) {
+        if self.head_dim.is_none() && !d.is_multiple_of(h) {
             return Err(TpError::Config(format!(
-                "ParallelAttention: d_model = {d} is not divisible by n_heads = {h}"
+                "ParallelAttention: d_model = {d} is not divisible by n_heads = {h} (or give \
+                 head_dim)"
             )));
         }
-        if self.rope_theta.is_some() && (!(d / h).is_multiple_of(2) || self.max_seq == 0) {
+        let hd = self.head_size();
+        if hd == 0 {
+            return Err(TpError::Config("ParallelAttention: head_dim = 0".into()));
+        }
+        if self.rope_theta.is_some() && (!hd.is_multiple_of(2) || self.max_seq == 0) {
             return Err(TpError::Config(format!(
-                "ParallelAttention: rotary positions need an even head_dim (d_model = {d} / \
-                 n_heads = {h}) and max_seq > 0 (got {})",
+                "ParallelAttention: rotary positions need an even head_dim (got {hd}) and \
+                 max_seq > 0 (got {})",
                 self.max_seq
             )));
         }
@@ -175,7 +189,7 @@ impl ParallelAttentionConfig {
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<ParallelAttention> {
         self.validate(group.world_size())?;
         let (h, kv) = (self.n_heads, self.n_kv());
-        let hd = self.d_model / h;
+        let hd = self.head_size();
         let chunk = |heads: usize| ColumnChunk::new(heads * hd).with_blocks(Some(heads));
         let column = |chunks: Vec<ColumnChunk>| {
             let width = chunks.iter().map(|c| c.width).sum();

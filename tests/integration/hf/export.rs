@@ -30,6 +30,7 @@ fn import_export_import_is_bit_exact() {
         "qwen2_bias",
         "llama_far",
         "llama3_scaled",
+        "llama_head_dim",
     ] {
         let src = fixture(name);
         let out =

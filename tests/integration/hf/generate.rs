@@ -46,7 +46,13 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
         }
         out
     }
-    for name in ["llama_gqa", "qwen2_bias", "llama_far", "llama3_scaled"] {
+    for name in [
+        "llama_gqa",
+        "qwen2_bias",
+        "llama_far",
+        "llama3_scaled",
+        "llama_head_dim",
+    ] {
         let dir = fixture(name);
         let want = expected(&dir);
         for tp in [1usize, 2, 4] {

@@ -14,6 +14,7 @@ fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() 
         "llama_far",
         "llama_text",
         "llama3_scaled",
+        "llama_head_dim",
     ] {
         let dir = fixture(name);
         let want = expected(&dir);
@@ -98,6 +99,18 @@ fn the_configs_read_as_transformers_wrote_them() {
     let c = HfConfig::from_dir(&dir).unwrap();
     assert_eq!((c.rope_theta, c.rope_scaling), (100.0, Some(scaled)));
     std::fs::remove_dir_all(&dir).ok();
+    // An explicit head size: kept where it is not hidden_size / num_attention_heads.
+    let c = HfConfig::from_dir(&fixture("llama_head_dim")).unwrap();
+    assert_eq!(
+        (c.head_dim, c.head_size(), c.hidden_size),
+        (Some(16), 16, 32)
+    );
+    assert_eq!(
+        c.llama_config(burn_tp::linear::TpSettings::new()).head_dim,
+        Some(16)
+    );
+    let c = HfConfig::from_dir(&fixture("llama3_scaled")).unwrap();
+    assert_eq!((c.head_dim, c.head_size()), (None, 8));
 }
 
 /// What the import does not support is an error naming the file and the field, before any
@@ -128,7 +141,7 @@ fn unsupported_configs_are_errors_naming_the_field() {
             "factor",
         ),
         ("sliding_window", serde_json::json!(8), "sliding_window"),
-        ("head_dim", serde_json::json!(16), "head_dim"),
+        ("mlp_bias", serde_json::json!(true), "mlp_bias"),
         ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
     ];
     for (field, value, named) in cases {

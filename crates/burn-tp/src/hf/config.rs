@@ -41,6 +41,8 @@ pub struct HfConfig {
     pub num_hidden_layers: usize,
     /// `max_position_embeddings`.
     pub max_position_embeddings: usize,
+    /// `head_dim` where it is not `hidden_size / num_attention_heads`.
+    pub head_dim: Option<usize>,
     /// `rope_theta` (default 10000).
     pub rope_theta: f64,
     /// Llama 3's rotary scaling (`rope_parameters` / `rope_scaling` of type `llama3`).
@@ -145,17 +147,13 @@ impl HfConfig {
             Some(theta) => theta,
             None => f64_field("rope_theta", 10000.0)?,
         };
-        if let Some(hd) = v.get("head_dim").and_then(Value::as_u64)
-            && hd as usize * heads != hidden
-        {
-            return Err(hf_err(
-                path,
-                format!(
-                    "`head_dim` = {hd} is not hidden_size / num_attention_heads = {}",
-                    hidden / heads.max(1)
-                ),
-            ));
-        }
+        // An explicit head size (Qwen3, Mistral NeMo); kept only where it differs from
+        // hidden_size / num_attention_heads.
+        let head_dim = v
+            .get("head_dim")
+            .and_then(Value::as_u64)
+            .map(|hd| hd as usize)
+            .filter(|&hd| hd * heads != hidden);
         if bool_field("mlp_bias") {
             return Err(hf_err(path, "`mlp_bias` = true is not supported"));
         }
@@ -198,6 +196,7 @@ impl HfConfig {
             intermediate_size: usize_field("intermediate_size")?,
             num_hidden_layers: usize_field("num_hidden_layers")?,
             max_position_embeddings: max_pos,
+            head_dim,
             rope_theta,
             rope_scaling,
             rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
@@ -224,6 +223,7 @@ impl HfConfig {
             intermediate_size: c.d_ff,
             num_hidden_layers: c.n_layers,
             max_position_embeddings: c.max_seq,
+            head_dim: c.head_dim.filter(|&hd| hd * c.n_heads != c.d_model),
             rope_theta: f64::from(c.rope_theta),
             rope_scaling: c.rope_scaling,
             rms_norm_eps: c.norm_eps,
@@ -244,6 +244,7 @@ impl HfConfig {
             self.num_hidden_layers,
             self.intermediate_size,
         )
+        .with_head_dim(self.head_dim)
         .with_rope_theta(self.rope_theta as f32)
         .with_rope_scaling(self.rope_scaling)
         .with_norm_eps(self.rms_norm_eps)
@@ -280,4 +281,12 @@ fn llama3_scaling(params: &Value, field: &str, path: &Path) -> Result<Llama3Rope
         ));
     }
     Ok(scaling)
+}
+
+impl HfConfig {
+    /// The size of each attention head.
+    pub fn head_size(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
 }

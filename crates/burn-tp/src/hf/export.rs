@@ -166,6 +166,9 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
         "hidden_act": "silu",
         "torch_dtype": dtype_name,
     });
+    if let Some(hd) = config.head_dim {
+        json["head_dim"] = serde_json::json!(hd);
+    }
     if let Some(r) = config.rope_scaling {
         json["rope_parameters"] = serde_json::json!({
             "rope_type": "llama3",

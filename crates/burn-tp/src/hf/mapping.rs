@@ -24,7 +24,7 @@ pub(super) enum Source {
 /// Every HF tensor the model needs, with the shape the configuration gives it.
 pub(super) fn expected_shapes(c: &HfConfig) -> Vec<(String, Vec<usize>)> {
     let (d, ff, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-    let hd = d / c.num_attention_heads;
+    let hd = c.head_size();
     let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, d])];
     for i in 0..c.num_hidden_layers {
@@ -54,7 +54,7 @@ pub(super) fn expected_shapes(c: &HfConfig) -> Vec<(String, Vec<usize>)> {
 
 /// The Llama's parameters in visiting order, each with where it comes from.
 pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
-    let hd = c.hidden_size / c.num_attention_heads;
+    let hd = c.head_size();
     let rows = |name: &str, transpose: bool| Source::Rows {
         parts: vec![Part {
             name: name.into(),

@@ -15,9 +15,8 @@
 //! - Qwen2's q, k and v biases (and Llama's `attention_bias`), tied embeddings, any vocabulary
 //!   (padded to a multiple of tp, the padding masked out).
 //!
-//! What it refuses, with an error naming the field: another architecture, rope scaling, a
-//! sliding window in use, a `head_dim` other than `hidden_size / num_attention_heads`, an MLP bias,
-//! an activation other than SiLU.
+//! What it refuses, with an error naming the field: another architecture, rope scaling other than
+//! Llama 3's, a sliding window in use, an MLP bias, an activation other than SiLU.
 //!
 //! | file        | what                                                                     |
 //! |-------------|--------------------------------------------------------------------------|

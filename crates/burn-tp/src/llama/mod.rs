@@ -56,6 +56,9 @@ pub struct LlamaConfig {
     /// Rotary base.
     #[config(default = 10000.0)]
     pub rope_theta: f32,
+    /// Size of each attention head: `None` for `d_model / n_heads`.
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
     /// Llama 3's scaling of the rotary frequencies (Llama 3.1 - 3.3).
     #[config(default = "None")]
     pub rope_scaling: Option<Llama3RopeScaling>,
@@ -182,6 +185,7 @@ impl LlamaConfig {
         let tp = group.world_size();
         let attn = ParallelAttentionConfig::new(d, self.n_heads)
             .with_n_kv_heads(Some(self.n_kv_heads))
+            .with_head_dim(self.head_dim)
             .with_rope_theta(Some(self.rope_theta))
             .with_rope_scaling(self.rope_scaling)
             .with_max_seq(self.max_seq)
