@@ -442,6 +442,26 @@ fn bad_head_counts_are_errors_naming_them() {
         solo,
     );
     assert!(e.to_string().contains("dropout"), "{e}");
+    // An odd explicit head_dim, and a Llama 3 scaling with its factors the wrong way round.
+    let e = err(
+        LlamaConfig::new(V, S, 16, 4, 2, 1, 8).with_head_dim(Some(5)),
+        solo,
+    );
+    assert!(e.to_string().contains("even head_dim (got 5)"), "{e}");
+    let scaling = burn_tp::attention::Llama3RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 4.0,
+        high_freq_factor: 1.0,
+        original_max_position_embeddings: 16,
+    };
+    let e = err(
+        LlamaConfig::new(V, S, 16, 4, 2, 1, 8).with_rope_scaling(Some(scaling)),
+        solo,
+    );
+    assert!(
+        e.to_string().contains("rope_scaling") && e.to_string().contains("low_freq_factor: 4.0"),
+        "{e}"
+    );
 }
 
 /// The Llama cast to bf16 / f16 against the burn-nn reference built from the same cast weights

@@ -170,6 +170,17 @@ impl ParallelAttentionConfig {
         if hd == 0 {
             return Err(TpError::Config("ParallelAttention: head_dim = 0".into()));
         }
+        if let Some(r) = self.rope_scaling
+            && !(r.factor > 0.0
+                && r.low_freq_factor > 0.0
+                && r.high_freq_factor > r.low_freq_factor
+                && r.original_max_position_embeddings > 0)
+        {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: rope_scaling needs factor > 0, 0 < low_freq_factor < \
+                 high_freq_factor and original_max_position_embeddings > 0 (got {r:?})"
+            )));
+        }
         if self.rope_theta.is_some() && (!hd.is_multiple_of(2) || self.max_seq == 0) {
             return Err(TpError::Config(format!(
                 "ParallelAttention: rotary positions need an even head_dim (got {hd}) and \

@@ -315,11 +315,10 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
                 grads: &mut Gradients,
                 _ck: &mut Checkpointer,
             ) {
-                let dy = grads.consume::<B>(&ops.node);
-                let [parent] = ops.parents;
-                if let Some(node) = parent {
-                    grads.register::<B>(node.id, apply_mask::<B>(dy, &ops.state));
-                }
+                let spec = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |dy| {
+                    apply_mask::<B>(dy, &spec)
+                });
             }
         }
         let y = apply_mask::<B>(x.primitive().clone(), &spec);
@@ -345,11 +344,10 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
                 grads: &mut Gradients,
                 _ck: &mut Checkpointer,
             ) {
-                let dz = grads.consume::<B>(&ops.node);
-                let [parent] = ops.parents;
-                if let Some(node) = parent {
-                    grads.register::<B>(node.id, swiglu::backward::<B>(ops.state, dz));
-                }
+                let y = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |dz| {
+                    swiglu::backward::<B>(y, dz)
+                });
             }
         }
         let z = swiglu::forward::<B>(y.primitive().clone());
@@ -436,8 +434,12 @@ impl<B: Backend, const N: usize> Backward<B, N> for NormBackward {
         let dy = grads.consume::<B>(&ops.node);
         let NormState { x, gamma, spec } = ops.state;
         let (dx, d_gamma, d_beta) = norm::backward::<B>(x, gamma, dy, &spec);
-        for (parent, g) in ops.parents.into_iter().zip([dx, d_gamma, d_beta]) {
-            if let Some(node) = parent {
+        for (parent, g) in ops
+            .parents
+            .into_iter()
+            .zip([Some(dx), Some(d_gamma), d_beta])
+        {
+            if let (Some(node), Some(g)) = (parent, g) {
                 grads.register::<B>(node.id, g);
             }
         }

@@ -70,14 +70,15 @@ pub(crate) fn forward<B: Backend>(
     cast_to::<B>(y, dtype)
 }
 
-/// Gradients of the norm: `(dx, dgamma, dbeta)` in the dtypes of x, gamma and gamma, from the
+/// Gradients of the norm: `(dx, dgamma, dbeta)` in the dtypes of x, gamma and gamma (no dbeta
+/// for RMSNorm), from the
 /// upstream gradient `dy` (`[.., d]`), the input and the weight.
 pub(crate) fn backward<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     dy: FloatTensor<B>,
     spec: &NormSpec,
-) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
     let (x_dtype, g_dtype) = (x.dtype(), gamma.dtype());
     let shape = x.shape();
     let rank = shape.num_dims();
@@ -91,7 +92,8 @@ pub(crate) fn backward<B: Backend>(
         let t = B::float_reshape(t, Shape::from(vec![rows, d]));
         B::float_reshape(B::float_sum_dim(t, 0), Shape::from(vec![d]))
     };
-    let d_beta = over_rows(dy.clone());
+    // RMSNorm has no beta: no pass over dy for it.
+    let d_beta = (!spec.rms).then(|| over_rows(dy.clone()));
     let d_gamma = over_rows(B::float_mul(dy.clone(), x_hat.clone()));
     let g = B::float_mul(dy, row::<B>(widen::<B>(gamma), rank));
     // dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)); RMSNorm has no mean(g) term.
@@ -104,6 +106,6 @@ pub(crate) fn backward<B: Backend>(
     (
         cast_to::<B>(dx, x_dtype),
         cast_to::<B>(d_gamma, g_dtype),
-        cast_to::<B>(d_beta, g_dtype),
+        d_beta.map(|d| cast_to::<B>(d, g_dtype)),
     )
 }
