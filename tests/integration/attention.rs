@@ -32,8 +32,10 @@ fn qkv([b, hq, hkv, s, t, hd]: [usize; 6], seed: u64, dtype: DType) -> [Tensor<4
 }
 
 /// Causal attention in plain f64 loops: query `i` (position `start + i`) over keys
-/// `0 ..= start + i`, query head `h` reading key / value head `h / (hq / hkv)`, the
-/// probabilities times `keep` (`[b, hq, s, t]`, the scaled dropout mask) if given.
+/// `0 ..= start + i` (only the last `w` of them with a window `w`), query head `h` reading key /
+/// value head `h / (hq / hkv)`, the probabilities times `keep` (`[b, hq, s, t]`, the scaled
+/// dropout mask) if given.
+#[allow(clippy::too_many_arguments)]
 fn loops(
     q: &[f64],
     k: &[f64],
@@ -41,6 +43,7 @@ fn loops(
     [b, hq, s, hd]: [usize; 4],
     [hkv, t]: [usize; 2],
     start: usize,
+    window: Option<usize>,
     keep: Option<&[f64]>,
 ) -> Vec<f64> {
     let mut out = vec![0.0; b * hq * s * hd];
@@ -52,7 +55,8 @@ fn loops(
             for i in 0..s {
                 let qrow = &q[((bi * hq + h) * s + i) * hd..][..hd];
                 let seen = start + i + 1;
-                let scores: Vec<f64> = (0..seen)
+                let first = window.map_or(0, |w| seen.saturating_sub(w));
+                let scores: Vec<f64> = (first..seen)
                     .map(|j| {
                         let krow = &k[((bi * hkv + kh) * t + j) * hd..][..hd];
                         qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale
@@ -61,7 +65,7 @@ fn loops(
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
                 let sum: f64 = e.iter().sum();
-                for (j, ej) in e.iter().enumerate() {
+                for (j, ej) in (first..).zip(&e) {
                     let mut p = ej / sum;
                     if let Some(keep) = keep {
                         p *= keep[((bi * hq + h) * s + i) * t + j];
@@ -84,6 +88,7 @@ fn materialized(
     k: Tensor<4>,
     v: Tensor<4>,
     start: usize,
+    window: Option<usize>,
     keep: Option<Tensor<4>>,
 ) -> Tensor<4> {
     let [b, hq, s, hd] = q.dims();
@@ -102,9 +107,20 @@ fn materialized(
         (&q.device(), q.dtype()),
     );
     let scores = q.matmul(expand(k).swap_dims(2, 3)) * scale;
-    let future =
-        Tensor::<2, Bool>::tril_mask([s, t], start as i64, &scores.device()).unsqueeze::<4>();
-    let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+    let mut hidden = Tensor::<2, Bool>::tril_mask([s, t], start as i64, &scores.device());
+    if let Some(w) = window {
+        // Key j is before query i's window where j < start + i + 1 - w.
+        let before: Vec<bool> = (0..s)
+            .flat_map(|i| (0..t).map(move |j| j + w < start + i + 1))
+            .collect();
+        let before =
+            Tensor::<2, Bool>::from_data(TensorData::new(before, [s, t]), &scores.device());
+        hidden = hidden.bool_or(before);
+    }
+    let att = softmax(
+        scores.mask_fill(hidden.unsqueeze::<4>(), f32::NEG_INFINITY),
+        3,
+    );
     let att = match keep {
         Some(m) => att * m.cast(q_dtype(&v)),
         None => att,
@@ -134,17 +150,25 @@ fn value_and_grads(
     ]
 }
 
-/// A geometry of the grid: `[b, hq, hkv, s, t, hd]`, the query offset, the block size.
-type Case = ([usize; 6], usize, usize);
+/// A geometry of the grid: `[b, hq, hkv, s, t, hd]`, the query offset, the block size, the
+/// sliding window.
+type Case = ([usize; 6], usize, usize, Option<usize>);
 
-const CASES: [Case; 7] = [
-    ([2, 4, 4, 7, 7, 8], 0, 3),   // multi-head, odd length, blocks of 3
-    ([1, 4, 2, 9, 9, 4], 0, 4),   // grouped-query, 2 heads per key / value head
-    ([2, 4, 1, 5, 5, 8], 0, 2),   // one key / value head for all
-    ([1, 2, 2, 3, 10, 8], 7, 4),  // KV cache: 3 new queries after 7 cached positions
-    ([1, 4, 2, 1, 6, 8], 5, 128), // one decoding step
-    ([2, 2, 1, 16, 16, 8], 0, 4), // blocks that divide
-    ([1, 2, 2, 11, 11, 4], 0, 1), // blocks of one row
+const CASES: [Case; 12] = [
+    ([2, 4, 4, 7, 7, 8], 0, 3, None), // multi-head, odd length, blocks of 3
+    ([1, 4, 2, 9, 9, 4], 0, 4, None), // grouped-query, 2 heads per key / value head
+    ([2, 4, 1, 5, 5, 8], 0, 2, None), // one key / value head for all
+    ([1, 2, 2, 3, 10, 8], 7, 4, None), // KV cache: 3 new queries after 7 cached positions
+    ([1, 4, 2, 1, 6, 8], 5, 128, None), // one decoding step
+    ([2, 2, 1, 16, 16, 8], 0, 4, None), // blocks that divide
+    ([1, 2, 2, 11, 11, 4], 0, 1, None), // blocks of one row
+    // Sliding windows: blocks wholly before a window skipped, the window's edge masked.
+    ([1, 4, 2, 13, 13, 4], 0, 3, Some(4)), // window of 4 over blocks of 3
+    ([2, 2, 1, 9, 9, 8], 0, 2, Some(2)),   // each query sees itself and one key before
+    // Query 11 sees keys 6..=11: none of block 0..4, which its block's query 8 sees.
+    ([1, 2, 1, 12, 12, 8], 0, 4, Some(6)),
+    ([1, 2, 2, 3, 10, 8], 7, 4, Some(5)), // a window after a KV cache
+    ([1, 4, 2, 1, 9, 8], 8, 128, Some(3)), // one decoding step in a window
 ];
 
 #[test]
@@ -158,24 +182,26 @@ fn fused_attention_equals_f64_loops_and_the_materialized_path() {
             DType::F32 => (1e-5, 1e-4),
             _ => (2e-2, 4e-2),
         };
-        for (n, &(geo, start, block)) in CASES.iter().enumerate() {
+        for (n, &(geo, start, block, window)) in CASES.iter().enumerate() {
             let [b, hq, hkv, s, t, hd] = geo;
             let tag = format!(
-                "{dtype:?} case {n} (b {b} hq {hq} hkv {hkv} s {s} t {t} start {start} block {block})"
+                "{dtype:?} case {n} (b {b} hq {hq} hkv {hkv} s {s} t {t} start {start} block \
+                 {block} window {window:?})"
             );
             let inputs = qkv(geo, 11 + n as u64, dtype);
             let w = tensor(uniform(b * hq * s * hd, 99), [b, hq, s, hd], dtype);
             let spec = AttentionSpec {
                 block,
+                window,
                 ..AttentionSpec::causal(start)
             };
             let [out, dq, dk, dv] =
                 value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
             let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
-                materialized(q, k, v, start, None)
+                materialized(q, k, v, start, window, None)
             });
             let [q, k, v] = inputs.map(f64s);
-            let exact = loops(&q, &k, &v, [b, hq, s, hd], [hkv, t], start, None);
+            let exact = loops(&q, &k, &v, [b, hq, s, hd], [hkv, t], start, window, None);
             assert!(
                 rel_norm(&out, &exact) <= val_tol,
                 "{tag}: out vs loops {:.2e}",
@@ -222,12 +248,15 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
                 heads: 4..8,
             }),
             start: 0,
+            // With blocks of 2, a window too: dropout's mask inside the band.
+            window: (block == 2).then_some(3),
         };
+        let window = spec.window;
         let keep = dropout_mask(key, 7, full, region.clone(), p, &device());
         let [out, dq, dk, dv] =
             value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
         let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
-            materialized(q, k, v, 0, Some(keep.clone()))
+            materialized(q, k, v, 0, window, Some(keep.clone()))
         });
         let [q, k, v] = inputs.map(f64s);
         let exact = loops(
@@ -237,6 +266,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             [b, hq, s, hd],
             [hkv, s],
             0,
+            window,
             Some(&f64s(keep.clone())),
         );
         let tag = format!("block {block}");

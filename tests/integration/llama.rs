@@ -3,7 +3,8 @@
 //! `softmax`, `CrossEntropyLoss`), loaded with the same full weights, applying the same logical
 //! dropout masks: the logits, the loss and every gradient at tp = 1, 2, 4, both modes, with `n_kv_heads` = 1,
 //! < tp, = tp and > tp, a vocabulary tp does not divide, masked and ignored tokens, dropout on and
-//! off, tied and untied heads. And checkpoints that move between tp sizes.
+//! off, tied and untied heads, Qwen3's per-head q / k norms and a sliding window. And checkpoints
+//! that move between tp sizes.
 
 use burn::module::Param;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -29,14 +30,29 @@ const FF: usize = 8;
 const P: f64 = 0.2;
 const SEED: u64 = 99;
 const IGNORE: i64 = -100;
+/// The sliding window of the windowed cases (shorter than `S`).
+const WINDOW: usize = 3;
 
 fn config(n_kv: usize, mode: TpMode, dropout: bool, tied: bool) -> LlamaConfig {
     LlamaConfig::new(V, S, D, H, n_kv, 2, FF)
+        .with_qk_norm(qk_norm(n_kv))
+        .with_sliding_window(window(dropout))
         .with_settings(TpSettings::new().with_mode(mode))
         .with_dropout(if dropout { P } else { 0.0 })
         .with_dropout_seed(SEED)
         .with_tie_embeddings(tied)
         .with_ignore_index(Some(IGNORE))
+}
+
+/// Qwen3's per-head q / k norms in the cases with one key / value head (replicated at tp 2
+/// and 4) and with four (sharded at every tp).
+fn qk_norm(n_kv: usize) -> bool {
+    n_kv != 2
+}
+
+/// A sliding window in the cases with dropout.
+fn window(dropout: bool) -> Option<usize> {
+    dropout.then_some(WINDOW)
 }
 
 /// A Llama block in plain burn-nn, batch-major (`[b, s, d]`).
@@ -46,6 +62,8 @@ struct RefBlock {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Per-head RMSNorms of q and k (Qwen3's).
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     mlp_norm: RmsNorm,
     swiglu: SwiGlu,
     down: Linear,
@@ -59,6 +77,7 @@ struct RefLlama {
     head: Option<Linear>,
     rope: RotaryEncoding,
     n_kv: usize,
+    window: Option<usize>,
 }
 
 fn linear(w: Tensor<2>) -> Linear {
@@ -87,6 +106,12 @@ impl RefLlama {
                     k: columns(&qkv, H * HD, n_kv * HD),
                     v: columns(&qkv, (H + n_kv) * HD, n_kv * HD),
                     o: b.attn.out.to_full().unwrap(),
+                    qk_norm: b
+                        .attn
+                        .q_norm
+                        .as_ref()
+                        .zip(b.attn.k_norm.as_ref())
+                        .map(|(q, k)| (q.to_full(), k.to_full())),
                     mlp_norm: b.mlp_norm.to_full(),
                     swiglu: SwiGlu {
                         linear_inner: columns(&gate_up, 0, FF),
@@ -103,6 +128,7 @@ impl RefLlama {
             head: full.head.as_ref().map(|h| h.to_full().unwrap()),
             rope: RotaryEncodingConfig::new(S, HD).init(&device()),
             n_kv,
+            window: full.blocks[0].attn.sliding_window(),
         }
     }
 
@@ -129,7 +155,12 @@ impl RefLlama {
             None => x,
         };
         let mut x = self.tok.forward(ids.transpose()); // [b, s, d]
-        let causal = Tensor::<2, Bool>::tril_mask([S, S], 0, &dev).unsqueeze::<4>();
+        // Query i sees keys j <= i (and j > i - w in a window w).
+        let hidden: Vec<bool> = (0..S)
+            .flat_map(|i| (0..S).map(move |j| j > i || self.window.is_some_and(|w| j + w <= i)))
+            .collect();
+        let causal =
+            Tensor::<2, Bool>::from_data(TensorData::new(hidden, [S, S]), &dev).unsqueeze::<4>();
         // Query head h reads key / value head h / (H / n_kv).
         let kv_of = Tensor::<1, Int>::from_data(
             TensorData::new(
@@ -145,13 +176,22 @@ impl RefLlama {
             let h = blk.attn_norm.forward(x.clone());
             let heads =
                 |l: &Linear, n: usize| l.forward(h.clone()).reshape([B, S, n, HD]).swap_dims(1, 2);
+            let (qn, kn) = match &blk.qk_norm {
+                Some((qn, kn)) => (Some(qn), Some(kn)),
+                None => (None, None),
+            };
+            // Each head's features normalized (over the last dim), before the rotation.
+            let norm = |t: Tensor<4>, n: Option<&RmsNorm>| match n {
+                Some(n) => n.forward(t),
+                None => t,
+            };
             // Rotated in the table's f32, back to the activations' dtype (as the model does).
             let rope = |t: Tensor<4>| {
                 let dtype = t.dtype();
                 self.rope.forward(t.cast(FloatDType::F32)).cast(dtype)
             };
-            let q = rope(heads(&blk.q, H));
-            let k = rope(heads(&blk.k, self.n_kv)).select(1, kv_of.clone());
+            let q = rope(norm(heads(&blk.q, H), qn));
+            let k = rope(norm(heads(&blk.k, self.n_kv), kn)).select(1, kv_of.clone());
             let v = heads(&blk.v, self.n_kv).select(1, kv_of.clone());
             let scores = q.matmul(k.swap_dims(2, 3)) / (HD as f64).sqrt();
             let mut att = softmax(scores.mask_fill(causal.clone(), f32::NEG_INFINITY), 3);
@@ -196,6 +236,10 @@ impl RefLlama {
             for (name, l) in [("q", &b.q), ("k", &b.k), ("v", &b.v), ("o", &b.o)] {
                 out.push((format!("{i}.{name}"), g(l.weight.val())));
             }
+            if let Some((qn, kn)) = &b.qk_norm {
+                out.push((format!("{i}.q_norm"), g1(qn.gamma.val())));
+                out.push((format!("{i}.k_norm"), g1(kn.gamma.val())));
+            }
             out.push((format!("{i}.mlp_norm"), g1(b.mlp_norm.gamma.val())));
             out.push((format!("{i}.gate"), g(b.swiglu.linear_inner.weight.val())));
             out.push((format!("{i}.up"), g(b.swiglu.linear_outer.weight.val())));
@@ -218,6 +262,10 @@ fn model_grads(full: &Llama, n_kv: usize) -> Vec<(String, Vec<f64>)> {
         out.push((format!("{i}.attn_norm"), f64s(b.attn_norm.gamma.val())));
         for (name, l) in [("q", &b.q), ("k", &b.k), ("v", &b.v), ("o", &b.o)] {
             out.push((format!("{i}.{name}"), w(l)));
+        }
+        if let Some((qn, kn)) = &b.qk_norm {
+            out.push((format!("{i}.q_norm"), f64s(qn.gamma.val())));
+            out.push((format!("{i}.k_norm"), f64s(kn.gamma.val())));
         }
         out.push((format!("{i}.mlp_norm"), f64s(b.mlp_norm.gamma.val())));
         out.push((format!("{i}.gate"), w(&b.swiglu.linear_inner)));
@@ -301,7 +349,10 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                         out.into_iter().enumerate()
                     {
                         let tag = format!(
-                            "n_kv {n_kv} {mode:?} dropout {dropout} tied {tied} tp {tp} {path:?} rank {r}"
+                            "n_kv {n_kv} {mode:?} dropout {dropout} tied {tied} qk_norm {} \
+                             window {:?} tp {tp} {path:?} rank {r}",
+                            qk_norm(n_kv),
+                            window(dropout)
                         );
                         assert_close(&logits[0], &logits[1], 1e-5, &format!("{tag}: logits"));
                         assert_close(&loss, &ref_loss, 1e-5, &format!("{tag}: loss"));

@@ -18,6 +18,7 @@ use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
     RowParallelLinearConfig, TpMode, TpSettings,
 };
+use crate::llama::TpRmsNorm;
 use crate::reshard::{ParamLayout, Reshard};
 use crate::{Result as TpResult, TpError};
 
@@ -50,6 +51,14 @@ pub struct ParallelAttentionConfig {
     /// Biases on the q, k and v projections (the GPT's, Qwen2's).
     #[config(default = false)]
     pub qkv_bias: bool,
+    /// RMSNorm, with this epsilon, on each head's queries and keys before the rotation (Qwen3's
+    /// `q_norm` and `k_norm`: one `[head_dim]` weight each, shared by every head); `None` for none.
+    #[config(default = "None")]
+    pub qk_norm: Option<f64>,
+    /// A sliding window (Mistral's, Phi-3's): each query sees itself and the `window - 1` keys
+    /// before it, and the KV cache keeps only those; `None` for the whole causal past.
+    #[config(default = "None")]
+    pub sliding_window: Option<usize>,
     /// A bias on the output projection (the GPT's).
     #[config(default = false)]
     pub out_bias: bool,
@@ -125,12 +134,20 @@ pub struct ParallelAttention {
     pub qkv: Vec<ColumnParallelLinear>,
     /// `n_heads head_dim / tp -> d_model`.
     pub out: RowParallelLinear,
+    /// RMSNorm of each query head (`[head_dim]`, replicated), with `qk_norm`. Each rank
+    /// normalizes its own heads, so the weight's gradient is summed over the group in either
+    /// mode (built in REDUCE_SCATTER mode for that, as a sequence shard's norm; a replicated key
+    /// / value head's ranks each add the part their own query heads give it).
+    pub q_norm: Option<TpRmsNorm>,
+    /// RMSNorm of each key head (`[head_dim]`, replicated), as `q_norm`.
+    pub k_norm: Option<TpRmsNorm>,
     /// Rotary table `[max_seq, head_dim]` (a constant, not a parameter), with rotary positions.
     pub rope: Option<RotaryEncoding>,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
     dropout: f64,
+    window: Option<usize>,
 }
 
 impl ParallelAttentionConfig {
@@ -181,6 +198,11 @@ impl ParallelAttentionConfig {
                  high_freq_factor and original_max_position_embeddings > 0 (got {r:?})"
             )));
         }
+        if self.sliding_window == Some(0) {
+            return Err(TpError::Config(
+                "ParallelAttention: sliding_window = 0 (each query must see itself)".into(),
+            ));
+        }
         if self.rope_theta.is_some() && (!hd.is_multiple_of(2) || self.max_seq == 0) {
             return Err(TpError::Config(format!(
                 "ParallelAttention: rotary positions need an even head_dim (got {hd}) and \
@@ -223,9 +245,13 @@ impl ParallelAttentionConfig {
             .with_bias(self.out_bias)
             .with_settings(self.settings)
             .init(group, device)?;
+        // Partial gradients in either mode (see the field): the REDUCE_SCATTER norm's rule.
+        let head_norm = |eps: f64| TpRmsNorm::new(hd, eps, TpMode::ReduceScatter, group, device);
         Ok(ParallelAttention {
             qkv,
             out,
+            q_norm: self.qk_norm.map(head_norm),
+            k_norm: self.qk_norm.map(head_norm),
             rope: self.rope_theta.map(|theta| {
                 let config = RotaryEncodingConfig::new(self.max_seq, hd).with_theta(theta);
                 match self.rope_scaling {
@@ -239,6 +265,7 @@ impl ParallelAttentionConfig {
             n_kv_heads: kv,
             head_dim: hd,
             dropout: self.dropout,
+            window: self.sliding_window,
         })
     }
 }
@@ -252,6 +279,11 @@ impl ParallelAttention {
     /// Key / value heads over all ranks.
     pub fn n_kv_heads(&self) -> usize {
         self.n_kv_heads
+    }
+
+    /// The sliding window, if any.
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.window
     }
 
     /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]` (sharded on dim 0 in REDUCE_SCATTER mode),
@@ -282,7 +314,8 @@ impl ParallelAttention {
 
     /// Forward of new positions after those in `cache` (incremental decoding): `x` is
     /// `[s_new, b, d_model]`, every position on every rank (ALL_REDUCE mode); their keys and
-    /// values join this rank's heads' cache, and each attends to every cached position before it.
+    /// values join this rank's heads' cache, and each attends to every cached position before it
+    /// (with a sliding window, to those in its window: the cache then keeps `window - 1`).
     ///
     /// # Errors
     /// [`TpError::Config`] in REDUCE_SCATTER mode (a new token cannot be split over the
@@ -308,8 +341,12 @@ impl ParallelAttention {
             }
         }
         let (q, k, v) = self.project(x, start)?;
-        let (k, v) = cache.append(k, v);
-        self.attend(q, k, v, start, None, 0)
+        let (k, v, before) = cache.append(k, v);
+        let out = self.attend(q, k, v, before, None, 0)?;
+        if let Some(w) = self.window {
+            cache.keep_last(w - 1);
+        }
+        Ok(out)
     }
 
     /// This rank's q `[b, hq, s, hd]` and k, v `[b, hkv, s, hd]` of `x` (`[s, b, d_model]`),
@@ -335,7 +372,15 @@ impl ParallelAttention {
             )
         };
         let [s, b, _] = q.dims();
-        let heads = |t: Tensor<3>, n: usize| t.reshape([s, b, n, hd]).permute([1, 2, 0, 3]); // [b, n, s, hd]
+        // `[b, n, s, hd]`, each head normalized first where the model has q / k norms.
+        let heads = |t: Tensor<3>, n: usize, norm: Option<&TpRmsNorm>| {
+            let t = t.reshape([s, b, n, hd]);
+            let t = match norm {
+                Some(norm) => norm.forward(t),
+                None => t,
+            };
+            t.permute([1, 2, 0, 3])
+        };
         // The rotation in the rotary table's dtype (f32; it is a constant, not a parameter, so a
         // bf16 copy of the model keeps it), back to the activations' dtype after.
         let rotate = |t: Tensor<4>| match &self.rope {
@@ -346,7 +391,11 @@ impl ParallelAttention {
             }
             None => t,
         };
-        Ok((rotate(heads(q, hq)), rotate(heads(k, hkv)), heads(v, hkv)))
+        Ok((
+            rotate(heads(q, hq, self.q_norm.as_ref())),
+            rotate(heads(k, hkv, self.k_norm.as_ref())),
+            heads(v, hkv, None),
+        ))
     }
 
     fn local_kv_heads(&self, tp: usize) -> usize {
@@ -358,7 +407,8 @@ impl ParallelAttention {
     }
 
     /// Causal attention of the queries of positions `start..start + s` over the keys and values
-    /// of positions `0..t` (`t = start + s`), then the output projection: `[s, b, d_model]`.
+    /// of positions `0..t` (`t = start + s`; positions counted from the first key kept), within
+    /// the sliding window if any, then the output projection: `[s, b, d_model]`.
     fn attend(
         &self,
         q: Tensor<4>,
@@ -390,6 +440,7 @@ impl ParallelAttention {
             });
             let spec = AttentionSpec {
                 dropout,
+                window: self.window,
                 ..AttentionSpec::causal(start)
             };
             let ctx = fused_attention(q, k, v, spec)?;
@@ -408,10 +459,18 @@ impl ParallelAttention {
         };
         let (k, v) = (expand(k), expand(v));
         let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
-        // Query `i` (position `start + i`) sees keys `0..=start + i`.
-        let future =
-            Tensor::<2, Bool>::tril_mask([s, t], start as i64, &scores.device()).unsqueeze::<4>();
-        let att = softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+        // Query `i` (position `start + i`) sees keys `0..=start + i`, or only the last `w` of
+        // them in a window of `w`: key `j` is hidden where `j - i < start + 1 - w`.
+        let device = scores.device();
+        let mut hidden = Tensor::<2, Bool>::tril_mask([s, t], start as i64, &device);
+        if let Some(w) = self.window {
+            let before = Tensor::<2, Bool>::triu_mask([s, t], start as i64 + 1 - w as i64, &device);
+            hidden = hidden.bool_or(before);
+        }
+        let att = softmax(
+            scores.mask_fill(hidden.unsqueeze::<4>(), f32::NEG_INFINITY),
+            3,
+        );
         let (b_total, batch) = dropout.map_or((b, 0..b), |k| k.batch(b));
         let att = tp_dropout(
             att,
@@ -456,10 +515,13 @@ impl DecodeCache {
 /// The keys and values one attention layer has computed so far, for this rank's heads
 /// (`[batch, local key / value heads, positions, head_dim]` each, keys rotated): what
 /// incremental decoding reuses, so a new token costs one position's compute. Replicated key /
-/// value heads are cached on every rank that uses them.
+/// value heads are cached on every rank that uses them. With a sliding window of `w`, only the
+/// last `w - 1` positions are kept (all the next query sees besides itself).
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
     kv: Option<(Tensor<4>, Tensor<4>)>,
+    /// Positions dropped from the front (outside every later query's window).
+    dropped: usize,
 }
 
 impl KvCache {
@@ -468,8 +530,13 @@ impl KvCache {
         Self::default()
     }
 
-    /// Positions cached.
+    /// Positions seen (the next one's index), kept or dropped past a sliding window.
     pub fn len(&self) -> usize {
+        self.dropped + self.kept()
+    }
+
+    /// Positions kept.
+    pub fn kept(&self) -> usize {
         self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2])
     }
 
@@ -478,14 +545,29 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// Appends new positions' keys and values; returns all of them.
-    fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+    /// Appends new positions' keys and values; returns all those kept and how many of them come
+    /// before the new ones.
+    fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>, usize) {
+        let before = self.kept();
         let (k, v) = match self.kv.take() {
             Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
             None => (k, v),
         };
         self.kv = Some((k.clone(), v.clone()));
-        (k, v)
+        (k, v, before)
+    }
+
+    /// Keeps the last `n` positions only.
+    fn keep_last(&mut self, n: usize) {
+        let kept = self.kept();
+        if kept > n
+            && let Some((k, v)) = self.kv.take()
+        {
+            // Copies, so the dropped positions' memory goes.
+            let last = |x: Tensor<4>| crate::init::owned(x.narrow(2, kept - n, n));
+            self.kv = (n > 0).then(|| (last(k), last(v)));
+            self.dropped += kept - n;
+        }
     }
 }
 
@@ -504,6 +586,8 @@ impl Reshard for ParallelAttention {
         Ok(Self {
             qkv: self.qkv.to_full_module()?,
             out: self.out.to_full_module()?,
+            q_norm: self.q_norm.to_full_module()?,
+            k_norm: self.k_norm.to_full_module()?,
             rope: self.rope.clone(),
             ..*self
         })
@@ -512,6 +596,8 @@ impl Reshard for ParallelAttention {
         Ok(Self {
             qkv: Reshard::shard_module(&full.qkv, group)?,
             out: Reshard::shard_module(&full.out, group)?,
+            q_norm: Reshard::shard_module(&full.q_norm, group)?,
+            k_norm: Reshard::shard_module(&full.k_norm, group)?,
             rope: full.rope.clone(),
             ..*full
         })
@@ -520,6 +606,8 @@ impl Reshard for ParallelAttention {
         // The rotary table is a constant, not a parameter.
         let mut out = self.qkv.layout(rank);
         out.extend(self.out.layout(rank));
+        out.extend(self.q_norm.layout(rank));
+        out.extend(self.k_norm.layout(rank));
         out
     }
 }

@@ -89,8 +89,13 @@ pub enum Transport {
 #[derive(Parser, Clone, Debug)]
 #[command(about = "Train a tiny character-level GPT with tensor parallelism (ranks are threads)")]
 pub struct Args {
-    /// Model architecture.
-    #[arg(long, value_enum, default_value_t = Arch::Gpt)]
+    /// Model architecture (`llama` by default with `--init-from`).
+    #[arg(
+        long,
+        value_enum,
+        default_value_t = Arch::Gpt,
+        default_value_if("init_from", clap::builder::ArgPredicate::IsPresent, "llama")
+    )]
     pub arch: Arch,
     /// Tensor-parallel size (with `--device cuda`: the launch's WORLD_SIZE).
     #[arg(long, default_value_t = 2)]
@@ -189,14 +194,16 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub save_every: Option<usize>,
     /// Start the Llama from a Hugging Face model folder (LlamaForCausalLM, MistralForCausalLM,
-    /// Qwen2ForCausalLM): its sizes come from DIR's config.json (the size flags are not used),
-    /// its weights from DIR's safetensors. The text is tokenized by DIR's `tokenizer.json` when it
-    /// has one (which must fit in the model's vocabulary; `--export-hf` copies it); otherwise its
-    /// characters are token ids 0..n (in sorted order), which must fit. Needs `--arch llama`.
+    /// Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM): its architecture and sizes come from
+    /// DIR's config.json (the size flags are not used), its weights from DIR's safetensors. The
+    /// text is tokenized by DIR's `tokenizer.json` when it has one (which must fit in the model's
+    /// vocabulary; `--export-hf` copies it); otherwise its characters are token ids 0..n (in
+    /// sorted order), which must fit. Implies `--arch llama`.
     #[arg(long, value_name = "DIR")]
     pub init_from: Option<PathBuf>,
     /// At the end, also write the Llama in Hugging Face's format into DIR (config.json and
-    /// model.safetensors). Needs `--arch llama`.
+    /// model.safetensors), as the architecture of `--init-from`'s model if given. Needs `--arch
+    /// llama`.
     #[arg(long, value_name = "DIR")]
     pub export_hf: Option<PathBuf>,
     /// Held-out loss every this many steps (and before the first, and after the last), on the

@@ -33,13 +33,16 @@ pub trait Trainable: LanguageModel {
     /// The import's errors.
     fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self>;
 
-    /// Writes the model in Hugging Face's format into `dir`. Collective.
+    /// Writes the model in Hugging Face's format into `dir`, as the architecture of the model
+    /// in `from` (the folder it was imported from) if any, else the one `config` implies.
+    /// Collective.
     ///
     /// # Errors
     /// The export's errors.
     fn save_hf(
         &self,
         config: &Self::Config,
+        from: Option<&Path>,
         dir: &Path,
         group: &ProcessGroup,
     ) -> burn_tp::Result<()>;
@@ -50,7 +53,13 @@ impl Trainable for Gpt {
         Err(no_hf_form())
     }
 
-    fn save_hf(&self, _: &Self::Config, _: &Path, _: &ProcessGroup) -> burn_tp::Result<()> {
+    fn save_hf(
+        &self,
+        _: &Self::Config,
+        _: Option<&Path>,
+        _: &Path,
+        _: &ProcessGroup,
+    ) -> burn_tp::Result<()> {
         Err(no_hf_form())
     }
 }
@@ -67,10 +76,17 @@ impl Trainable for Llama {
     fn save_hf(
         &self,
         config: &LlamaConfig,
+        from: Option<&Path>,
         dir: &Path,
         group: &ProcessGroup,
     ) -> burn_tp::Result<()> {
-        burn_tp::hf::save(self, &burn_tp::hf::HfConfig::from_llama(config), dir, group)
+        use burn_tp::hf::HfConfig;
+        // A fine-tuned Phi-3 is written back as a Phi-3 (its fused tensors), and so on.
+        let hf = match from {
+            Some(from) => HfConfig::from_dir(from)?,
+            None => HfConfig::from_llama(config),
+        };
+        burn_tp::hf::save(self, &hf, dir, group)
     }
 }
 
@@ -148,7 +164,7 @@ pub(super) fn train_rank<M: Trainable>(
     }
     if let Some(dir) = &args.export_hf {
         if r.dp_rank == 0 {
-            model.save_hf(config, dir, &r.tp_group)?;
+            model.save_hf(config, args.init_from.as_deref(), dir, &r.tp_group)?;
         }
         r.world.barrier()?;
     }

@@ -31,6 +31,9 @@ fn import_export_import_is_bit_exact() {
         "llama_far",
         "llama3_scaled",
         "llama_head_dim",
+        "qwen3",
+        "mistral_window",
+        "phi3",
     ] {
         let src = fixture(name);
         let out =

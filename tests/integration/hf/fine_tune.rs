@@ -2,11 +2,12 @@
 
 use super::*;
 
-/// Fine-tuning an imported model: `train_gpt --arch llama --init-from DIR` trains the Hugging
-/// Face model at tp 2 (the loss falls from the imported weights), `--export-hf` writes the
-/// result, and that export and the run's own sharded checkpoint are the same model (the same
-/// held-out loss when either starts a run). The GPT, or a text with more characters than the
-/// model's vocabulary, is an error naming it.
+/// Fine-tuning an imported model: `train_gpt --init-from DIR` (the architecture read from DIR:
+/// a Llama, a Phi-3 with its fused tensors and sliding window, a Qwen3 with its q / k norms)
+/// trains the Hugging Face model at tp 2 (the loss falls from the imported weights),
+/// `--export-hf` writes the result as the same architecture, and that export and the run's own
+/// sharded checkpoint are the same model (the same held-out loss when either starts a run). The
+/// GPT, or a text with more characters than the model's vocabulary, is an error naming it.
 #[test]
 fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
     use burn_tp_examples::train_gpt::{Args, run};
@@ -17,13 +18,10 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
     std::fs::create_dir_all(&root).unwrap();
     let data = root.join("text.txt");
     std::fs::write(&data, "hello tensor parallel world. ".repeat(40)).unwrap();
-    let model = fixture("llama_tied");
     let args = |extra: &[&str], out: &str| {
         let mut argv = vec![
             "train_gpt",
             "--quiet",
-            "--arch",
-            "llama",
             "--tp",
             "2",
             "--batch",
@@ -47,59 +45,71 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
         argv.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
         Args::try_parse_from(argv).unwrap()
     };
-    let export = root.join("export");
-    let tuned = run(&args(
-        &[
-            "--steps",
-            "10",
-            "--init-from",
-            model.to_str().unwrap(),
-            "--export-hf",
-            export.to_str().unwrap(),
-        ],
-        "tune",
-    ))
-    .unwrap();
-    assert!(
-        tuned.losses[9] < tuned.losses[0] - 0.5,
-        "fine-tuning lowers the loss: {:?}",
-        tuned.losses
-    );
-    assert!(export.join("config.json").exists() && export.join("model.safetensors").exists());
-    let from_export = run(&args(
-        &["--steps", "1", "--init-from", export.to_str().unwrap()],
-        "again",
-    ))
-    .unwrap();
-    let from_checkpoint = run(&args(
-        &[
-            "--steps",
-            "1",
-            "--resume",
-            tuned.checkpoint.to_str().unwrap(),
-            "--init-from",
-            model.to_str().unwrap(),
-        ],
-        "resumed",
-    ))
-    .unwrap();
-    // The held-out loss before the first step: the same evaluation batches on both models (the
-    // resumed run trains on step 10's batch, the other on step 0's).
-    assert_close(
-        &[from_export.held_out[0].1],
-        &[from_checkpoint.held_out[0].1],
-        1e-6,
-        "the export and the checkpoint: the held-out loss",
-    );
-    assert_close(
-        &[from_export.held_out[0].1],
-        &[tuned.held_out.last().unwrap().1],
-        1e-6,
-        "the export and the end of the fine-tuning run: the held-out loss",
-    );
+    for name in ["llama_tied", "phi3", "qwen3"] {
+        let model = fixture(name);
+        let export = root.join(format!("export-{name}"));
+        let tuned = run(&args(
+            &[
+                "--steps",
+                "10",
+                "--init-from",
+                model.to_str().unwrap(),
+                "--export-hf",
+                export.to_str().unwrap(),
+            ],
+            &format!("{name}-tune"),
+        ))
+        .unwrap();
+        assert!(
+            tuned.losses[9] < tuned.losses[0] - 0.5,
+            "{name}: fine-tuning lowers the loss: {:?}",
+            tuned.losses
+        );
+        assert!(export.join("config.json").exists() && export.join("model.safetensors").exists());
+        let from_export = run(&args(
+            &["--steps", "1", "--init-from", export.to_str().unwrap()],
+            &format!("{name}-again"),
+        ))
+        .unwrap();
+        let from_checkpoint = run(&args(
+            &[
+                "--steps",
+                "1",
+                "--resume",
+                tuned.checkpoint.to_str().unwrap(),
+                "--init-from",
+                model.to_str().unwrap(),
+            ],
+            &format!("{name}-resumed"),
+        ))
+        .unwrap();
+        // The held-out loss before the first step: the same evaluation batches on both models (the
+        // resumed run trains on step 10's batch, the other on step 0's).
+        assert_close(
+            &[from_export.held_out[0].1],
+            &[from_checkpoint.held_out[0].1],
+            1e-6,
+            &format!("{name}: the export and the checkpoint: the held-out loss"),
+        );
+        assert_close(
+            &[from_export.held_out[0].1],
+            &[tuned.held_out.last().unwrap().1],
+            1e-6,
+            &format!("{name}: the export and the end of the fine-tuning run: the held-out loss"),
+        );
+        // Written back as the architecture it was read as.
+        assert_eq!(
+            HfConfig::from_dir(&export).unwrap().architecture,
+            HfConfig::from_dir(&model).unwrap().architecture,
+            "{name}"
+        );
+    }
+    let model = fixture("llama_tied");
     // Errors naming the problem.
     let e = run(&Args::try_parse_from([
         "train_gpt",
+        "--arch",
+        "gpt",
         "--init-from",
         model.to_str().unwrap(),
         "--out",

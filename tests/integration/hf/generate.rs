@@ -52,6 +52,9 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
         "llama_far",
         "llama3_scaled",
         "llama_head_dim",
+        "qwen3",
+        "mistral_window",
+        "phi3",
     ] {
         let dir = fixture(name);
         let want = expected(&dir);

@@ -15,6 +15,9 @@ fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() 
         "llama_text",
         "llama3_scaled",
         "llama_head_dim",
+        "qwen3",
+        "mistral_window",
+        "phi3",
     ] {
         let dir = fixture(name);
         let want = expected(&dir);
@@ -111,6 +114,27 @@ fn the_configs_read_as_transformers_wrote_them() {
     );
     let c = HfConfig::from_dir(&fixture("llama3_scaled")).unwrap();
     assert_eq!((c.head_dim, c.head_size()), (None, 8));
+    // Qwen3's per-head norms, Mistral's and Phi-3's windows.
+    let c = HfConfig::from_dir(&fixture("qwen3")).unwrap();
+    assert_eq!(c.architecture, HfArchitecture::Qwen3);
+    assert!(c.qk_norm && !c.qkv_bias && c.sliding_window.is_none());
+    assert_eq!(c.head_dim, Some(16));
+    let c = HfConfig::from_dir(&fixture("mistral_window")).unwrap();
+    assert_eq!((c.sliding_window, c.qk_norm), (Some(4), false));
+    let l = c.llama_config(burn_tp::linear::TpSettings::new());
+    assert_eq!(l.sliding_window, Some(4));
+    let c = HfConfig::from_dir(&fixture("phi3")).unwrap();
+    assert_eq!(
+        (c.architecture, c.sliding_window),
+        (HfArchitecture::Phi3, Some(5))
+    );
+    // A window as long as the context is none.
+    assert_eq!(
+        HfConfig::from_dir(&fixture("mistral"))
+            .unwrap()
+            .sliding_window,
+        None
+    );
 }
 
 /// What the import does not support is an error naming the file and the field, before any
@@ -140,7 +164,11 @@ fn unsupported_configs_are_errors_naming_the_field() {
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
             "factor",
         ),
-        ("sliding_window", serde_json::json!(8), "sliding_window"),
+        (
+            "partial_rotary_factor",
+            serde_json::json!(0.5),
+            "partial_rotary_factor",
+        ),
         ("mlp_bias", serde_json::json!(true), "mlp_bias"),
         ("hidden_act", serde_json::json!("gelu"), "hidden_act"),
     ];
@@ -156,6 +184,26 @@ fn unsupported_configs_are_errors_naming_the_field() {
             other => panic!("{field}: expected an error, got {other:?}"),
         }
     }
+    // A sliding window on some layers only (Qwen2's `max_window_layers`, transformers 5's
+    // `layer_types`); on every layer it is read.
+    let mut config = base.clone();
+    config["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+    config["use_sliding_window"] = serde_json::json!(true);
+    config["sliding_window"] = serde_json::json!(8);
+    config["max_window_layers"] = serde_json::json!(1);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    match HfConfig::from_dir(&dir) {
+        Err(TpError::Checkpoint { what, .. }) => {
+            assert!(
+                what.contains("max_window_layers") && what.contains("8"),
+                "{what}"
+            )
+        }
+        other => panic!("a window on layer 1 only: expected an error, got {other:?}"),
+    }
+    config["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"]);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    assert_eq!(HfConfig::from_dir(&dir).unwrap().sliding_window, Some(8));
     // Weights of another model: the first tensor of another shape is named (llama_tied has
     // two key / value heads where this config has one), and a tensor missing (it has no
     // lm_head: its embeddings are tied) too.

@@ -18,6 +18,10 @@
 //!           └────┴────┴────┴────┘
 //! ```
 //!
+//! With a sliding window of `w` keys, query `i` sees keys `start + i + 1 - w ..= start + i`: the
+//! blocks left of the band are skipped too, and the band's lower edge is masked like the
+//! diagonal.
+//!
 //! Half inputs are computed in f32 block by block (the output is cast back); f32 and f64 in
 //! their own precision. Dropout of the
 //! probabilities is the logical mask of [`crate::dropout`], regenerated per block, so it is the
@@ -45,6 +49,10 @@ pub struct AttentionSpec {
     pub dropout: Option<AttentionDropout>,
     /// Query rows (and key columns) per block.
     pub block: usize,
+    /// A sliding window (Mistral's, Phi-3's): query `i` sees only the `window` keys
+    /// `start + i + 1 - window ..= start + i` (transformers' `kv_idx > q_idx - sliding_window`),
+    /// and the key blocks wholly before its window are skipped; `None` for every key before it.
+    pub window: Option<usize>,
 }
 
 /// The dropout of one attention call: this rank's region of the logical mask of site `site`
@@ -74,7 +82,23 @@ impl AttentionSpec {
             start,
             dropout: None,
             block: BLOCK,
+            window: None,
         }
+    }
+
+    /// The first key query `i` sees (the last is `start + i`).
+    pub(crate) fn first_key(&self, i: usize) -> usize {
+        self.window
+            .map_or(0, |w| (self.start + i + 1).saturating_sub(w))
+    }
+
+    /// Whether some query of block `rows` sees some key of block `cols` (else the block is
+    /// skipped), and whether some key of it is hidden from some query (then it is masked).
+    pub(crate) fn visible(&self, rows: &Range<usize>, cols: &Range<usize>) -> (bool, bool) {
+        let (first_query, last_query) = (self.start + rows.start, self.start + rows.end - 1);
+        let seen = cols.start <= last_query && cols.end > self.first_key(rows.start);
+        let masked = cols.end - 1 > first_query || cols.start < self.first_key(rows.end - 1);
+        (seen, masked)
     }
 }
 
@@ -139,20 +163,12 @@ impl Geometry {
     }
 }
 
-/// The key blocks query block `rows` sees (causal from `start`), and whether block `cols`
-/// needs the mask (some of its keys lie in the future of some of the block's queries).
-fn visible(start: usize, rows: &Range<usize>, cols: &Range<usize>) -> (bool, bool) {
-    let last_query = start + rows.end - 1;
-    let first_query = start + rows.start;
-    (cols.start <= last_query, cols.end - 1 > first_query)
-}
-
 fn blocks(n: usize, block: usize) -> impl Iterator<Item = Range<usize>> {
     (0..n.div_ceil(block)).map(move |i| i * block..((i + 1) * block).min(n))
 }
 
 /// Scores `[b, hkv, g * Bq, Bk]` of the (pre-scaled) stacked queries against key block `kb`,
-/// the future masked to `-inf`.
+/// the keys a query does not see (its future, those before its window) masked to `-inf`.
 fn scores<B: Backend>(
     geo: &Geometry,
     spec: &AttentionSpec,
@@ -171,7 +187,8 @@ fn scores<B: Backend>(
     let mut future = Vec::with_capacity(g * n * m);
     for _ in 0..g {
         for i in rows.clone() {
-            future.extend(cols.clone().map(|j| j > spec.start + i));
+            let first = spec.first_key(i);
+            future.extend(cols.clone().map(|j| j > spec.start + i || j < first));
         }
     }
     let device = s.device();
@@ -230,14 +247,20 @@ pub(crate) fn forward<B: Backend>(
         );
         let mut state: Option<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> = None;
         for cols in blocks(geo.t, spec.block) {
-            let (seen, masked) = visible(spec.start, &rows, &cols);
+            let (seen, masked) = spec.visible(&rows, &cols);
             if !seen {
-                break;
+                continue;
             }
             let kb = widen::<B>(slice_dim::<B>(k.clone(), 2, cols.clone()));
             let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
             let s = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
             let block_max = B::float_max_dim(s.clone(), 3);
+            // A row whose window starts after this block has no key in it: a finite floor
+            // keeps `s - max` at `-inf` (probability 0) instead of `-inf - -inf`.
+            let block_max = match spec.window {
+                Some(_) => B::float_clamp_min(block_max, Scalar::Float(-1e30)),
+                None => block_max,
+            };
             // The running max over the blocks seen so far.
             let m_new = match &state {
                 None => block_max,
@@ -267,7 +290,7 @@ pub(crate) fn forward<B: Backend>(
             };
             state = Some((m_new, l, acc));
         }
-        let (m, l, acc) = state.expect("key 0 is seen by every query");
+        let (m, l, acc) = state.expect("every query sees its own key");
         let out = B::float_div(acc, l.clone());
         outs.push(B::float_cast(
             geo.unstack::<B>(out, rows.len()),
@@ -337,7 +360,7 @@ pub(crate) fn backward<B: Backend>(
         let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
         let (mut dk, mut dv) = (None, None);
         for (i, rows) in q_blocks.iter().enumerate() {
-            let (seen, masked) = visible(spec.start, rows, &cols);
+            let (seen, masked) = spec.visible(rows, &cols);
             if !seen {
                 continue;
             }
@@ -388,7 +411,7 @@ pub(crate) fn backward<B: Backend>(
         .into_iter()
         .zip(&q_blocks)
         .map(|(g, rows)| {
-            let g = g.expect("every query sees key 0");
+            let g = g.expect("every query sees its own key");
             B::float_cast(geo.unstack::<B>(g, rows.len()), q_dtype.into())
         })
         .collect();

@@ -235,26 +235,29 @@ fn blocks(n: usize, block: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// The scores of one block: the future masked (set to `-inf`) where `masked`.
-fn mask_future(
+/// The scores of one block with the keys a query does not see (its future, those before its
+/// window) set to `-inf`.
+fn mask_hidden(
     s: &mut [f32],
     g: usize,
     rows: &std::ops::Range<usize>,
     cols: &std::ops::Range<usize>,
-    start: usize,
+    spec: &AttentionSpec,
 ) {
     let m = cols.len();
     for (r, row) in s.chunks_mut(m).enumerate().take(g * rows.len()) {
-        let query = start + rows.start + r % rows.len();
-        // Keys after `query` are in its future.
+        let i = rows.start + r % rows.len();
+        let query = spec.start + i;
         let first_future = (query + 1).saturating_sub(cols.start).min(m);
         row[first_future..].fill(f32::NEG_INFINITY);
+        let first_seen = spec.first_key(i).saturating_sub(cols.start).min(m);
+        row[..first_seen].fill(f32::NEG_INFINITY);
     }
 }
 
 /// The scores of block (`rows`, `cols`) of key / value head `kh` of batch `bi` into `tile`
 /// (`[g * rows, cols]`): the packed, scaled queries `qp` times the block's keys, with the keys
-/// in a query's future at `-inf`.
+/// a query does not see at `-inf`.
 #[allow(clippy::too_many_arguments)]
 fn block_scores(
     tile: &mut [f32],
@@ -264,7 +267,7 @@ fn block_scores(
     g: usize,
     rows: &std::ops::Range<usize>,
     cols: &std::ops::Range<usize>,
-    start: usize,
+    spec: &AttentionSpec,
 ) {
     let (hd, mk) = (k.dims[3], cols.len());
     let kp = k.at(bi, kh, cols.start);
@@ -279,8 +282,8 @@ fn block_scores(
         [k.strides[3], k.strides[2]],
         1.0,
     );
-    if cols.end - 1 > start + rows.start {
-        mask_future(tile, g, rows, cols, start);
+    if spec.visible(rows, cols).1 {
+        mask_hidden(tile, g, rows, cols, spec);
     }
 }
 
@@ -337,15 +340,20 @@ pub(crate) fn forward<B: Backend>(
         let mut sc = vec![0.0f32; gn * spec.block];
         let vd = v.data();
         for cols in &k_blocks {
-            if cols.start > spec.start + rows.end - 1 {
-                break;
+            if !spec.visible(&rows, cols).0 {
+                continue;
             }
             let mk = cols.len();
             let tile = &mut sc[..gn * mk];
-            block_scores(tile, &qp, &k, [bi, kh], g, &rows, cols, spec.start);
+            block_scores(tile, &qp, &k, [bi, kh], g, &rows, cols, spec);
             let keep = keep_block(spec, [s, t], bi, heads.clone(), &rows, cols);
             for (r, row) in tile.chunks_mut(mk).enumerate() {
                 let new_max = m[r].max(max(row));
+                if new_max == f32::NEG_INFINITY {
+                    // The row's window starts after this block: nothing seen yet.
+                    row.fill(0.0);
+                    continue;
+                }
                 exp_shifted(row, new_max);
                 let sum = sum(row);
                 if let Some(keep) = &keep {
@@ -472,13 +480,13 @@ pub(crate) fn backward<B: Backend>(
             let mut dvb = vec![0.0f32; mk * hd];
             let (kp, vp) = (k.at(bi, kh, cols.start), v.at(bi, kh, cols.start));
             for (i, rows) in q_blocks.iter().enumerate() {
-                if cols.start > spec.start + rows.end - 1 {
+                if !spec.visible(rows, cols).0 {
                     continue;
                 }
                 let gn = g * rows.len();
                 let (qp, gp, dd, ls) = &prepared[i];
                 let p = &mut p[..gn * mk];
-                block_scores(p, qp, &k, [bi, kh], g, rows, cols, spec.start);
+                block_scores(p, qp, &k, [bi, kh], g, rows, cols, spec);
                 for (row, &l) in p.chunks_mut(mk).zip(ls) {
                     exp_shifted(row, l);
                 }

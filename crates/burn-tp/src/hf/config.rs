@@ -16,10 +16,35 @@ use crate::llama::LlamaConfig;
 pub enum HfArchitecture {
     /// `LlamaForCausalLM`.
     Llama,
-    /// `MistralForCausalLM` (without a sliding window in use).
+    /// `MistralForCausalLM` (a sliding window on every layer, or none).
     Mistral,
     /// `Qwen2ForCausalLM` (q, k and v biases).
     Qwen2,
+    /// `Qwen3ForCausalLM` (RMSNorm on each head's queries and keys, an explicit `head_dim`).
+    Qwen3,
+    /// `Phi3ForCausalLM` (fused `qkv_proj` and `gate_up_proj` tensors, a sliding window).
+    Phi3,
+}
+
+impl HfArchitecture {
+    /// The `architectures` entry and the `model_type`.
+    pub fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Llama => ("LlamaForCausalLM", "llama"),
+            Self::Mistral => ("MistralForCausalLM", "mistral"),
+            Self::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+            Self::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Self::Phi3 => ("Phi3ForCausalLM", "phi3"),
+        }
+    }
+
+    const ALL: [Self; 5] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Phi3,
+    ];
 }
 
 /// A Hugging Face `config.json` of the Llama family, read and checked.
@@ -55,6 +80,10 @@ pub struct HfConfig {
     pub qkv_bias: bool,
     /// A bias on the output projection (Llama's `attention_bias`).
     pub out_bias: bool,
+    /// RMSNorm on each head's queries and keys (Qwen3's `q_norm`, `k_norm`).
+    pub qk_norm: bool,
+    /// The sliding window of every layer (`sliding_window` where in use), if below the context.
+    pub sliding_window: Option<usize>,
 }
 
 impl HfConfig {
@@ -93,19 +122,18 @@ impl HfConfig {
             .and_then(|a| a.get(0))
             .and_then(Value::as_str)
             .ok_or_else(|| hf_err(path, "`architectures` is missing"))?;
-        let architecture = match arch {
-            "LlamaForCausalLM" => HfArchitecture::Llama,
-            "MistralForCausalLM" => HfArchitecture::Mistral,
-            "Qwen2ForCausalLM" => HfArchitecture::Qwen2,
-            other => {
-                return Err(hf_err(
-                    path,
-                    format!(
-                        "architecture {other:?} is not supported (LlamaForCausalLM, \
-                         MistralForCausalLM, Qwen2ForCausalLM are)"
-                    ),
-                ));
-            }
+        let Some(architecture) = HfArchitecture::ALL
+            .into_iter()
+            .find(|a| a.names().0 == arch)
+        else {
+            let known: Vec<&str> = HfArchitecture::ALL.iter().map(|a| a.names().0).collect();
+            return Err(hf_err(
+                path,
+                format!(
+                    "architecture {arch:?} is not supported ({} are)",
+                    known.join(", ")
+                ),
+            ));
         };
         let heads = usize_field("num_attention_heads")?;
         let hidden = usize_field("hidden_size")?;
@@ -165,23 +193,24 @@ impl HfConfig {
                 format!("`hidden_act` = {act:?} is not supported (silu is)"),
             ));
         }
-        // A sliding window is in use when set below the context (Qwen2 only with its flag).
-        let window = v.get("sliding_window").and_then(Value::as_u64);
-        let window_on = match architecture {
-            HfArchitecture::Qwen2 => bool_field("use_sliding_window"),
-            _ => true,
-        };
-        if let Some(w) = window
-            && window_on
-            && (w as usize) < max_pos
+        let sliding_window = sliding_window(v, architecture, usize_field("num_hidden_layers")?)
+            .map_err(|what| hf_err(path, what))?
+            .filter(|&w| w < max_pos);
+        // Phi-3's (and Phi-4's) rotation of part of each head only.
+        for partial in [
+            v.get("partial_rotary_factor"),
+            rope.and_then(|r| r.get("partial_rotary_factor")),
+        ]
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_f64)
         {
-            return Err(hf_err(
-                path,
-                format!(
-                    "`sliding_window` = {w} below max_position_embeddings = {max_pos} is not \
-                     supported"
-                ),
-            ));
+            if partial != 1.0 {
+                return Err(hf_err(
+                    path,
+                    format!("`partial_rotary_factor` = {partial} is not supported (1.0 is)"),
+                ));
+            }
         }
         let attention_bias = bool_field("attention_bias");
         Ok(Self {
@@ -203,19 +232,26 @@ impl HfConfig {
             tie_word_embeddings: bool_field("tie_word_embeddings"),
             qkv_bias: architecture == HfArchitecture::Qwen2 || attention_bias,
             out_bias: attention_bias,
+            qk_norm: architecture == HfArchitecture::Qwen3,
+            sliding_window,
         })
     }
 
-    /// The Hugging Face configuration of a burn-tp Llama (to export it): `LlamaForCausalLM`, or
-    /// `Qwen2ForCausalLM` for q, k and v biases without an output bias.
+    /// The Hugging Face configuration of a burn-tp Llama (to export it): `Qwen3ForCausalLM` for
+    /// q / k norms, `Qwen2ForCausalLM` for q, k and v biases without an output bias,
+    /// `MistralForCausalLM` for a sliding window, else `LlamaForCausalLM`.
     pub fn from_llama(c: &LlamaConfig) -> Self {
-        let qwen2 = c.qkv_bias && !c.out_bias;
+        let architecture = if c.qk_norm {
+            HfArchitecture::Qwen3
+        } else if c.qkv_bias && !c.out_bias {
+            HfArchitecture::Qwen2
+        } else if c.sliding_window.is_some() && !c.qkv_bias {
+            HfArchitecture::Mistral
+        } else {
+            HfArchitecture::Llama
+        };
         Self {
-            architecture: if qwen2 {
-                HfArchitecture::Qwen2
-            } else {
-                HfArchitecture::Llama
-            },
+            architecture,
             vocab_size: c.n_vocab,
             hidden_size: c.d_model,
             num_attention_heads: c.n_heads,
@@ -230,6 +266,8 @@ impl HfConfig {
             tie_word_embeddings: c.tie_embeddings,
             qkv_bias: c.qkv_bias,
             out_bias: c.out_bias,
+            qk_norm: c.qk_norm,
+            sliding_window: c.sliding_window,
         }
     }
 
@@ -251,6 +289,8 @@ impl HfConfig {
         .with_tie_embeddings(self.tie_word_embeddings)
         .with_qkv_bias(self.qkv_bias)
         .with_out_bias(self.out_bias)
+        .with_qk_norm(self.qk_norm)
+        .with_sliding_window(self.sliding_window)
         .with_settings(settings)
     }
 }
@@ -288,5 +328,51 @@ impl HfConfig {
     pub fn head_size(&self) -> usize {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+}
+
+/// The sliding window `config` puts on every layer: Mistral's and Phi-3's `sliding_window`;
+/// Qwen2's and Qwen3's only with `use_sliding_window`, on the layers `layer_types` (or
+/// `max_window_layers`) gives it; Llama has none. A window on some layers only is an error.
+fn sliding_window(
+    v: &Value,
+    architecture: HfArchitecture,
+    layers: usize,
+) -> std::result::Result<Option<usize>, String> {
+    let window = v.get("sliding_window").and_then(Value::as_u64);
+    let window = match architecture {
+        HfArchitecture::Llama => None,
+        HfArchitecture::Mistral | HfArchitecture::Phi3 => window,
+        HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
+            let on = v.get("use_sliding_window").and_then(Value::as_bool) == Some(true);
+            window.filter(|_| on)
+        }
+    };
+    let Some(w) = window else {
+        return Ok(None);
+    };
+    let sliding: Vec<bool> = match v.get("layer_types").and_then(Value::as_array) {
+        Some(types) => types
+            .iter()
+            .map(|t| t.as_str() == Some("sliding_attention"))
+            .collect(),
+        None => match architecture {
+            HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
+                let from = v
+                    .get("max_window_layers")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0) as usize;
+                (0..layers).map(|i| i >= from).collect()
+            }
+            _ => vec![true; layers],
+        },
+    };
+    match (sliding.iter().all(|&x| x), sliding.iter().any(|&x| x)) {
+        (true, _) => Ok(Some(w as usize)),
+        (false, false) => Ok(None),
+        _ => Err(format!(
+            "a sliding window ({w}) on some layers only (`layer_types` / `max_window_layers`: \
+             {sliding:?} sliding) is not supported (on every layer or none is)"
+        )),
     }
 }

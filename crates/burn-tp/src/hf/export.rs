@@ -89,7 +89,14 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
                     } else {
                         vec![n, cols]
                     };
-                    tensors.push((part.name.clone(), hf_shape, out));
+                    match tensors.last_mut() {
+                        // The next rows of a fused tensor (Phi-3's), its parts in order.
+                        Some((name, shape, values)) if *name == part.name => {
+                            shape[0] += n;
+                            values.extend(out);
+                        }
+                        _ => tensors.push((part.name.clone(), hf_shape, out)),
+                    }
                     at += n;
                 }
             }
@@ -140,11 +147,7 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(metadata.into_iter().collect()), &path)
         .map_err(|e| hf_err(&path, format!("writing: {e}")))?;
-    let (arch, model_type) = match config.architecture {
-        HfArchitecture::Llama => ("LlamaForCausalLM", "llama"),
-        HfArchitecture::Mistral => ("MistralForCausalLM", "mistral"),
-        HfArchitecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-    };
+    let (arch, model_type) = config.architecture.names();
     let dtype_name = match st_dtype {
         safetensors::Dtype::BF16 => "bfloat16",
         safetensors::Dtype::F16 => "float16",
@@ -166,9 +169,8 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
         "hidden_act": "silu",
         "torch_dtype": dtype_name,
     });
-    if let Some(hd) = config.head_dim {
-        json["head_dim"] = serde_json::json!(hd);
-    }
+    // Always: Qwen3's default (128) is not hidden_size / num_attention_heads.
+    json["head_dim"] = serde_json::json!(config.head_size());
     if let Some(r) = config.rope_scaling {
         json["rope_parameters"] = serde_json::json!({
             "rope_type": "llama3",
@@ -179,9 +181,23 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
             "original_max_position_embeddings": r.original_max_position_embeddings,
         });
     }
+    let window = serde_json::json!(config.sliding_window);
     match config.architecture {
-        HfArchitecture::Qwen2 => json["use_sliding_window"] = serde_json::json!(false),
-        _ => json["attention_bias"] = serde_json::json!(config.out_bias),
+        HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
+            // Every layer from the first, or none.
+            json["use_sliding_window"] = serde_json::json!(config.sliding_window.is_some());
+            json["sliding_window"] = window;
+            json["max_window_layers"] = serde_json::json!(0);
+            if config.architecture == HfArchitecture::Qwen3 {
+                json["attention_bias"] = serde_json::json!(config.out_bias);
+            }
+        }
+        HfArchitecture::Mistral | HfArchitecture::Phi3 => {
+            json["sliding_window"] = window;
+            // Phi3Config's default pad id (32000) would be past a smaller vocabulary.
+            json["pad_token_id"] = serde_json::Value::Null;
+        }
+        HfArchitecture::Llama => json["attention_bias"] = serde_json::json!(config.out_bias),
     }
     let path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&json).map_err(|e| hf_err(&path, e.to_string()))?;

@@ -154,16 +154,17 @@ fn concat_rows(w: &mut Weights, parts: &[Part], global: Range<usize>) -> Result<
         let (a, b) = (global.start.max(start), global.end.min(end));
         if a < b {
             let (la, lb) = (a - start, b - start);
+            let off = part.offset;
             match part.rope_head_dim {
                 None => {
-                    let (shape, values) = w.rows(&part.name, Some(la..lb))?;
+                    let (shape, values) = w.rows(&part.name, Some(off + la..off + lb))?;
                     cols = shape[1..].iter().product::<usize>().max(1);
                     out.extend(values);
                 }
                 Some(hd) => {
                     // Whole heads (the pieces are head-aligned): read them, then reorder.
                     let (ha, hb) = (la / hd * hd, lb.div_ceil(hd) * hd);
-                    let (shape, values) = w.rows(&part.name, Some(ha..hb))?;
+                    let (shape, values) = w.rows(&part.name, Some(off + ha..off + hb))?;
                     cols = shape[1..].iter().product::<usize>().max(1);
                     for r in la..lb {
                         let src = rope_row(r, hd) - ha;

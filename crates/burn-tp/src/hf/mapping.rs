@@ -2,12 +2,13 @@
 //! and the export: which HF tensors, in which rows, make each parameter, and HF's rotate-half
 //! rotary order against Burn's interleaved pairs.
 
-use super::HfConfig;
+use super::{HfArchitecture, HfConfig};
 
-/// One HF tensor in a concatenation: its name, its rows, and the head size of a rotary
-/// permutation to apply to them (q and k).
+/// One HF tensor (or rows of one: Phi-3's fused tensors) in a concatenation: its name, its first
+/// row, its rows, and the head size of a rotary permutation to apply to them (q and k).
 pub(super) struct Part {
     pub(super) name: String,
+    pub(super) offset: usize,
     pub(super) rows: usize,
     pub(super) rope_head_dim: Option<usize>,
 }
@@ -31,18 +32,33 @@ pub(super) fn expected_shapes(c: &HfConfig) -> Vec<(String, Vec<usize>)> {
         let p = format!("model.layers.{i}");
         out.push((format!("{p}.input_layernorm.weight"), vec![d]));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
-        for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            out.push((format!("{p}.self_attn.{proj}.weight"), vec![rows, d]));
-            if c.qkv_bias {
-                out.push((format!("{p}.self_attn.{proj}.bias"), vec![rows]));
+        if fused(c) {
+            out.push((
+                format!("{p}.self_attn.qkv_proj.weight"),
+                vec![q + 2 * kv, d],
+            ));
+        } else {
+            for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                out.push((format!("{p}.self_attn.{proj}.weight"), vec![rows, d]));
+                if c.qkv_bias {
+                    out.push((format!("{p}.self_attn.{proj}.bias"), vec![rows]));
+                }
             }
         }
         out.push((format!("{p}.self_attn.o_proj.weight"), vec![d, q]));
         if c.out_bias {
             out.push((format!("{p}.self_attn.o_proj.bias"), vec![d]));
         }
-        out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
-        out.push((format!("{p}.mlp.up_proj.weight"), vec![ff, d]));
+        if c.qk_norm {
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
+        if fused(c) {
+            out.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ff, d]));
+        } else {
+            out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
+            out.push((format!("{p}.mlp.up_proj.weight"), vec![ff, d]));
+        }
         out.push((format!("{p}.mlp.down_proj.weight"), vec![d, ff]));
     }
     out.push(("model.norm.weight".into(), vec![d]));
@@ -52,12 +68,19 @@ pub(super) fn expected_shapes(c: &HfConfig) -> Vec<(String, Vec<usize>)> {
     out
 }
 
+/// Whether q, k, v and gate, up are each one HF tensor (Phi-3's `qkv_proj`, `gate_up_proj`:
+/// their rows in the order of our fused chunks).
+fn fused(c: &HfConfig) -> bool {
+    c.architecture == HfArchitecture::Phi3
+}
+
 /// The Llama's parameters in visiting order, each with where it comes from.
 pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
     let hd = c.head_size();
     let rows = |name: &str, transpose: bool| Source::Rows {
         parts: vec![Part {
             name: name.into(),
+            offset: 0,
             rows: 0,
             rope_head_dim: None,
         }],
@@ -66,17 +89,27 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
     let mut out = vec![rows("model.embed_tokens.weight", false)];
     for i in 0..c.num_hidden_layers {
         let p = format!("model.layers.{i}");
+        let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
         let qkv = |suffix: &str| {
-            let part = |proj: &str, heads: usize, rope: bool| Part {
+            let part = |proj: &str, offset: usize, heads: usize, rope: bool| Part {
                 name: format!("{p}.self_attn.{proj}.{suffix}"),
+                offset: offset * hd,
                 rows: heads * hd,
                 rope_head_dim: rope.then_some(hd),
             };
-            vec![
-                part("q_proj", c.num_attention_heads, true),
-                part("k_proj", c.num_key_value_heads, true),
-                part("v_proj", c.num_key_value_heads, false),
-            ]
+            if fused(c) {
+                vec![
+                    part("qkv_proj", 0, hq, true),
+                    part("qkv_proj", hq, hkv, true),
+                    part("qkv_proj", hq + hkv, hkv, false),
+                ]
+            } else {
+                vec![
+                    part("q_proj", 0, hq, true),
+                    part("k_proj", 0, hkv, true),
+                    part("v_proj", 0, hkv, false),
+                ]
+            }
         };
         out.push(rows(&format!("{p}.input_layernorm.weight"), false));
         out.push(Source::Rows {
@@ -95,12 +128,32 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
         if c.out_bias {
             out.push(rows(&format!("{p}.self_attn.o_proj.bias"), false));
         }
+        if c.qk_norm {
+            // One head's features: the rotary permutation of q and k applies to them too.
+            for norm in ["q_norm", "k_norm"] {
+                out.push(Source::Rows {
+                    parts: vec![Part {
+                        name: format!("{p}.self_attn.{norm}.weight"),
+                        offset: 0,
+                        rows: hd,
+                        rope_head_dim: Some(hd),
+                    }],
+                    transpose: false,
+                });
+            }
+        }
         out.push(rows(&format!("{p}.post_attention_layernorm.weight"), false));
         let ff = c.intermediate_size;
+        let gate_up = if fused(c) {
+            [("gate_up_proj", 0), ("gate_up_proj", ff)]
+        } else {
+            [("gate_proj", 0), ("up_proj", 0)]
+        };
         out.push(Source::Rows {
-            parts: ["gate_proj", "up_proj"]
-                .map(|proj| Part {
+            parts: gate_up
+                .map(|(proj, offset)| Part {
                     name: format!("{p}.mlp.{proj}.weight"),
+                    offset,
                     rows: ff,
                     rope_head_dim: None,
                 })

@@ -1,22 +1,29 @@
 //! Hugging Face Llama-family checkpoints (`LlamaForCausalLM`, `MistralForCausalLM`,
-//! `Qwen2ForCausalLM`): a `config.json` and `model.safetensors` (or shards with
+//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Phi3ForCausalLM`): a `config.json` and
+//! `model.safetensors` (or shards with
 //! `model.safetensors.index.json`) loaded into a [`Llama`](crate::llama::Llama) at any tp, each rank reading only its
 //! own slices.
 //!
 //! What the import maps:
 //! - HF's `[out, in]` weights into Burn's `[in, out]`;
 //! - the separate `q_proj`, `k_proj`, `v_proj` into the fused QKV projection's contiguous chunks
-//!   `[q | k | v]`, and `gate_proj`, `up_proj` into the SwiGLU's `[gate | up]`;
+//!   `[q | k | v]`, and `gate_proj`, `up_proj` into the SwiGLU's `[gate | up]` (Phi-3's fused
+//!   `qkv_proj` and `gate_up_proj` hold those chunks' rows in the same order: each rank reads its
+//!   rows of each chunk);
 //! - HF's rotary convention (rotate-half: feature `i` of a head turns with feature
 //!   `i + head_dim / 2`) into Burn's `RotaryEncoding` (which turns features `2i` and `2i + 1`): the
 //!   q and k projections' output features are permuted within each head (`2i <- i`,
 //!   `2i + 1 <- i + head_dim / 2`), which leaves every attention score, hence the logits,
 //!   unchanged;
-//! - Qwen2's q, k and v biases (and Llama's `attention_bias`), tied embeddings, any vocabulary
-//!   (padded to a multiple of tp, the padding masked out).
+//! - Qwen2's q, k and v biases (and Llama's `attention_bias`), Qwen3's per-head `q_norm` and
+//!   `k_norm` (their features permuted as q's and k's), an explicit `head_dim`, Llama 3's rotary
+//!   scaling, a sliding window on every layer (Mistral, Phi-3; Qwen's with
+//!   `use_sliding_window`), tied embeddings, any vocabulary (padded to a multiple of tp, the
+//!   padding masked out).
 //!
 //! What it refuses, with an error naming the field: another architecture, rope scaling other than
-//! Llama 3's, a sliding window in use, an MLP bias, an activation other than SiLU.
+//! Llama 3's, a sliding window on some layers only, a partial rotary factor, an MLP bias, an
+//! activation other than SiLU.
 //!
 //! | file        | what                                                                     |
 //! |-------------|--------------------------------------------------------------------------|

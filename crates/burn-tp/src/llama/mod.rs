@@ -86,6 +86,13 @@ pub struct LlamaConfig {
     /// A bias on the attention's output projection (Llama's `attention_bias`).
     #[config(default = false)]
     pub out_bias: bool,
+    /// RMSNorm (epsilon `norm_eps`) on each head's queries and keys before the rotation (Qwen3).
+    #[config(default = false)]
+    pub qk_norm: bool,
+    /// Sliding-window attention over this many positions (Mistral, Phi-3); `None` for the
+    /// whole causal past.
+    #[config(default = "None")]
+    pub sliding_window: Option<usize>,
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
@@ -192,6 +199,8 @@ impl LlamaConfig {
             .with_dropout(self.dropout)
             .with_qkv_bias(self.qkv_bias)
             .with_out_bias(self.out_bias)
+            .with_qk_norm(self.qk_norm.then_some(self.norm_eps))
+            .with_sliding_window(self.sliding_window)
             .with_settings(settings);
         attn.validate(tp)?;
         crate::error::check_divisible("Llama d_ff", self.d_ff, tp)?;
