@@ -1,13 +1,15 @@
 //! `generate`: a Hugging Face Llama-family model (`config.json` + `model.safetensors`) loaded at
 //! tp ranks (threads on the CPU), then text generated with the KV cache (or by full recompute,
-//! `--no-cache`, to compare). Prints one JSON line: the prompt ids, the new ids and tokens/s, and
-//! the new text when the folder has a `tokenizer.json` (which `--prompt TEXT` needs).
+//! `--no-cache`, to compare), for one prompt or several at once (one batch, left-padded). Prints
+//! one JSON line per prompt: the prompt ids, the new ids and tokens/s, and the new text when the
+//! folder has a `tokenizer.json` (which `--prompt TEXT` needs); a single text prompt's new text
+//! is also streamed to stdout as it comes, before its line.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_tp::generate::{GenerateOptions, generate};
+use burn_tp::generate::{GenerateOptions, generate_batch_with};
 use burn_tp::hf::init_llama;
 use burn_tp::linear::TpSettings;
 use burn_tp::local::run_local;
@@ -36,14 +38,18 @@ pub struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        required_unless_present = "prompt",
-        conflicts_with = "prompt"
+        required_unless_present_any = ["prompt", "prompts_file"],
+        conflicts_with_all = ["prompt", "prompts_file"]
     )]
     pub prompt_ids: Vec<i64>,
-    /// The prompt as text, through the model folder's `tokenizer.json` (with its special tokens,
-    /// such as Llama's `<s>`, as `transformers` adds them).
+    /// A prompt as text, through the model folder's `tokenizer.json` (with its special tokens,
+    /// such as Llama's `<s>`, as `transformers` adds them). Repeat it for several prompts,
+    /// generated at once (one batch).
     #[arg(long)]
-    pub prompt: Option<String>,
+    pub prompt: Vec<String>,
+    /// Text prompts, one per line (empty lines skipped), after any `--prompt`.
+    #[arg(long, value_name = "FILE")]
+    pub prompts_file: Option<PathBuf>,
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 12)]
     pub max_new_tokens: usize,
@@ -68,72 +74,132 @@ pub struct Args {
     /// Compute dtype (the weights are cast after loading).
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub dtype: Precision,
-    /// Write the logits of the prompt's last position here, as a JSON array.
+    /// Write the logits of the (first) prompt's last position here, as a JSON array.
     #[arg(long)]
     pub logits_out: Option<PathBuf>,
+}
+
+/// What one prompt gave.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generated {
+    /// The prompt's ids (`--prompt-ids`, or a `--prompt` tokenized).
+    pub prompt_ids: Vec<i64>,
+    /// The new ids.
+    pub new_ids: Vec<i64>,
+    /// The new ids as text, when the model folder has a `tokenizer.json`.
+    pub new_text: Option<String>,
 }
 
 /// What a run gave.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Report {
-    /// The prompt's ids (`--prompt-ids`, or `--prompt` tokenized).
-    pub prompt_ids: Vec<i64>,
-    /// The new ids.
-    pub new_ids: Vec<i64>,
-    /// Generated tokens per second (after loading).
+    /// Per prompt, in order.
+    pub rows: Vec<Generated>,
+    /// Generated tokens per second, every prompt's together (after loading).
     pub tokens_per_s: f64,
-    /// The logits of the prompt's last position (over the real vocabulary).
+    /// The logits of the first prompt's last position (over the real vocabulary).
     pub last_logits: Vec<f64>,
-    /// The new ids as text, when the model folder has a `tokenizer.json`.
-    pub new_text: Option<String>,
 }
 
 impl Report {
-    /// The JSON line the program prints.
+    /// The first (or only) prompt's result.
+    pub fn first(&self) -> &Generated {
+        &self.rows[0]
+    }
+
+    /// The lines the program prints: one JSON object per prompt.
     pub fn json(&self, args: &Args) -> String {
-        let mut line = serde_json::json!({
-            "prompt_ids": self.prompt_ids,
-            "new_ids": self.new_ids,
-            "tokens_per_s": self.tokens_per_s,
-            "tp": args.tp,
-            "kv_cache": !args.no_cache,
-        });
-        if let Some(text) = &self.new_text {
-            line["new_text"] = text.clone().into();
-        }
-        line.to_string()
+        let lines: Vec<String> = self
+            .rows
+            .iter()
+            .map(|row| {
+                let mut line = serde_json::json!({
+                    "prompt_ids": row.prompt_ids,
+                    "new_ids": row.new_ids,
+                    "tokens_per_s": self.tokens_per_s,
+                    "batch": self.rows.len(),
+                    "tp": args.tp,
+                    "kv_cache": !args.no_cache,
+                });
+                if let Some(text) = &row.new_text {
+                    line["new_text"] = text.clone().into();
+                }
+                line.to_string()
+            })
+            .collect();
+        lines.join("\n")
     }
 }
+
+/// Rank 0's new ids per prompt, tokens per second, and the first prompt's last logits.
+type RankOut = (Vec<Vec<i64>>, f64, Vec<f64>);
 
 /// Loads the model at `args.tp` and generates.
 ///
 /// # Errors
-/// The model's load error; `--prompt` without a tokenizer, or a tokenizer larger than the model's
-/// vocabulary; an empty prompt; a generation error; a rank that panicked.
+/// As [`run_streaming`].
 pub fn run(args: &Args) -> Result<Report, String> {
+    run_streaming(args, |_| {})
+}
+
+/// Loads the model at `args.tp` and generates; for a single prompt with a tokenizer, calls
+/// `on_text` with each new piece of its text as soon as its token is picked.
+///
+/// # Errors
+/// The model's load error; `--prompt` without a tokenizer, or a tokenizer larger than the model's
+/// vocabulary; an empty prompt or prompts file; a generation error; a rank that panicked.
+pub fn run_streaming(
+    args: &Args,
+    on_text: impl FnMut(&str) + Send + 'static,
+) -> Result<Report, String> {
     if args.tp == 0 {
         return Err("--tp must be at least 1".into());
     }
     let codec = Codec::from_model_dir(&args.model)?;
-    let prompt_ids = match (&args.prompt, &codec) {
-        (Some(text), Some(codec)) => codec.encode(text, true)?,
-        (Some(_), None) => {
+    let mut texts = args.prompt.clone();
+    if let Some(path) = &args.prompts_file {
+        let file = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading --prompts-file {}: {e}", path.display()))?;
+        let lines: Vec<String> = file
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+        if lines.is_empty() {
+            return Err(format!(
+                "--prompts-file {}: no prompt in it",
+                path.display()
+            ));
+        }
+        texts.extend(lines);
+    }
+    let prompts: Vec<Vec<i64>> = match (texts.is_empty(), &codec) {
+        (true, _) => vec![args.prompt_ids.clone()],
+        (false, Some(codec)) => texts
+            .iter()
+            .map(|t| codec.encode(t, true))
+            .collect::<Result<_, _>>()?,
+        (false, None) => {
             return Err(format!(
                 "--prompt needs the model's tokenizer, {}, which does not exist (give the ids \
                  with --prompt-ids)",
                 args.model.join(TOKENIZER_FILE).display()
             ));
         }
-        (None, _) => args.prompt_ids.clone(),
     };
-    if prompt_ids.is_empty() {
-        return Err("the prompt is empty: give at least one token".into());
+    if let Some(r) = prompts.iter().position(Vec::is_empty) {
+        return Err(format!("prompt {r} is empty: give at least one token each"));
     }
     let device = Device::flex().autodiff();
     let a = args.clone();
     let tokenizer_len = codec.as_ref().map(Codec::len);
-    let prompt = prompt_ids.clone();
-    let out = run_local(args.tp, move |g| -> Result<Report, String> {
+    // One prompt's text streams from rank 0, each piece as its token is picked.
+    let stream = (prompts.len() == 1)
+        .then(|| codec.clone())
+        .flatten()
+        .map(|c| std::sync::Arc::new(std::sync::Mutex::new((c, on_text, Vec::new(), 0usize))));
+    let batch = prompts.clone();
+    let out = run_local(args.tp, move |g| -> Result<RankOut, String> {
         let (model, config) =
             init_llama(&a.model, TpSettings::new(), &g, &device).map_err(|e| e.to_string())?;
         if let Some(n) = tokenizer_len.filter(|&n| n > config.vocab_size) {
@@ -144,8 +210,9 @@ pub fn run(args: &Args) -> Result<Report, String> {
             ));
         }
         let model = cast_params(model, a.dtype.dtype());
-        let n = prompt.len();
-        let ids = Tensor::<2, Int>::from_data(TensorData::new(prompt.clone(), [n, 1]), &device);
+        let first = &batch[0];
+        let n = first.len();
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(first.clone(), [n, 1]), &device);
         let logits = model.logits(ids).map_err(|e| e.to_string())?;
         let last = gather_from_tp_region(logits.narrow(0, n - 1, 1), 2, &g)
             .map_err(|e| e.to_string())?
@@ -164,25 +231,50 @@ pub fn run(args: &Args) -> Result<Report, String> {
             eos: a.eos,
             kv_cache: !a.no_cache,
         };
+        let stream = stream.clone().filter(|_| g.rank() == 0);
+        let mut on_token = |_: usize, id: i64| {
+            if let Some(stream) = &stream {
+                let mut s = stream.lock().unwrap_or_else(|e| e.into_inner());
+                let (codec, on_text, ids, shown) = &mut *s;
+                ids.push(id);
+                // The whole text so far, less what was shown: a piece that only decodes with
+                // the next token (a split character) waits for it.
+                if let Ok(text) = codec.decode(ids)
+                    && text.len() > *shown
+                    && text.is_char_boundary(*shown)
+                {
+                    on_text(&text[*shown..]);
+                    *shown = text.len();
+                }
+            }
+        };
         let start = Instant::now();
-        let new_ids =
-            generate(&model, &prompt, &options, &g, &device).map_err(|e| e.to_string())?;
-        let tokens_per_s = new_ids.len() as f64 / start.elapsed().as_secs_f64();
-        Ok(Report {
-            prompt_ids: prompt.clone(),
-            new_ids,
-            tokens_per_s,
-            last_logits,
-            new_text: None,
-        })
+        let rows = generate_batch_with(&model, &batch, &options, &g, &device, &mut on_token)
+            .map_err(|e| e.to_string())?;
+        let tokens: usize = rows.iter().map(Vec::len).sum();
+        let tokens_per_s = tokens as f64 / start.elapsed().as_secs_f64();
+        Ok((rows, tokens_per_s, last_logits))
     })?;
-    let mut report = out.into_iter().next().expect("rank 0")?;
-    if let Some(codec) = &codec {
-        report.new_text = Some(codec.decode(&report.new_ids)?);
-    }
+    let (new_ids, tokens_per_s, last_logits) = out.into_iter().next().expect("rank 0")?;
+    let rows = prompts
+        .into_iter()
+        .zip(new_ids)
+        .map(|(prompt_ids, new_ids)| {
+            let new_text = codec.as_ref().map(|c| c.decode(&new_ids)).transpose()?;
+            Ok(Generated {
+                prompt_ids,
+                new_ids,
+                new_text,
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
     if let Some(path) = &args.logits_out {
-        let text = serde_json::to_string(&report.last_logits).map_err(|e| e.to_string())?;
+        let text = serde_json::to_string(&last_logits).map_err(|e| e.to_string())?;
         std::fs::write(path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
-    Ok(report)
+    Ok(Report {
+        rows,
+        tokens_per_s,
+        last_logits,
+    })
 }

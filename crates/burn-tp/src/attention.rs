@@ -8,7 +8,7 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{RotaryEncoding, RotaryEncodingConfig};
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_tp_comm::ProcessGroup;
 
 use crate::backend::{AttentionDropout, AttentionSpec, TpBackend};
@@ -308,8 +308,8 @@ impl ParallelAttention {
         dropout: Option<DropoutKey>,
         site: u64,
     ) -> TpResult<Tensor<3>> {
-        let (q, k, v) = self.project(x, 0)?;
-        self.attend(q, k, v, 0, dropout, site)
+        let (q, k, v) = self.project(x, 0, None)?;
+        self.attend(q, k, v, 0, dropout, site, None)
     }
 
     /// Forward of new positions after those in `cache` (incremental decoding): `x` is
@@ -340,9 +340,25 @@ impl ParallelAttention {
                 )));
             }
         }
-        let (q, k, v) = self.project(x, start)?;
+        let padding = cache.padding.iter().any(|&p| p > 0).then(|| Padding {
+            rows: cache.padding.clone(),
+            first_key: cache.dropped,
+        });
+        if let Some(p) = &padding
+            && p.rows.len() != x.dims()[1]
+        {
+            return Err(TpError::Shape {
+                op: "ParallelAttention::try_forward_cached",
+                expected: format!(
+                    "[s_new, batch = {} (the cache's padded sequences), d_model]",
+                    p.rows.len()
+                ),
+                got: x.dims().to_vec(),
+            });
+        }
+        let (q, k, v) = self.project(x, start, padding.as_ref().map(|p| &p.rows[..]))?;
         let (k, v, before) = cache.append(k, v);
-        let out = self.attend(q, k, v, before, None, 0)?;
+        let out = self.attend(q, k, v, before, None, 0, padding.as_ref())?;
         if let Some(w) = self.window {
             cache.keep_last(w - 1);
         }
@@ -350,8 +366,14 @@ impl ParallelAttention {
     }
 
     /// This rank's q `[b, hq, s, hd]` and k, v `[b, hkv, s, hd]` of `x` (`[s, b, d_model]`),
-    /// q and k rotated for positions `start..start + s`.
-    fn project(&self, x: Tensor<3>, start: usize) -> TpResult<(Tensor<4>, Tensor<4>, Tensor<4>)> {
+    /// q and k rotated for positions `start..start + s` (with `padding`, sequence `r`'s
+    /// positions counted from its first token, after `padding[r]`).
+    fn project(
+        &self,
+        x: Tensor<3>,
+        start: usize,
+        padding: Option<&[usize]>,
+    ) -> TpResult<(Tensor<4>, Tensor<4>, Tensor<4>)> {
         let tp = self.out.group().world_size();
         let hd = self.head_dim;
         let hq = self.n_heads / tp;
@@ -386,8 +408,12 @@ impl ParallelAttention {
         let rotate = |t: Tensor<4>| match &self.rope {
             Some(rope) => {
                 let dtype = t.dtype();
-                rope.apply(t.cast(rope.freq_complex.dtype()), start)
-                    .cast(dtype)
+                let t = t.cast(rope.freq_complex.dtype());
+                match padding {
+                    Some(padding) => rotate_rows(rope, t, start, padding),
+                    None => rope.apply(t, start),
+                }
+                .cast(dtype)
             }
             None => t,
         };
@@ -408,7 +434,9 @@ impl ParallelAttention {
 
     /// Causal attention of the queries of positions `start..start + s` over the keys and values
     /// of positions `0..t` (`t = start + s`; positions counted from the first key kept), within
-    /// the sliding window if any, then the output projection: `[s, b, d_model]`.
+    /// the sliding window if any, no key of a sequence's left padding seen, then the output
+    /// projection: `[s, b, d_model]`.
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         q: Tensor<4>,
@@ -417,6 +445,7 @@ impl ParallelAttention {
         start: usize,
         dropout: Option<DropoutKey>,
         site: u64,
+        padding: Option<&Padding>,
     ) -> TpResult<Tensor<3>> {
         let tp = self.out.group().world_size();
         let rank = self.out.group().rank();
@@ -425,7 +454,9 @@ impl ParallelAttention {
         let hkv = self.local_kv_heads(tp);
         let [b, _, s, _] = q.dims();
         let t = k.dims()[2];
-        if self.out.spec().settings.fused_attention {
+        // Per-sequence masks (left padding) take the materialized path: generation's short
+        // steps, where the score matrix is small.
+        if self.out.spec().settings.fused_attention && padding.is_none() {
             let dropout = dropout.filter(|_| self.dropout > 0.0).map(|key| {
                 let (batch_total, batch) = key.batch(b);
                 AttentionDropout {
@@ -462,15 +493,33 @@ impl ParallelAttention {
         // Query `i` (position `start + i`) sees keys `0..=start + i`, or only the last `w` of
         // them in a window of `w`: key `j` is hidden where `j - i < start + 1 - w`.
         let device = scores.device();
-        let mut hidden = Tensor::<2, Bool>::tril_mask([s, t], start as i64, &device);
-        if let Some(w) = self.window {
-            let before = Tensor::<2, Bool>::triu_mask([s, t], start as i64 + 1 - w as i64, &device);
-            hidden = hidden.bool_or(before);
-        }
-        let att = softmax(
-            scores.mask_fill(hidden.unsqueeze::<4>(), f32::NEG_INFINITY),
-            3,
-        );
+        let hidden = match padding {
+            // Sequence r's keys before position padding[r] are hidden too, from every query
+            // but their own (a padding query then sees itself: no row of -inf, no NaN).
+            Some(p) => {
+                let window = self.window;
+                let values: Vec<bool> = (0..b)
+                    .flat_map(|r| (0..s).flat_map(move |i| (0..t).map(move |j| (r, i, j))))
+                    .map(|(r, i, j)| {
+                        let q = start + i;
+                        j > q
+                            || window.is_some_and(|w| j + w <= q)
+                            || (p.first_key + j < p.rows[r] && j != q)
+                    })
+                    .collect();
+                Tensor::<4, Bool>::from_data(TensorData::new(values, [b, 1, s, t]), &device)
+            }
+            None => {
+                let mut hidden = Tensor::<2, Bool>::tril_mask([s, t], start as i64, &device);
+                if let Some(w) = self.window {
+                    let before =
+                        Tensor::<2, Bool>::triu_mask([s, t], start as i64 + 1 - w as i64, &device);
+                    hidden = hidden.bool_or(before);
+                }
+                hidden.unsqueeze::<4>()
+            }
+        };
+        let att = softmax(scores.mask_fill(hidden, f32::NEG_INFINITY), 3);
         let (b_total, batch) = dropout.map_or((b, 0..b), |k| k.batch(b));
         let att = tp_dropout(
             att,
@@ -491,6 +540,10 @@ impl ParallelAttention {
 pub struct DecodeCache {
     /// One cache per layer, in order.
     pub layers: Vec<KvCache>,
+    /// Left padding of each sequence of the batch (empty: none): sequence `r`'s first
+    /// `padding[r]` positions hold no tokens. No query sees them, and its positions (rotary or
+    /// learned) count from its first token, so each sequence gives what it gives alone.
+    pub padding: Vec<usize>,
 }
 
 impl DecodeCache {
@@ -498,7 +551,30 @@ impl DecodeCache {
     pub fn new(n_layers: usize) -> Self {
         Self {
             layers: vec![KvCache::new(); n_layers],
+            padding: Vec::new(),
         }
+    }
+
+    /// An empty cache for a batch of sequences left-padded by `padding` (one per sequence): the
+    /// prompts of different lengths of batched generation.
+    pub fn with_padding(padding: Vec<usize>) -> Self {
+        Self {
+            layers: Vec::new(),
+            padding,
+        }
+    }
+
+    /// The position ids `[s, b]` (row-major, sequence-major rows) of the next `s` positions of
+    /// each of the `b` sequences: counted from each sequence's first token (0 for padding).
+    pub fn positions(&self, s: usize, b: usize) -> Vec<usize> {
+        let start = self.len();
+        (0..s)
+            .flat_map(|i| {
+                (0..b).map(move |r| {
+                    (start + i).saturating_sub(self.padding.get(r).copied().unwrap_or(0))
+                })
+            })
+            .collect()
     }
 
     /// Positions cached (those of the first layer; every layer has as many).
@@ -522,6 +598,8 @@ pub struct KvCache {
     kv: Option<(Tensor<4>, Tensor<4>)>,
     /// Positions dropped from the front (outside every later query's window).
     dropped: usize,
+    /// Left padding of each sequence (the [`DecodeCache`]'s, which sets it).
+    pub(crate) padding: Vec<usize>,
 }
 
 impl KvCache {
@@ -569,6 +647,39 @@ impl KvCache {
             self.dropped += kept - n;
         }
     }
+}
+
+/// The left padding of a batch's sequences, as the attention sees it.
+struct Padding {
+    /// Per sequence.
+    rows: Vec<usize>,
+    /// Position of the first key kept (a sliding window's cache drops the earlier ones).
+    first_key: usize,
+}
+
+/// `t` (`[b, n, s, hd]`) rotated as Burn's `RotaryEncoding::apply` does, at sequence `r`'s
+/// positions `start + i - padding[r]` (0 for its padding): the same products, one table row
+/// gathered per position.
+fn rotate_rows(rope: &RotaryEncoding, t: Tensor<4>, start: usize, padding: &[usize]) -> Tensor<4> {
+    let [b, n, s, hd] = t.dims();
+    let device = t.device();
+    let positions: Vec<i64> = (0..b)
+        .flat_map(|r| (0..s).map(move |i| (start + i).saturating_sub(padding[r]) as i64))
+        .collect();
+    let index = Tensor::<1, Int>::from_data(TensorData::new(positions, [b * s]), &device);
+    let freq = rope
+        .freq_complex
+        .clone()
+        .select(0, index)
+        .reshape([b, 1, s, hd, 2]);
+    // [[cos, -sin], [sin, cos]] by signed copies of each pair (Burn's construction).
+    let sign = Tensor::<2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], &device)
+        .cast(freq.dtype());
+    let pairs = t
+        .reshape([b, n, s, hd / 2, 2])
+        .matmul(sign.unsqueeze::<5>())
+        .reshape([b, n, s, hd, 2]);
+    (pairs * freq).sum_dim(4).reshape([b, n, s, hd])
 }
 
 impl crate::linear::InMode for ParallelAttention {

@@ -63,7 +63,9 @@ pub(crate) trait Decoder {
     /// of another model is started afresh).
     fn cached_positions(&self, cache: &mut DecodeCache) -> usize {
         if cache.layers.len() != self.blocks().len() {
+            let padding = std::mem::take(&mut cache.padding);
             *cache = DecodeCache::new(self.blocks().len());
+            cache.padding = padding;
         }
         cache.len()
     }
@@ -73,6 +75,7 @@ pub(crate) trait Decoder {
     fn decode(&self, mut x: Tensor<3>, cache: &mut DecodeCache) -> TpResult<Tensor<3>> {
         self.cached_positions(cache);
         for (block, kv) in self.blocks().iter().zip(&mut cache.layers) {
+            kv.padding.clone_from(&cache.padding);
             x = block.try_forward_cached(x, kv)?;
         }
         self.logits(x)

@@ -117,8 +117,50 @@ pub fn generate<M: LanguageModel>(
     group: &ProcessGroup,
     device: &Device,
 ) -> Result<Vec<i64>> {
-    if prompt.is_empty() {
-        return Err(TpError::Config("generate: an empty prompt".into()));
+    let mut rows = generate_batch(model, &[prompt.to_vec()], options, group, device)?;
+    Ok(rows.remove(0))
+}
+
+/// Generates after each of `prompts` (of any lengths) at once, one batch: the prompts are
+/// left-padded to the longest, each sequence's positions count from its first token and no query
+/// sees another's padding ([`DecodeCache::with_padding`]), so each row is what [`generate`] gives
+/// for that prompt alone (sampled rows too: each row draws from its own generator of
+/// `options.seed`). Each row stops at its own `options.eos` (its ids end there); the batch stops
+/// when every row has. Collective; every rank returns the same ids.
+///
+/// # Errors
+/// [`TpError::Config`] for no prompt or an empty one; as [`LanguageModel::logits_cached`].
+pub fn generate_batch<M: LanguageModel>(
+    model: &M,
+    prompts: &[Vec<i64>],
+    options: &GenerateOptions,
+    group: &ProcessGroup,
+    device: &Device,
+) -> Result<Vec<Vec<i64>>> {
+    generate_batch_with(model, prompts, options, group, device, &mut |_, _| {})
+}
+
+/// [`generate_batch`], calling `on_token(row, id)` for each new id as soon as it is picked (on
+/// every rank: a caller streams from one), e.g. to print the text as it comes.
+///
+/// # Errors
+/// As [`generate_batch`].
+pub fn generate_batch_with<M: LanguageModel>(
+    model: &M,
+    prompts: &[Vec<i64>],
+    options: &GenerateOptions,
+    group: &ProcessGroup,
+    device: &Device,
+    on_token: &mut dyn FnMut(usize, i64),
+) -> Result<Vec<Vec<i64>>> {
+    if prompts.is_empty() {
+        return Err(TpError::Config("generate: no prompt".into()));
+    }
+    if let Some(r) = prompts.iter().position(Vec::is_empty) {
+        return Err(TpError::Config(format!(
+            "generate: prompt {r} of {} is empty",
+            prompts.len()
+        )));
     }
     // Off autodiff: on an autodiff device a forward keeps its graph until a backward that never
     // comes (burn-tp's ops whose backward communicates are always tracked), every step's, for
@@ -126,14 +168,42 @@ pub fn generate<M: LanguageModel>(
     let model = model.valid();
     let device = &device.clone().without_autodiff();
     let vocab = model.n_vocab();
-    let mut cache = DecodeCache::default();
-    let mut rng = SplitMix(options.seed);
-    let mut next_ids: Vec<i64> = prompt.to_vec();
-    let mut out = Vec::new();
-    while out.len() < options.max_new_tokens {
-        let s = next_ids.len();
-        let ids = Tensor::<2, Int>::from_data(TensorData::new(next_ids.clone(), [s, 1]), device);
-        let logits = model.logits_cached(ids, &mut cache)?; // [s, 1, V_p / tp]
+    let b = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let padding: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
+    // Sequence-major `[s, b]` ids; the padding's ids are never seen (any id does).
+    let padded: Vec<Vec<i64>> = prompts
+        .iter()
+        .zip(&padding)
+        .map(|(p, &pad)| {
+            std::iter::repeat_n(0, pad)
+                .chain(p.iter().copied())
+                .collect()
+        })
+        .collect();
+    let columns = |rows: &[Vec<i64>], from: usize| -> Tensor<2, Int> {
+        let s = rows[0].len() - from;
+        let ids: Vec<i64> = (from..rows[0].len())
+            .flat_map(|i| rows.iter().map(move |r| r[i]))
+            .collect();
+        Tensor::from_data(TensorData::new(ids, [s, rows.len()]), device)
+    };
+    let mut cache = DecodeCache::with_padding(padding.clone());
+    let mut rngs: Vec<SplitMix> = (0..b).map(|_| SplitMix(options.seed)).collect();
+    // Each row's sequence so far (a finished row repeats its last id: never read).
+    let mut seqs = padded.clone();
+    let mut out: Vec<Vec<i64>> = vec![Vec::new(); b];
+    let mut done = vec![false; b];
+    let mut fed = 0;
+    for _ in 0..options.max_new_tokens {
+        if !options.kv_cache {
+            cache = DecodeCache::with_padding(padding.clone());
+            fed = 0;
+        }
+        let ids = columns(&seqs, fed);
+        fed = seqs[0].len();
+        let logits = model.logits_cached(ids, &mut cache)?; // [s, b, V_p / tp]
+        let s = logits.dims()[0];
         let last = gather_from_tp_region(logits.narrow(0, s - 1, 1), 2, group)?;
         let last: Vec<f64> = last
             .narrow(2, 0, vocab)
@@ -141,16 +211,18 @@ pub fn generate<M: LanguageModel>(
             .convert::<f64>()
             .try_to_vec::<f64>()
             .map_err(|e| TpError::Config(format!("generate: reading the logits: {e:?}")))?;
-        let id = pick(&last, options, &mut rng) as i64;
-        out.push(id);
-        if options.eos == Some(id) {
-            break;
+        for (r, seq) in seqs.iter_mut().enumerate() {
+            let mut id = *seq.last().expect("a prompt is not empty");
+            if !done[r] {
+                id = pick(&last[r * vocab..(r + 1) * vocab], options, &mut rngs[r]) as i64;
+                out[r].push(id);
+                on_token(r, id);
+                done[r] = options.eos == Some(id);
+            }
+            seq.push(id);
         }
-        if options.kv_cache {
-            next_ids = vec![id];
-        } else {
-            cache = DecodeCache::default();
-            next_ids = prompt.iter().chain(&out).copied().collect();
+        if done.iter().all(|&d| d) {
+            break;
         }
     }
     Ok(out)

@@ -287,7 +287,7 @@ impl Gpt {
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
     ) -> TpResult<Tensor<3>> {
-        let [s, _] = ids.dims();
+        let [s, b] = ids.dims();
         let start = self.cached_positions(cache);
         let pos = self.pos.val();
         let [max_seq, d] = pos.dims();
@@ -299,9 +299,23 @@ impl Gpt {
             });
         }
         let x = self.tok.try_forward(ids)?;
-        let pos = replicated_param(&self.pos, self.options.settings.mode, &self.group)
-            .slice([start..start + s, 0..d]);
-        self.decode(x + pos.unsqueeze_dim::<3>(1), cache)
+        let table = replicated_param(&self.pos, self.options.settings.mode, &self.group);
+        let pos = if cache.padding.iter().any(|&p| p > 0) {
+            // Each sequence's own positions, counted from its first token.
+            let ids: Vec<i64> = cache
+                .positions(s, b)
+                .into_iter()
+                .map(|p| p as i64)
+                .collect();
+            let ids = Tensor::<1, Int>::from_data(
+                burn::tensor::TensorData::new(ids, [s * b]),
+                &x.device(),
+            );
+            table.select(0, ids).reshape([s, b, d])
+        } else {
+            table.slice([start..start + s, 0..d]).unsqueeze_dim::<3>(1)
+        };
+        self.decode(x + pos, cache)
     }
 
     /// Mean next-token cross-entropy (replicated on every rank).

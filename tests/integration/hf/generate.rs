@@ -142,7 +142,7 @@ fn the_generate_example_prints_transformers_tokens() {
     };
     let a = args(&["--logits-out", logits_out.to_str().unwrap()]);
     let report = run(&a).unwrap();
-    assert_eq!(report.new_ids, want.greedy);
+    assert_eq!(report.first().new_ids, want.greedy);
     let written: Vec<f64> =
         serde_json::from_str(&std::fs::read_to_string(&logits_out).unwrap()).unwrap();
     assert_close(&written, &want.last_logits, 1e-4, "--logits-out");
@@ -151,7 +151,7 @@ fn the_generate_example_prints_transformers_tokens() {
     assert_eq!(line["prompt_ids"], serde_json::json!(want.prompt));
     assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0);
     let recomputed = run(&args(&["--no-cache"])).unwrap();
-    assert_eq!(recomputed.new_ids, want.greedy);
+    assert_eq!(recomputed.first().new_ids, want.greedy);
     std::fs::remove_file(&logits_out).unwrap();
 }
 
@@ -186,13 +186,17 @@ fn the_generate_example_takes_a_text_prompt_through_the_tokenizer() {
     let a = args(&dir, &[]).unwrap();
     let report = run(&a).unwrap();
     assert_eq!(
-        report.prompt_ids,
+        report.first().prompt_ids,
         ints("prompt_text_ids"),
         "the prompt's ids"
     );
-    assert_eq!(report.new_ids, ints("text_greedy_new_ids"), "the new ids");
     assert_eq!(
-        report.new_text.as_deref(),
+        report.first().new_ids,
+        ints("text_greedy_new_ids"),
+        "the new ids"
+    );
+    assert_eq!(
+        report.first().new_text.as_deref(),
         v["text_greedy_new_text"].as_str(),
         "the new text"
     );
@@ -217,6 +221,67 @@ fn the_generate_example_takes_a_text_prompt_through_the_tokenizer() {
         worst > 0.0 && worst < 0.05 * scale,
         "bf16 logits {worst} from f32 (scale {scale})"
     );
+    // Streamed: the pieces, as they came, make the new text.
+    let pieces = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = pieces.clone();
+    let streamed = burn_tp_examples::generate::run_streaming(&a, move |p| {
+        sink.lock().unwrap().push(p.to_string())
+    })
+    .unwrap();
+    let pieces = pieces.lock().unwrap().clone();
+    assert!(pieces.len() > 1, "{pieces:?}");
+    assert_eq!(
+        Some(pieces.concat()),
+        streamed.first().new_text,
+        "the streamed text"
+    );
+    // Several prompts at once (repeated --prompt, then a --prompts-file): one row each, as each
+    // gives alone; the first is the single run's.
+    let file = std::env::temp_dir().join(format!("burn-tp-prompts-{}.txt", std::process::id()));
+    std::fs::write(&file, "a dog sees\n\nmy sister feeds the\n").unwrap();
+    let several = run(&args(
+        &dir,
+        &[
+            "--prompt",
+            "the fox",
+            "--prompts-file",
+            file.to_str().unwrap(),
+        ],
+    )
+    .unwrap())
+    .unwrap();
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(several.rows.len(), 4);
+    assert_eq!(several.rows[0], report.rows[0]);
+    for (i, text) in ["the fox", "a dog sees", "my sister feeds the"]
+        .into_iter()
+        .enumerate()
+    {
+        let argv = [
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tp",
+            "2",
+            "--prompt",
+            text,
+            "--max-new-tokens",
+            "6",
+        ];
+        let alone = run(&Args::try_parse_from(argv).unwrap()).unwrap();
+        assert_eq!(several.rows[i + 1], alone.rows[0], "prompt {text:?}");
+    }
+    let lines: Vec<serde_json::Value> = several
+        .json(&a)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4);
+    assert_eq!(
+        lines[2]["new_text"],
+        several.rows[2].new_text.clone().unwrap().as_str()
+    );
+    assert_eq!(lines[3]["batch"], 4);
     // Errors.
     let e = run(&args(&fixture("llama_tied"), &[]).unwrap()).unwrap_err();
     assert!(
@@ -276,5 +341,151 @@ fn a_sequence_parallel_model_viewed_in_all_reduce_mode_gives_the_same_logits() {
     for (r, ((g_rs, g_ar), (l_rs, l_ar))) in out.into_iter().enumerate() {
         assert_close(&g_ar, &g_rs, 1e-5, &format!("gpt rank {r}"));
         assert_close(&l_ar, &l_rs, 1e-5, &format!("llama rank {r}"));
+    }
+}
+
+/// Generation for several prompts at once: prompts of 1 to 8 tokens in one left-padded batch
+/// give, row by row, what each gives alone (greedy, sampled, and with an end id that stops some
+/// rows before others), the full prompt's row is transformers' greedy continuation, and the
+/// padded prefill's last logits equal each prompt's own: the imported models (rotary positions,
+/// sliding windows, q / k norms, grouped-query heads) at tp 1, 2 and 4 and the GPT (learned
+/// positions) at tp 2.
+#[test]
+fn batched_generation_gives_each_prompt_what_it_gives_alone() {
+    use burn_tp::attention::DecodeCache;
+    use burn_tp::generate::{GenerateOptions, generate, generate_batch};
+    use burn_tp::gpt::GptConfig;
+    use burn_tp::model::LanguageModel;
+
+    let _rng = rng_lock();
+    /// Per option set, its name, the batch's rows and each prompt's own ids.
+    type Rows = Vec<(&'static str, Vec<Vec<i64>>, Vec<Vec<i64>>)>;
+    /// Each row of the batch against the prompt alone, for three option sets; and the last
+    /// logits of the padded prefill against each prompt's own.
+    fn check<M: LanguageModel>(
+        model: &M,
+        g: &burn_tp::comm::ProcessGroup,
+        prompts: &[Vec<i64>],
+    ) -> (Rows, [Vec<f64>; 2]) {
+        let greedy = GenerateOptions {
+            max_new_tokens: 6,
+            ..Default::default()
+        };
+        let solo_first = generate(model, &prompts[0], &greedy, g, &device()).unwrap();
+        let cases = [
+            ("greedy", greedy),
+            (
+                "sampled",
+                GenerateOptions {
+                    temperature: 0.8,
+                    top_k: Some(5),
+                    seed: 3,
+                    ..greedy
+                },
+            ),
+            // The first row stops after its third token; the others go on unless they meet it.
+            (
+                "eos",
+                GenerateOptions {
+                    eos: Some(solo_first[2]),
+                    ..greedy
+                },
+            ),
+        ];
+        let mut out = Vec::new();
+        for (name, options) in cases {
+            let batch = generate_batch(model, prompts, &options, g, &device()).unwrap();
+            let alone: Vec<Vec<i64>> = prompts
+                .iter()
+                .map(|p| generate(model, p, &options, g, &device()).unwrap())
+                .collect();
+            out.push((name, batch, alone));
+        }
+        // The padded prefill's last position, row by row, against each prompt alone.
+        let vocab = model.n_vocab();
+        let last = |ids: Vec<i64>, b: usize, cache: &mut DecodeCache| -> Vec<f64> {
+            let s = ids.len() / b;
+            let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [s, b]), &device());
+            let l = model.valid().logits_cached(ids, cache).unwrap();
+            let l = gather_from_tp_region(l.narrow(0, s - 1, 1), 2, g).unwrap();
+            f64s(l.narrow(2, 0, vocab))
+        };
+        let longest = prompts.iter().map(Vec::len).max().unwrap();
+        let padding: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
+        let ids: Vec<i64> = (0..longest)
+            .flat_map(|i| {
+                prompts
+                    .iter()
+                    .zip(&padding)
+                    .map(move |(p, &pad)| if i < pad { 5 } else { p[i - pad] })
+            })
+            .collect();
+        let batched = last(ids, prompts.len(), &mut DecodeCache::with_padding(padding));
+        let solo: Vec<f64> = prompts
+            .iter()
+            .flat_map(|p| last(p.clone(), 1, &mut DecodeCache::default()))
+            .collect();
+        (out, [batched, solo])
+    }
+    let compare = |tag: &str, (rows, [batched, solo]): (Rows, [Vec<f64>; 2])| {
+        for (name, batch, alone) in rows {
+            assert_eq!(batch, alone, "{tag}: {name}");
+        }
+        assert_close(
+            &batched,
+            &solo,
+            1e-5,
+            &format!("{tag}: the prefill's logits"),
+        );
+    };
+    for name in [
+        "llama_gqa",
+        "llama3_scaled",
+        "qwen3",
+        "mistral_window",
+        "phi3",
+    ] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        let p = want.prompt.clone();
+        // 8 tokens (past both windows), the fixture's 6, then 1, 3 and 5.
+        let prompts = vec![
+            p.clone(),
+            [p.clone(), vec![3, 11]].concat(),
+            vec![p[2]],
+            p[..3].to_vec(),
+            p[1..].to_vec(),
+        ];
+        for tp in [1usize, 2, 4] {
+            let (d, ps) = (dir.clone(), prompts.clone());
+            let out = run_local(tp, move |g| {
+                let (model, _) = init_llama(&d, TpSettings::new(), &g, &device()).unwrap();
+                let results = check(&model, &g, &ps);
+                let greedy = GenerateOptions {
+                    max_new_tokens: 6,
+                    ..Default::default()
+                };
+                let batch = generate_batch(&model, &ps, &greedy, &g, &device()).unwrap();
+                (results, batch[0].clone())
+            })
+            .unwrap();
+            for (r, (results, first)) in out.into_iter().enumerate() {
+                let tag = format!("{name} tp {tp} rank {r}");
+                assert_eq!(first, want.greedy, "{tag}: transformers' continuation");
+                compare(&tag, results);
+            }
+        }
+    }
+    // The GPT: learned positions, each row's counted from its first token.
+    device().seed(13);
+    let out = run_local(2, |g| {
+        let model = GptConfig::new(13, 16, 16, 4, 2)
+            .init(&g, &device())
+            .unwrap();
+        check(&model, &g, &[vec![1, 2, 3, 4, 5], vec![7], vec![2, 9, 4]])
+    })
+    .unwrap();
+    for (r, results) in out.into_iter().enumerate() {
+        compare(&format!("gpt rank {r}"), results);
     }
 }
