@@ -34,14 +34,15 @@ pub struct Args {
     /// Tensor-parallel ranks (threads), where the heads allow.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
-    /// The prompt's token ids, comma separated.
+    /// A prompt's token ids, comma separated. Repeat it for several prompts, generated at once
+    /// (one batch).
     #[arg(
         long,
-        value_delimiter = ',',
+        value_name = "IDS",
         required_unless_present_any = ["prompt", "prompts_file"],
         conflicts_with_all = ["prompt", "prompts_file"]
     )]
-    pub prompt_ids: Vec<i64>,
+    pub prompt_ids: Vec<String>,
     /// A prompt as text, through the model folder's `tokenizer.json` (with its special tokens,
     /// such as Llama's `<s>`, as `transformers` adds them). Repeat it for several prompts,
     /// generated at once (one batch).
@@ -174,7 +175,20 @@ pub fn run_streaming(
         texts.extend(lines);
     }
     let prompts: Vec<Vec<i64>> = match (texts.is_empty(), &codec) {
-        (true, _) => vec![args.prompt_ids.clone()],
+        (true, _) => args
+            .prompt_ids
+            .iter()
+            .map(|ids| {
+                ids.split(',')
+                    .filter(|t| !t.trim().is_empty())
+                    .map(|t| {
+                        t.trim()
+                            .parse::<i64>()
+                            .map_err(|e| format!("--prompt-ids {ids:?}: {t:?}: {e}"))
+                    })
+                    .collect::<Result<Vec<i64>, String>>()
+            })
+            .collect::<Result<_, _>>()?,
         (false, Some(codec)) => texts
             .iter()
             .map(|t| codec.encode(t, true))

@@ -32,9 +32,9 @@ fn qkv([b, hq, hkv, s, t, hd]: [usize; 6], seed: u64, dtype: DType) -> [Tensor<4
 }
 
 /// Causal attention in plain f64 loops: query `i` (position `start + i`) over keys
-/// `0 ..= start + i` (only the last `w` of them with a window `w`), query head `h` reading key /
-/// value head `h / (hq / hkv)`, the probabilities times `keep` (`[b, hq, s, t]`, the scaled
-/// dropout mask) if given.
+/// `0 ..= start + i` (only the last `w` of them with a window `w`; none of sequence `b`'s first
+/// `padding[b]` but its own), query head `h` reading key / value head `h / (hq / hkv)`, the
+/// probabilities times `keep` (`[b, hq, s, t]`, the scaled dropout mask) if given.
 #[allow(clippy::too_many_arguments)]
 fn loops(
     q: &[f64],
@@ -44,6 +44,7 @@ fn loops(
     [hkv, t]: [usize; 2],
     start: usize,
     window: Option<usize>,
+    padding: &[usize],
     keep: Option<&[f64]>,
 ) -> Vec<f64> {
     let mut out = vec![0.0; b * hq * s * hd];
@@ -56,8 +57,13 @@ fn loops(
                 let qrow = &q[((bi * hq + h) * s + i) * hd..][..hd];
                 let seen = start + i + 1;
                 let first = window.map_or(0, |w| seen.saturating_sub(w));
-                let scores: Vec<f64> = (first..seen)
-                    .map(|j| {
+                let pad = padding.get(bi).copied().unwrap_or(0);
+                let keys: Vec<usize> = (first..seen)
+                    .filter(|&j| j >= pad || j == start + i)
+                    .collect();
+                let scores: Vec<f64> = keys
+                    .iter()
+                    .map(|&j| {
                         let krow = &k[((bi * hkv + kh) * t + j) * hd..][..hd];
                         qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale
                     })
@@ -65,7 +71,7 @@ fn loops(
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
                 let sum: f64 = e.iter().sum();
-                for (j, ej) in (first..).zip(&e) {
+                for (&j, ej) in keys.iter().zip(&e) {
                     let mut p = ej / sum;
                     if let Some(keep) = keep {
                         p *= keep[((bi * hq + h) * s + i) * t + j];
@@ -89,6 +95,7 @@ fn materialized(
     v: Tensor<4>,
     start: usize,
     window: Option<usize>,
+    padding: &[usize],
     keep: Option<Tensor<4>>,
 ) -> Tensor<4> {
     let [b, hq, s, hd] = q.dims();
@@ -107,20 +114,20 @@ fn materialized(
         (&q.device(), q.dtype()),
     );
     let scores = q.matmul(expand(k).swap_dims(2, 3)) * scale;
-    let mut hidden = Tensor::<2, Bool>::tril_mask([s, t], start as i64, &scores.device());
-    if let Some(w) = window {
-        // Key j is before query i's window where j < start + i + 1 - w.
-        let before: Vec<bool> = (0..s)
-            .flat_map(|i| (0..t).map(move |j| j + w < start + i + 1))
-            .collect();
-        let before =
-            Tensor::<2, Bool>::from_data(TensorData::new(before, [s, t]), &scores.device());
-        hidden = hidden.bool_or(before);
-    }
-    let att = softmax(
-        scores.mask_fill(hidden.unsqueeze::<4>(), f32::NEG_INFINITY),
-        3,
-    );
+    // Key j is hidden from query i (position start + i) in its future, before its window
+    // (j < start + i + 1 - w), or in its sequence's padding (but its own position).
+    let hidden: Vec<bool> = (0..b)
+        .flat_map(|bi| (0..s).flat_map(move |i| (0..t).map(move |j| (bi, i, j))))
+        .map(|(bi, i, j)| {
+            let q = start + i;
+            j > q
+                || window.is_some_and(|w| j + w < q + 1)
+                || (j < padding.get(bi).copied().unwrap_or(0) && j != q)
+        })
+        .collect();
+    let hidden =
+        Tensor::<4, Bool>::from_data(TensorData::new(hidden, [b, 1, s, t]), &scores.device());
+    let att = softmax(scores.mask_fill(hidden, f32::NEG_INFINITY), 3);
     let att = match keep {
         Some(m) => att * m.cast(q_dtype(&v)),
         None => att,
@@ -151,24 +158,28 @@ fn value_and_grads(
 }
 
 /// A geometry of the grid: `[b, hq, hkv, s, t, hd]`, the query offset, the block size, the
-/// sliding window.
-type Case = ([usize; 6], usize, usize, Option<usize>);
+/// sliding window, the left padding per sequence.
+type Case = ([usize; 6], usize, usize, Option<usize>, &'static [usize]);
 
-const CASES: [Case; 12] = [
-    ([2, 4, 4, 7, 7, 8], 0, 3, None), // multi-head, odd length, blocks of 3
-    ([1, 4, 2, 9, 9, 4], 0, 4, None), // grouped-query, 2 heads per key / value head
-    ([2, 4, 1, 5, 5, 8], 0, 2, None), // one key / value head for all
-    ([1, 2, 2, 3, 10, 8], 7, 4, None), // KV cache: 3 new queries after 7 cached positions
-    ([1, 4, 2, 1, 6, 8], 5, 128, None), // one decoding step
-    ([2, 2, 1, 16, 16, 8], 0, 4, None), // blocks that divide
-    ([1, 2, 2, 11, 11, 4], 0, 1, None), // blocks of one row
+const CASES: [Case; 15] = [
+    ([2, 4, 4, 7, 7, 8], 0, 3, None, &[]), // multi-head, odd length, blocks of 3
+    ([1, 4, 2, 9, 9, 4], 0, 4, None, &[]), // grouped-query, 2 heads per key / value head
+    ([2, 4, 1, 5, 5, 8], 0, 2, None, &[]), // one key / value head for all
+    ([1, 2, 2, 3, 10, 8], 7, 4, None, &[]), // KV cache: 3 new queries after 7 cached positions
+    ([1, 4, 2, 1, 6, 8], 5, 128, None, &[]), // one decoding step
+    ([2, 2, 1, 16, 16, 8], 0, 4, None, &[]), // blocks that divide
+    ([1, 2, 2, 11, 11, 4], 0, 1, None, &[]), // blocks of one row
     // Sliding windows: blocks wholly before a window skipped, the window's edge masked.
-    ([1, 4, 2, 13, 13, 4], 0, 3, Some(4)), // window of 4 over blocks of 3
-    ([2, 2, 1, 9, 9, 8], 0, 2, Some(2)),   // each query sees itself and one key before
+    ([1, 4, 2, 13, 13, 4], 0, 3, Some(4), &[]), // window of 4 over blocks of 3
+    ([2, 2, 1, 9, 9, 8], 0, 2, Some(2), &[]),   // each query sees itself and one key before
     // Query 11 sees keys 6..=11: none of block 0..4, which its block's query 8 sees.
-    ([1, 2, 1, 12, 12, 8], 0, 4, Some(6)),
-    ([1, 2, 2, 3, 10, 8], 7, 4, Some(5)), // a window after a KV cache
-    ([1, 4, 2, 1, 9, 8], 8, 128, Some(3)), // one decoding step in a window
+    ([1, 2, 1, 12, 12, 8], 0, 4, Some(6), &[]),
+    ([1, 2, 2, 3, 10, 8], 7, 4, Some(5), &[]), // a window after a KV cache
+    ([1, 4, 2, 1, 9, 8], 8, 128, Some(3), &[]), // one decoding step in a window
+    // Left padding (batched generation): over blocks, one sequence unpadded, a window too.
+    ([3, 4, 2, 9, 9, 8], 0, 4, None, &[0, 5, 2]),
+    ([2, 2, 1, 2, 12, 8], 10, 4, None, &[7, 0]), // decoding steps after a padded prefill
+    ([2, 2, 2, 10, 10, 4], 0, 3, Some(4), &[6, 1]),
 ];
 
 #[test]
@@ -182,26 +193,37 @@ fn fused_attention_equals_f64_loops_and_the_materialized_path() {
             DType::F32 => (1e-5, 1e-4),
             _ => (2e-2, 4e-2),
         };
-        for (n, &(geo, start, block, window)) in CASES.iter().enumerate() {
+        for (n, &(geo, start, block, window, padding)) in CASES.iter().enumerate() {
             let [b, hq, hkv, s, t, hd] = geo;
             let tag = format!(
                 "{dtype:?} case {n} (b {b} hq {hq} hkv {hkv} s {s} t {t} start {start} block \
-                 {block} window {window:?})"
+                 {block} window {window:?} padding {padding:?})"
             );
             let inputs = qkv(geo, 11 + n as u64, dtype);
             let w = tensor(uniform(b * hq * s * hd, 99), [b, hq, s, hd], dtype);
             let spec = AttentionSpec {
                 block,
                 window,
+                padding: padding.to_vec(),
                 ..AttentionSpec::causal(start)
             };
             let [out, dq, dk, dv] =
                 value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
             let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
-                materialized(q, k, v, start, window, None)
+                materialized(q, k, v, start, window, padding, None)
             });
             let [q, k, v] = inputs.map(f64s);
-            let exact = loops(&q, &k, &v, [b, hq, s, hd], [hkv, t], start, window, None);
+            let exact = loops(
+                &q,
+                &k,
+                &v,
+                [b, hq, s, hd],
+                [hkv, t],
+                start,
+                window,
+                padding,
+                None,
+            );
             assert!(
                 rel_norm(&out, &exact) <= val_tol,
                 "{tag}: out vs loops {:.2e}",
@@ -250,13 +272,14 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             start: 0,
             // With blocks of 2, a window too: dropout's mask inside the band.
             window: (block == 2).then_some(3),
+            padding: Vec::new(),
         };
         let window = spec.window;
         let keep = dropout_mask(key, 7, full, region.clone(), p, &device());
         let [out, dq, dk, dv] =
             value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
         let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
-            materialized(q, k, v, 0, window, Some(keep.clone()))
+            materialized(q, k, v, 0, window, &[], Some(keep.clone()))
         });
         let [q, k, v] = inputs.map(f64s);
         let exact = loops(
@@ -267,6 +290,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             [hkv, s],
             0,
             window,
+            &[],
             Some(&f64s(keep.clone())),
         );
         let tag = format!("block {block}");

@@ -454,9 +454,7 @@ impl ParallelAttention {
         let hkv = self.local_kv_heads(tp);
         let [b, _, s, _] = q.dims();
         let t = k.dims()[2];
-        // Per-sequence masks (left padding) take the materialized path: generation's short
-        // steps, where the score matrix is small.
-        if self.out.spec().settings.fused_attention && padding.is_none() {
+        if self.out.spec().settings.fused_attention {
             let dropout = dropout.filter(|_| self.dropout > 0.0).map(|key| {
                 let (batch_total, batch) = key.batch(b);
                 AttentionDropout {
@@ -472,6 +470,13 @@ impl ParallelAttention {
             let spec = AttentionSpec {
                 dropout,
                 window: self.window,
+                // Relative to the first key kept.
+                padding: padding.map_or_else(Vec::new, |p| {
+                    p.rows
+                        .iter()
+                        .map(|&r| r.saturating_sub(p.first_key))
+                        .collect()
+                }),
                 ..AttentionSpec::causal(start)
             };
             let ctx = fused_attention(q, k, v, spec)?;
@@ -746,15 +751,18 @@ pub fn fused_attention(
         || !hq.is_multiple_of(hkv)
         || t < spec.start + s
         || spec.block == 0
+        || !(spec.padding.is_empty() || spec.padding.len() == b)
     {
         return Err(TpError::Shape {
             op: "fused_attention",
             expected: format!(
                 "q [b, hq, s, hd], k and v [b, hkv, t, hd] with hkv dividing hq and t >= start \
-                 + s = {} (k {:?}, v {vd:?}, block {})",
+                 + s = {}, one padding per sequence or none (k {:?}, v {vd:?}, block {}, padding \
+                 {:?})",
                 spec.start + s,
                 k.dims(),
-                spec.block
+                spec.block,
+                spec.padding
             ),
             got: q.dims().to_vec(),
         });

@@ -71,12 +71,22 @@ pub(crate) trait Decoder {
     }
 
     /// Logits of the embedded new positions `x` (`[s_new, batch, d_model]`) after those in
-    /// `cache`, which they join (see [`cached_positions`](Self::cached_positions)).
-    fn decode(&self, mut x: Tensor<3>, cache: &mut DecodeCache) -> TpResult<Tensor<3>> {
+    /// `cache`, which they join (see [`cached_positions`](Self::cached_positions)); of the last
+    /// one only (`[1, batch, V_p / tp]`) with `last_only`, as generation needs.
+    fn decode(
+        &self,
+        mut x: Tensor<3>,
+        cache: &mut DecodeCache,
+        last_only: bool,
+    ) -> TpResult<Tensor<3>> {
         self.cached_positions(cache);
         for (block, kv) in self.blocks().iter().zip(&mut cache.layers) {
             kv.padding.clone_from(&cache.padding);
             x = block.try_forward_cached(x, kv)?;
+        }
+        if last_only {
+            let s = x.dims()[0];
+            x = x.narrow(0, s - 1, 1);
         }
         self.logits(x)
     }

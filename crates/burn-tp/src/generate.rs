@@ -202,9 +202,8 @@ pub fn generate_batch_with<M: LanguageModel>(
         }
         let ids = columns(&seqs, fed);
         fed = seqs[0].len();
-        let logits = model.logits_cached(ids, &mut cache)?; // [s, b, V_p / tp]
-        let s = logits.dims()[0];
-        let last = gather_from_tp_region(logits.narrow(0, s - 1, 1), 2, group)?;
+        let logits = model.last_logits_cached(ids, &mut cache)?; // [1, b, V_p / tp]
+        let last = gather_from_tp_region(logits, 2, group)?;
         let last: Vec<f64> = last
             .narrow(2, 0, vocab)
             .into_data()

@@ -287,6 +287,17 @@ impl Gpt {
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
     ) -> TpResult<Tensor<3>> {
+        self.forward_cached(ids, cache, false)
+    }
+
+    /// [`try_forward_cached`](Self::try_forward_cached), of the last position only with
+    /// `last_only` (`[1, batch, V_p / tp]`: the head skips the others).
+    pub(crate) fn forward_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+        last_only: bool,
+    ) -> TpResult<Tensor<3>> {
         let [s, b] = ids.dims();
         let start = self.cached_positions(cache);
         let pos = self.pos.val();
@@ -315,7 +326,7 @@ impl Gpt {
         } else {
             table.slice([start..start + s, 0..d]).unsqueeze_dim::<3>(1)
         };
-        self.decode(x + pos, cache)
+        self.decode(x + pos, cache, last_only)
     }
 
     /// Mean next-token cross-entropy (replicated on every rank).

@@ -57,6 +57,17 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         cache: &mut DecodeCache,
     ) -> crate::Result<Tensor<3>>;
 
+    /// [`logits_cached`](Self::logits_cached) of the last new position only, `[1, batch,
+    /// V_p / tp]` (the head runs on that position alone: what generation reads).
+    ///
+    /// # Errors
+    /// As [`logits_cached`](Self::logits_cached).
+    fn last_logits_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> crate::Result<Tensor<3>>;
+
     /// The real vocabulary (the logits' columns past it are padding).
     fn n_vocab(&self) -> usize;
 
@@ -123,6 +134,14 @@ impl LanguageModel for Gpt {
         self.try_forward_cached(ids, cache)
     }
 
+    fn last_logits_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> crate::Result<Tensor<3>> {
+        self.forward_cached(ids, cache, true)
+    }
+
     fn n_vocab(&self) -> usize {
         self.tok.n_vocab()
     }
@@ -179,6 +198,14 @@ impl LanguageModel for Llama {
         cache: &mut DecodeCache,
     ) -> crate::Result<Tensor<3>> {
         self.try_forward_cached(ids, cache)
+    }
+
+    fn last_logits_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+    ) -> crate::Result<Tensor<3>> {
+        self.forward_cached(ids, cache, true)
     }
 
     fn n_vocab(&self) -> usize {

@@ -106,8 +106,9 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
 }
 
 /// The `generate` example as a user runs it: at tp 2 the new ids are transformers' greedy
-/// tokens, `--logits-out` holds its last logits, `--no-cache` gives the same ids, and the
-/// printed line is JSON with the prompt and the new ids.
+/// tokens, `--logits-out` holds its last logits, `--no-cache` gives the same ids, the printed
+/// line is JSON with the prompt and the new ids, and `--prompt-ids` repeated is one batch whose
+/// rows are each prompt's own.
 #[test]
 fn the_generate_example_prints_transformers_tokens() {
     use burn_tp_examples::generate::{Args, run};
@@ -152,6 +153,17 @@ fn the_generate_example_prints_transformers_tokens() {
     assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0);
     let recomputed = run(&args(&["--no-cache"])).unwrap();
     assert_eq!(recomputed.first().new_ids, want.greedy);
+    // `--prompt-ids` repeated: one batch, the fixture's row as alone, a short one as alone.
+    let both = run(&args(&["--prompt-ids", "7, 3"])).unwrap();
+    assert_eq!(both.rows.len(), 2);
+    assert_eq!(both.rows[0], report.rows[0]);
+    assert_eq!(both.rows[1].prompt_ids, [7, 3]);
+    let mut argv: Vec<&str> = vec!["generate", "--model", dir.to_str().unwrap()];
+    argv.extend(["--tp", "2", "--prompt-ids", "7,3", "--max-new-tokens", "6"]);
+    let alone = run(&Args::try_parse_from(argv).unwrap()).unwrap();
+    assert_eq!(both.rows[1], alone.rows[0]);
+    let e = run(&args(&["--prompt-ids", "7,x"])).unwrap_err();
+    assert!(e.contains("\"7,x\"") && e.contains("\"x\""), "{e}");
     std::fs::remove_file(&logits_out).unwrap();
 }
 

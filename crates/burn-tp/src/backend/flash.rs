@@ -53,6 +53,10 @@ pub struct AttentionSpec {
     /// `start + i + 1 - window ..= start + i` (transformers' `kv_idx > q_idx - sliding_window`),
     /// and the key blocks wholly before its window are skipped; `None` for every key before it.
     pub window: Option<usize>,
+    /// Left padding per sequence (empty: none): sequence `b`'s keys before `padding[b]` are
+    /// hidden from every query but the one at their own position (batched generation's
+    /// prompts of different lengths; a padding query then sees itself, not an empty row).
+    pub padding: Vec<usize>,
 }
 
 /// The dropout of one attention call: this rank's region of the logical mask of site `site`
@@ -83,7 +87,20 @@ impl AttentionSpec {
             dropout: None,
             block: BLOCK,
             window: None,
+            padding: Vec::new(),
         }
+    }
+
+    /// Sequence `b`'s left padding.
+    pub(crate) fn pad(&self, b: usize) -> usize {
+        self.padding.get(b).copied().unwrap_or(0)
+    }
+
+    /// Whether query `i` of sequence `b` sees key `j` (in its causal past, its window, and not
+    /// another position's padding).
+    pub(crate) fn sees(&self, b: usize, i: usize, j: usize) -> bool {
+        let q = self.start + i;
+        j <= q && j >= self.first_key(i) && (j >= self.pad(b) || j == q)
     }
 
     /// The first key query `i` sees (the last is `start + i`).
@@ -184,15 +201,18 @@ fn scores<B: Backend>(
     }
     let g = geo.group();
     let (n, m) = (rows.len(), cols.len());
-    let mut future = Vec::with_capacity(g * n * m);
-    for _ in 0..g {
-        for i in rows.clone() {
-            let first = spec.first_key(i);
-            future.extend(cols.clone().map(|j| j > spec.start + i || j < first));
+    // Per sequence only where some is padded.
+    let seqs = if spec.padding.is_empty() { 1 } else { geo.b };
+    let mut hidden = Vec::with_capacity(seqs * g * n * m);
+    for b in 0..seqs {
+        for _ in 0..g {
+            for i in rows.clone() {
+                hidden.extend(cols.clone().map(|j| !spec.sees(b, i, j)));
+            }
         }
     }
     let device = s.device();
-    let mask = B::bool_from_data(TensorData::new(future, [1, 1, g * n, m]), &device);
+    let mask = B::bool_from_data(TensorData::new(hidden, [seqs, 1, g * n, m]), &device);
     let mask = B::bool_expand(mask, s.shape());
     B::float_mask_fill(s, mask, Scalar::Float(f64::NEG_INFINITY))
 }
@@ -251,15 +271,18 @@ pub(crate) fn forward<B: Backend>(
             if !seen {
                 continue;
             }
+            let masked = masked || spec.padding.iter().any(|&p| p > cols.start);
             let kb = widen::<B>(slice_dim::<B>(k.clone(), 2, cols.clone()));
             let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
             let s = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
             let block_max = B::float_max_dim(s.clone(), 3);
-            // A row whose window starts after this block has no key in it: a finite floor
-            // keeps `s - max` at `-inf` (probability 0) instead of `-inf - -inf`.
-            let block_max = match spec.window {
-                Some(_) => B::float_clamp_min(block_max, Scalar::Float(-1e30)),
-                None => block_max,
+            // A row whose window starts after this block, or whose padding covers it, has no
+            // key in it: a finite floor keeps `s - max` at `-inf` (probability 0) instead of
+            // `-inf - -inf`.
+            let block_max = if spec.window.is_some() || !spec.padding.is_empty() {
+                B::float_clamp_min(block_max, Scalar::Float(-1e30))
+            } else {
+                block_max
             };
             // The running max over the blocks seen so far.
             let m_new = match &state {
@@ -364,6 +387,7 @@ pub(crate) fn backward<B: Backend>(
             if !seen {
                 continue;
             }
+            let masked = masked || spec.padding.iter().any(|&p| p > cols.start);
             let (qb, gb, d) = &prepared[i];
             let s = scores::<B>(&geo, spec, qb, kb.clone(), rows, &cols, masked);
             let p = B::float_exp(B::float_sub(s, lse[i].clone()));

@@ -239,12 +239,13 @@ fn blocks(n: usize, block: usize) -> Vec<std::ops::Range<usize>> {
 /// window) set to `-inf`.
 fn mask_hidden(
     s: &mut [f32],
-    g: usize,
+    [bi, g]: [usize; 2],
     rows: &std::ops::Range<usize>,
     cols: &std::ops::Range<usize>,
     spec: &AttentionSpec,
 ) {
     let m = cols.len();
+    let pad = spec.pad(bi);
     for (r, row) in s.chunks_mut(m).enumerate().take(g * rows.len()) {
         let i = rows.start + r % rows.len();
         let query = spec.start + i;
@@ -252,6 +253,16 @@ fn mask_hidden(
         row[first_future..].fill(f32::NEG_INFINITY);
         let first_seen = spec.first_key(i).saturating_sub(cols.start).min(m);
         row[..first_seen].fill(f32::NEG_INFINITY);
+        // The sequence's padding, but for the query's own position.
+        for (c, x) in row
+            .iter_mut()
+            .enumerate()
+            .take(pad.saturating_sub(cols.start).min(m))
+        {
+            if cols.start + c != query {
+                *x = f32::NEG_INFINITY;
+            }
+        }
     }
 }
 
@@ -282,8 +293,8 @@ fn block_scores(
         [k.strides[3], k.strides[2]],
         1.0,
     );
-    if spec.visible(rows, cols).1 {
-        mask_hidden(tile, g, rows, cols, spec);
+    if spec.visible(rows, cols).1 || spec.pad(bi) > cols.start {
+        mask_hidden(tile, [bi, g], rows, cols, spec);
     }
 }
 

@@ -411,8 +411,19 @@ impl Llama {
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
     ) -> TpResult<Tensor<3>> {
+        self.forward_cached(ids, cache, false)
+    }
+
+    /// [`try_forward_cached`](Self::try_forward_cached), of the last position only with
+    /// `last_only` (`[1, batch, V_p / tp]`: the head skips the others).
+    pub(crate) fn forward_cached(
+        &self,
+        ids: Tensor<2, Int>,
+        cache: &mut DecodeCache,
+        last_only: bool,
+    ) -> TpResult<Tensor<3>> {
         let x = self.tok.try_forward(ids)?;
-        self.decode(x, cache)
+        self.decode(x, cache, last_only)
     }
 
     /// Mean next-token cross-entropy over every target (replicated on every rank), no dropout.
