@@ -16,6 +16,7 @@
 //! | `local.rs`, `link.rs` | ranks as threads ([`LocalGroup`]), a simulated link ([`LinkModel`]) |
 //! | `op.rs`, `element.rs`, `buffer.rs`, `error.rs` | what ranks agree on, element types, buffers, [`CommError`] |
 //! | `communicator.rs` | [`Communicator`], the transport extension point |
+//! | `p2p.rs` | [`RingLinks`]: transfers between neighbouring ranks (pipeline stages) |
 //! | `profile.rs` | [`profile`]: bytes, time in flight and time waited per scope |
 //! | `store.rs` | [`store`]: the rendezvous store of multi-process launches |
 //! | `mpi/`, `nccl/` | the MPI (feature `mpi`) and NCCL (feature `nccl`) transports |
@@ -54,6 +55,7 @@ pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod op;
+mod p2p;
 pub mod profile;
 pub mod store;
 mod work;
@@ -66,4 +68,5 @@ pub use group::ProcessGroup;
 pub use link::LinkModel;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup, LocalGroupOptions};
 pub use op::{OpDesc, OpKind};
+pub use p2p::{RingLinks, Transfer};
 pub use work::Work;

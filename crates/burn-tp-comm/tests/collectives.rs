@@ -494,3 +494,119 @@ fn every_async_form_checks_the_output_length() {
         }
     }
 }
+
+/// Ring transfers (pipeline stages' point-to-point): at 2 to 5 ranks every rank sends its values
+/// to both neighbours, all transfers posted before any wait, and receives each neighbour's; one
+/// rank has no neighbour (an error naming it).
+#[test]
+fn ring_transfers_reach_both_neighbours() {
+    for world in 2..=5 {
+        let got = run_ok(world, move |pg| {
+            let links = pg.ring_links().unwrap();
+            let r = pg.rank();
+            let mine = |to: usize| -> Vec<f32> {
+                (0..3).map(|i| (100 * r + 10 * to + i) as f32).collect()
+            };
+            // Forward direction first on every rank, as a pipeline issues them.
+            let s_next = links.send_next(mine((r + 1) % world)).unwrap();
+            let r_prev = links.recv_prev::<f32>(3).unwrap();
+            let s_prev = links.send_prev(mine((r + world - 1) % world)).unwrap();
+            let r_next = links.recv_next::<f32>(3).unwrap();
+            let from_prev = r_prev.wait().unwrap();
+            let from_next = r_next.wait().unwrap();
+            s_next.wait().unwrap();
+            s_prev.wait().unwrap();
+            (from_prev, from_next)
+        });
+        for (r, (from_prev, from_next)) in got.into_iter().enumerate() {
+            let (p, n) = ((r + world - 1) % world, (r + 1) % world);
+            let sent = |by: usize, to: usize| -> Vec<f32> {
+                (0..3).map(|i| (100 * by + 10 * to + i) as f32).collect()
+            };
+            assert_eq!(from_prev, sent(p, r), "world {world} rank {r}: from {p}");
+            assert_eq!(from_next, sent(n, r), "world {world} rank {r}: from {n}");
+        }
+    }
+    let alone = run_ok(1, |pg| {
+        pg.ring_links()
+            .unwrap()
+            .send_next(vec![1.0f32])
+            .unwrap_err()
+            .to_string()
+    });
+    assert!(alone[0].contains("no neighbour"), "{}", alone[0]);
+}
+
+/// A transfer that cannot complete fails on both sides, naming it: lengths that differ, a
+/// receiver that left, one that never comes (the timeout).
+#[test]
+fn failed_transfers_are_errors_on_both_sides() {
+    // 4 elements sent, 5 expected.
+    let out = run(3, short(5_000), |pg| {
+        let links = pg.ring_links().unwrap();
+        match pg.rank() {
+            0 => Some(links.send_next(vec![1.0f32; 4]).unwrap().wait()),
+            1 => Some(links.recv_prev::<f32>(5).unwrap().wait()),
+            _ => None,
+        }
+    });
+    let e0 = out[0]
+        .as_ref()
+        .unwrap()
+        .clone()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    let e1 = out[1]
+        .as_ref()
+        .unwrap()
+        .clone()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e0.contains("send 0 -> 1 of 4") && e0.contains("mismatch"),
+        "{e0}"
+    );
+    assert!(
+        e1.contains("recv 1 <- 0 of 5") && e1.contains("mismatch"),
+        "{e1}"
+    );
+    // The receiver's thread ends without receiving: the sender fails at once, not at the timeout.
+    let start = Instant::now();
+    let out = run(2, short(20_000), |pg| {
+        let links = pg.ring_links().unwrap();
+        (pg.rank() == 0).then(|| links.send_next(vec![1.0f32; 4]).unwrap().wait())
+    });
+    let e = out[0]
+        .as_ref()
+        .unwrap()
+        .clone()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("send 0 -> 1") && e.contains("left"), "{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    // A receiver that is there but never receives: the timeout, naming the transfer.
+    let out = run(2, short(300), |pg| {
+        let links = pg.ring_links().unwrap();
+        if pg.rank() == 0 {
+            Some(links.send_next(vec![1.0f32; 4]).unwrap().wait())
+        } else {
+            std::thread::sleep(Duration::from_millis(1_000));
+            None
+        }
+    });
+    let e = out[0]
+        .as_ref()
+        .unwrap()
+        .clone()
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("send 0 -> 1") && e.contains("timed out"), "{e}");
+}

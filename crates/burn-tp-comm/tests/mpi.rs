@@ -1,7 +1,8 @@
 //! The MPI transport (feature `mpi`) under `mpirun` with 2 and 4 processes: the conformance
-//! check and every op and element type against references, splits, overlap, mismatches,
-//! timeouts, and a rank that panics or is killed. Each test runs this binary under `mpirun`,
-//! where only `mpi_rank_program` does anything (it plays the scenario named in the environment).
+//! check and every op and element type against references, splits, ring transfers, overlap,
+//! mismatches, timeouts, and a rank that panics or is killed. Each test runs this binary under
+//! `mpirun`, where only `mpi_rank_program` does anything (it plays the scenario named in the
+//! environment).
 #![cfg(feature = "mpi")]
 
 mod common;
@@ -240,6 +241,18 @@ fn ops(pg: &ProcessGroup) {
         (t.wait().unwrap(), d),
         (vec![tp as f32], vec![(n / tp) as f32])
     );
+    // Ring transfers (pipeline stages): each rank to both neighbours, every one posted first.
+    let links = pg.ring_links().unwrap();
+    let (prev, next) = ((rank + n - 1) % n, (rank + 1) % n);
+    let sent = |by: usize, to: usize| vec![(10 * by + to) as f32; 3];
+    let s_next = links.send_next(sent(rank, next)).unwrap();
+    let r_prev = links.recv_prev::<f32>(3).unwrap();
+    let s_prev = links.send_prev(sent(rank, prev)).unwrap();
+    let r_next = links.recv_next::<f32>(3).unwrap();
+    assert_eq!(r_prev.wait().unwrap(), sent(prev, rank));
+    assert_eq!(r_next.wait().unwrap(), sent(next, rank));
+    s_next.wait().unwrap();
+    s_prev.wait().unwrap();
     pg.barrier().unwrap();
     println!("\nrank {rank} of {n}: ops ok");
 }
