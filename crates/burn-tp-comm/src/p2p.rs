@@ -2,42 +2,42 @@
 //! other (activations forward, their gradients back; the last stage to the first for interleaved
 //! schedules).
 //!
-//! Each pair of neighbours `{r, r + 1 mod n}` gets a group of two ranks (made once, by
+//! Each direction between neighbours gets a group of two ranks (made once, by
 //! [`ProcessGroup::ring_links`]), and a transfer is a broadcast in it from the sender: the way
 //! DeepSpeed's pipeline engine moves tensors over NCCL without send / recv. So a transfer is
 //! async on every transport (threads, MPI, NCCL), and fails as the collectives do: both sides
 //! give the same length (a different one is [`CommError::Mismatch`] on both), and a peer that
-//! leaves or never comes is an error on both within the timeout, never a hang. Both ranks of a
-//! pair issue their transfers between them in the same order (as with NCCL's send / recv).
+//! leaves or never comes is an error on both within the timeout, never a hang.
 //!
 //! ```text
-//!   pair groups of a ring of 4        rank r's links
-//!   {0,1} {1,2} {2,3} {3,0}           prev: the pair {r-1, r}   next: the pair {r, r+1}
+//!   rank r's four links, each its own two-rank group (indices: sender 0, receiver 1)
+//!   send_next: r -> r+1   recv_prev: r-1 -> r   (the forward direction, activations)
+//!   send_prev: r -> r-1   recv_next: r+1 -> r   (the backward direction, gradients)
 //! ```
 //!
-//! With two ranks the two links are two groups of the same pair (`{0, 1}` carries rank 0's sends
-//! to its next and rank 1's to its previous, `{1, 0}` the others), so each direction of a ring
-//! keeps its own order; with one rank there is none.
+//! Transfers in one direction between two ranks are matched in the order they are issued (as
+//! NCCL's send / recv); the two directions are independent, so a 1F1B schedule, whose stages
+//! interleave sends forward with receives backward differently, never mismatches. A ring of one
+//! rank has no links.
 
 use crate::{CommElement, CommError, ProcessGroup, Result, Work};
 
-/// One pair group and this rank's side of it.
+/// One direction's group: this rank sends (index 0) or receives (index 1) in it.
 #[derive(Clone, Debug)]
 struct Link {
     group: ProcessGroup,
-    /// This rank's index in the pair.
-    me: usize,
     /// The neighbour's rank in the ring.
     peer: usize,
 }
 
-/// This rank's links to its two neighbours in a ring of ranks (pipeline stages).
+/// This rank's links to its two neighbours in a ring of ranks (pipeline stages), each direction
+/// its own.
 #[derive(Clone, Debug)]
 pub struct RingLinks {
     rank: usize,
     size: usize,
-    prev: Option<Link>,
-    next: Option<Link>,
+    /// send_next, recv_prev, send_prev, recv_next.
+    links: Option<[Link; 4]>,
 }
 
 /// A transfer in flight: [`wait`](Self::wait) completes it.
@@ -68,52 +68,57 @@ impl<T> Transfer<T> {
 }
 
 impl ProcessGroup {
-    /// This rank's links to ranks `rank - 1` and `rank + 1` (mod the world size): the pair
-    /// groups of the ring, made with two [`split`](Self::split)s (three for an odd ring).
+    /// This rank's links to ranks `rank - 1` and `rank + 1` (mod the world size), one two-rank
+    /// group per direction, made with four [`split`](Self::split)s (six for an odd ring).
     /// Collective over this group.
     ///
     /// # Errors
     /// As [`split`](Self::split).
     pub fn ring_links(&self) -> Result<RingLinks> {
         let (n, r) = (self.world_size(), self.rank());
-        let mut links = RingLinks {
-            rank: r,
-            size: n,
-            prev: None,
-            next: None,
-        };
         if n == 1 {
-            return Ok(links);
+            return Ok(RingLinks {
+                rank: r,
+                size: n,
+                links: None,
+            });
         }
-        // Pair k = {k, k + 1 mod n}: even pairs in split 0, odd in split 1, and with an odd
-        // ring the closing pair {n - 1, 0} in split 2, so no rank is in two pairs of a split.
+        let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
+        // Hop k: k -> k + 1 (forward) or k + 1 -> k (backward), a group with the sender first.
+        // A split takes even hops, another odd ones (and an odd ring's closing hop a third), so
+        // no rank is in two groups of one split.
+        let splits = if n % 2 == 1 { 3 } else { 2 };
         let split_of = |k: usize| if n % 2 == 1 && k == n - 1 { 2 } else { k % 2 };
-        let (as_first, as_second) = (r, (r + n - 1) % n);
-        for s in 0..if n % 2 == 1 { 3 } else { 2 } {
-            // This rank's pair in split s (colour = the pair), or a group of its own.
-            let (color, key) = if split_of(as_first) == s {
-                (as_first, 0)
-            } else if split_of(as_second) == s {
-                (as_second, 1)
-            } else {
-                (n + r, 0)
-            };
-            let group = self.split(color, key)?;
-            if color == as_first {
-                links.next = Some(Link {
-                    group,
-                    me: 0,
-                    peer: (r + 1) % n,
-                });
-            } else if color == as_second {
-                links.prev = Some(Link {
-                    group,
-                    me: 1,
-                    peer: as_second,
-                });
+        // This rank is in hop r (as its lower end) and hop r - 1 (its upper end).
+        let (hop_up, hop_down) = (r, prev);
+        let mut groups: [Option<ProcessGroup>; 4] = [None, None, None, None];
+        for forward in [true, false] {
+            for s in 0..splits {
+                // (colour, key = index in the group, which link it is)
+                let (color, key, slot) = if split_of(hop_up) == s {
+                    // Forward: r sends to r + 1 (index 0); backward: r receives (index 1).
+                    (hop_up, usize::from(!forward), if forward { 0 } else { 3 })
+                } else if split_of(hop_down) == s {
+                    // Forward: r receives from r - 1; backward: r sends to r - 1.
+                    (hop_down, usize::from(forward), if forward { 1 } else { 2 })
+                } else {
+                    (n + r, 0, usize::MAX)
+                };
+                let group = self.split(color, key)?;
+                if slot != usize::MAX {
+                    groups[slot] = Some(group);
+                }
             }
         }
-        Ok(links)
+        let link = |i: usize, peer: usize| Link {
+            group: groups[i].clone().expect("every link's split ran"),
+            peer,
+        };
+        Ok(RingLinks {
+            rank: r,
+            size: n,
+            links: Some([link(0, next), link(1, prev), link(2, prev), link(3, next)]),
+        })
     }
 }
 
@@ -128,9 +133,8 @@ impl RingLinks {
         self.size
     }
 
-    fn link(&self, next: bool) -> Result<&Link> {
-        let link = if next { &self.next } else { &self.prev };
-        link.as_ref().ok_or_else(|| {
+    fn link(&self, which: usize) -> Result<&Link> {
+        self.links.as_ref().map(|l| &l[which]).ok_or_else(|| {
             CommError::Backend(format!(
                 "rank {} of a ring of {}: no neighbour to transfer with",
                 self.rank, self.size
@@ -138,8 +142,8 @@ impl RingLinks {
         })
     }
 
-    fn send<T: CommElement>(&self, next: bool, data: Vec<T>) -> Result<Transfer<T>> {
-        let link = self.link(next)?;
+    fn send<T: CommElement>(&self, which: usize, data: Vec<T>) -> Result<Transfer<T>> {
+        let link = self.link(which)?;
         let what = format!(
             "send {} -> {} of {} {:?}",
             self.rank,
@@ -148,12 +152,12 @@ impl RingLinks {
             T::DTYPE
         );
         let out = data.clone();
-        let work = link.group.broadcast_async(data, link.me, out)?;
+        let work = link.group.broadcast_async(data, 0, out)?;
         Ok(Transfer { work, what })
     }
 
-    fn recv<T: CommElement + Default>(&self, next: bool, len: usize) -> Result<Transfer<T>> {
-        let link = self.link(next)?;
+    fn recv<T: CommElement + Default>(&self, which: usize, len: usize) -> Result<Transfer<T>> {
+        let link = self.link(which)?;
         let what = format!(
             "recv {} <- {} of {len} {:?}",
             self.rank,
@@ -162,11 +166,9 @@ impl RingLinks {
         );
         // The input's contents are never read (not the root); its length is what the sender's
         // is checked against.
-        let work = link.group.broadcast_async(
-            vec![T::default(); len],
-            1 - link.me,
-            vec![T::default(); len],
-        )?;
+        let work =
+            link.group
+                .broadcast_async(vec![T::default(); len], 0, vec![T::default(); len])?;
         Ok(Transfer { work, what })
     }
 
@@ -175,7 +177,7 @@ impl RingLinks {
     /// # Errors
     /// A ring of one rank; as [`ProcessGroup::broadcast_async`].
     pub fn send_next<T: CommElement>(&self, data: Vec<T>) -> Result<Transfer<T>> {
-        self.send(true, data)
+        self.send(0, data)
     }
 
     /// Starts sending `data` to rank `rank - 1`.
@@ -183,7 +185,7 @@ impl RingLinks {
     /// # Errors
     /// As [`send_next`](Self::send_next).
     pub fn send_prev<T: CommElement>(&self, data: Vec<T>) -> Result<Transfer<T>> {
-        self.send(false, data)
+        self.send(2, data)
     }
 
     /// Starts receiving `len` elements from rank `rank - 1`.
@@ -191,7 +193,7 @@ impl RingLinks {
     /// # Errors
     /// As [`send_next`](Self::send_next).
     pub fn recv_prev<T: CommElement + Default>(&self, len: usize) -> Result<Transfer<T>> {
-        self.recv(false, len)
+        self.recv(1, len)
     }
 
     /// Starts receiving `len` elements from rank `rank + 1`.
@@ -199,6 +201,6 @@ impl RingLinks {
     /// # Errors
     /// As [`send_next`](Self::send_next).
     pub fn recv_next<T: CommElement + Default>(&self, len: usize) -> Result<Transfer<T>> {
-        self.recv(true, len)
+        self.recv(3, len)
     }
 }

@@ -496,8 +496,9 @@ fn every_async_form_checks_the_output_length() {
 }
 
 /// Ring transfers (pipeline stages' point-to-point): at 2 to 5 ranks every rank sends its values
-/// to both neighbours, all transfers posted before any wait, and receives each neighbour's; one
-/// rank has no neighbour (an error naming it).
+/// to both neighbours, all transfers posted before any wait, the two directions in different
+/// orders on neighbouring ranks, and receives each neighbour's; one rank has no neighbour (an
+/// error naming it).
 #[test]
 fn ring_transfers_reach_both_neighbours() {
     for world in 2..=5 {
@@ -507,11 +508,27 @@ fn ring_transfers_reach_both_neighbours() {
             let mine = |to: usize| -> Vec<f32> {
                 (0..3).map(|i| (100 * r + 10 * to + i) as f32).collect()
             };
-            // Forward direction first on every rank, as a pipeline issues them.
-            let s_next = links.send_next(mine((r + 1) % world)).unwrap();
-            let r_prev = links.recv_prev::<f32>(3).unwrap();
-            let s_prev = links.send_prev(mine((r + world - 1) % world)).unwrap();
-            let r_next = links.recv_next::<f32>(3).unwrap();
+            // Even ranks post the forward direction first, odd ones the backward: each
+            // direction is matched on its own (as a 1F1B schedule needs).
+            let forward = || {
+                (
+                    links.send_next(mine((r + 1) % world)).unwrap(),
+                    links.recv_prev::<f32>(3).unwrap(),
+                )
+            };
+            let backward = || {
+                (
+                    links.send_prev(mine((r + world - 1) % world)).unwrap(),
+                    links.recv_next::<f32>(3).unwrap(),
+                )
+            };
+            let ((s_next, r_prev), (s_prev, r_next)) = if r % 2 == 0 {
+                let f = forward();
+                (f, backward())
+            } else {
+                let b = backward();
+                (forward(), b)
+            };
             let from_prev = r_prev.wait().unwrap();
             let from_next = r_next.wait().unwrap();
             s_next.wait().unwrap();
