@@ -16,6 +16,7 @@ mod linear;
 mod llama;
 mod loss;
 mod mpi;
+mod pipeline;
 mod recompute;
 mod reference;
 mod train_gpt;

@@ -115,6 +115,9 @@ pub struct GptOptions {
     pub z_loss: f64,
     /// Label smoothing.
     pub label_smoothing: f64,
+    /// The whole model's index of the first block held (0 but on a pipeline stage: see
+    /// [`LanguageModel::into_stage`](crate::model::LanguageModel::into_stage)).
+    pub first_layer: usize,
 }
 
 impl GptConfig {
@@ -178,6 +181,7 @@ impl GptConfig {
                 settings,
                 z_loss: self.z_loss,
                 label_smoothing: self.label_smoothing,
+                first_layer: 0,
             },
         })
     }
@@ -192,6 +196,10 @@ impl Gpt {
     /// Run-time options.
     pub fn options(&self) -> GptOptions {
         self.options
+    }
+
+    pub(crate) fn set_first_layer(&mut self, first: usize) {
+        self.options.first_layer = first;
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in

@@ -91,6 +91,7 @@ pub mod loss;
 pub mod mesh;
 pub mod model;
 pub mod ops;
+pub mod pipeline;
 pub mod precision;
 pub mod recompute;
 pub mod reshard;

@@ -3,7 +3,7 @@
 //! It knows no file format: the sharded checkpoints go through [`Reshard`], Hugging Face's
 //! through [`crate::hf`].
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
@@ -83,8 +83,30 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// As [`loss`](Self::loss).
     fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>>;
 
-    /// The number of blocks.
+    /// The number of blocks held.
     fn num_layers(&self) -> usize;
+
+    /// The whole model's indices of the blocks held: all of them, but on a pipeline stage.
+    fn layer_range(&self) -> std::ops::Range<usize>;
+
+    /// This model with blocks `layers` only (a pipeline stage's: [`crate::pipeline`]), the
+    /// others dropped. [`layer`](Self::layer) still takes the whole model's indices, so the
+    /// dropout masks are the same at any number of stages. The embedding and the head stay
+    /// (the first stage embeds, the last one runs the head; a tied head needs both).
+    ///
+    /// # Panics
+    /// If `layers` is not within [`layer_range`](Self::layer_range).
+    fn into_stage(self, layers: std::ops::Range<usize>) -> Self;
+
+    /// Model width.
+    fn d_model(&self) -> usize;
+
+    /// The blocks' activation shape for ids of shape `ids` (`[seq, batch]`): `[seq, batch,
+    /// d_model]`, or `[seq / tp, ..]` in REDUCE_SCATTER mode (this rank's sequence shard).
+    fn activation_shape(&self, ids: [usize; 2]) -> [usize; 3];
+
+    /// The token embedding's table (`[V_p / tp, d_model]`; the head's weight when tied).
+    fn embedding_weight(&self) -> &Param<Tensor<2>>;
 
     /// Block `index` of `x` (`[s(/tp), batch, d_model]`), dropout on as in
     /// [`loss`](Self::loss) with `step`.
@@ -158,13 +180,56 @@ impl LanguageModel for Gpt {
         self.blocks.len()
     }
 
+    fn layer_range(&self) -> std::ops::Range<usize> {
+        let first = self.options().first_layer;
+        first..first + self.blocks.len()
+    }
+
+    fn into_stage(mut self, layers: std::ops::Range<usize>) -> Self {
+        let held = LanguageModel::layer_range(&self);
+        assert!(
+            held.start <= layers.start && layers.end <= held.end,
+            "Gpt::into_stage: blocks {layers:?} are not all held ({held:?})"
+        );
+        self.blocks = self
+            .blocks
+            .drain(layers.start - held.start..layers.end - held.start)
+            .collect();
+        self.set_first_layer(layers.start);
+        self
+    }
+
+    fn d_model(&self) -> usize {
+        self.pos.val().dims()[1]
+    }
+
+    fn activation_shape(&self, [s, b]: [usize; 2]) -> [usize; 3] {
+        let d = LanguageModel::d_model(self);
+        match self.options().settings.mode {
+            crate::linear::TpMode::AllReduce => [s, b, d],
+            crate::linear::TpMode::ReduceScatter => [s / self.group().world_size(), b, d],
+        }
+    }
+
+    fn embedding_weight(&self) -> &Param<Tensor<2>> {
+        &self.tok.weight
+    }
+
     fn layer(
         &self,
         index: usize,
         x: Tensor<3>,
         _step: Option<DropoutStep>,
     ) -> crate::Result<Tensor<3>> {
-        self.blocks[index].try_forward(x)
+        let first = self.options().first_layer;
+        let block = index.checked_sub(first).and_then(|i| self.blocks.get(i));
+        let block = block.ok_or_else(|| {
+            crate::TpError::Config(format!(
+                "Gpt: block {index} is not on this stage (it holds {:?})",
+                first..first + self.blocks.len()
+            ))
+        })?;
+        block.try_forward(x)
     }
 
     fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>> {
@@ -222,6 +287,41 @@ impl LanguageModel for Llama {
 
     fn num_layers(&self) -> usize {
         self.blocks.len()
+    }
+
+    fn layer_range(&self) -> std::ops::Range<usize> {
+        let first = self.options().first_layer;
+        first..first + self.blocks.len()
+    }
+
+    fn into_stage(mut self, layers: std::ops::Range<usize>) -> Self {
+        let held = LanguageModel::layer_range(&self);
+        assert!(
+            held.start <= layers.start && layers.end <= held.end,
+            "Llama::into_stage: blocks {layers:?} are not all held ({held:?})"
+        );
+        self.blocks = self
+            .blocks
+            .drain(layers.start - held.start..layers.end - held.start)
+            .collect();
+        self.set_first_layer(layers.start);
+        self
+    }
+
+    fn d_model(&self) -> usize {
+        self.norm.gamma.val().dims()[0]
+    }
+
+    fn activation_shape(&self, [s, b]: [usize; 2]) -> [usize; 3] {
+        let d = LanguageModel::d_model(self);
+        match self.options().settings.mode {
+            crate::linear::TpMode::AllReduce => [s, b, d],
+            crate::linear::TpMode::ReduceScatter => [s / self.group().world_size(), b, d],
+        }
+    }
+
+    fn embedding_weight(&self) -> &Param<Tensor<2>> {
+        &self.tok.weight
     }
 
     fn layer(

@@ -122,6 +122,9 @@ pub struct LlamaOptions {
     pub dropout_seed: u64,
     /// The loss's ignore index.
     pub ignore_index: Option<i64>,
+    /// The whole model's index of the first block held (0 but on a pipeline stage: see
+    /// [`LanguageModel::into_stage`](crate::model::LanguageModel::into_stage)).
+    pub first_layer: usize,
 }
 
 /// The Llama-class model.
@@ -238,6 +241,7 @@ impl LlamaConfig {
                 dropout: self.dropout,
                 dropout_seed: self.dropout_seed,
                 ignore_index: self.ignore_index,
+                first_layer: 0,
             },
         })
     }
@@ -297,6 +301,10 @@ impl Llama {
     /// Run-time options.
     pub fn options(&self) -> LlamaOptions {
         self.options
+    }
+
+    pub(crate) fn set_first_layer(&mut self, first: usize) {
+        self.options.first_layer = first;
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
@@ -397,7 +405,16 @@ impl Llama {
             seed: o.dropout_seed,
             at,
         });
-        self.blocks[index].try_forward(x, key, o.dropout, index, &self.group, o.settings.mode)
+        let block = index
+            .checked_sub(o.first_layer)
+            .and_then(|i| self.blocks.get(i));
+        let block = block.ok_or_else(|| {
+            TpError::Config(format!(
+                "Llama: block {index} is not on this stage (it holds {:?})",
+                o.first_layer..o.first_layer + self.blocks.len()
+            ))
+        })?;
+        block.try_forward(x, key, o.dropout, index, &self.group, o.settings.mode)
     }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)

@@ -1,0 +1,426 @@
+//! Pipeline parallelism: the model's blocks cut into stages, one per rank of a pipeline group,
+//! a batch cut into micro-batches that flow through the stages, activations sent forward and
+//! their gradients back ([`RingLinks`]), gradients accumulated over the micro-batches.
+//!
+//! ```text
+//!  4 stages, 4 micro-batches, 1F1B (Megatron's non-interleaved schedule): each stage runs
+//!  (stages - stage - 1) forwards to fill the pipe, then one forward and one backward in turn,
+//!  then the backwards left; at most (stages - stage) micro-batches' activations are held.
+//!
+//!  stage 0  F0 F1 F2 F3 B0    B1    B2    B3
+//!  stage 1     F0 F1 F2 B0 F3 B1    B2    B3
+//!  stage 2        F0 F1 B0 F2 B1 F3 B2    B3
+//!  stage 3           F0 B0 F1 B1 F2 B2 F3 B3
+//!                                       (time ->; a stage waits where its input is not there)
+//!
+//!  GPipe: every forward, then every backward: all m micro-batches' activations held.
+//! ```
+//!
+//! Stage `s` holds blocks `layers[s]` ([`LanguageModel::into_stage`]); the first stage embeds,
+//! the last runs the head and the loss. Each stage's backward of a micro-batch is seeded with
+//! the gradient of its output received from the next stage (`sum(y * dy)`, as
+//! [`crate::recompute`] does). Every micro-batch's loss is divided by their number, so the
+//! accumulated gradients are those of the batch's mean loss, as without a pipeline. The
+//! embedding's gradient is summed over the first and last stages (Megatron's embedding group):
+//! a tied head's part reaches the embedding, and every stage's copy of the table stays the same.
+//! Dropout masks are the batch's logical masks (each micro-batch its rows of them), so they are
+//! the same at any number of stages.
+//!
+//! Limits of this first cut: every stage builds the whole model once and keeps its blocks (the
+//! same weights at any number of stages; building only its own is next); activations move as
+//! f32; no interleaved schedule, no data-parallel reduction or checkpoints across stages yet.
+
+use std::ops::Range;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Gradients, Int, Tensor, TensorData};
+use burn_tp_comm::{ProcessGroup, ReduceOp, RingLinks, Transfer};
+
+use crate::dropout::DropoutStep;
+use crate::model::LanguageModel;
+use crate::{Result, TpError};
+
+/// The order in which a stage runs its micro-batches' forwards and backwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PipelineSchedule {
+    /// Every forward, then every backward (GPipe): simple, holds every micro-batch's
+    /// activations.
+    GPipe,
+    /// One forward, one backward (Megatron's 1F1B): the same bubble, at most `stages` micro-batches'
+    /// activations held.
+    OneFOneB,
+}
+
+/// One step of a stage's schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// The forward of a micro-batch.
+    Forward(usize),
+    /// The backward of a micro-batch.
+    Backward(usize),
+}
+
+/// What stage `stage` of `stages` runs, in order, for `micro_batches` micro-batches.
+pub fn actions(
+    schedule: PipelineSchedule,
+    stage: usize,
+    stages: usize,
+    micro_batches: usize,
+) -> Vec<Action> {
+    let m = micro_batches;
+    match schedule {
+        PipelineSchedule::GPipe => (0..m)
+            .map(Action::Forward)
+            .chain((0..m).map(Action::Backward))
+            .collect(),
+        PipelineSchedule::OneFOneB => {
+            let warmup = (stages - stage - 1).min(m);
+            let mut out: Vec<Action> = (0..warmup).map(Action::Forward).collect();
+            for i in 0..m - warmup {
+                out.push(Action::Forward(warmup + i));
+                out.push(Action::Backward(i));
+            }
+            out.extend((m - warmup..m).map(Action::Backward));
+            out
+        }
+    }
+}
+
+/// The blocks of each of `stages` stages: `counts[s]` blocks each when given (uneven cuts),
+/// else as even as possible (the first stages one more).
+///
+/// # Errors
+/// [`TpError::Config`] naming the values: no stage, more stages than blocks, counts that are not
+/// one per stage, that do not add up to `n_layers` or leave a stage empty.
+pub fn stage_layers(
+    n_layers: usize,
+    stages: usize,
+    counts: Option<&[usize]>,
+) -> Result<Vec<Range<usize>>> {
+    if stages == 0 || stages > n_layers {
+        return Err(TpError::Config(format!(
+            "pipeline: {stages} stages for {n_layers} blocks (each stage needs one)"
+        )));
+    }
+    let counts: Vec<usize> = match counts {
+        Some(c) => {
+            if c.len() != stages || c.iter().sum::<usize>() != n_layers || c.contains(&0) {
+                return Err(TpError::Config(format!(
+                    "pipeline: blocks per stage {c:?} must be {stages} positive counts adding \
+                     up to {n_layers}"
+                )));
+            }
+            c.to_vec()
+        }
+        None => (0..stages)
+            .map(|s| n_layers / stages + usize::from(s < n_layers % stages))
+            .collect(),
+    };
+    let mut start = 0;
+    Ok(counts
+        .into_iter()
+        .map(|n| {
+            start += n;
+            start - n..start
+        })
+        .collect())
+}
+
+/// A rank's place in a pipeline: its stage, and its links to the stages before and after it.
+#[derive(Clone, Debug)]
+pub struct Pipeline {
+    group: ProcessGroup,
+    links: RingLinks,
+    /// The first and last stages (the embedding's gradient is summed over them).
+    ends: Option<ProcessGroup>,
+}
+
+impl Pipeline {
+    /// The pipeline of `group`'s ranks, stage `s` on rank `s`. Collective over `group`.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn new(group: &ProcessGroup) -> Result<Self> {
+        let links = group.ring_links()?;
+        let (s, n) = (group.rank(), group.world_size());
+        let end = s == 0 || s == n - 1;
+        let ends = group.split(usize::from(!end), s)?;
+        Ok(Self {
+            group: group.clone(),
+            links,
+            ends: (end && n > 1).then_some(ends),
+        })
+    }
+
+    /// This rank's stage.
+    pub fn stage(&self) -> usize {
+        self.links.rank()
+    }
+
+    /// The number of stages.
+    pub fn stages(&self) -> usize {
+        self.links.size()
+    }
+
+    fn is_first(&self) -> bool {
+        self.stage() == 0
+    }
+
+    fn is_last(&self) -> bool {
+        self.stage() + 1 == self.stages()
+    }
+}
+
+/// One micro-batch's ids and targets, `[seq, batch]` each.
+pub type MicroBatch = (Tensor<2, Int>, Tensor<2, Int>);
+
+/// What one step of a stage gives.
+#[derive(Debug)]
+pub struct PipelineStep {
+    /// The mean loss over the micro-batches, on the last stage (`None` on the others).
+    pub loss: Option<f32>,
+    /// The gradients of this stage's parameters: those of the batch's mean loss.
+    pub grads: GradientsParams,
+    /// The most micro-batches whose activations this stage held at once (forward run, backward
+    /// not yet): `stages - stage` at most with 1F1B, every micro-batch with GPipe.
+    pub peak_in_flight: usize,
+}
+
+/// The forward and backward of one step over `micro_batches` on this rank's stage `model` (a
+/// [`LanguageModel::into_stage`] of the whole model), in `schedule`'s order: the mean loss over
+/// the micro-batches (on the last stage) and the gradients of this stage's parameters, those of
+/// the batch's mean loss ([`PipelineStep`]). Every stage passes the same
+/// micro-batches (the first reads the ids, the last the targets, every stage their shapes).
+/// `step`: dropout with that step's masks (the micro-batches being the batch's consecutive
+/// rows). Collective over the pipeline.
+///
+/// # Errors
+/// [`TpError::Config`] for no micro-batch, micro-batches of different shapes, or stages with
+/// different micro-batches (naming each stage's count and shape); the model's
+/// errors; a transfer that fails (a stage that errs or leaves makes every stage fail within the
+/// timeout).
+pub fn loss_and_grads<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+) -> Result<PipelineStep> {
+    let m = micro_batches.len();
+    let Some(first) = micro_batches.first() else {
+        return Err(TpError::Config("pipeline: no micro-batch".into()));
+    };
+    let dims = first.0.dims();
+    if let Some(i) = micro_batches
+        .iter()
+        .position(|(ids, t)| ids.dims() != dims || t.dims() != dims)
+    {
+        return Err(TpError::Config(format!(
+            "pipeline: micro-batch {i} is {:?} / {:?}, micro-batch 0 {dims:?}",
+            micro_batches[i].0.dims(),
+            micro_batches[i].1.dims()
+        )));
+    }
+    // Every stage must run the same micro-batches: checked first (one small all-gather), so a
+    // mismatch is an error naming every stage's, not a transfer that never comes.
+    let mine = [m as i64, dims[0] as i64, dims[1] as i64];
+    let all = pipe.group.all_gather(mine.to_vec())?;
+    if all.chunks(3).any(|c| c != mine) {
+        let each: Vec<String> = all
+            .chunks(3)
+            .enumerate()
+            .map(|(s, c)| format!("stage {s}: {} of [{}, {}]", c[0], c[1], c[2]))
+            .collect();
+        return Err(TpError::Config(format!(
+            "pipeline: the stages' micro-batches differ ({})",
+            each.join("; ")
+        )));
+    }
+    let shape = model.activation_shape(dims);
+    let len: usize = shape.iter().product();
+    let device = first.0.device();
+    // Micro-batch i is rows i * b.. of the batch: its rows of the batch's dropout masks.
+    let micro_step = |i: usize| {
+        step.map(|s| DropoutStep {
+            batch_offset: s.batch_offset + i * dims[1],
+            batch_total: Some(s.batch_total.unwrap_or(m * dims[1])),
+            ..s
+        })
+    };
+    let to_tensor =
+        |v: Vec<f32>| -> Tensor<3> { Tensor::<3>::from_data(TensorData::new(v, shape), &device) };
+    let to_vec = |t: Tensor<3>| -> Result<Vec<f32>> {
+        t.into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| TpError::Config(format!("pipeline: reading an activation: {e:?}")))
+    };
+
+    // Per micro-batch: the stage's input (a leaf, but on the first stage) and its output (or,
+    // on the last stage, its loss), kept from the forward to the backward.
+    let mut inputs: Vec<Option<Tensor<3>>> = vec![None; m];
+    let mut outputs: Vec<Option<Tensor<3>>> = vec![None; m];
+    let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
+    let mut sends: Vec<Transfer<f32>> = Vec::new();
+    let mut total = GradientsParams::new();
+    let mut loss_sum = 0.0f32;
+    let (mut held, mut peak_in_flight) = (0usize, 0usize);
+    for action in actions(schedule, pipe.stage(), pipe.stages(), m) {
+        match action {
+            Action::Forward(i) => {
+                held += 1;
+                peak_in_flight = peak_in_flight.max(held);
+                let (ids, targets) = &micro_batches[i];
+                let mut x = if pipe.is_first() {
+                    model.embed(ids.clone())?
+                } else {
+                    let x = to_tensor(pipe.links.recv_prev::<f32>(len)?.wait()?);
+                    let x = x.require_grad();
+                    inputs[i] = Some(x.clone());
+                    x
+                };
+                for l in model.layer_range() {
+                    x = model.layer(l, x, micro_step(i))?;
+                }
+                if pipe.is_last() {
+                    let loss = model.head_loss(x, targets.clone())? / m as f64;
+                    losses[i] = Some(loss);
+                } else {
+                    sends.push(pipe.links.send_next(to_vec(x.clone().detach())?)?);
+                    outputs[i] = Some(x);
+                }
+            }
+            Action::Backward(i) => {
+                held -= 1;
+                let mut grads = match losses[i].take() {
+                    Some(loss) => {
+                        loss_sum += loss.clone().into_scalar::<f32>();
+                        loss.backward()
+                    }
+                    None => {
+                        let dy = to_tensor(pipe.links.recv_next::<f32>(len)?.wait()?);
+                        let y = outputs[i].take().expect("the forward ran first");
+                        seeded_backward(y, dy)
+                    }
+                };
+                if let Some(x) = inputs[i].take() {
+                    let dx = x
+                        .grad_remove(&mut grads)
+                        .expect("a stage's input takes part in its output");
+                    sends.push(pipe.links.send_prev(to_vec(Tensor::from_inner(dx))?)?);
+                }
+                merge(&mut total, grads, model);
+            }
+        }
+    }
+    for send in sends {
+        send.wait()?;
+    }
+    sum_embedding_grad(model, pipe, &mut total)?;
+    Ok(PipelineStep {
+        loss: pipe.is_last().then_some(loss_sum),
+        grads: total,
+        peak_in_flight,
+    })
+}
+
+/// The backward of `y` with upstream gradient `dy`: `sum(y * dy)`'s.
+fn seeded_backward(y: Tensor<3>, dy: Tensor<3>) -> Gradients {
+    let dy = dy.cast(y.dtype());
+    (y * dy).sum().backward()
+}
+
+/// The embedding's gradient summed over the first and last stages (zeros where a stage has
+/// none), so both copies of the table take the same update.
+fn sum_embedding_grad<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    total: &mut GradientsParams,
+) -> Result<()> {
+    let Some(ends) = &pipe.ends else {
+        return Ok(());
+    };
+    let weight: &Param<Tensor<2>> = model.embedding_weight();
+    let w = weight.val();
+    let (dims, device) = (w.dims(), w.device());
+    let g = total
+        .remove::<2>(weight.id)
+        .unwrap_or_else(|| Tensor::<2>::zeros(dims, &device).inner());
+    let values: Vec<f32> = g
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| TpError::Config(format!("pipeline: reading a gradient: {e:?}")))?;
+    let summed = ends.all_reduce(values, ReduceOp::Sum)?;
+    let g = Tensor::<2>::from_data(TensorData::new(summed, dims), &device);
+    total.register(weight.id, g.inner());
+    Ok(())
+}
+
+/// Adds the gradients of `model`'s parameters in `grads` to `total`.
+fn merge<M: Module>(total: &mut GradientsParams, grads: Gradients, model: &M) {
+    struct Add<'a> {
+        total: &'a mut GradientsParams,
+        part: GradientsParams,
+    }
+    impl ModuleVisitor for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.part.remove::<D>(param.id) {
+                let g = match self.total.remove::<D>(param.id) {
+                    Some(sum) => sum + g,
+                    None => g,
+                };
+                self.total.register(param.id, g);
+            }
+        }
+    }
+    let part = GradientsParams::from_grads(grads, model);
+    model.visit(&mut Add { total, part });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_f_one_b_warms_up_then_alternates_and_runs_every_micro_batch_once() {
+        use Action::{Backward as B, Forward as F};
+        assert_eq!(
+            actions(PipelineSchedule::OneFOneB, 1, 4, 4),
+            [F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3)]
+        );
+        assert_eq!(
+            actions(PipelineSchedule::OneFOneB, 3, 4, 4),
+            [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)]
+        );
+        // Fewer micro-batches than stages: the warm-up is all of them.
+        assert_eq!(
+            actions(PipelineSchedule::OneFOneB, 0, 4, 2),
+            [F(0), F(1), B(0), B(1)]
+        );
+        for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+            for stage in 0..4 {
+                let a = actions(schedule, stage, 4, 8);
+                for i in 0..8 {
+                    let f = a.iter().position(|x| *x == F(i)).unwrap();
+                    let b = a.iter().position(|x| *x == B(i)).unwrap();
+                    assert!(f < b, "{schedule:?} stage {stage}: micro-batch {i}");
+                }
+                assert_eq!(a.len(), 16);
+            }
+        }
+    }
+
+    #[test]
+    fn stages_are_cut_evenly_or_as_asked() {
+        assert_eq!(
+            stage_layers(10, 4, None).unwrap(),
+            [0..3, 3..6, 6..8, 8..10]
+        );
+        assert_eq!(stage_layers(4, 2, Some(&[1, 3])).unwrap(), [0..1, 1..4]);
+        let e = stage_layers(4, 2, Some(&[2, 3])).unwrap_err().to_string();
+        assert!(e.contains("[2, 3]") && e.contains('4'), "{e}");
+        assert!(stage_layers(2, 3, None).is_err());
+    }
+}

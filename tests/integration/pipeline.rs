@@ -1,0 +1,235 @@
+//! Pipeline parallelism (`burn_tp::pipeline`) against the unpipelined model: at 2 and 4 stages
+//! (x tp 1 and 2), GPipe and 1F1B, 4 and 8 micro-batches, the loss and every parameter's
+//! gradient equal the whole batch's through the whole model, for the GPT (tied and untied) and
+//! the Llama with dropout (the micro-batches' masks being the batch's rows); a stage that fails
+//! ends every stage with an error.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_tp::dropout::DropoutStep;
+use burn_tp::gpt::GptConfig;
+use burn_tp::linear::{TpMode, TpSettings};
+use burn_tp::llama::LlamaConfig;
+use burn_tp::local::run_local;
+use burn_tp::model::LanguageModel;
+use burn_tp::pipeline::{Pipeline, PipelineSchedule, loss_and_grads, stage_layers};
+use burn_tp::reshard::Reshard;
+use burn_tp_comm::LocalGroup;
+
+use crate::common::{assert_close, device, f64s, rng_lock};
+
+const SEQ: usize = 8;
+const MICRO: usize = 2;
+
+fn ids(batch: usize, seed: i64) -> Tensor<2, Int> {
+    let v: Vec<i64> = (0..(SEQ * batch) as i64)
+        .map(|i| (i * 7 + seed) % 23)
+        .collect();
+    Tensor::from_data(TensorData::new(v, [SEQ, batch]), &device())
+}
+
+/// The model with each parameter replaced by its gradient in `grads` (zeros where there is
+/// none), gathered to tp 1, and which parameters had one.
+fn gathered<M: Module + Reshard>(model: &M, grads: &GradientsParams) -> (M, Vec<bool>) {
+    struct Has<'a>(&'a GradientsParams, Vec<bool>);
+    impl ModuleVisitor for Has<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.1.push(self.0.get::<D>(p.id).is_some());
+        }
+    }
+    struct ToGrad<'a>(&'a GradientsParams);
+    impl ModuleMapper for ToGrad<'_> {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let g = self.0.get::<D>(p.id);
+            p.map(|t| match g {
+                Some(g) => Tensor::from_inner(g),
+                None => t.zeros_like(),
+            })
+        }
+    }
+    let mut has = Has(grads, Vec::new());
+    model.visit(&mut has);
+    let full = model
+        .clone()
+        .map(&mut ToGrad(grads))
+        .to_full_module()
+        .unwrap();
+    (full, has.1)
+}
+
+fn values<M: Module>(m: &M) -> Vec<Vec<f64>> {
+    struct Collect(Vec<Vec<f64>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push(f64s(p.val()));
+        }
+    }
+    let mut c = Collect(Vec::new());
+    m.visit(&mut c);
+    c.0
+}
+
+/// Runs `full` (a tp 1 model) at `tp` x `pp` (tp ranks adjacent), `m` micro-batches of `MICRO`
+/// sequences, and checks the loss and every stage's gradients against the whole batch through
+/// `full` on this thread.
+fn check<M: LanguageModel + Send + Sync + 'static>(
+    what: &str,
+    full: M,
+    tp: usize,
+    pp: usize,
+    m: usize,
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+) {
+    let tag = format!("{what} tp {tp} pp {pp} m {m} {schedule:?}");
+    let (x, y) = (ids(m * MICRO, 1), ids(m * MICRO, 5));
+    // The reference: the whole batch, the whole model.
+    let loss = full.loss(x.clone(), y.clone(), step).unwrap();
+    let grads = GradientsParams::from_grads(loss.backward(), &full);
+    let want_loss = f64s(loss)[0];
+    let layers = stage_layers(full.num_layers(), pp, None).unwrap();
+    let ranges = layers.clone();
+    let want_full = gathered(&full, &grads).0;
+    let out = run_local(tp * pp, move |world| {
+        let rank = world.rank();
+        let tp_group = world.split(rank / tp, rank).unwrap();
+        let pp_group = world.split(rank % tp, rank).unwrap();
+        let stage = pp_group.rank();
+        let model = M::shard_module(&full, &tp_group)
+            .unwrap()
+            .into_stage(ranges[stage].clone());
+        let pipe = Pipeline::new(&pp_group).unwrap();
+        let micro: Vec<_> = (0..m)
+            .map(|i| {
+                let cut = |t: &Tensor<2, Int>| t.clone().narrow(1, i * MICRO, MICRO);
+                (cut(&x), cut(&y))
+            })
+            .collect();
+        let out = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
+        let (g, has) = gathered(&model, &out.grads);
+        (stage, out.loss, values(&g), has, out.peak_in_flight)
+    })
+    .unwrap();
+    // The reference's gradients, cut as each stage's model.
+    for (stage, loss, got, has, peak) in out {
+        // Activations held: 1F1B at most the stages from here on, GPipe every micro-batch.
+        let want_peak = match schedule {
+            PipelineSchedule::OneFOneB => (pp - stage).min(m),
+            PipelineSchedule::GPipe => m,
+        };
+        assert_eq!(
+            peak, want_peak,
+            "{tag}: stage {stage}: micro-batches held at once"
+        );
+        let want_model = want_full.clone().into_stage(layers[stage].clone());
+        let want = values(&want_model);
+        assert_eq!(got.len(), want.len(), "{tag}");
+        if stage == pp - 1 {
+            assert_close(
+                &[loss.unwrap() as f64],
+                &[want_loss],
+                1e-5,
+                &format!("{tag}: loss"),
+            );
+        } else {
+            assert!(loss.is_none(), "{tag}: stage {stage} has a loss");
+        }
+        let mut compared = 0;
+        for (i, ((g, w), h)) in got.iter().zip(&want).zip(&has).enumerate() {
+            if *h {
+                assert_close(g, w, 1e-5, &format!("{tag}: stage {stage} param {i}"));
+                compared += 1;
+            }
+        }
+        // Every block held has its gradients, the first stage the embedding's, the last the
+        // head's and the final norm's.
+        assert!(compared >= 4, "{tag}: stage {stage} compared {compared}");
+    }
+}
+
+#[test]
+fn pipelined_losses_and_gradients_equal_the_whole_model() {
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    for (tp, pp) in [(1, 2), (1, 4), (2, 2)] {
+        for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+            for m in [4, 8] {
+                for tied in [false, true] {
+                    device().seed(7);
+                    let gpt = GptConfig::new(23, SEQ, 16, 4, 4)
+                        .with_tie_embeddings(tied)
+                        .init(&solo, &device())
+                        .unwrap();
+                    check(&format!("gpt tied {tied}"), gpt, tp, pp, m, schedule, None);
+                }
+                device().seed(8);
+                let mode = if tp == 2 {
+                    TpMode::ReduceScatter
+                } else {
+                    TpMode::AllReduce
+                };
+                let llama = LlamaConfig::new(23, SEQ, 16, 4, 2, 4, 32)
+                    .with_dropout(0.2)
+                    .with_settings(TpSettings::new().with_mode(mode))
+                    .init(&solo, &device())
+                    .unwrap();
+                let step = Some(DropoutStep::new(3));
+                check("llama dropout", llama, tp, pp, m, schedule, step);
+            }
+        }
+    }
+}
+
+/// A stage that fails ends every stage with an error within the timeout, and stages that pass
+/// different numbers of micro-batches get an error naming each stage's.
+#[test]
+fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    device().seed(9);
+    let full = LlamaConfig::new(23, SEQ, 16, 4, 2, 3, 32)
+        .init(&solo, &device())
+        .unwrap();
+    let run = |counts: [usize; 3], fail: Option<usize>| {
+        let full = full.clone();
+        let start = std::time::Instant::now();
+        let out = run_local(3, move |g| {
+            g.set_timeout(std::time::Duration::from_secs(20));
+            let stage = g.rank();
+            let solo = LocalGroup::new(1).unwrap().remove(0);
+            let layers = stage_layers(3, 3, None).unwrap();
+            let model = full.clone().into_stage(layers[stage].clone());
+            let model = burn_tp::llama::Llama::shard_module(&model, &solo).unwrap();
+            let pipe = Pipeline::new(&g).unwrap();
+            if fail == Some(stage) {
+                return Err("stage failed on purpose".to_string());
+            }
+            let micro: Vec<_> = (0..counts[stage])
+                .map(|i| (ids(MICRO, i as i64), ids(MICRO, 9)))
+                .collect();
+            loss_and_grads(&model, &pipe, &micro, PipelineSchedule::OneFOneB, None)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+        .unwrap();
+        (out, start.elapsed())
+    };
+    let (out, took) = run([4, 4, 4], Some(1));
+    assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+    for (stage, r) in out.iter().enumerate() {
+        let e = r.as_ref().unwrap_err();
+        assert!(
+            stage == 1 || e.contains("left") || e.contains("aborted"),
+            "stage {stage}: {e}"
+        );
+    }
+    let (out, _) = run([4, 3, 4], None);
+    for (stage, r) in out.iter().enumerate() {
+        let e = r.as_ref().unwrap_err();
+        assert!(
+            e.contains("stage 0: 4 of [8, 2]") && e.contains("stage 1: 3 of [8, 2]"),
+            "stage {stage}: {e}"
+        );
+    }
+}
