@@ -1,21 +1,23 @@
 //! Pipeline parallelism (`burn_tp::pipeline`) against the unpipelined model: at 2 and 4 stages
-//! (x tp 1 and 2), GPipe and 1F1B, 4 and 8 micro-batches, the loss and every parameter's
-//! gradient equal the whole batch's through the whole model, for the GPT (tied and untied) and
-//! the Llama with dropout (the micro-batches' masks being the batch's rows); a stage that fails
-//! ends every stage with an error.
+//! (x tp 1 and 2, x dp 1 and 2 on a `DeviceMesh`), GPipe and 1F1B, 4 and 8 micro-batches, the
+//! loss and every parameter's gradient equal the whole batch's through the whole model, for the
+//! GPT (tied and untied) and the Llama with dropout (the micro-batches' masks being the batch's
+//! rows); the activations each stage holds; a stage that fails ends every stage with an error.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_tp::dp::average_gradients;
 use burn_tp::dropout::DropoutStep;
 use burn_tp::gpt::GptConfig;
 use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::llama::LlamaConfig;
 use burn_tp::local::run_local;
+use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::pipeline::{Pipeline, PipelineSchedule, loss_and_grads, stage_layers};
 use burn_tp::reshard::Reshard;
-use burn_tp_comm::LocalGroup;
+use burn_tp_comm::{LocalGroup, ReduceOp};
 
 use crate::common::{assert_close, device, f64s, rng_lock};
 
@@ -70,20 +72,21 @@ fn values<M: Module>(m: &M) -> Vec<Vec<f64>> {
     c.0
 }
 
-/// Runs `full` (a tp 1 model) at `tp` x `pp` (tp ranks adjacent), `m` micro-batches of `MICRO`
-/// sequences, and checks the loss and every stage's gradients against the whole batch through
-/// `full` on this thread.
+/// Runs `full` (a tp 1 model) on a tp x dp x pp mesh, `m` micro-batches of `MICRO` sequences
+/// per replica (the gradients then averaged over dp), and checks the loss and every stage's
+/// gradients against the whole batch through `full` on this thread.
+#[allow(clippy::too_many_arguments)]
 fn check<M: LanguageModel + Send + Sync + 'static>(
     what: &str,
     full: M,
-    tp: usize,
-    pp: usize,
+    [tp, dp, pp]: [usize; 3],
     m: usize,
     schedule: PipelineSchedule,
     step: Option<DropoutStep>,
 ) {
-    let tag = format!("{what} tp {tp} pp {pp} m {m} {schedule:?}");
-    let (x, y) = (ids(m * MICRO, 1), ids(m * MICRO, 5));
+    let tag = format!("{what} tp {tp} dp {dp} pp {pp} m {m} {schedule:?}");
+    let rows = m * MICRO;
+    let (x, y) = (ids(dp * rows, 1), ids(dp * rows, 5));
     // The reference: the whole batch, the whole model.
     let loss = full.loss(x.clone(), y.clone(), step).unwrap();
     let grads = GradientsParams::from_grads(loss.backward(), &full);
@@ -91,24 +94,30 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
     let layers = stage_layers(full.num_layers(), pp, None).unwrap();
     let ranges = layers.clone();
     let want_full = gathered(&full, &grads).0;
-    let out = run_local(tp * pp, move |world| {
-        let rank = world.rank();
-        let tp_group = world.split(rank / tp, rank).unwrap();
-        let pp_group = world.split(rank % tp, rank).unwrap();
-        let stage = pp_group.rank();
-        let model = M::shard_module(&full, &tp_group)
+    let out = run_local(tp * dp * pp, move |world| {
+        let mesh = DeviceMesh::with_pipeline(world, tp, pp).unwrap();
+        let (stage, replica) = (mesh.pp_rank(), mesh.dp_rank());
+        assert_eq!(mesh.pp_group().rank(), stage);
+        let model = M::shard_module(&full, mesh.tp_group())
             .unwrap()
             .into_stage(ranges[stage].clone());
-        let pipe = Pipeline::new(&pp_group).unwrap();
+        let pipe = Pipeline::new(mesh.pp_group()).unwrap();
+        // This replica's rows of the batch, cut into micro-batches.
         let micro: Vec<_> = (0..m)
             .map(|i| {
-                let cut = |t: &Tensor<2, Int>| t.clone().narrow(1, i * MICRO, MICRO);
+                let cut =
+                    |t: &Tensor<2, Int>| t.clone().narrow(1, replica * rows + i * MICRO, MICRO);
                 (cut(&x), cut(&y))
             })
             .collect();
-        let out = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
+        let step = step.map(|s| s.with_batch(replica * rows, dp * rows));
+        let mut out = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
+        average_gradients(&model, &mut out.grads, mesh.dp_group()).unwrap();
+        let loss = out
+            .loss
+            .map(|l| mesh.dp_group().all_reduce(vec![l], ReduceOp::Avg).unwrap()[0]);
         let (g, has) = gathered(&model, &out.grads);
-        (stage, out.loss, values(&g), has, out.peak_in_flight)
+        (stage, loss, values(&g), has, out.peak_in_flight)
     })
     .unwrap();
     // The reference's gradients, cut as each stage's model.
@@ -152,7 +161,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
 fn pipelined_losses_and_gradients_equal_the_whole_model() {
     let _rng = rng_lock();
     let solo = LocalGroup::new(1).unwrap().remove(0);
-    for (tp, pp) in [(1, 2), (1, 4), (2, 2)] {
+    for mesh in [[1, 1, 2], [1, 1, 4], [2, 1, 2], [1, 2, 2], [2, 2, 2]] {
         for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
             for m in [4, 8] {
                 for tied in [false, true] {
@@ -161,10 +170,10 @@ fn pipelined_losses_and_gradients_equal_the_whole_model() {
                         .with_tie_embeddings(tied)
                         .init(&solo, &device())
                         .unwrap();
-                    check(&format!("gpt tied {tied}"), gpt, tp, pp, m, schedule, None);
+                    check(&format!("gpt tied {tied}"), gpt, mesh, m, schedule, None);
                 }
                 device().seed(8);
-                let mode = if tp == 2 {
+                let mode = if mesh[0] == 2 {
                     TpMode::ReduceScatter
                 } else {
                     TpMode::AllReduce
@@ -175,7 +184,7 @@ fn pipelined_losses_and_gradients_equal_the_whole_model() {
                     .init(&solo, &device())
                     .unwrap();
                 let step = Some(DropoutStep::new(3));
-                check("llama dropout", llama, tp, pp, m, schedule, step);
+                check("llama dropout", llama, mesh, m, schedule, step);
             }
         }
     }

@@ -1,4 +1,4 @@
-//! The device mesh: the ranks of a tp x dp run, and their groups, made once.
+//! The device mesh: the ranks of a tp x dp x pp run, and their groups, made once.
 
 use burn_tp_comm::{LocalGroup, ProcessGroup};
 
@@ -18,12 +18,27 @@ use crate::{Result, TpError};
 ///  dp rank 2            world 4     world 5
 ///                       ^ one dp group (the ranks holding the same shard)
 /// ```
+///
+/// With pipeline stages ([`with_pipeline`](Self::with_pipeline)) the stage is the slowest
+/// axis (Megatron's `tp-dp-pp` order: the stages exchange the least, one activation per
+/// micro-batch), so world rank `r` is tp rank `r % tp` of replica `(r / tp) % dp` of stage
+/// `r / (tp dp)`:
+///
+/// ```text
+///  tp = 2, dp = 2, pp = 2      stage 0                stage 1
+///                          tp 0      tp 1          tp 0      tp 1
+///  dp 0                   world 0   world 1       world 4   world 5
+///  dp 1                   world 2   world 3       world 6   world 7
+///  a pp group: world 1, 5 (the same tp rank of the same replica, one per stage)
+/// ```
 #[derive(Clone, Debug)]
 pub struct DeviceMesh {
     world: ProcessGroup,
     tp: ProcessGroup,
     dp: ProcessGroup,
+    pp: ProcessGroup,
     tp_size: usize,
+    pp_size: usize,
 }
 
 impl DeviceMesh {
@@ -35,23 +50,44 @@ impl DeviceMesh {
     /// [`TpError::Config`] when `tp` is 0 or does not divide the world size (naming both); a
     /// communication error.
     pub fn new(world: ProcessGroup, tp: usize) -> Result<Self> {
+        Self::with_pipeline(world, tp, 1)
+    }
+
+    /// Splits `world` into `pp` pipeline stages of `world / pp` ranks each, each stage into tp
+    /// groups of `tp` adjacent ranks and the dp groups across them, and the pp groups (one
+    /// rank per stage) across the stages. Collective over `world`.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] when `tp` or `pp` is 0 or `tp * pp` does not divide the world size
+    /// (naming them); a communication error.
+    pub fn with_pipeline(world: ProcessGroup, tp: usize, pp: usize) -> Result<Self> {
         let n = world.world_size();
-        if tp == 0 || !n.is_multiple_of(tp) {
+        if tp == 0 || pp == 0 || !n.is_multiple_of(tp * pp) {
             return Err(TpError::Config(format!(
-                "DeviceMesh: tp {tp} does not divide the world of {n} ranks"
+                "DeviceMesh: tp {tp} x pp {pp} does not divide the world of {n} ranks"
             )));
         }
         let rank = world.rank();
-        let (tp_group, dp_group) = if tp == n {
-            (world.clone(), LocalGroup::new(1)?.remove(0))
+        let stage = n / pp;
+        let solo = || -> Result<ProcessGroup> { Ok(LocalGroup::new(1)?.remove(0)) };
+        let (tp_group, dp_group, pp_group) = if tp == n {
+            (world.clone(), solo()?, solo()?)
+        } else if pp == n {
+            (solo()?, solo()?, world.clone())
         } else {
-            (world.split(rank / tp, rank)?, world.split(rank % tp, rank)?)
+            let tp_group = world.split(rank / tp, rank)?;
+            // The same tp rank of the same stage / of the same replica.
+            let dp_group = world.split(rank / stage * tp + rank % tp, rank)?;
+            let pp_group = world.split(rank % stage, rank)?;
+            (tp_group, dp_group, pp_group)
         };
         Ok(Self {
             world,
             tp: tp_group,
             dp: dp_group,
+            pp: pp_group,
             tp_size: tp,
+            pp_size: pp,
         })
     }
 
@@ -70,6 +106,22 @@ impl DeviceMesh {
         &self.dp
     }
 
+    /// This rank's pipeline group: one rank per stage, its pp rank the stage
+    /// ([`crate::pipeline::Pipeline::new`] takes it).
+    pub fn pp_group(&self) -> &ProcessGroup {
+        &self.pp
+    }
+
+    /// Pipeline stages.
+    pub fn pp_size(&self) -> usize {
+        self.pp_size
+    }
+
+    /// This rank's stage (`world rank / (tp dp)`).
+    pub fn pp_rank(&self) -> usize {
+        self.world.rank() / (self.world.world_size() / self.pp_size)
+    }
+
     /// Tensor-parallel size.
     pub fn tp_size(&self) -> usize {
         self.tp_size
@@ -77,7 +129,7 @@ impl DeviceMesh {
 
     /// Data-parallel size.
     pub fn dp_size(&self) -> usize {
-        self.world.world_size() / self.tp_size
+        self.world.world_size() / (self.tp_size * self.pp_size)
     }
 
     /// This rank's index in its tp group (`world rank % tp`).
@@ -85,8 +137,8 @@ impl DeviceMesh {
         self.world.rank() % self.tp_size
     }
 
-    /// This rank's replica (`world rank / tp`).
+    /// This rank's replica (`(world rank / tp) % dp`).
     pub fn dp_rank(&self) -> usize {
-        self.world.rank() / self.tp_size
+        self.world.rank() / self.tp_size % self.dp_size()
     }
 }
