@@ -15,7 +15,7 @@ use burn_tp::llama::LlamaConfig;
 use burn_tp::local::run_local;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
-use burn_tp::pipeline::{Pipeline, PipelineSchedule, loss_and_grads, stage_layers};
+use burn_tp::pipeline::{Pipeline, PipelineSchedule, forward_loss, loss_and_grads, stage_layers};
 use burn_tp::reshard::Reshard;
 use burn_tp_comm::{LocalGroup, ReduceOp};
 
@@ -94,6 +94,11 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
     let layers = stage_layers(full.num_layers(), pp, None).unwrap();
     let ranges = layers.clone();
     let want_full = gathered(&full, &grads).0;
+    let want_eval = f64s(
+        full.valid()
+            .loss(x.clone().inner(), y.clone().inner(), None)
+            .unwrap(),
+    )[0];
     let out = run_local(tp * dp * pp, move |world| {
         let mesh = DeviceMesh::with_pipeline(world, tp, pp).unwrap();
         let (stage, replica) = (mesh.pp_rank(), mesh.dp_rank());
@@ -110,6 +115,10 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
                 (cut(&x), cut(&y))
             })
             .collect();
+        // Evaluation: the forwards only, no dropout.
+        let eval = pipe
+            .from_last(forward_loss(&model, &pipe, &micro).unwrap())
+            .unwrap();
         let step = step.map(|s| s.with_batch(replica * rows, dp * rows));
         let mut out = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
         average_gradients(&model, &mut out.grads, mesh.dp_group()).unwrap();
@@ -117,11 +126,21 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
             .loss
             .map(|l| mesh.dp_group().all_reduce(vec![l], ReduceOp::Avg).unwrap()[0]);
         let (g, has) = gathered(&model, &out.grads);
-        (stage, loss, values(&g), has, out.peak_in_flight)
+        let eval = mesh
+            .dp_group()
+            .all_reduce(vec![eval], ReduceOp::Avg)
+            .unwrap()[0];
+        (stage, loss, values(&g), has, out.peak_in_flight, eval)
     })
     .unwrap();
     // The reference's gradients, cut as each stage's model.
-    for (stage, loss, got, has, peak) in out {
+    for (stage, loss, got, has, peak, eval) in out {
+        assert_close(
+            &[eval as f64],
+            &[want_eval],
+            1e-5,
+            &format!("{tag}: stage {stage}: eval"),
+        );
         // Activations held: 1F1B at most the stages from here on, GPipe every micro-batch.
         let want_peak = match schedule {
             PipelineSchedule::OneFOneB => (pp - stage).min(m),

@@ -163,6 +163,20 @@ impl Pipeline {
         self.links.size()
     }
 
+    /// The pipeline group (one rank per stage, stage `s` its rank `s`).
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// `value` of the last stage, on every stage (a loss, to report it everywhere). Collective.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn from_last(&self, value: Option<f32>) -> Result<f32> {
+        let last = self.stages() - 1;
+        Ok(self.group.broadcast(vec![value.unwrap_or(0.0)], last)?[0])
+    }
+
     fn is_first(&self) -> bool {
         self.stage() == 0
     }
@@ -323,6 +337,55 @@ pub fn loss_and_grads<M: LanguageModel>(
         grads: total,
         peak_in_flight,
     })
+}
+
+/// The mean loss over `micro_batches` without a backward (evaluation): every forward in turn,
+/// on the model's inner (non-autodiff) backend. The loss on the last stage, `None` on the
+/// others. Collective over the pipeline.
+///
+/// # Errors
+/// As [`loss_and_grads`].
+pub fn forward_loss<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+) -> Result<Option<f32>> {
+    let Some(first) = micro_batches.first() else {
+        return Err(TpError::Config("pipeline: no micro-batch".into()));
+    };
+    let m = micro_batches.len();
+    let shape = model.activation_shape(first.0.dims());
+    let len: usize = shape.iter().product();
+    let inner = model.valid();
+    let device = first.0.device().without_autodiff();
+    let mut sends = Vec::new();
+    let mut sum = 0.0f32;
+    for (ids, targets) in micro_batches {
+        let mut x = if pipe.is_first() {
+            inner.embed(ids.clone().inner())?
+        } else {
+            let v = pipe.links.recv_prev::<f32>(len)?.wait()?;
+            Tensor::<3>::from_data(TensorData::new(v, shape), &device)
+        };
+        for l in model.layer_range() {
+            x = inner.layer(l, x, None)?;
+        }
+        if pipe.is_last() {
+            let loss = inner.head_loss(x, targets.clone().inner())?;
+            sum += loss.into_scalar::<f32>();
+        } else {
+            let v = x
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .map_err(|e| TpError::Config(format!("pipeline: reading an activation: {e:?}")))?;
+            sends.push(pipe.links.send_next(v)?);
+        }
+    }
+    for send in sends {
+        send.wait()?;
+    }
+    Ok(pipe.is_last().then(|| sum / m as f32))
 }
 
 /// The backward of `y` with upstream gradient `dy`: `sum(y * dy)`'s.
