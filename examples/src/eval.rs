@@ -48,7 +48,7 @@ pub(crate) struct Data {
 }
 
 /// Held-out batches per evaluation (fixed, so every evaluation sees the same text).
-const EVAL_BATCHES: usize = 4;
+pub(crate) const EVAL_BATCHES: usize = 4;
 
 /// Mean loss over the held-out batches (no gradient), averaged over dp.
 pub(crate) fn held_out_loss<M: LanguageModel>(

@@ -261,3 +261,92 @@ fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
         );
     }
 }
+
+/// `train_gpt --pp` (the Llama with dropout 0.1, 4 blocks) gives the loss curve and held-out
+/// losses of the unpipelined run at pp 2 and 4, with tp 2 or dp 2 beside it, both schedules;
+/// what the pipeline does not run yet is refused, naming the flag.
+#[test]
+fn train_gpt_pipelined_gives_the_unpipelined_curve() {
+    use burn_tp_examples::train_gpt::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let root = std::env::temp_dir().join(format!("burn-tp-pp-{}", std::process::id()));
+    let args = |extra: &[&str], out: &str| {
+        let out = root.join(out);
+        let mut argv = vec![
+            "train_gpt",
+            "--quiet",
+            "--arch",
+            "llama",
+            "--layers",
+            "4",
+            "--steps",
+            "4",
+            "--batch",
+            "8",
+            "--seq",
+            "16",
+            "--eval-every",
+            "2",
+            "--sample-len",
+            "0",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv)
+    };
+    let base = run(&args(&["--tp", "1"], "base").unwrap()).unwrap();
+    assert!(base.losses[3] < base.losses[0], "{:?}", base.losses);
+    for (i, extra) in [
+        &["--tp", "1", "--pp", "2", "--micro-batches", "4"][..],
+        &["--tp", "1", "--pp", "4", "--micro-batches", "8"],
+        &[
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--pp-schedule",
+            "gpipe",
+        ],
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+        ],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = run(&args(extra, &format!("pp{i}")).unwrap()).unwrap();
+        let tag = format!("{extra:?}");
+        assert_close(&r.losses, &base.losses, 1e-5, &format!("{tag}: losses"));
+        let held = |h: &[(usize, f64)]| h.iter().map(|x| x.1).collect::<Vec<_>>();
+        assert_close(
+            &held(&r.held_out),
+            &held(&base.held_out),
+            1e-5,
+            &format!("{tag}: held-out"),
+        );
+    }
+    for (extra, named) in [
+        (&["--pp", "2", "--save-every", "2"][..], "--save-every"),
+        (
+            &["--pp", "2", "--distributed-optimizer"],
+            "--distributed-optimizer",
+        ),
+        (&["--pp", "8"], "--layers 4"),
+        (&["--pp", "2", "--micro-batches", "3"], "--micro-batches 3"),
+    ] {
+        let e = run(&args(extra, "refused").unwrap()).unwrap_err();
+        assert!(e.contains(named), "{extra:?}: {e}");
+    }
+    std::fs::remove_dir_all(&root).ok();
+}

@@ -26,6 +26,16 @@ pub enum Schedule {
     Ring,
 }
 
+/// Pipeline schedule, as the command line spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PpSchedule {
+    /// Every micro-batch's forward, then every backward.
+    Gpipe,
+    /// One forward, one backward (Megatron's), after a warm-up.
+    #[value(name = "1f1b")]
+    OneFOneB,
+}
+
 /// Model architecture, as the command line spells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Arch {
@@ -106,9 +116,20 @@ pub struct Args {
     /// How CPU ranks talk (`--device cpu`).
     #[arg(long, value_enum, default_value_t = Transport::Threads)]
     pub transport: Transport,
-    /// Data-parallel size (world = tp x dp; gradients averaged over dp).
+    /// Data-parallel size (world = tp x dp x pp; gradients averaged over dp).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
+    /// Pipeline stages: the blocks cut into this many stages, one per rank of a pipeline group
+    /// (world = tp x dp x pp; threads only for now).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Micro-batches per step and replica (with `--pp`): each dp rank's batch cut into this
+    /// many, flowing through the stages, their gradients accumulated.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// Pipeline schedule (with `--pp`).
+    #[arg(long, value_enum, default_value_t = PpSchedule::OneFOneB)]
+    pub pp_schedule: PpSchedule,
     /// Activation layout (reduce-scatter: sequence parallel, the overlapped row-linear backward).
     #[arg(long, value_enum, default_value_t = Mode::ReduceScatter)]
     pub mode: Mode,
@@ -301,8 +322,15 @@ pub fn describe(args: &Args) -> String {
             args.dropout.unwrap_or(0.1)
         ),
     };
+    let pp = match args.pp {
+        1 => String::new(),
+        pp => format!(
+            " pp={pp} ({} micro-batches, {:?})",
+            args.micro_batches, args.pp_schedule
+        ),
+    };
     format!(
-        "{arch}: tp={} dp={} {:?} {}schedule {:?}, {:?}, {} steps",
+        "{arch}: tp={} dp={}{pp} {:?} {}schedule {:?}, {:?}, {} steps",
         args.tp,
         args.dp,
         args.mode,
@@ -368,11 +396,45 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
                 .into(),
         );
     }
-    if args.tp == 0 || args.dp == 0 {
+    if args.tp == 0 || args.dp == 0 || args.pp == 0 || args.micro_batches == 0 {
         return Err(format!(
-            "--tp and --dp must be at least 1 (got tp {} dp {})",
-            args.tp, args.dp
+            "--tp, --dp, --pp and --micro-batches must be at least 1 (got tp {} dp {} pp {} \
+             micro-batches {})",
+            args.tp, args.dp, args.pp, args.micro_batches
         ));
+    }
+    if !(args.batch / args.dp.max(1)).is_multiple_of(args.micro_batches) {
+        return Err(format!(
+            "--batch {} / --dp {} is not divisible by --micro-batches {}",
+            args.batch, args.dp, args.micro_batches
+        ));
+    }
+    if args.pp > 1 {
+        let layers = args.layers;
+        if args.init_from.is_none() && args.pp > layers {
+            return Err(format!(
+                "--pp {} is more stages than --layers {layers} (each stage needs a block)",
+                args.pp
+            ));
+        }
+        // What the pipeline does not run yet.
+        let refused = [
+            (args.resume.is_some(), "--resume"),
+            (args.save_every.is_some(), "--save-every"),
+            (args.export_hf.is_some(), "--export-hf"),
+            (args.recompute_layers, "--recompute-layers"),
+            (args.overlap_grad_reduce, "--overlap-grad-reduce"),
+            (args.distributed_optimizer, "--distributed-optimizer"),
+            (args.device == DeviceKind::Cuda, "--device cuda"),
+            (args.transport == Transport::Mpi, "--transport mpi"),
+        ];
+        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+            return Err(format!(
+                "--pp {} does not run with {flag} yet (threads on the CPU, plain AdamW, no \
+                 checkpoint)",
+                args.pp
+            ));
+        }
     }
     if !args.batch.is_multiple_of(args.dp) {
         return Err(format!(
@@ -401,7 +463,8 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
     }
     if args.recompute_layers && (args.overlap_grad_reduce || args.distributed_optimizer) {
         return Err(
-            "--recompute-layers runs one backward per block: its gradients are averaged over dp              after them (drop --overlap-grad-reduce / --distributed-optimizer)"
+            "--recompute-layers runs one backward per block: its gradients are averaged over dp \
+             after them (drop --overlap-grad-reduce / --distributed-optimizer)"
                 .into(),
         );
     }

@@ -27,7 +27,7 @@ pub(super) fn launch<M: Trainable>(
             let device = Device::flex().autodiff();
             // One device RNG for every rank thread: seed it once, before they start.
             device.seed(args.seed);
-            let world = args.tp * args.dp;
+            let world = args.tp * args.dp * args.pp;
             let options = LocalGroupOptions {
                 profile: args.profile,
                 timeout: group_timeout(args),

@@ -15,12 +15,13 @@ use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::all_reduce;
+use burn_tp::pipeline::{self, MicroBatch, Pipeline, PipelineSchedule, stage_layers};
 use burn_tp::precision::{cast_grads, cast_params};
 use burn_tp::recompute;
 use burn_tp::transformer::ReplicatedGrads;
 
-use super::{Args, CheckpointTimes};
-use crate::eval::{Data, batch, dp_slice, generate, held_out_loss};
+use super::{Args, CheckpointTimes, PpSchedule};
+use crate::eval::{Data, EVAL_BATCHES, batch, dp_slice, generate, held_out_loss};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -114,6 +115,8 @@ struct Rank<'a, M: LanguageModel> {
     tp_group: ProcessGroup,
     dp_group: ProcessGroup,
     dp_rank: usize,
+    /// With `--pp`: this rank's stage and its links to the others.
+    pipe: Option<Pipeline>,
     device: Device,
     checkpoint: &'a Path,
 }
@@ -138,8 +141,12 @@ pub(super) fn train_rank<M: Trainable>(
     device: &Device,
     checkpoint: &Path,
 ) -> BoxResult<RankOut> {
-    // The tp x dp grid, its groups made once (tp ranks adjacent).
-    let mesh = DeviceMesh::new(world.clone(), args.tp)?;
+    // The tp x dp x pp grid, its groups made once (tp ranks adjacent, stages the slowest).
+    let mesh = DeviceMesh::with_pipeline(world.clone(), args.tp, args.pp)?;
+    let pipe = match args.pp {
+        1 => None,
+        _ => Some(Pipeline::new(mesh.pp_group())?),
+    };
     let r = Rank::<M> {
         args,
         config,
@@ -147,6 +154,7 @@ pub(super) fn train_rank<M: Trainable>(
         tp_group: mesh.tp_group().clone(),
         dp_group: mesh.dp_group().clone(),
         dp_rank: mesh.dp_rank(),
+        pipe,
         world,
         device: device.clone(),
         checkpoint,
@@ -168,12 +176,18 @@ pub(super) fn train_rank<M: Trainable>(
         }
         r.world.barrier()?;
     }
-    let save_start = Instant::now();
-    r.save(&mut model, &mut optim, first_step + args.steps)?;
-    timings.save_s = save_start.elapsed().as_secs_f64();
+    // A pipeline stage holds part of the model: no checkpoint or sample yet.
+    if r.pipe.is_none() {
+        let save_start = Instant::now();
+        r.save(&mut model, &mut optim, first_step + args.steps)?;
+        timings.save_s = save_start.elapsed().as_secs_f64();
+    }
     // The profile covers training only (not the sample below).
     let profile = r.world.profile();
-    let sample = generate(&r.compute(&model), args, data, &r.tp_group, &r.device)?;
+    let sample = match &r.pipe {
+        None => generate(&r.compute(&model), args, data, &r.tp_group, &r.device)?,
+        Some(_) => Vec::new(),
+    };
     Ok(RankOut {
         timings,
         profile,
@@ -192,7 +206,24 @@ impl<M: Trainable> Rank<'_, M> {
         if self.dp_rank != 0 {
             self.world.barrier()?;
         }
-        let fresh = M::init(self.config, tp_group, &self.device)?;
+        // Stages draw the whole model in turns, each from the same seed (one device RNG for
+        // every rank thread), so every stage has the same weights; each keeps its blocks.
+        let stages = self.pipe.as_ref().map_or(1, Pipeline::stages);
+        let stage = self.pipe.as_ref().map_or(0, Pipeline::stage);
+        let mut fresh = None;
+        for turn in 0..stages {
+            if turn == stage {
+                // Only the rank that draws (tp rank 0 of replica 0) touches the RNG.
+                if stages > 1 && self.dp_rank == 0 && tp_group.rank() == 0 {
+                    self.device.seed(args.seed);
+                }
+                fresh = Some(M::init(self.config, tp_group, &self.device)?);
+            }
+            if stages > 1 && self.dp_rank == 0 {
+                self.pipe.as_ref().expect("stages > 1").group().barrier()?;
+            }
+        }
+        let fresh = fresh.expect("every stage takes its turn");
         let (model, first_step) = match (&args.resume, &args.init_from) {
             // Read slice by slice into this rank's shards.
             (Some(dir), _) => {
@@ -202,6 +233,13 @@ impl<M: Trainable> Rank<'_, M> {
             // A Hugging Face model's weights in place of the drawn ones (each rank its slices).
             (None, Some(dir)) => (fresh.load_hf(dir, tp_group)?, 0),
             (None, None) => (fresh, 0),
+        };
+        let model = match &self.pipe {
+            Some(pipe) => {
+                let layers = stage_layers(model.num_layers(), pipe.stages(), None)?;
+                model.into_stage(layers[pipe.stage()].clone())
+            }
+            None => model,
         };
         if self.dp_rank == 0 {
             self.world.barrier()?;
@@ -247,6 +285,17 @@ impl<M: Trainable> Rank<'_, M> {
 
     fn held_out(&self, model: &M) -> BoxResult<f64> {
         let (args, data) = (self.args, self.data);
+        if let Some(pipe) = &self.pipe {
+            return held_out_pipelined(
+                &self.compute(model),
+                pipe,
+                args,
+                data,
+                self.dp_rank,
+                &self.dp_group,
+                &self.device,
+            );
+        }
         held_out_loss(
             &self.compute(model),
             args,
@@ -355,6 +404,9 @@ impl<M: Trainable> Rank<'_, M> {
         let working = self.compute(&model);
         let per = args.batch / args.dp;
         let dropout = DropoutStep::new(step as u64).with_batch(self.dp_rank * per, args.batch);
+        if let Some(pipe) = &self.pipe {
+            return self.pipelined_step(pipe, model, working, (ids, targets), dropout, optim);
+        }
         // Each block recomputed in the backward: the loss and the gradients at once.
         let recomputed = {
             let (ids, targets, working) = (ids.clone(), targets.clone(), &working);
@@ -407,6 +459,43 @@ impl<M: Trainable> Rank<'_, M> {
         Ok((optim.adamw.step(args.lr, model, grads), value))
     }
 
+    /// A step through the pipeline: the micro-batches' forwards and backwards in the schedule's
+    /// order, the stage's gradients reduced (tp for the replicated parameters, dp) and stepped.
+    /// The loss (the last stage's) is reported on every rank.
+    fn pipelined_step(
+        &self,
+        pipe: &Pipeline,
+        model: M,
+        working: M,
+        (ids, targets): (Tensor<2, Int>, Tensor<2, Int>),
+        dropout: DropoutStep,
+        optim: &mut Optimizer,
+    ) -> BoxResult<(M, f64)> {
+        let args = self.args;
+        let micro = micro_batches(ids, targets, args.micro_batches);
+        let schedule = match args.pp_schedule {
+            PpSchedule::Gpipe => PipelineSchedule::GPipe,
+            PpSchedule::OneFOneB => PipelineSchedule::OneFOneB,
+        };
+        let run = || pipeline::loss_and_grads(&working, pipe, &micro, schedule, Some(dropout));
+        let out = match &optim.replicated {
+            Some(r) => r.scope(run)?,
+            None => run()?,
+        };
+        let loss = pipe.from_last(out.loss)?;
+        let value = self.dp_group.all_reduce(vec![loss], ReduceOp::Avg)?[0] as f64;
+        if !value.is_finite() && !args.keep_going {
+            return Ok((model, value));
+        }
+        let mut grads = out.grads;
+        cast_grads(&working, &mut grads, FloatDType::F32);
+        if let Some(r) = &optim.replicated {
+            r.finish(&working, &mut grads)?;
+        }
+        average_gradients(&model, &mut grads, &self.dp_group)?;
+        Ok((optim.adamw.step(args.lr, model, grads), value))
+    }
+
     /// This dp rank's part of step `step`'s batch: ids and targets `[seq, batch / dp]`.
     fn batch(&self, step: usize) -> (Tensor<2, Int>, Tensor<2, Int>) {
         let (ids, targets) = batch(&self.data.train, self.args, step);
@@ -415,4 +504,40 @@ impl<M: Trainable> Rank<'_, M> {
             dp_slice(&targets, self.args, self.dp_rank, &self.device),
         )
     }
+}
+
+/// `ids`, `targets` (`[seq, batch]`) cut into `n` micro-batches of consecutive sequences.
+fn micro_batches(ids: Tensor<2, Int>, targets: Tensor<2, Int>, n: usize) -> Vec<MicroBatch> {
+    let per = ids.dims()[1] / n;
+    (0..n)
+        .map(|i| {
+            (
+                ids.clone().narrow(1, i * per, per),
+                targets.clone().narrow(1, i * per, per),
+            )
+        })
+        .collect()
+}
+
+/// [`held_out_loss`] through the pipeline: the same held-out batches, each this replica's
+/// rows cut into micro-batches, the loss the last stage's, averaged over dp.
+fn held_out_pipelined<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    args: &Args,
+    data: &Data,
+    dp_rank: usize,
+    dp_group: &ProcessGroup,
+    device: &Device,
+) -> BoxResult<f64> {
+    let mut sum = 0.0;
+    for k in 0..EVAL_BATCHES {
+        let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
+        let ids = dp_slice(&ids, args, dp_rank, device);
+        let targets = dp_slice(&targets, args, dp_rank, device);
+        let micro = micro_batches(ids, targets, args.micro_batches);
+        let loss = pipe.from_last(pipeline::forward_loss(model, pipe, &micro)?)?;
+        sum += dp_group.all_reduce(vec![loss], ReduceOp::Avg)?[0] as f64;
+    }
+    Ok(sum / EVAL_BATCHES as f64)
 }
