@@ -31,6 +31,7 @@
 //! f32; no interleaved schedule, no data-parallel reduction or checkpoints across stages yet.
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -199,6 +200,11 @@ pub struct PipelineStep {
     /// The most micro-batches whose activations this stage held at once (forward run, backward
     /// not yet): `stages - stage` at most with 1F1B, every micro-batch with GPipe.
     pub peak_in_flight: usize,
+    /// Seconds this stage waited for an activation or a gradient (the bubble, and transfers
+    /// not hidden), of [`step_s`](Self::step_s).
+    pub idle_s: f64,
+    /// Seconds of the whole call.
+    pub step_s: f64,
 }
 
 /// The forward and backward of one step over `micro_batches` on this rank's stage `model` (a
@@ -221,6 +227,8 @@ pub fn loss_and_grads<M: LanguageModel>(
     schedule: PipelineSchedule,
     step: Option<DropoutStep>,
 ) -> Result<PipelineStep> {
+    let started = Instant::now();
+    let mut idle = Duration::ZERO;
     let m = micro_batches.len();
     let Some(first) = micro_batches.first() else {
         return Err(TpError::Config("pipeline: no micro-batch".into()));
@@ -289,7 +297,10 @@ pub fn loss_and_grads<M: LanguageModel>(
                 let mut x = if pipe.is_first() {
                     model.embed(ids.clone())?
                 } else {
-                    let x = to_tensor(pipe.links.recv_prev::<f32>(len)?.wait()?);
+                    let waiting = Instant::now();
+                    let x = pipe.links.recv_prev::<f32>(len)?.wait()?;
+                    idle += waiting.elapsed();
+                    let x = to_tensor(x);
                     let x = x.require_grad();
                     inputs[i] = Some(x.clone());
                     x
@@ -313,7 +324,10 @@ pub fn loss_and_grads<M: LanguageModel>(
                         loss.backward()
                     }
                     None => {
-                        let dy = to_tensor(pipe.links.recv_next::<f32>(len)?.wait()?);
+                        let waiting = Instant::now();
+                        let dy = pipe.links.recv_next::<f32>(len)?.wait()?;
+                        idle += waiting.elapsed();
+                        let dy = to_tensor(dy);
                         let y = outputs[i].take().expect("the forward ran first");
                         seeded_backward(y, dy)
                     }
@@ -328,14 +342,18 @@ pub fn loss_and_grads<M: LanguageModel>(
             }
         }
     }
+    let waiting = Instant::now();
     for send in sends {
         send.wait()?;
     }
+    idle += waiting.elapsed();
     sum_embedding_grad(model, pipe, &mut total)?;
     Ok(PipelineStep {
         loss: pipe.is_last().then_some(loss_sum),
         grads: total,
         peak_in_flight,
+        idle_s: idle.as_secs_f64(),
+        step_s: started.elapsed().as_secs_f64(),
     })
 }
 

@@ -500,10 +500,12 @@ fn bench_scaling(quick: bool) {
 mod attention;
 mod floor;
 mod grid;
+mod pipeline;
 
 use attention::bench_attention;
 use floor::bench_layer_floor;
 use grid::bench_async_grid;
+use pipeline::bench_pipeline;
 
 fn main() {
     // As a training program would (README): freed buffers stay mapped between steps.
@@ -527,6 +529,7 @@ fn main() {
         Some("attention") => return bench_attention(quick),
         Some("collectives") => return bench_collectives(quick),
         Some("grid") => return bench_async_grid(quick),
+        Some("pipeline") => return bench_pipeline(quick),
         Some("split") => {
             let split = bench_overlap(quick, OverlapSchedule::Split);
             return print_overlap("3. Overlap: async vs sync (split schedule)", &split);
@@ -568,6 +571,7 @@ fn main() {
     bench_layer_floor(quick);
     bench_async_grid(quick);
     bench_attention(quick);
+    bench_pipeline(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }
 
