@@ -120,7 +120,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
     /// Pipeline stages: the blocks cut into this many stages, one per rank of a pipeline group
-    /// (world = tp x dp x pp; threads only for now).
+    /// (world = tp x dp x pp; CPU ranks, threads or MPI processes, for now).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
     /// Micro-batches per step and replica (with `--pp`): each dp rank's batch cut into this
@@ -426,12 +426,10 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             (args.overlap_grad_reduce, "--overlap-grad-reduce"),
             (args.distributed_optimizer, "--distributed-optimizer"),
             (args.device == DeviceKind::Cuda, "--device cuda"),
-            (args.transport == Transport::Mpi, "--transport mpi"),
         ];
         if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
             return Err(format!(
-                "--pp {} does not run with {flag} yet (threads on the CPU, plain AdamW, no \
-                 checkpoint)",
+                "--pp {} does not run with {flag} yet (CPU ranks, plain AdamW, no checkpoint)",
                 args.pp
             ));
         }

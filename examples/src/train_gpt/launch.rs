@@ -127,13 +127,18 @@ fn mpi_rank<M: Trainable>(
     use burn_tp::comm::mpi::MpiRuntime;
     let runtime = MpiRuntime::init().map_err(|e| e.to_string())?;
     let rank = runtime.rank();
-    if runtime.world_size() != args.tp * args.dp {
+    if runtime.world_size() != args.tp * args.dp * args.pp {
+        let pp = match args.pp {
+            1 => String::new(),
+            pp => format!(" x --pp {pp}"),
+        };
         eprintln!(
-            "train_gpt: --transport mpi: mpirun started {} processes but --tp {} x --dp {} = {}",
+            "train_gpt: --transport mpi: mpirun started {} processes but --tp {} x --dp {}{pp} = \
+             {}",
             runtime.world_size(),
             args.tp,
             args.dp,
-            args.tp * args.dp
+            args.tp * args.dp * args.pp
         );
         runtime.abort(1);
     }
@@ -159,7 +164,7 @@ fn mpi_rank<M: Trainable>(
 ) -> Result<(usize, RankOut), String> {
     Err(
         "--transport mpi needs the `mpi` feature and a system MPI: cargo build --release \
-         --example train_gpt --features mpi, then mpirun -n TPxDP (see README)"
+         --example train_gpt --features mpi, then mpirun -n TPxDPxPP (see README)"
             .into(),
     )
 }
