@@ -1,5 +1,6 @@
 //! Pipeline parallelism (`burn_tp::pipeline`) against the unpipelined model: at 2 and 4 stages
-//! (x tp 1 and 2, x dp 1 and 2 on a `DeviceMesh`), GPipe and 1F1B, 4 and 8 micro-batches, the
+//! (x tp 1 and 2, x dp 1 and 2 on a `DeviceMesh`), GPipe, 1F1B and interleaved 1F1B (2 virtual
+//! stages), 4 and 8 micro-batches, the
 //! loss and every parameter's gradient equal the whole batch's through the whole model, for the
 //! GPT (tied and untied) and the Llama with dropout (the micro-batches' masks being the batch's
 //! rows); the activations each stage holds; a stage that fails ends every stage with an error.
@@ -15,7 +16,9 @@ use burn_tp::llama::LlamaConfig;
 use burn_tp::local::run_local;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
-use burn_tp::pipeline::{Pipeline, PipelineSchedule, forward_loss, loss_and_grads, stage_layers};
+use burn_tp::pipeline::{
+    Pipeline, PipelineSchedule, chunk_layers, forward_loss, loss_and_grads, stage_layers,
+};
 use burn_tp::reshard::Reshard;
 use burn_tp_comm::{LocalGroup, ReduceOp};
 
@@ -91,7 +94,13 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
     let loss = full.loss(x.clone(), y.clone(), step).unwrap();
     let grads = GradientsParams::from_grads(loss.backward(), &full);
     let want_loss = f64s(loss)[0];
-    let layers = stage_layers(full.num_layers(), pp, None).unwrap();
+    // Each stage's blocks (an interleaved stage's several ranges).
+    let layers: Vec<Vec<usize>> = (0..pp)
+        .map(|s| {
+            let chunks = chunk_layers(full.num_layers(), pp, schedule, s).unwrap();
+            chunks.into_iter().flatten().collect()
+        })
+        .collect();
     let ranges = layers.clone();
     let want_full = gathered(&full, &grads).0;
     let want_eval = f64s(
@@ -105,7 +114,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         assert_eq!(mesh.pp_group().rank(), stage);
         let model = M::shard_module(&full, mesh.tp_group())
             .unwrap()
-            .into_stage(ranges[stage].clone());
+            .keep_layers(&ranges[stage]);
         let pipe = Pipeline::new(mesh.pp_group()).unwrap();
         // This replica's rows of the batch, cut into micro-batches.
         let micro: Vec<_> = (0..m)
@@ -117,7 +126,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
             .collect();
         // Evaluation: the forwards only, no dropout.
         let eval = pipe
-            .from_last(forward_loss(&model, &pipe, &micro).unwrap())
+            .from_last(forward_loss(&model, &pipe, &micro, schedule).unwrap())
             .unwrap();
         let step = step.map(|s| s.with_batch(replica * rows, dp * rows));
         let mut out = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
@@ -145,12 +154,17 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         let want_peak = match schedule {
             PipelineSchedule::OneFOneB => (pp - stage).min(m),
             PipelineSchedule::GPipe => m,
+            // Megatron's warm-up, then one more.
+            PipelineSchedule::Interleaved { virtual_stages: v } if m == pp => m * v,
+            PipelineSchedule::Interleaved { virtual_stages: v } => {
+                ((pp - stage - 1) * 2 + (v - 1) * pp + 1).min(m * v)
+            }
         };
         assert_eq!(
             peak, want_peak,
             "{tag}: stage {stage}: micro-batches held at once"
         );
-        let want_model = want_full.clone().into_stage(layers[stage].clone());
+        let want_model = want_full.clone().keep_layers(&layers[stage]);
         let want = values(&want_model);
         assert_eq!(got.len(), want.len(), "{tag}");
         if stage == pp - 1 {
@@ -181,11 +195,15 @@ fn pipelined_losses_and_gradients_equal_the_whole_model() {
     let _rng = rng_lock();
     let solo = LocalGroup::new(1).unwrap().remove(0);
     for mesh in [[1, 1, 2], [1, 1, 4], [2, 1, 2], [1, 2, 2], [2, 2, 2]] {
-        for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+        for schedule in [
+            PipelineSchedule::GPipe,
+            PipelineSchedule::OneFOneB,
+            PipelineSchedule::Interleaved { virtual_stages: 2 },
+        ] {
             for m in [4, 8] {
                 for tied in [false, true] {
                     device().seed(7);
-                    let gpt = GptConfig::new(23, SEQ, 16, 4, 4)
+                    let gpt = GptConfig::new(23, SEQ, 16, 4, 8)
                         .with_tie_embeddings(tied)
                         .init(&solo, &device())
                         .unwrap();
@@ -197,7 +215,7 @@ fn pipelined_losses_and_gradients_equal_the_whole_model() {
                 } else {
                     TpMode::AllReduce
                 };
-                let llama = LlamaConfig::new(23, SEQ, 16, 4, 2, 4, 32)
+                let llama = LlamaConfig::new(23, SEQ, 16, 4, 2, 8, 32)
                     .with_dropout(0.2)
                     .with_settings(TpSettings::new().with_mode(mode))
                     .init(&solo, &device())
@@ -321,6 +339,14 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             "--micro-batches",
             "2",
         ],
+        &[
+            "--pp",
+            "2",
+            "--micro-batches",
+            "4",
+            "--pp-schedule",
+            "interleaved",
+        ],
     ]
     .into_iter()
     .enumerate()
@@ -344,6 +370,28 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
         ),
         (&["--pp", "8"], "--layers 4"),
         (&["--pp", "2", "--micro-batches", "3"], "--micro-batches 3"),
+        (
+            &[
+                "--pp",
+                "2",
+                "--micro-batches",
+                "1",
+                "--pp-schedule",
+                "interleaved",
+            ],
+            "multiple of --pp",
+        ),
+        (
+            &[
+                "--pp",
+                "4",
+                "--micro-batches",
+                "4",
+                "--pp-schedule",
+                "interleaved",
+            ],
+            "--virtual-stages 2",
+        ),
     ] {
         let e = run(&args(extra, "refused").unwrap()).unwrap_err();
         assert!(e.contains(named), "{extra:?}: {e}");

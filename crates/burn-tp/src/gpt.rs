@@ -104,6 +104,9 @@ pub struct Gpt {
     group: ProcessGroup,
     #[module(skip)]
     options: GptOptions,
+    /// The whole model's index of each block held.
+    #[module(skip)]
+    block_ids: Vec<usize>,
 }
 
 /// What a [`Gpt`] keeps of its config at run time.
@@ -115,9 +118,6 @@ pub struct GptOptions {
     pub z_loss: f64,
     /// Label smoothing.
     pub label_smoothing: f64,
-    /// The whole model's index of the first block held (0 but on a pipeline stage: see
-    /// [`LanguageModel::into_stage`](crate::model::LanguageModel::into_stage)).
-    pub first_layer: usize,
 }
 
 impl GptConfig {
@@ -177,11 +177,11 @@ impl GptConfig {
             ln_f: TpLayerNorm::new(d, mode, group, device),
             head,
             group: group.clone(),
+            block_ids: (0..self.n_layers).collect(),
             options: GptOptions {
                 settings,
                 z_loss: self.z_loss,
                 label_smoothing: self.label_smoothing,
-                first_layer: 0,
             },
         })
     }
@@ -198,8 +198,47 @@ impl Gpt {
         self.options
     }
 
-    pub(crate) fn set_first_layer(&mut self, first: usize) {
-        self.options.first_layer = first;
+    /// The whole model's index of each block held, in order (all of them, but on a pipeline
+    /// stage: [`LanguageModel::keep_layers`](crate::model::LanguageModel::keep_layers)).
+    pub fn block_ids(&self) -> &[usize] {
+        &self.block_ids
+    }
+
+    pub(crate) fn keep_blocks(&mut self, layers: &[usize]) {
+        let mut kept = Vec::with_capacity(layers.len());
+        let mut blocks: Vec<Option<_>> = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .map(Some)
+            .collect();
+        for &l in layers {
+            let at = self
+                .block_ids
+                .iter()
+                .position(|&b| b == l)
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{}: block {l} is not held (it holds {:?})",
+                        "Gpt", self.block_ids
+                    )
+                });
+            kept.push(blocks[at].take().expect("a block is kept once"));
+        }
+        self.blocks = kept;
+        self.block_ids = layers.to_vec();
+    }
+
+    /// Block `index` of the whole model, if held.
+    pub(crate) fn block_at(
+        &self,
+        index: usize,
+    ) -> TpResult<&<Self as crate::decoder::Decoder>::Block> {
+        let at = self.block_ids.iter().position(|&b| b == index);
+        at.map(|i| &self.blocks[i]).ok_or_else(|| {
+            TpError::Config(format!(
+                "Gpt: block {index} is not on this stage (it holds {:?})",
+                self.block_ids
+            ))
+        })
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
@@ -225,6 +264,7 @@ impl Gpt {
             head: self.head.in_mode(mode),
             group: self.group,
             options,
+            block_ids: self.block_ids,
         }
     }
 
@@ -431,4 +471,4 @@ crate::reshard::reshard_fields!(Block {
     mlp
 });
 
-crate::reshard::reshard_fields!(Gpt { tok, pos, blocks, ln_f, head }, group: group, keep: { options });
+crate::reshard::reshard_fields!(Gpt { tok, pos, blocks, ln_f, head }, group: group, keep: { options, block_ids });

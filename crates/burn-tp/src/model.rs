@@ -86,17 +86,30 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// The number of blocks held.
     fn num_layers(&self) -> usize;
 
-    /// The whole model's indices of the blocks held: all of them, but on a pipeline stage.
-    fn layer_range(&self) -> std::ops::Range<usize>;
+    /// The whole model's index of each block held, in order: all of them, but on a pipeline
+    /// stage.
+    fn held_layers(&self) -> Vec<usize>;
 
-    /// This model with blocks `layers` only (a pipeline stage's: [`crate::pipeline`]), the
-    /// others dropped. [`layer`](Self::layer) still takes the whole model's indices, so the
-    /// dropout masks are the same at any number of stages. The embedding and the head stay
-    /// (the first stage embeds, the last one runs the head; a tied head needs both).
+    /// This model with blocks `layers` only (the whole model's indices, in order: a pipeline
+    /// stage's, or an interleaved stage's several ranges: [`crate::pipeline`]), the others
+    /// dropped. [`layer`](Self::layer) still takes the whole model's indices, so the dropout
+    /// masks are the same at any number of stages. The embedding and the head stay (the first
+    /// stage embeds, the last one runs the head; a tied head needs both).
     ///
     /// # Panics
-    /// If `layers` is not within [`layer_range`](Self::layer_range).
-    fn into_stage(self, layers: std::ops::Range<usize>) -> Self;
+    /// If a block of `layers` is not held.
+    fn keep_layers(self, layers: &[usize]) -> Self;
+
+    /// [`keep_layers`](Self::keep_layers) of the range `layers`.
+    ///
+    /// # Panics
+    /// As [`keep_layers`](Self::keep_layers).
+    fn into_stage(self, layers: std::ops::Range<usize>) -> Self
+    where
+        Self: Sized,
+    {
+        self.keep_layers(&layers.collect::<Vec<_>>())
+    }
 
     /// Model width.
     fn d_model(&self) -> usize;
@@ -180,22 +193,12 @@ impl LanguageModel for Gpt {
         self.blocks.len()
     }
 
-    fn layer_range(&self) -> std::ops::Range<usize> {
-        let first = self.options().first_layer;
-        first..first + self.blocks.len()
+    fn held_layers(&self) -> Vec<usize> {
+        self.block_ids().to_vec()
     }
 
-    fn into_stage(mut self, layers: std::ops::Range<usize>) -> Self {
-        let held = LanguageModel::layer_range(&self);
-        assert!(
-            held.start <= layers.start && layers.end <= held.end,
-            "Gpt::into_stage: blocks {layers:?} are not all held ({held:?})"
-        );
-        self.blocks = self
-            .blocks
-            .drain(layers.start - held.start..layers.end - held.start)
-            .collect();
-        self.set_first_layer(layers.start);
+    fn keep_layers(mut self, layers: &[usize]) -> Self {
+        self.keep_blocks(layers);
         self
     }
 
@@ -221,14 +224,7 @@ impl LanguageModel for Gpt {
         x: Tensor<3>,
         _step: Option<DropoutStep>,
     ) -> crate::Result<Tensor<3>> {
-        let first = self.options().first_layer;
-        let block = index.checked_sub(first).and_then(|i| self.blocks.get(i));
-        let block = block.ok_or_else(|| {
-            crate::TpError::Config(format!(
-                "Gpt: block {index} is not on this stage (it holds {:?})",
-                first..first + self.blocks.len()
-            ))
-        })?;
+        let block = self.block_at(index)?;
         block.try_forward(x)
     }
 
@@ -289,22 +285,12 @@ impl LanguageModel for Llama {
         self.blocks.len()
     }
 
-    fn layer_range(&self) -> std::ops::Range<usize> {
-        let first = self.options().first_layer;
-        first..first + self.blocks.len()
+    fn held_layers(&self) -> Vec<usize> {
+        self.block_ids().to_vec()
     }
 
-    fn into_stage(mut self, layers: std::ops::Range<usize>) -> Self {
-        let held = LanguageModel::layer_range(&self);
-        assert!(
-            held.start <= layers.start && layers.end <= held.end,
-            "Llama::into_stage: blocks {layers:?} are not all held ({held:?})"
-        );
-        self.blocks = self
-            .blocks
-            .drain(layers.start - held.start..layers.end - held.start)
-            .collect();
-        self.set_first_layer(layers.start);
+    fn keep_layers(mut self, layers: &[usize]) -> Self {
+        self.keep_blocks(layers);
         self
     }
 

@@ -26,9 +26,13 @@
 //! Dropout masks are the batch's logical masks (each micro-batch its rows of them), so they are
 //! the same at any number of stages.
 //!
+//! The interleaved schedule ([`PipelineSchedule::Interleaved`]) gives each rank several chunks
+//! of blocks ([`chunk_layers`]), a micro-batch crossing the ring once per chunk.
+//!
 //! Limits of this first cut: every stage builds the whole model once and keeps its blocks (the
 //! same weights at any number of stages; building only its own is next); activations move as
-//! f32; no interleaved schedule, no data-parallel reduction or checkpoints across stages yet.
+//! f32; the data-parallel reduction is the caller's (after the step); no checkpoints across
+//! stages yet.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -48,18 +52,47 @@ pub enum PipelineSchedule {
     /// Every forward, then every backward (GPipe): simple, holds every micro-batch's
     /// activations.
     GPipe,
-    /// One forward, one backward (Megatron's 1F1B): the same bubble, at most `stages` micro-batches'
-    /// activations held.
+    /// One forward, one backward (Megatron's 1F1B): the same bubble, at most `stages`
+    /// micro-batches' activations held.
     OneFOneB,
+    /// Megatron's interleaved 1F1B: each rank holds `virtual_stages` chunks of blocks (virtual
+    /// stage `c * stages + rank` is its chunk `c`), so a micro-batch crosses every rank
+    /// `virtual_stages` times and the bubble shrinks by that factor, at the cost of as many more
+    /// transfers. The micro-batches must be a multiple of the stages.
+    Interleaved {
+        /// Chunks per rank.
+        virtual_stages: usize,
+    },
 }
 
-/// One step of a stage's schedule.
+impl PipelineSchedule {
+    /// Chunks of blocks per rank: `virtual_stages`, or 1.
+    pub fn chunks(self) -> usize {
+        match self {
+            Self::Interleaved { virtual_stages } => virtual_stages,
+            _ => 1,
+        }
+    }
+}
+
+/// One step of a stage's schedule: a micro-batch's forward or backward through one of the
+/// rank's chunks (always chunk 0 but with the interleaved schedule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// The forward of a micro-batch.
-    Forward(usize),
-    /// The backward of a micro-batch.
-    Backward(usize),
+    /// The forward of micro-batch `micro` through chunk `chunk`.
+    Forward {
+        /// The rank's chunk.
+        chunk: usize,
+        /// The micro-batch.
+        micro: usize,
+    },
+    /// The backward of micro-batch `micro` through chunk `chunk`.
+    Backward {
+        /// The rank's chunk.
+        chunk: usize,
+        /// The micro-batch.
+        micro: usize,
+    },
 }
 
 /// What stage `stage` of `stages` runs, in order, for `micro_batches` micro-batches.
@@ -69,23 +102,48 @@ pub fn actions(
     stages: usize,
     micro_batches: usize,
 ) -> Vec<Action> {
-    let m = micro_batches;
-    match schedule {
-        PipelineSchedule::GPipe => (0..m)
-            .map(Action::Forward)
-            .chain((0..m).map(Action::Backward))
-            .collect(),
-        PipelineSchedule::OneFOneB => {
-            let warmup = (stages - stage - 1).min(m);
-            let mut out: Vec<Action> = (0..warmup).map(Action::Forward).collect();
-            for i in 0..m - warmup {
-                out.push(Action::Forward(warmup + i));
-                out.push(Action::Backward(i));
-            }
-            out.extend((m - warmup..m).map(Action::Backward));
-            out
-        }
+    let (p, m, v) = (stages, micro_batches, schedule.chunks());
+    let total = m * v;
+    // The k-th forward / backward: in groups of `p` micro-batches, each through the chunks in
+    // turn (forward: chunk 0 first; backward: the last chunk first). Without chunks, micro k.
+    let forward = |k: usize| Action::Forward {
+        chunk: k % (p * v) / p,
+        micro: if v == 1 { k } else { k / (p * v) * p + k % p },
+    };
+    let backward = |k: usize| Action::Backward {
+        chunk: v - 1 - k % (p * v) / p,
+        micro: if v == 1 { k } else { k / (p * v) * p + k % p },
+    };
+    let warmup = match schedule {
+        PipelineSchedule::GPipe => total,
+        PipelineSchedule::OneFOneB => (p - stage - 1).min(m),
+        // Megatron's: all forwards first when the micro-batches just fill the pipe.
+        PipelineSchedule::Interleaved { .. } if m == p => total,
+        PipelineSchedule::Interleaved { .. } => ((p - stage - 1) * 2 + (v - 1) * p).min(total),
+    };
+    let mut out: Vec<Action> = (0..warmup).map(forward).collect();
+    for i in 0..total - warmup {
+        out.push(forward(warmup + i));
+        out.push(backward(i));
     }
+    out.extend((total - warmup..total).map(backward));
+    out
+}
+
+/// The blocks of rank `stage`'s chunks (one range, but with the interleaved schedule: its
+/// chunk `c` is virtual stage `c * stages + stage` of the blocks cut into `stages * chunks`).
+///
+/// # Errors
+/// As [`stage_layers`] for `stages * chunks` stages.
+pub fn chunk_layers(
+    n_layers: usize,
+    stages: usize,
+    schedule: PipelineSchedule,
+    stage: usize,
+) -> Result<Vec<Range<usize>>> {
+    let v = schedule.chunks();
+    let all = stage_layers(n_layers, stages * v, None)?;
+    Ok((0..v).map(|c| all[c * stages + stage].clone()).collect())
 }
 
 /// The blocks of each of `stages` stages: `counts[s]` blocks each when given (uneven cuts),
@@ -178,10 +236,6 @@ impl Pipeline {
         Ok(self.group.broadcast(vec![value.unwrap_or(0.0)], last)?[0])
     }
 
-    fn is_first(&self) -> bool {
-        self.stage() == 0
-    }
-
     fn is_last(&self) -> bool {
         self.stage() + 1 == self.stages()
     }
@@ -259,6 +313,15 @@ pub fn loss_and_grads<M: LanguageModel>(
             each.join("; ")
         )));
     }
+    let v = schedule.chunks();
+    let (p, stage) = (pipe.stages(), pipe.stage());
+    if v > 1 && !m.is_multiple_of(p) {
+        return Err(TpError::Config(format!(
+            "pipeline: the interleaved schedule needs the micro-batches ({m}) to be a multiple \
+             of the stages ({p})"
+        )));
+    }
+    let chunks = chunk_runs(model, v)?;
     let shape = model.activation_shape(dims);
     let len: usize = shape.iter().product();
     let device = first.0.device();
@@ -272,53 +335,51 @@ pub fn loss_and_grads<M: LanguageModel>(
     };
     let to_tensor =
         |v: Vec<f32>| -> Tensor<3> { Tensor::<3>::from_data(TensorData::new(v, shape), &device) };
-    let to_vec = |t: Tensor<3>| -> Result<Vec<f32>> {
-        t.into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .map_err(|e| TpError::Config(format!("pipeline: reading an activation: {e:?}")))
-    };
+    // The first virtual stage embeds, the last runs the head.
+    let first_virtual = |c: usize| stage == 0 && c == 0;
+    let last_virtual = |c: usize| stage == p - 1 && c == v - 1;
 
-    // Per micro-batch: the stage's input (a leaf, but on the first stage) and its output (or,
-    // on the last stage, its loss), kept from the forward to the backward.
-    let mut inputs: Vec<Option<Tensor<3>>> = vec![None; m];
-    let mut outputs: Vec<Option<Tensor<3>>> = vec![None; m];
-    let mut losses: Vec<Option<Tensor<1>>> = vec![None; m];
+    // Per (chunk, micro-batch): the chunk's input (a leaf, but on the first virtual stage) and
+    // its output (or, on the last virtual stage, its loss), kept from the forward to the
+    // backward.
+    let at = |c: usize, i: usize| c * m + i;
+    let mut inputs: Vec<Option<Tensor<3>>> = vec![None; v * m];
+    let mut outputs: Vec<Option<Tensor<3>>> = vec![None; v * m];
+    let mut losses: Vec<Option<Tensor<1>>> = vec![None; v * m];
     let mut sends: Vec<Transfer<f32>> = Vec::new();
     let mut total = GradientsParams::new();
     let mut loss_sum = 0.0f32;
     let (mut held, mut peak_in_flight) = (0usize, 0usize);
-    for action in actions(schedule, pipe.stage(), pipe.stages(), m) {
+    for action in actions(schedule, stage, p, m) {
         match action {
-            Action::Forward(i) => {
+            Action::Forward { chunk: c, micro: i } => {
                 held += 1;
                 peak_in_flight = peak_in_flight.max(held);
                 let (ids, targets) = &micro_batches[i];
-                let mut x = if pipe.is_first() {
+                let mut x = if first_virtual(c) {
                     model.embed(ids.clone())?
                 } else {
                     let waiting = Instant::now();
                     let x = pipe.links.recv_prev::<f32>(len)?.wait()?;
                     idle += waiting.elapsed();
-                    let x = to_tensor(x);
-                    let x = x.require_grad();
-                    inputs[i] = Some(x.clone());
+                    let x = to_tensor(x).require_grad();
+                    inputs[at(c, i)] = Some(x.clone());
                     x
                 };
-                for l in model.layer_range() {
+                for l in chunks[c].clone() {
                     x = model.layer(l, x, micro_step(i))?;
                 }
-                if pipe.is_last() {
+                if last_virtual(c) {
                     let loss = model.head_loss(x, targets.clone())? / m as f64;
-                    losses[i] = Some(loss);
+                    losses[at(c, i)] = Some(loss);
                 } else {
                     sends.push(pipe.links.send_next(to_vec(x.clone().detach())?)?);
-                    outputs[i] = Some(x);
+                    outputs[at(c, i)] = Some(x);
                 }
             }
-            Action::Backward(i) => {
+            Action::Backward { chunk: c, micro: i } => {
                 held -= 1;
-                let mut grads = match losses[i].take() {
+                let mut grads = match losses[at(c, i)].take() {
                     Some(loss) => {
                         loss_sum += loss.clone().into_scalar::<f32>();
                         loss.backward()
@@ -327,12 +388,11 @@ pub fn loss_and_grads<M: LanguageModel>(
                         let waiting = Instant::now();
                         let dy = pipe.links.recv_next::<f32>(len)?.wait()?;
                         idle += waiting.elapsed();
-                        let dy = to_tensor(dy);
-                        let y = outputs[i].take().expect("the forward ran first");
-                        seeded_backward(y, dy)
+                        let y = outputs[at(c, i)].take().expect("the forward ran first");
+                        seeded_backward(y, to_tensor(dy))
                     }
                 };
-                if let Some(x) = inputs[i].take() {
+                if let Some(x) = inputs[at(c, i)].take() {
                     let dx = x
                         .grad_remove(&mut grads)
                         .expect("a stage's input takes part in its output");
@@ -357,9 +417,9 @@ pub fn loss_and_grads<M: LanguageModel>(
     })
 }
 
-/// The mean loss over `micro_batches` without a backward (evaluation): every forward in turn,
-/// on the model's inner (non-autodiff) backend. The loss on the last stage, `None` on the
-/// others. Collective over the pipeline.
+/// The mean loss over `micro_batches` without a backward (evaluation): the forwards in
+/// `schedule`'s order, on the model's inner (non-autodiff) backend. The loss on the last stage,
+/// `None` on the others. Collective over the pipeline.
 ///
 /// # Errors
 /// As [`loss_and_grads`].
@@ -367,43 +427,78 @@ pub fn forward_loss<M: LanguageModel>(
     model: &M,
     pipe: &Pipeline,
     micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
 ) -> Result<Option<f32>> {
     let Some(first) = micro_batches.first() else {
         return Err(TpError::Config("pipeline: no micro-batch".into()));
     };
     let m = micro_batches.len();
+    let v = schedule.chunks();
+    let (p, stage) = (pipe.stages(), pipe.stage());
+    let chunks = chunk_runs(model, v)?;
     let shape = model.activation_shape(first.0.dims());
     let len: usize = shape.iter().product();
     let inner = model.valid();
     let device = first.0.device().without_autodiff();
     let mut sends = Vec::new();
     let mut sum = 0.0f32;
-    for (ids, targets) in micro_batches {
-        let mut x = if pipe.is_first() {
+    for action in actions(schedule, stage, p, m) {
+        let Action::Forward { chunk: c, micro: i } = action else {
+            continue;
+        };
+        let (ids, targets) = &micro_batches[i];
+        let mut x = if stage == 0 && c == 0 {
             inner.embed(ids.clone().inner())?
         } else {
             let v = pipe.links.recv_prev::<f32>(len)?.wait()?;
             Tensor::<3>::from_data(TensorData::new(v, shape), &device)
         };
-        for l in model.layer_range() {
+        for l in chunks[c].clone() {
             x = inner.layer(l, x, None)?;
         }
-        if pipe.is_last() {
+        if stage == p - 1 && c == v - 1 {
             let loss = inner.head_loss(x, targets.clone().inner())?;
             sum += loss.into_scalar::<f32>();
         } else {
-            let v = x
-                .into_data()
-                .convert::<f32>()
-                .try_to_vec::<f32>()
-                .map_err(|e| TpError::Config(format!("pipeline: reading an activation: {e:?}")))?;
-            sends.push(pipe.links.send_next(v)?);
+            sends.push(pipe.links.send_next(to_vec(x)?)?);
         }
     }
     for send in sends {
         send.wait()?;
     }
     Ok(pipe.is_last().then(|| sum / m as f32))
+}
+
+/// The blocks of each of the model's `v` chunks: its held blocks (the whole model's indices)
+/// cut into their contiguous runs.
+fn chunk_runs<M: LanguageModel>(model: &M, v: usize) -> Result<Vec<Vec<usize>>> {
+    let held = model.held_layers();
+    if v == 1 {
+        return Ok(vec![held]);
+    }
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    for l in held.iter().copied() {
+        match runs.last_mut() {
+            Some(run) if run.last() == Some(&(l.wrapping_sub(1))) => run.push(l),
+            _ => runs.push(vec![l]),
+        }
+    }
+    if runs.len() != v {
+        return Err(TpError::Config(format!(
+            "pipeline: {v} virtual stages but this stage holds blocks {held:?} ({} ranges: see \
+             chunk_layers)",
+            runs.len()
+        )));
+    }
+    Ok(runs)
+}
+
+/// An activation's values, as they travel.
+fn to_vec(t: Tensor<3>) -> Result<Vec<f32>> {
+    t.into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .map_err(|e| TpError::Config(format!("pipeline: reading an activation: {e:?}")))
 }
 
 /// The backward of `y` with upstream gradient `dy`: `sum(y * dy)`'s.
@@ -464,33 +559,87 @@ fn merge<M: Module>(total: &mut GradientsParams, grads: Gradients, model: &M) {
 mod tests {
     use super::*;
 
+    fn f(micro: usize) -> Action {
+        Action::Forward { chunk: 0, micro }
+    }
+    fn b(micro: usize) -> Action {
+        Action::Backward { chunk: 0, micro }
+    }
+
     #[test]
     fn one_f_one_b_warms_up_then_alternates_and_runs_every_micro_batch_once() {
-        use Action::{Backward as B, Forward as F};
         assert_eq!(
             actions(PipelineSchedule::OneFOneB, 1, 4, 4),
-            [F(0), F(1), F(2), B(0), F(3), B(1), B(2), B(3)]
+            [f(0), f(1), f(2), b(0), f(3), b(1), b(2), b(3)]
         );
         assert_eq!(
             actions(PipelineSchedule::OneFOneB, 3, 4, 4),
-            [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)]
+            [f(0), b(0), f(1), b(1), f(2), b(2), f(3), b(3)]
         );
         // Fewer micro-batches than stages: the warm-up is all of them.
         assert_eq!(
             actions(PipelineSchedule::OneFOneB, 0, 4, 2),
-            [F(0), F(1), B(0), B(1)]
+            [f(0), f(1), b(0), b(1)]
         );
-        for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+        let interleaved = PipelineSchedule::Interleaved { virtual_stages: 2 };
+        for schedule in [
+            PipelineSchedule::GPipe,
+            PipelineSchedule::OneFOneB,
+            interleaved,
+        ] {
+            let v = schedule.chunks();
             for stage in 0..4 {
                 let a = actions(schedule, stage, 4, 8);
-                for i in 0..8 {
-                    let f = a.iter().position(|x| *x == F(i)).unwrap();
-                    let b = a.iter().position(|x| *x == B(i)).unwrap();
-                    assert!(f < b, "{schedule:?} stage {stage}: micro-batch {i}");
+                for c in 0..v {
+                    for micro in 0..8 {
+                        let fw = a
+                            .iter()
+                            .position(|x| *x == Action::Forward { chunk: c, micro });
+                        let bw = a
+                            .iter()
+                            .position(|x| *x == Action::Backward { chunk: c, micro });
+                        assert!(
+                            fw.unwrap() < bw.unwrap(),
+                            "{schedule:?} stage {stage}: {c} {micro}"
+                        );
+                    }
                 }
-                assert_eq!(a.len(), 16);
+                assert_eq!(a.len(), 16 * v);
             }
         }
+    }
+
+    #[test]
+    fn the_interleaved_schedule_is_megatrons() {
+        use Action::{Backward as B, Forward as F};
+        // 2 stages, 2 chunks, 4 micro-batches, stage 0: a warm-up of (2 - 0 - 1) * 2 + (2 - 1)
+        // * 2 = 4 forwards (micro-batches in groups of 2, each group through chunk 0 then 1),
+        // then one forward one backward (the backwards from the last chunk).
+        let a = actions(PipelineSchedule::Interleaved { virtual_stages: 2 }, 0, 2, 4);
+        assert_eq!(
+            a,
+            [
+                F { chunk: 0, micro: 0 },
+                F { chunk: 0, micro: 1 },
+                F { chunk: 1, micro: 0 },
+                F { chunk: 1, micro: 1 },
+                F { chunk: 0, micro: 2 },
+                B { chunk: 1, micro: 0 },
+                F { chunk: 0, micro: 3 },
+                B { chunk: 1, micro: 1 },
+                F { chunk: 1, micro: 2 },
+                B { chunk: 0, micro: 0 },
+                F { chunk: 1, micro: 3 },
+                B { chunk: 0, micro: 1 },
+                B { chunk: 1, micro: 2 },
+                B { chunk: 1, micro: 3 },
+                B { chunk: 0, micro: 2 },
+                B { chunk: 0, micro: 3 },
+            ]
+        );
+        // The chunks of a stage: virtual stages c * stages + stage.
+        let ranges = chunk_layers(8, 2, PipelineSchedule::Interleaved { virtual_stages: 2 }, 1);
+        assert_eq!(ranges.unwrap(), [2..4, 6..8]);
     }
 
     #[test]

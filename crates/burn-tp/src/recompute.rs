@@ -43,7 +43,7 @@ pub fn loss_and_grads<M: LanguageModel>(
     let inner = model.valid();
     let mut inputs = Vec::with_capacity(model.num_layers() + 1);
     let mut x = inner.embed(ids.clone().inner())?;
-    for i in model.layer_range() {
+    for i in model.held_layers() {
         let next = inner.layer(i, x.clone(), step)?;
         inputs.push(x);
         x = next;
@@ -57,7 +57,7 @@ pub fn loss_and_grads<M: LanguageModel>(
     let mut grads = loss.backward();
     let mut dy = take_grad(&h, &mut grads);
     merge(&mut total, grads, model);
-    for i in model.layer_range().rev() {
+    for i in model.held_layers().into_iter().rev() {
         let x = leaf(inputs.pop().expect("one input per block"));
         let y = model.layer(i, x.clone(), step)?;
         let mut grads = seeded_backward(y, dy);

@@ -34,6 +34,8 @@ pub enum PpSchedule {
     /// One forward, one backward (Megatron's), after a warm-up.
     #[value(name = "1f1b")]
     OneFOneB,
+    /// Megatron's interleaved 1F1B: `--virtual-stages` chunks of blocks per rank.
+    Interleaved,
 }
 
 /// Model architecture, as the command line spells it.
@@ -130,6 +132,10 @@ pub struct Args {
     /// Pipeline schedule (with `--pp`).
     #[arg(long, value_enum, default_value_t = PpSchedule::OneFOneB)]
     pub pp_schedule: PpSchedule,
+    /// Chunks of blocks per rank with `--pp-schedule interleaved` (the micro-batches a multiple
+    /// of `--pp`, at least `--pp` x this many blocks).
+    #[arg(long, default_value_t = 2)]
+    pub virtual_stages: usize,
     /// Activation layout (reduce-scatter: sequence parallel, the overlapped row-linear backward).
     #[arg(long, value_enum, default_value_t = Mode::ReduceScatter)]
     pub mode: Mode,
@@ -411,10 +417,25 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
     }
     if args.pp > 1 {
         let layers = args.layers;
-        if args.init_from.is_none() && args.pp > layers {
+        let v = match args.pp_schedule {
+            PpSchedule::Interleaved => args.virtual_stages,
+            _ => 1,
+        };
+        if v == 0 {
+            return Err("--virtual-stages must be at least 1".into());
+        }
+        if args.init_from.is_none() && args.pp * v > layers {
             return Err(format!(
-                "--pp {} is more stages than --layers {layers} (each stage needs a block)",
+                "--pp {} x --virtual-stages {v} is more stages than --layers {layers} (each \
+                 stage needs a block)",
                 args.pp
+            ));
+        }
+        if v > 1 && !args.micro_batches.is_multiple_of(args.pp) {
+            return Err(format!(
+                "--pp-schedule interleaved needs --micro-batches ({}) to be a multiple of --pp \
+                 ({})",
+                args.micro_batches, args.pp
             ));
         }
         // What the pipeline does not run yet.

@@ -15,7 +15,7 @@ use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::all_reduce;
-use burn_tp::pipeline::{self, MicroBatch, Pipeline, PipelineSchedule, stage_layers};
+use burn_tp::pipeline::{self, MicroBatch, Pipeline, PipelineSchedule, chunk_layers};
 use burn_tp::precision::{cast_grads, cast_params};
 use burn_tp::recompute;
 use burn_tp::transformer::ReplicatedGrads;
@@ -236,8 +236,14 @@ impl<M: Trainable> Rank<'_, M> {
         };
         let model = match &self.pipe {
             Some(pipe) => {
-                let layers = stage_layers(model.num_layers(), pipe.stages(), None)?;
-                model.into_stage(layers[pipe.stage()].clone())
+                let chunks = chunk_layers(
+                    model.num_layers(),
+                    pipe.stages(),
+                    pp_schedule(args),
+                    pipe.stage(),
+                )?;
+                let layers: Vec<usize> = chunks.into_iter().flatten().collect();
+                model.keep_layers(&layers)
             }
             None => model,
         };
@@ -473,10 +479,7 @@ impl<M: Trainable> Rank<'_, M> {
     ) -> BoxResult<(M, f64)> {
         let args = self.args;
         let micro = micro_batches(ids, targets, args.micro_batches);
-        let schedule = match args.pp_schedule {
-            PpSchedule::Gpipe => PipelineSchedule::GPipe,
-            PpSchedule::OneFOneB => PipelineSchedule::OneFOneB,
-        };
+        let schedule = pp_schedule(args);
         let run = || pipeline::loss_and_grads(&working, pipe, &micro, schedule, Some(dropout));
         let out = match &optim.replicated {
             Some(r) => r.scope(run)?,
@@ -536,8 +539,24 @@ fn held_out_pipelined<M: LanguageModel>(
         let ids = dp_slice(&ids, args, dp_rank, device);
         let targets = dp_slice(&targets, args, dp_rank, device);
         let micro = micro_batches(ids, targets, args.micro_batches);
-        let loss = pipe.from_last(pipeline::forward_loss(model, pipe, &micro)?)?;
+        let loss = pipe.from_last(pipeline::forward_loss(
+            model,
+            pipe,
+            &micro,
+            pp_schedule(args),
+        )?)?;
         sum += dp_group.all_reduce(vec![loss], ReduceOp::Avg)?[0] as f64;
     }
     Ok(sum / EVAL_BATCHES as f64)
+}
+
+/// The library's schedule of `--pp-schedule` (and `--virtual-stages`).
+fn pp_schedule(args: &Args) -> PipelineSchedule {
+    match args.pp_schedule {
+        PpSchedule::Gpipe => PipelineSchedule::GPipe,
+        PpSchedule::OneFOneB => PipelineSchedule::OneFOneB,
+        PpSchedule::Interleaved => PipelineSchedule::Interleaved {
+            virtual_stages: args.virtual_stages,
+        },
+    }
 }

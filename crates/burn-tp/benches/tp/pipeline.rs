@@ -2,7 +2,8 @@
 //! micro-batch) cut into `pp` stages (ranks as threads), one step of `m` micro-batches after a
 //! warm-up: the fraction of the step each stage spent waiting for an activation or a gradient
 //! (`PipelineStep::idle_s / step_s`), against the schedule's theory, `(p - 1) / (m + p - 1)`
-//! (the same for GPipe and 1F1B; 1F1B holds fewer micro-batches). The floor is that theory: the
+//! (the same for GPipe and 1F1B; 1F1B holds fewer micro-batches), divided by the virtual stages
+//! `v` for the interleaved schedule. The floor is that theory: the
 //! idle the schedule cannot avoid with a backward twice the forward and free transfers.
 //!
 //! The stages share this machine's cores (Flex's rayon pool): a stage computing alone runs
@@ -13,7 +14,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::llama::LlamaConfig;
 use burn_tp::local::run_local;
 use burn_tp::model::LanguageModel;
-use burn_tp::pipeline::{Pipeline, PipelineSchedule, loss_and_grads, stage_layers};
+use burn_tp::pipeline::{Pipeline, PipelineSchedule, chunk_layers, loss_and_grads};
 use burn_tp::reshard::Reshard;
 use burn_tp_comm::LocalGroup;
 
@@ -36,15 +37,24 @@ pub(crate) fn bench_pipeline(quick: bool) {
     let pps: &[usize] = if quick { &[2] } else { &[2, 4] };
     let ms: &[usize] = if quick { &[2] } else { &[1, 2, 4, 8] };
     for &pp in pps {
-        for schedule in [PipelineSchedule::GPipe, PipelineSchedule::OneFOneB] {
+        for schedule in [
+            PipelineSchedule::GPipe,
+            PipelineSchedule::OneFOneB,
+            PipelineSchedule::Interleaved { virtual_stages: 2 },
+        ] {
             for &m in ms {
+                let v = schedule.chunks();
+                if v > 1 && (m % pp != 0 || pp * v > layers) {
+                    continue;
+                }
                 let (full, device) = (full.clone(), device.clone());
                 let out = run_local(pp, move |g| {
                     let solo = LocalGroup::new(1).unwrap().remove(0);
-                    let cut = stage_layers(layers, pp, None).unwrap();
+                    let chunks = chunk_layers(layers, pp, schedule, g.rank()).unwrap();
+                    let held: Vec<usize> = chunks.into_iter().flatten().collect();
                     let model = burn_tp::llama::Llama::shard_module(&full, &solo)
                         .unwrap()
-                        .into_stage(cut[g.rank()].clone());
+                        .keep_layers(&held);
                     let pipe = Pipeline::new(&g).unwrap();
                     let ids = |i: usize| {
                         let v: Vec<i64> = (0..seq * micro).map(|j| ((i + j) % 64) as i64).collect();
@@ -60,7 +70,7 @@ pub(crate) fn bench_pipeline(quick: bool) {
                     (s.idle_s, s.step_s)
                 })
                 .unwrap();
-                let theory = (pp - 1) as f64 / (m + pp - 1) as f64;
+                let theory = (pp - 1) as f64 / (m + pp - 1) as f64 / v as f64;
                 let fractions: Vec<f64> = out.iter().map(|(i, s)| i / s).collect();
                 let step_ms = out.iter().map(|x| x.1).fold(0.0, f64::max) * 1e3;
                 let mean = fractions.iter().sum::<f64>() / pp as f64;

@@ -122,9 +122,6 @@ pub struct LlamaOptions {
     pub dropout_seed: u64,
     /// The loss's ignore index.
     pub ignore_index: Option<i64>,
-    /// The whole model's index of the first block held (0 but on a pipeline stage: see
-    /// [`LanguageModel::into_stage`](crate::model::LanguageModel::into_stage)).
-    pub first_layer: usize,
 }
 
 /// The Llama-class model.
@@ -173,6 +170,9 @@ pub struct Llama {
     group: ProcessGroup,
     #[module(skip)]
     options: LlamaOptions,
+    /// The whole model's index of each block held.
+    #[module(skip)]
+    block_ids: Vec<usize>,
 }
 
 impl LlamaConfig {
@@ -236,12 +236,12 @@ impl LlamaConfig {
             norm: norm(group),
             head,
             group: group.clone(),
+            block_ids: (0..self.n_layers).collect(),
             options: LlamaOptions {
                 settings,
                 dropout: self.dropout,
                 dropout_seed: self.dropout_seed,
                 ignore_index: self.ignore_index,
-                first_layer: 0,
             },
         })
     }
@@ -303,8 +303,47 @@ impl Llama {
         self.options
     }
 
-    pub(crate) fn set_first_layer(&mut self, first: usize) {
-        self.options.first_layer = first;
+    /// The whole model's index of each block held, in order (all of them, but on a pipeline
+    /// stage: [`LanguageModel::keep_layers`](crate::model::LanguageModel::keep_layers)).
+    pub fn block_ids(&self) -> &[usize] {
+        &self.block_ids
+    }
+
+    pub(crate) fn keep_blocks(&mut self, layers: &[usize]) {
+        let mut kept = Vec::with_capacity(layers.len());
+        let mut blocks: Vec<Option<_>> = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .map(Some)
+            .collect();
+        for &l in layers {
+            let at = self
+                .block_ids
+                .iter()
+                .position(|&b| b == l)
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{}: block {l} is not held (it holds {:?})",
+                        "Llama", self.block_ids
+                    )
+                });
+            kept.push(blocks[at].take().expect("a block is kept once"));
+        }
+        self.blocks = kept;
+        self.block_ids = layers.to_vec();
+    }
+
+    /// Block `index` of the whole model, if held.
+    pub(crate) fn block_at(
+        &self,
+        index: usize,
+    ) -> TpResult<&<Self as crate::decoder::Decoder>::Block> {
+        let at = self.block_ids.iter().position(|&b| b == index);
+        at.map(|i| &self.blocks[i]).ok_or_else(|| {
+            TpError::Config(format!(
+                "Llama: block {index} is not on this stage (it holds {:?})",
+                self.block_ids
+            ))
+        })
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
@@ -329,6 +368,7 @@ impl Llama {
             head: self.head.in_mode(mode),
             group: self.group,
             options,
+            block_ids: self.block_ids,
         }
     }
 
@@ -405,15 +445,7 @@ impl Llama {
             seed: o.dropout_seed,
             at,
         });
-        let block = index
-            .checked_sub(o.first_layer)
-            .and_then(|i| self.blocks.get(i));
-        let block = block.ok_or_else(|| {
-            TpError::Config(format!(
-                "Llama: block {index} is not on this stage (it holds {:?})",
-                o.first_layer..o.first_layer + self.blocks.len()
-            ))
-        })?;
+        let block = self.block_at(index)?;
         block.try_forward(x, key, o.dropout, index, &self.group, o.settings.mode)
     }
 
@@ -546,4 +578,4 @@ crate::reshard::reshard_fields!(LlamaBlock {
     mlp
 });
 
-crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options });
+crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options, block_ids });
