@@ -281,7 +281,8 @@ fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
 }
 
 /// `train_gpt --pp` (the Llama with dropout 0.1, 4 blocks) gives the loss curve and held-out
-/// losses of the unpipelined run at pp 2 and 4, with tp 2 or dp 2 beside it, both schedules;
+/// losses of the unpipelined run at pp 2 and 4, with tp 2 or dp 2 beside it, every schedule, and
+/// in bf16;
 /// what the pipeline does not run yet is refused, naming the flag.
 #[test]
 fn train_gpt_pipelined_gives_the_unpipelined_curve() {
@@ -362,6 +363,15 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             &format!("{tag}: held-out"),
         );
     }
+    // bf16: activations travel widened and come back in the model's dtype; the micro-batches'
+    // losses round on their own, so bf16's tolerance.
+    let bf16 = |extra: &[&str], out: &str| {
+        let extra = [&["--dtype", "bf16", "--tp", "1"][..], extra].concat();
+        run(&args(&extra, out).unwrap()).unwrap().losses
+    };
+    let want = bf16(&[], "bf16");
+    let got = bf16(&["--pp", "2", "--micro-batches", "2"], "bf16-pp");
+    assert_close(&got, &want, 1e-2, "bf16 at pp 2");
     for (extra, named) in [
         (&["--pp", "2", "--save-every", "2"][..], "--save-every"),
         (

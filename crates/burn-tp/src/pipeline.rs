@@ -31,7 +31,7 @@
 //!
 //! Limits of this first cut: every stage builds the whole model once and keeps its blocks (the
 //! same weights at any number of stages; building only its own is next); activations move as
-//! f32; the data-parallel reduction is the caller's (after the step); no checkpoints across
+//! f32 (a bf16 model's widened, then cast back); the data-parallel reduction is the caller's (after the step); no checkpoints across
 //! stages yet.
 
 use std::ops::Range;
@@ -333,8 +333,11 @@ pub fn loss_and_grads<M: LanguageModel>(
             ..s
         })
     };
-    let to_tensor =
-        |v: Vec<f32>| -> Tensor<3> { Tensor::<3>::from_data(TensorData::new(v, shape), &device) };
+    // Activations travel as f32; a half-precision model gets them back in its dtype.
+    let dtype = model.embedding_weight().val().dtype();
+    let to_tensor = |v: Vec<f32>| -> Tensor<3> {
+        Tensor::<3>::from_data(TensorData::new(v, shape), &device).cast(dtype)
+    };
     // The first virtual stage embeds, the last runs the head.
     let first_virtual = |c: usize| stage == 0 && c == 0;
     let last_virtual = |c: usize| stage == p - 1 && c == v - 1;
@@ -440,6 +443,7 @@ pub fn forward_loss<M: LanguageModel>(
     let len: usize = shape.iter().product();
     let inner = model.valid();
     let device = first.0.device().without_autodiff();
+    let dtype = model.embedding_weight().val().dtype();
     let mut sends = Vec::new();
     let mut sum = 0.0f32;
     for action in actions(schedule, stage, p, m) {
@@ -451,7 +455,7 @@ pub fn forward_loss<M: LanguageModel>(
             inner.embed(ids.clone().inner())?
         } else {
             let v = pipe.links.recv_prev::<f32>(len)?.wait()?;
-            Tensor::<3>::from_data(TensorData::new(v, shape), &device)
+            Tensor::<3>::from_data(TensorData::new(v, shape), &device).cast(dtype)
         };
         for l in chunks[c].clone() {
             x = inner.layer(l, x, None)?;
