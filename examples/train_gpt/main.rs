@@ -33,20 +33,16 @@ fn main() {
                 args.out.display()
             );
             let t = report.checkpoint_times;
-            if args.pp > 1 {
-                println!("checkpoint: none at --pp > 1 (not yet)");
-            } else {
-                println!(
-                    "checkpoint {}: saved in {:.2} s{}",
-                    report.checkpoint.display(),
-                    t.save_s,
-                    if args.resume.is_some() {
-                        format!(", resumed from --resume in {:.2} s", t.load_s)
-                    } else {
-                        String::new()
-                    },
-                );
-            }
+            println!(
+                "checkpoint {}: saved in {:.2} s{}",
+                report.checkpoint.display(),
+                t.save_s,
+                if args.resume.is_some() {
+                    format!(", resumed from --resume in {:.2} s", t.load_s)
+                } else {
+                    String::new()
+                },
+            );
             if let Some(profile) = &report.profile {
                 println!("communication of rank 0 (also in comm.csv):\n{profile}");
             }

@@ -282,7 +282,8 @@ fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
 
 /// `train_gpt --pp` (the Llama with dropout 0.1, 4 blocks) gives the loss curve and held-out
 /// losses of the unpipelined run at pp 2 and 4, with tp 2 or dp 2 beside it, every schedule, and
-/// in bf16;
+/// in bf16; its checkpoint (the whole model's, each stage writing its blocks) resumes at pp 1
+/// and 4 on the uninterrupted curve;
 /// what the pipeline does not run yet is refused, naming the flag.
 #[test]
 fn train_gpt_pipelined_gives_the_unpipelined_curve() {
@@ -299,8 +300,6 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             "llama",
             "--layers",
             "4",
-            "--steps",
-            "4",
             "--batch",
             "8",
             "--seq",
@@ -313,6 +312,9 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             out.to_str().unwrap(),
         ];
         argv.extend_from_slice(extra);
+        if !extra.contains(&"--steps") {
+            argv.extend(["--steps", "4"]);
+        }
         Args::try_parse_from(argv)
     };
     let base = run(&args(&["--tp", "1"], "base").unwrap()).unwrap();
@@ -363,6 +365,39 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             &format!("{tag}: held-out"),
         );
     }
+    // A checkpoint written at pp 2 after 2 steps resumes at pp 1 and at pp 4 on the curve.
+    let first = run(&args(
+        &[
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--steps",
+            "2",
+        ],
+        "first",
+    )
+    .unwrap())
+    .unwrap();
+    let ckpt = first.checkpoint.to_str().unwrap().to_string();
+    for (i, extra) in [
+        &["--tp", "1"][..],
+        &["--tp", "1", "--pp", "4", "--micro-batches", "4"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let extra = [extra, &["--steps", "2", "--resume", &ckpt]].concat();
+        let r = run(&args(&extra, &format!("resumed{i}")).unwrap()).unwrap();
+        assert_close(
+            &r.losses,
+            &base.losses[2..4],
+            1e-5,
+            &format!("{extra:?}: resumed"),
+        );
+    }
     // bf16: activations travel widened and come back in the model's dtype; the micro-batches'
     // losses round on their own, so bf16's tolerance.
     let bf16 = |extra: &[&str], out: &str| {
@@ -373,7 +408,10 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
     let got = bf16(&["--pp", "2", "--micro-batches", "2"], "bf16-pp");
     assert_close(&got, &want, 1e-2, "bf16 at pp 2");
     for (extra, named) in [
-        (&["--pp", "2", "--save-every", "2"][..], "--save-every"),
+        (
+            &["--pp", "2", "--recompute-layers"][..],
+            "--recompute-layers",
+        ),
         (
             &["--pp", "2", "--distributed-optimizer"],
             "--distributed-optimizer",

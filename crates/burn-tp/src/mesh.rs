@@ -37,6 +37,7 @@ pub struct DeviceMesh {
     tp: ProcessGroup,
     dp: ProcessGroup,
     pp: ProcessGroup,
+    replica: ProcessGroup,
     tp_size: usize,
     pp_size: usize,
 }
@@ -70,6 +71,7 @@ impl DeviceMesh {
         let rank = world.rank();
         let stage = n / pp;
         let solo = || -> Result<ProcessGroup> { Ok(LocalGroup::new(1)?.remove(0)) };
+        let dp = n / (tp * pp);
         let (tp_group, dp_group, pp_group) = if tp == n {
             (world.clone(), solo()?, solo()?)
         } else if pp == n {
@@ -81,11 +83,19 @@ impl DeviceMesh {
             let pp_group = world.split(rank % stage, rank)?;
             (tp_group, dp_group, pp_group)
         };
+        // Every rank of this replica (all its stages): the tp group without stages, the world
+        // with one replica.
+        let replica = match (pp, dp) {
+            (1, _) => tp_group.clone(),
+            (_, 1) => world.clone(),
+            _ => world.split(rank / tp % dp, rank)?,
+        };
         Ok(Self {
             world,
             tp: tp_group,
             dp: dp_group,
             pp: pp_group,
+            replica,
             tp_size: tp,
             pp_size: pp,
         })
@@ -110,6 +120,12 @@ impl DeviceMesh {
     /// ([`crate::pipeline::Pipeline::new`] takes it).
     pub fn pp_group(&self) -> &ProcessGroup {
         &self.pp
+    }
+
+    /// Every rank of this data-parallel replica, all its stages in stage order, tp ranks
+    /// adjacent (a pipeline's checkpoint is written by them); the tp group without stages.
+    pub fn replica_group(&self) -> &ProcessGroup {
+        &self.replica
     }
 
     /// Pipeline stages.

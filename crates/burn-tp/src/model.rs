@@ -121,6 +121,10 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// The token embedding's table (`[V_p / tp, d_model]`; the head's weight when tied).
     fn embedding_weight(&self) -> &Param<Tensor<2>>;
 
+    /// How many parameters come before the blocks, in each block, and after them, in visiting
+    /// order (what [`crate::pipeline::stage_map`] places a stage's parameters by).
+    fn param_sections(&self) -> [usize; 3];
+
     /// Block `index` of `x` (`[s(/tp), batch, d_model]`), dropout on as in
     /// [`loss`](Self::loss) with `step`.
     ///
@@ -218,6 +222,14 @@ impl LanguageModel for Gpt {
         &self.tok.weight
     }
 
+    fn param_sections(&self) -> [usize; 3] {
+        [
+            count_params(&self.tok) + 1,
+            self.blocks.first().map_or(0, count_params),
+            count_params(&self.ln_f) + self.head.as_ref().map_or(0, count_params),
+        ]
+    }
+
     fn layer(
         &self,
         index: usize,
@@ -310,6 +322,14 @@ impl LanguageModel for Llama {
         &self.tok.weight
     }
 
+    fn param_sections(&self) -> [usize; 3] {
+        [
+            count_params(&self.tok),
+            self.blocks.first().map_or(0, count_params),
+            count_params(&self.norm) + self.head.as_ref().map_or(0, count_params),
+        ]
+    }
+
     fn layer(
         &self,
         index: usize,
@@ -324,4 +344,17 @@ impl LanguageModel for Llama {
             .loss_of_logits(Decoder::logits(self, x)?, targets, None)?
             .mean)
     }
+}
+
+/// The float parameters of `module`.
+fn count_params<M: Module>(module: &M) -> usize {
+    struct Count(usize);
+    impl burn::module::ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
+            self.0 += 1;
+        }
+    }
+    let mut c = Count(0);
+    module.visit(&mut c);
+    c.0
 }

@@ -29,10 +29,13 @@
 //! The interleaved schedule ([`PipelineSchedule::Interleaved`]) gives each rank several chunks
 //! of blocks ([`chunk_layers`]), a micro-batch crossing the ring once per chunk.
 //!
+//! Checkpoints: [`stage_map`] places a stage's parameters in the whole model, so
+//! [`crate::checkpoint::save_stage`] writes the whole model's checkpoint and any pp resumes it.
+//!
 //! Limits of this first cut: every stage builds the whole model once and keeps its blocks (the
 //! same weights at any number of stages; building only its own is next); activations move as
-//! f32 (a bf16 model's widened, then cast back); the data-parallel reduction is the caller's (after the step); no checkpoints across
-//! stages yet.
+//! f32 (a bf16 model's widened, then cast back); the data-parallel reduction is the caller's
+//! (after the step).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -184,6 +187,36 @@ pub fn stage_layers(
             start - n..start
         })
         .collect())
+}
+
+/// Where stage `stage`'s model (of `stages`; `model`, holding its blocks of a whole model of
+/// `n_layers` blocks) keeps each parameter in the whole model, for the checkpoints: the blocks
+/// under their own indices, the embedding (and the GPT's positions) written by the first stage,
+/// the final norm and the head by the last.
+pub fn stage_map<M: LanguageModel>(
+    model: &M,
+    n_layers: usize,
+    stage: usize,
+    stages: usize,
+) -> crate::checkpoint::StageMap {
+    let [pre, per, post] = model.param_sections();
+    let held = model.held_layers();
+    let mut global = Vec::new();
+    let mut writes = Vec::new();
+    global.extend(0..pre);
+    writes.extend(std::iter::repeat_n(stage == 0, pre));
+    for &b in &held {
+        global.extend(pre + b * per..pre + (b + 1) * per);
+        writes.extend(std::iter::repeat_n(true, per));
+    }
+    let after = pre + n_layers * per;
+    global.extend(after..after + post);
+    writes.extend(std::iter::repeat_n(stage + 1 == stages, post));
+    crate::checkpoint::StageMap {
+        global,
+        writes,
+        total: after + post,
+    }
 }
 
 /// A rank's place in a pipeline: its stage, and its links to the stages before and after it.

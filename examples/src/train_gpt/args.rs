@@ -440,8 +440,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         }
         // What the pipeline does not run yet.
         let refused = [
-            (args.resume.is_some(), "--resume"),
-            (args.save_every.is_some(), "--save-every"),
             (args.export_hf.is_some(), "--export-hf"),
             (args.recompute_layers, "--recompute-layers"),
             (args.overlap_grad_reduce, "--overlap-grad-reduce"),
@@ -450,7 +448,7 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         ];
         if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
             return Err(format!(
-                "--pp {} does not run with {flag} yet (CPU ranks, plain AdamW, no checkpoint)",
+                "--pp {} does not run with {flag} yet (CPU ranks, plain AdamW)",
                 args.pp
             ));
         }

@@ -117,6 +117,10 @@ struct Rank<'a, M: LanguageModel> {
     dp_rank: usize,
     /// With `--pp`: this rank's stage and its links to the others.
     pipe: Option<Pipeline>,
+    /// With `--pp`: every rank of this data-parallel replica (the checkpoint's writers), and
+    /// where this stage's parameters sit in the whole model (set once the model is built).
+    replica: ProcessGroup,
+    stage_map: std::cell::OnceCell<checkpoint::StageMap>,
     device: Device,
     checkpoint: &'a Path,
 }
@@ -155,6 +159,8 @@ pub(super) fn train_rank<M: Trainable>(
         dp_group: mesh.dp_group().clone(),
         dp_rank: mesh.dp_rank(),
         pipe,
+        replica: mesh.replica_group().clone(),
+        stage_map: std::cell::OnceCell::new(),
         world,
         device: device.clone(),
         checkpoint,
@@ -176,13 +182,11 @@ pub(super) fn train_rank<M: Trainable>(
         }
         r.world.barrier()?;
     }
-    // A pipeline stage holds part of the model: no checkpoint or sample yet.
-    if r.pipe.is_none() {
-        let save_start = Instant::now();
-        r.save(&mut model, &mut optim, first_step + args.steps)?;
-        timings.save_s = save_start.elapsed().as_secs_f64();
-    }
-    // The profile covers training only (not the sample below).
+    let save_start = Instant::now();
+    r.save(&mut model, &mut optim, first_step + args.steps)?;
+    timings.save_s = save_start.elapsed().as_secs_f64();
+    // The profile covers training only (not the sample below). A pipeline stage holds part of
+    // the model: no sample yet.
     let profile = r.world.profile();
     let sample = match &r.pipe {
         None => generate(&r.compute(&model), args, data, &r.tp_group, &r.device)?,
@@ -243,7 +247,11 @@ impl<M: Trainable> Rank<'_, M> {
                     pipe.stage(),
                 )?;
                 let layers: Vec<usize> = chunks.into_iter().flatten().collect();
-                model.keep_layers(&layers)
+                let n_layers = model.num_layers();
+                let model = model.keep_layers(&layers);
+                let map = pipeline::stage_map(&model, n_layers, pipe.stage(), pipe.stages());
+                self.stage_map.set(map).expect("the model is built once");
+                model
             }
             None => model,
         };
@@ -255,7 +263,13 @@ impl<M: Trainable> Rank<'_, M> {
         // A resumed run continues where the checkpoint left off: the optimizer state (resharded
         // to this tp) and the step count, so the batches and the AdamW bias correction go on.
         if let Some(dir) = &args.resume {
-            adamw = checkpoint::load_optimizer(adamw, &model, dir, tp_group)?;
+            adamw = match self.stage_map.get() {
+                // This stage's part of the whole model's state.
+                Some(map) => {
+                    checkpoint::load_optimizer_stage(adamw, &model, dir, tp_group.rank(), map)?
+                }
+                None => checkpoint::load_optimizer(adamw, &model, dir, tp_group)?,
+            };
         }
         let bucket_bytes = (args.bucket_mb * (1 << 20) as f64) as usize;
         let zero = match args.distributed_optimizer {
@@ -320,15 +334,28 @@ impl<M: Trainable> Rank<'_, M> {
             optim.adamw = z.to_module_optimizer(&AdamWConfig::new(), model)?;
         }
         let a = self.args;
-        let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config);
-        checkpoint::save(
-            model,
-            Some(&optim.adamw),
-            self.checkpoint,
-            &info,
-            &self.tp_group,
-            self.dp_rank,
-        )?;
+        let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config).with_pp(a.pp);
+        match self.stage_map.get() {
+            // Every stage its blocks, under the whole model's indices: one checkpoint.
+            Some(map) => checkpoint::save_stage(
+                model,
+                Some(&optim.adamw),
+                self.checkpoint,
+                &info,
+                self.tp_group.rank(),
+                &self.replica,
+                self.dp_rank,
+                map,
+            )?,
+            None => checkpoint::save(
+                model,
+                Some(&optim.adamw),
+                self.checkpoint,
+                &info,
+                &self.tp_group,
+                self.dp_rank,
+            )?,
+        }
         self.world.barrier()?;
         Ok(())
     }

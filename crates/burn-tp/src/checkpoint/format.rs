@@ -25,6 +25,9 @@ pub struct CheckpointInfo {
     pub tp: usize,
     /// Data-parallel size of the run that saved it.
     pub dp: usize,
+    /// Pipeline stages of the run that saved it (any number loads it).
+    #[serde(default = "one")]
+    pub pp: usize,
     /// The model's configuration, as JSON, without its `settings` (how the layers run: a
     /// checkpoint resumes in any mode or schedule): [`load`](super::load) refuses a checkpoint of
     /// another configuration.
@@ -48,9 +51,19 @@ impl CheckpointInfo {
             step,
             tp,
             dp,
+            pp: 1,
             config: model_json(config),
         }
     }
+
+    /// The same, saved by a run of `pp` pipeline stages.
+    pub fn with_pp(self, pp: usize) -> Self {
+        Self { pp, ..self }
+    }
+}
+
+fn one() -> usize {
+    1
 }
 
 /// One stored slice of a tensor: rows `offset..offset + (end - start)` (along the stored tensor's

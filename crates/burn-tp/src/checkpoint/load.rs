@@ -11,7 +11,7 @@ use burn_tp_comm::ProcessGroup;
 use serde::Serialize;
 
 use super::format::*;
-use super::{CheckpointInfo, INDEX, ckpt_err};
+use super::{CheckpointInfo, INDEX, StageMap, ckpt_err};
 use crate::Result;
 use crate::reshard::{IndexedState, ParamLayout, Reshard};
 
@@ -125,12 +125,14 @@ pub(crate) fn param_shapes<M: Module>(module: &M) -> Vec<(Vec<usize>, DType)> {
 /// A checkpoint's index, with this rank's layouts and the model's local shapes and dtypes.
 type Opened = (Index, Vec<ParamLayout>, Vec<(Vec<usize>, DType)>);
 
-/// Reads and checks the index of the checkpoint in `dir` against `model`'s layout.
+/// Reads and checks the index of the checkpoint in `dir` against `model`'s layout (at tp rank
+/// `tp_rank`; its parameters the whole model's `map`).
 fn open_index<M: Module + Reshard>(
     model: &M,
     dir: &Path,
     config: Option<&serde_json::Value>,
-    group: &ProcessGroup,
+    tp_rank: usize,
+    map: &StageMap,
 ) -> Result<Opened> {
     let index_path = dir.join(INDEX);
     if !index_path.exists() {
@@ -157,14 +159,13 @@ fn open_index<M: Module + Reshard>(
             ),
         ));
     }
-    let layouts = model.layout(group.rank());
-    if index.params != layouts.len() {
+    let layouts = model.layout(tp_rank);
+    if index.params != map.total || map.global.len() != layouts.len() {
         return Err(ckpt_err(
             &index_path,
             format!(
                 "{} parameters, this model has {}: another model",
-                index.params,
-                layouts.len()
+                index.params, map.total
             ),
         ));
     }
@@ -218,8 +219,25 @@ pub fn load<M: Module + Reshard>(
     config: Option<&impl Serialize>,
     group: &ProcessGroup,
 ) -> Result<(M, CheckpointInfo)> {
+    let map = StageMap::whole(param_shapes(&model).len());
+    load_stage(model, dir, config, group.rank(), &map)
+}
+
+/// [`load`] into a pipeline stage's model: its parameters read under the whole model's indices
+/// (`map`), from a checkpoint saved at any number of stages. `tp_rank`: this rank's
+/// tensor-parallel rank. Local: no communication.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_stage<M: Module + Reshard>(
+    model: M,
+    dir: &Path,
+    config: Option<&impl Serialize>,
+    tp_rank: usize,
+    map: &StageMap,
+) -> Result<(M, CheckpointInfo)> {
     let config = config.map(model_json);
-    let (index, layouts, shapes) = open_index(&model, dir, config.as_ref(), group)?;
+    let (index, layouts, shapes) = open_index(&model, dir, config.as_ref(), tp_rank, map)?;
     let index_path = dir.join(INDEX);
     let mut files = Files {
         dir: dir.to_path_buf(),
@@ -227,7 +245,7 @@ pub fn load<M: Module + Reshard>(
     };
     let mut values = Vec::with_capacity(layouts.len());
     for (k, (layout, (shape, dtype))) in layouts.iter().zip(&shapes).enumerate() {
-        let name = format!("p{k}");
+        let name = format!("p{}", map.global[k]);
         let entry = entry_for(&index, &index_path, &name, layout, *dtype)?;
         let mut dim_first_shape = shape.clone();
         dim_first_shape.swap(0, layout.dim);
@@ -254,7 +272,29 @@ pub fn load_optimizer<M: Module + Reshard>(
     dir: &Path,
     group: &ProcessGroup,
 ) -> Result<ModuleOptimizer> {
-    let (index, layouts, shapes) = open_index(model, dir, None, group)?;
+    let map = StageMap::whole(param_shapes(model).len());
+    load_optimizer_stage(optim, model, dir, group.rank(), &map)
+}
+
+/// [`load_optimizer`] for a pipeline stage's model (see [`load_stage`]).
+///
+/// # Errors
+/// As [`load`].
+pub fn load_optimizer_stage<M: Module + Reshard>(
+    optim: ModuleOptimizer,
+    model: &M,
+    dir: &Path,
+    tp_rank: usize,
+    map: &StageMap,
+) -> Result<ModuleOptimizer> {
+    let (index, layouts, shapes) = open_index(model, dir, None, tp_rank, map)?;
+    // The whole model's index -> this model's.
+    let local: BTreeMap<usize, usize> = map
+        .global
+        .iter()
+        .enumerate()
+        .map(|(k, &g)| (g, k))
+        .collect();
     let index_path = dir.join(INDEX);
     let mut files = Files {
         dir: dir.to_path_buf(),
@@ -262,11 +302,15 @@ pub fn load_optimizer<M: Module + Reshard>(
     };
     let mut state = IndexedState::default();
     for (name, entry) in &index.tensors {
-        let Some((k, field)) = name
+        let Some((g, field)) = name
             .strip_prefix('p')
             .and_then(|n| n.split_once('.'))
             .and_then(|(k, f)| Some((k.parse::<usize>().ok()?, f)))
         else {
+            continue;
+        };
+        // Another stage's parameter.
+        let Some(&k) = local.get(&g) else {
             continue;
         };
         let (Some(layout), Some((shape, _))) = (layouts.get(k), shapes.get(k)) else {
@@ -296,13 +340,19 @@ pub fn load_optimizer<M: Module + Reshard>(
     state.scalars = index
         .scalars
         .iter()
-        .map(|(key, v)| (key.clone(), (*v).into()))
+        .filter_map(|(key, v)| {
+            let (g, rest) = key.split_once('.')?;
+            let k = local.get(&g.parse::<usize>().ok()?)?;
+            Some((format!("{k}.{rest}"), (*v).into()))
+        })
         .collect();
-    for (k, path) in &index.paths {
-        let k = k
+    for (g, path) in &index.paths {
+        let g = g
             .parse::<usize>()
-            .map_err(|e| ckpt_err(&index_path, format!("optimizer path key {k}: {e}")))?;
-        state.paths.insert(k, path.clone());
+            .map_err(|e| ckpt_err(&index_path, format!("optimizer path key {g}: {e}")))?;
+        if let Some(&k) = local.get(&g) {
+            state.paths.insert(k, path.clone());
+        }
     }
     let record = state
         .record(model)

@@ -47,9 +47,34 @@ mod format;
 mod load;
 mod save;
 
+/// Where each of a model's parameters sits in the whole model, and which ones this rank writes:
+/// a pipeline stage holds some blocks (and copies of the embedding and the head), and saves its
+/// blocks under the whole model's parameter indices, so the checkpoint is the whole model's and
+/// resumes at any number of stages ([`crate::pipeline::stage_map`] makes it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageMap {
+    /// The whole model's index of each parameter, in visiting order.
+    pub global: Vec<usize>,
+    /// Whether this rank writes each parameter (a copy held by several stages is written once).
+    pub writes: Vec<bool>,
+    /// The whole model's number of parameters.
+    pub total: usize,
+}
+
+impl StageMap {
+    /// A whole model of `n` parameters.
+    pub fn whole(n: usize) -> Self {
+        Self {
+            global: (0..n).collect(),
+            writes: vec![true; n],
+            total: n,
+        }
+    }
+}
+
 use crate::error::file_error as ckpt_err;
 
 pub use format::{CheckpointInfo, INDEX};
 pub(crate) use load::param_shapes;
-pub use load::{load, load_optimizer};
-pub use save::save;
+pub use load::{load, load_optimizer, load_optimizer_stage, load_stage};
+pub use save::{save, save_stage};

@@ -9,7 +9,7 @@ use burn::tensor::TensorData;
 use burn_tp_comm::ProcessGroup;
 
 use super::format::*;
-use super::{CheckpointInfo, INDEX, ckpt_err};
+use super::{CheckpointInfo, INDEX, StageMap, ckpt_err};
 use crate::Result;
 use crate::reshard::{IndexedState, ParamLayout, Reshard};
 
@@ -30,9 +30,32 @@ pub fn save<M: Module + Reshard>(
     group: &ProcessGroup,
     dp_rank: usize,
 ) -> Result<()> {
+    let map = StageMap::whole(super::param_shapes(model).len());
+    save_stage(model, optim, dir, info, group.rank(), group, dp_rank, &map)
+}
+
+/// [`save`] of a pipeline stage's model: its parameters under the whole model's indices
+/// (`map`), each written by one stage, so the checkpoint is the whole model's. `tp_rank`: this
+/// rank's tensor-parallel rank; collective over `ranks`, every rank of this data-parallel
+/// replica (each stage's tp group).
+///
+/// # Errors
+/// As [`save`].
+#[allow(clippy::too_many_arguments)]
+pub fn save_stage<M: Module + Reshard>(
+    model: &M,
+    optim: Option<&ModuleOptimizer>,
+    dir: &Path,
+    info: &CheckpointInfo,
+    tp_rank: usize,
+    ranks: &ProcessGroup,
+    dp_rank: usize,
+    map: &StageMap,
+) -> Result<()> {
     if dp_rank != 0 {
         return Ok(());
     }
+    let group = ranks;
     let (rank, tp) = (group.rank(), group.world_size());
     let shards = format!("step-{}", info.step);
     let tmp = dir.join(format!("{shards}.tmp"));
@@ -43,7 +66,7 @@ pub fn save<M: Module + Reshard>(
     }
     group.barrier()?;
 
-    let layouts = model.layout(rank);
+    let layouts = model.layout(tp_rank);
     let file = format!("rank-{rank:05}.safetensors");
     let mut part = Part::default();
     let mut stored = Vec::new();
@@ -86,25 +109,35 @@ pub fn save<M: Module + Reshard>(
         Ok(())
     };
     for (k, data) in dim_first_values(model, &layouts).into_iter().enumerate() {
-        store(format!("p{k}"), data, &layouts[k])?;
+        if map.writes[k] {
+            store(format!("p{}", map.global[k]), data, &layouts[k])?;
+        }
     }
     if let Some(optim) = optim {
         let state = IndexedState::of(optim, model)?;
         for ((k, field), data) in state.tensors {
+            if !map.writes[k] {
+                continue;
+            }
             let layout = &layouts[k];
             // The state is shaped like its parameter: store it with the same dim first.
             let data = dim_first(data, layout.dim);
-            store(format!("p{k}.{field}"), data, layout)?;
+            store(format!("p{}.{field}", map.global[k]), data, layout)?;
         }
         part.scalars = state
             .scalars
             .into_iter()
-            .map(|(key, v)| (key, v.into()))
+            .filter_map(|(key, v)| {
+                let (k, rest) = key.split_once('.')?;
+                let k: usize = k.parse().ok()?;
+                map.writes[k].then(|| (format!("{}.{rest}", map.global[k]), v.into()))
+            })
             .collect();
         part.paths = state
             .paths
             .into_iter()
-            .map(|(k, path)| (k.to_string(), path))
+            .filter(|(k, _)| map.writes[*k])
+            .map(|(k, path)| (map.global[k].to_string(), path))
             .collect();
     }
     let path = tmp.join(&file);
@@ -120,7 +153,7 @@ pub fn save<M: Module + Reshard>(
             format: FORMAT.into(),
             info: info.clone(),
             shards: shards.clone(),
-            params: layouts.len(),
+            params: map.total,
             tensors: BTreeMap::new(),
             scalars: BTreeMap::new(),
             paths: BTreeMap::new(),
