@@ -1,5 +1,5 @@
 //! `train_gpt --transport mpi` under `mpirun` (feature `mpi`): the thread run's losses from 4
-//! processes (tp x dp, and tp x pp), and a checkpoint written by 4 processes resumed by 2 and by
+//! processes (tp x dp) and 8 (tp x dp x pp), and a checkpoint written by 4 processes resumed by 2 and by
 //! threads. The ranks are
 //! this test binary running only `mpi_train_gpt_rank` (a no-op in a normal test run).
 #![cfg(feature = "mpi")]
@@ -164,11 +164,14 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         );
     }
 
-    // Pipeline stages as processes: tp 2 x pp 2 (the Llama with dropout, 2 micro-batches).
+    // Pipeline stages as processes: tp 2 x dp 2 x pp 2 (the Llama with dropout, 2 micro-batches
+    // of one sequence per replica).
     let base = [
         "--arch",
         "llama",
         "--tp",
+        "2",
+        "--dp",
         "2",
         "--pp",
         "2",
@@ -178,8 +181,13 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         "6",
     ];
     let want = threads(&base, "pp");
-    let got = mpirun(4, argv(&base, &temp_dir("pp-mpi")), None);
-    assert_close(&got, &want, 1e-5, "mpirun -n 4 tp 2 x pp 2 vs threads");
+    let got = mpirun(8, argv(&base, &temp_dir("pp-mpi")), None);
+    assert_close(
+        &got,
+        &want,
+        1e-5,
+        "mpirun -n 8 tp 2 x dp 2 x pp 2 vs threads",
+    );
 
     // A world that does not match tp x dp is an error naming both, on every process.
     let bad = argv(
