@@ -446,3 +446,38 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
     }
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// A stage built with only its blocks (`init_layers`: the others drawn and dropped at once)
+/// holds the whole model's weights for them, bit for bit, and only them; a block the model does
+/// not have is an error naming it.
+#[test]
+fn a_stage_built_alone_has_the_whole_models_weights() {
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let bits = |m: Vec<Vec<f64>>| -> Vec<Vec<u64>> {
+        m.into_iter()
+            .map(|v| v.into_iter().map(f64::to_bits).collect())
+            .collect()
+    };
+    let layers = [1usize, 3];
+    let llama = LlamaConfig::new(23, SEQ, 16, 4, 2, 4, 32);
+    device().seed(5);
+    let whole = llama.init(&solo, &device()).unwrap().keep_layers(&layers);
+    device().seed(5);
+    let alone = llama.init_layers(&solo, &device(), &layers).unwrap();
+    assert_eq!(alone.held_layers(), layers);
+    assert_eq!(bits(values(&alone)), bits(values(&whole)));
+    let gpt = GptConfig::new(23, SEQ, 16, 4, 4).with_tie_embeddings(true);
+    device().seed(6);
+    let whole = gpt.init(&solo, &device()).unwrap().keep_layers(&layers);
+    device().seed(6);
+    let alone = gpt.init_layers(&solo, &device(), &layers).unwrap();
+    assert_eq!(bits(values(&alone)), bits(values(&whole)));
+    // The embedding, the positions, 2 blocks of 12, the final norm's 2: no other block.
+    assert_eq!(values(&alone).len(), 1 + 1 + 2 * 12 + 2);
+    let e = llama
+        .init_layers(&solo, &device(), &[4])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("block 4") && e.contains("4 blocks"), "{e}");
+}

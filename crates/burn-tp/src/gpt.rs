@@ -127,6 +127,27 @@ impl GptConfig {
     /// # Errors
     /// Sizes not divisible by tp (heads, hidden width); a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Gpt> {
+        self.init_layers(group, device, &(0..self.n_layers).collect::<Vec<_>>())
+    }
+
+    /// [`init`](Self::init) keeping only blocks `layers` (a pipeline stage's, in order): each
+    /// other block is drawn and dropped at once, so the kept ones have the whole model's
+    /// weights, and no more than one block beyond them is ever held. Collective over `group`.
+    ///
+    /// # Errors
+    /// As [`init`](Self::init); a block past `n_layers`.
+    pub fn init_layers(
+        &self,
+        group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> TpResult<Gpt> {
+        if let Some(&l) = layers.iter().find(|&&l| l >= self.n_layers) {
+            return Err(TpError::Config(format!(
+                "Gpt: block {l} of a model of {} blocks",
+                self.n_layers
+            )));
+        }
         let (d, settings) = (self.d_model, self.settings);
         let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
@@ -148,23 +169,27 @@ impl GptConfig {
             std: 0.02,
         };
         let pos = init_replicated(&pos_init, [self.max_seq, d], None, None, group, device)?;
-        let blocks = (0..self.n_layers)
-            .map(|_| {
-                Ok(Block {
-                    ln1: TpLayerNorm::new(d, mode, group, device),
-                    attn: ParallelAttentionConfig::new(d, self.n_heads)
-                        .with_qkv_bias(true)
-                        .with_out_bias(true)
-                        .with_fused_qkv(self.fused_qkv)
-                        .with_settings(settings)
-                        .init(group, device)?,
-                    ln2: TpLayerNorm::new(d, mode, group, device),
-                    mlp: ParallelMlpConfig::new(d, self.d_hidden.unwrap_or(4 * d))
-                        .with_settings(settings)
-                        .init(group, device)?,
-                })
-            })
-            .collect::<TpResult<Vec<_>>>()?;
+        let mut blocks: Vec<Option<Block>> = Vec::with_capacity(self.n_layers);
+        for i in 0..self.n_layers {
+            let block = Block {
+                ln1: TpLayerNorm::new(d, mode, group, device),
+                attn: ParallelAttentionConfig::new(d, self.n_heads)
+                    .with_qkv_bias(true)
+                    .with_out_bias(true)
+                    .with_fused_qkv(self.fused_qkv)
+                    .with_settings(settings)
+                    .init(group, device)?,
+                ln2: TpLayerNorm::new(d, mode, group, device),
+                mlp: ParallelMlpConfig::new(d, self.d_hidden.unwrap_or(4 * d))
+                    .with_settings(settings)
+                    .init(group, device)?,
+            };
+            blocks.push(layers.contains(&i).then_some(block));
+        }
+        let blocks: Vec<Block> = layers
+            .iter()
+            .map(|&l| blocks[l].take().expect("each block kept once"))
+            .collect();
         let spec = LinearSpec::new(settings);
         // The draws of `LinearConfig::new(d, n_vocab).with_bias(false)` at tp = 1, padded.
         let head = (!self.tie_embeddings)
@@ -177,7 +202,7 @@ impl GptConfig {
             ln_f: TpLayerNorm::new(d, mode, group, device),
             head,
             group: group.clone(),
-            block_ids: (0..self.n_layers).collect(),
+            block_ids: layers.to_vec(),
             options: GptOptions {
                 settings,
                 z_loss: self.z_loss,

@@ -27,6 +27,21 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// Sizes that do not fit tp; a communication error.
     fn init(config: &Self::Config, group: &ProcessGroup, device: &Device) -> crate::Result<Self>;
 
+    /// The number of blocks of the model `config` describes.
+    fn config_layers(config: &Self::Config) -> usize;
+
+    /// [`init`](Self::init) keeping only blocks `layers` (a pipeline stage's, in order), with the
+    /// whole model's weights for them, never holding the other blocks at once.
+    ///
+    /// # Errors
+    /// As [`init`](Self::init); a block the model does not have.
+    fn init_stage(
+        config: &Self::Config,
+        group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> crate::Result<Self>;
+
     /// Mean next-token loss of `[seq, batch]` ids and targets; `step`: training step (dropout on
     /// with that step's masks, for this dp rank's part of the global batch), `None`:
     /// evaluation.
@@ -152,6 +167,19 @@ impl LanguageModel for Gpt {
         config.init(group, device)
     }
 
+    fn config_layers(config: &GptConfig) -> usize {
+        config.n_layers
+    }
+
+    fn init_stage(
+        config: &GptConfig,
+        group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> crate::Result<Self> {
+        config.init_layers(group, device, layers)
+    }
+
     fn loss(
         &self,
         ids: Tensor<2, Int>,
@@ -250,6 +278,19 @@ impl LanguageModel for Llama {
 
     fn init(config: &LlamaConfig, group: &ProcessGroup, device: &Device) -> crate::Result<Self> {
         config.init(group, device)
+    }
+
+    fn config_layers(config: &LlamaConfig) -> usize {
+        config.n_layers
+    }
+
+    fn init_stage(
+        config: &LlamaConfig,
+        group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> crate::Result<Self> {
+        config.init_layers(group, device, layers)
     }
 
     fn loss(

@@ -32,10 +32,12 @@
 //! Checkpoints: [`stage_map`] places a stage's parameters in the whole model, so
 //! [`crate::checkpoint::save_stage`] writes the whole model's checkpoint and any pp resumes it.
 //!
-//! Limits of this first cut: every stage builds the whole model once and keeps its blocks (the
-//! same weights at any number of stages; building only its own is next); activations move as
-//! f32 (a bf16 model's widened, then cast back); the data-parallel reduction is the caller's
-//! (after the step).
+//! A stage is built with only its blocks ([`LanguageModel::init_stage`]: the others drawn and
+//! dropped one at a time, so the weights are the whole model's at any number of stages).
+//!
+//! Limits of this first cut: activations move as f32 (a bf16 model's widened, then cast back);
+//! the data-parallel reduction is the caller's (after the step), not overlapped with the last
+//! micro-batch's backward yet.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};

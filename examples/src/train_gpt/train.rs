@@ -214,6 +214,15 @@ impl<M: Trainable> Rank<'_, M> {
         // every rank thread), so every stage has the same weights; each keeps its blocks.
         let stages = self.pipe.as_ref().map_or(1, Pipeline::stages);
         let stage = self.pipe.as_ref().map_or(0, Pipeline::stage);
+        // A stage's blocks (several ranges with the interleaved schedule).
+        let n_layers = M::config_layers(self.config);
+        let held = match &self.pipe {
+            Some(pipe) => {
+                let chunks = chunk_layers(n_layers, stages, pp_schedule(args), pipe.stage())?;
+                Some(chunks.into_iter().flatten().collect::<Vec<usize>>())
+            }
+            None => None,
+        };
         let mut fresh = None;
         for turn in 0..stages {
             if turn == stage {
@@ -221,39 +230,40 @@ impl<M: Trainable> Rank<'_, M> {
                 if stages > 1 && self.dp_rank == 0 && tp_group.rank() == 0 {
                     self.device.seed(args.seed);
                 }
-                fresh = Some(M::init(self.config, tp_group, &self.device)?);
+                fresh = Some(match (&held, &args.init_from) {
+                    // Only this stage's blocks, never the whole model at once; a Hugging Face
+                    // import maps the whole model, then keeps its blocks.
+                    (Some(held), None) => M::init_stage(self.config, tp_group, &self.device, held)?,
+                    _ => M::init(self.config, tp_group, &self.device)?,
+                });
             }
             if stages > 1 && self.dp_rank == 0 {
                 self.pipe.as_ref().expect("stages > 1").group().barrier()?;
             }
         }
         let fresh = fresh.expect("every stage takes its turn");
-        let (model, first_step) = match (&args.resume, &args.init_from) {
-            // Read slice by slice into this rank's shards.
-            (Some(dir), _) => {
-                let (model, info) = checkpoint::load(fresh, dir, Some(self.config), tp_group)?;
+        let fresh = match (&held, &args.init_from) {
+            (Some(held), Some(dir)) => fresh.load_hf(dir, tp_group)?.keep_layers(held),
+            (None, Some(dir)) => fresh.load_hf(dir, tp_group)?,
+            (_, None) => fresh,
+        };
+        if let Some(pipe) = &self.pipe {
+            let map = pipeline::stage_map(&fresh, n_layers, pipe.stage(), pipe.stages());
+            self.stage_map.set(map).expect("the model is built once");
+        }
+        let (model, first_step) = match &args.resume {
+            // Read slice by slice into this rank's shards (a stage's under the whole model's
+            // indices).
+            Some(dir) => {
+                let (model, info) = match self.stage_map.get() {
+                    Some(map) => {
+                        checkpoint::load_stage(fresh, dir, Some(self.config), tp_group.rank(), map)?
+                    }
+                    None => checkpoint::load(fresh, dir, Some(self.config), tp_group)?,
+                };
                 (model, info.step as usize)
             }
-            // A Hugging Face model's weights in place of the drawn ones (each rank its slices).
-            (None, Some(dir)) => (fresh.load_hf(dir, tp_group)?, 0),
-            (None, None) => (fresh, 0),
-        };
-        let model = match &self.pipe {
-            Some(pipe) => {
-                let chunks = chunk_layers(
-                    model.num_layers(),
-                    pipe.stages(),
-                    pp_schedule(args),
-                    pipe.stage(),
-                )?;
-                let layers: Vec<usize> = chunks.into_iter().flatten().collect();
-                let n_layers = model.num_layers();
-                let model = model.keep_layers(&layers);
-                let map = pipeline::stage_map(&model, n_layers, pipe.stage(), pipe.stages());
-                self.stage_map.set(map).expect("the model is built once");
-                model
-            }
-            None => model,
+            None => (fresh, 0),
         };
         if self.dp_rank == 0 {
             self.world.barrier()?;

@@ -182,6 +182,27 @@ impl LlamaConfig {
     /// # Errors
     /// Head counts or widths that do not fit tp; a communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<Llama> {
+        self.init_layers(group, device, &(0..self.n_layers).collect::<Vec<_>>())
+    }
+
+    /// [`init`](Self::init) keeping only blocks `layers` (a pipeline stage's, in order): each
+    /// other block is drawn and dropped at once, so the kept ones have the whole model's
+    /// weights, and no more than one block beyond them is ever held. Collective over `group`.
+    ///
+    /// # Errors
+    /// As [`init`](Self::init); a block past `n_layers`.
+    pub fn init_layers(
+        &self,
+        group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> TpResult<Llama> {
+        if let Some(&l) = layers.iter().find(|&&l| l >= self.n_layers) {
+            return Err(TpError::Config(format!(
+                "Llama: block {l} of a model of {} blocks",
+                self.n_layers
+            )));
+        }
         let (d, settings) = (self.d_model, self.settings);
         let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
@@ -212,18 +233,22 @@ impl LlamaConfig {
             .with_vocab_multiple(self.vocab_multiple)
             .init(group, device)?;
         let norm = |g: &ProcessGroup| TpRmsNorm::new(d, self.norm_eps, mode, g, device);
-        let blocks = (0..self.n_layers)
-            .map(|_| {
-                Ok(LlamaBlock {
-                    attn_norm: norm(group),
-                    attn: attn.init(group, device)?,
-                    mlp_norm: norm(group),
-                    mlp: ParallelSwiGluConfig::new(d, self.d_ff)
-                        .with_settings(settings)
-                        .init(group, device)?,
-                })
-            })
-            .collect::<TpResult<Vec<_>>>()?;
+        let mut blocks: Vec<Option<LlamaBlock>> = Vec::with_capacity(self.n_layers);
+        for i in 0..self.n_layers {
+            let block = LlamaBlock {
+                attn_norm: norm(group),
+                attn: attn.init(group, device)?,
+                mlp_norm: norm(group),
+                mlp: ParallelSwiGluConfig::new(d, self.d_ff)
+                    .with_settings(settings)
+                    .init(group, device)?,
+            };
+            blocks.push(layers.contains(&i).then_some(block));
+        }
+        let blocks: Vec<LlamaBlock> = layers
+            .iter()
+            .map(|&l| blocks[l].take().expect("each block kept once"))
+            .collect();
         let spec = LinearSpec::new(settings);
         let head = (!self.tie_embeddings)
             .then(|| {
@@ -236,7 +261,7 @@ impl LlamaConfig {
             norm: norm(group),
             head,
             group: group.clone(),
-            block_ids: (0..self.n_layers).collect(),
+            block_ids: layers.to_vec(),
             options: LlamaOptions {
                 settings,
                 dropout: self.dropout,
