@@ -91,3 +91,79 @@ pub(crate) trait Decoder {
         self.logits(x)
     }
 }
+
+/// Keeps blocks `layers` (the whole model's indices, in order) of `blocks`, whose whole-model
+/// indices are `ids` (a pipeline stage's: [`crate::model::LanguageModel::keep_layers`]).
+///
+/// # Panics
+/// If a block of `layers` is not held, naming `model` and what it holds.
+pub(crate) fn keep_blocks<B>(
+    model: &str,
+    blocks: &mut Vec<B>,
+    ids: &mut Vec<usize>,
+    layers: &[usize],
+) {
+    let mut held: Vec<Option<B>> = std::mem::take(blocks).into_iter().map(Some).collect();
+    for &l in layers {
+        let at = ids.iter().position(|&b| b == l);
+        let at = at.unwrap_or_else(|| panic!("{model}: block {l} is not held (it holds {ids:?})"));
+        blocks.push(held[at].take().expect("a block is kept once"));
+    }
+    *ids = layers.to_vec();
+}
+
+/// The block of whole-model index `index` among `blocks` (whose indices are `ids`).
+///
+/// # Errors
+/// [`TpError::Config`](crate::TpError::Config) naming `model`, the block and what is held.
+pub(crate) fn block_at<'a, B>(
+    model: &str,
+    blocks: &'a [B],
+    ids: &[usize],
+    index: usize,
+) -> TpResult<&'a B> {
+    let at = ids.iter().position(|&b| b == index);
+    at.map(|i| &blocks[i]).ok_or_else(|| {
+        crate::TpError::Config(format!(
+            "{model}: block {index} is not on this stage (it holds {ids:?})"
+        ))
+    })
+}
+
+/// Draws every block of a model of `n_layers` in order (`make`, which draws block `i`), keeping
+/// blocks `layers` (in that order) and dropping each other one at once: a pipeline stage's
+/// blocks with the whole model's weights, never the whole model in memory.
+///
+/// # Errors
+/// [`TpError::Config`](crate::TpError::Config) naming `model` and a block past `n_layers`; the
+/// first error of `make`.
+pub(crate) fn draw_blocks<B>(
+    model: &str,
+    n_layers: usize,
+    layers: &[usize],
+    mut make: impl FnMut() -> TpResult<B>,
+) -> TpResult<Vec<B>> {
+    check_layers(model, n_layers, layers)?;
+    let mut drawn: Vec<Option<B>> = Vec::with_capacity(n_layers);
+    for i in 0..n_layers {
+        let block = make()?;
+        drawn.push(layers.contains(&i).then_some(block));
+    }
+    Ok(layers
+        .iter()
+        .map(|&l| drawn[l].take().expect("each block kept once"))
+        .collect())
+}
+
+/// Every block of `layers` within a model of `n_layers`.
+///
+/// # Errors
+/// [`TpError::Config`](crate::TpError::Config) naming `model` and the first block past it.
+pub(crate) fn check_layers(model: &str, n_layers: usize, layers: &[usize]) -> TpResult<()> {
+    match layers.iter().find(|&&l| l >= n_layers) {
+        Some(l) => Err(crate::TpError::Config(format!(
+            "{model}: block {l} of a model of {n_layers} blocks"
+        ))),
+        None => Ok(()),
+    }
+}

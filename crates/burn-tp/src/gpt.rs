@@ -142,12 +142,8 @@ impl GptConfig {
         device: &Device,
         layers: &[usize],
     ) -> TpResult<Gpt> {
-        if let Some(&l) = layers.iter().find(|&&l| l >= self.n_layers) {
-            return Err(TpError::Config(format!(
-                "Gpt: block {l} of a model of {} blocks",
-                self.n_layers
-            )));
-        }
+        // Before the first collective, as every size.
+        crate::decoder::check_layers("Gpt", self.n_layers, layers)?;
         let (d, settings) = (self.d_model, self.settings);
         let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
@@ -169,9 +165,8 @@ impl GptConfig {
             std: 0.02,
         };
         let pos = init_replicated(&pos_init, [self.max_seq, d], None, None, group, device)?;
-        let mut blocks: Vec<Option<Block>> = Vec::with_capacity(self.n_layers);
-        for i in 0..self.n_layers {
-            let block = Block {
+        let blocks = crate::decoder::draw_blocks("Gpt", self.n_layers, layers, || {
+            Ok(Block {
                 ln1: TpLayerNorm::new(d, mode, group, device),
                 attn: ParallelAttentionConfig::new(d, self.n_heads)
                     .with_qkv_bias(true)
@@ -183,13 +178,8 @@ impl GptConfig {
                 mlp: ParallelMlpConfig::new(d, self.d_hidden.unwrap_or(4 * d))
                     .with_settings(settings)
                     .init(group, device)?,
-            };
-            blocks.push(layers.contains(&i).then_some(block));
-        }
-        let blocks: Vec<Block> = layers
-            .iter()
-            .map(|&l| blocks[l].take().expect("each block kept once"))
-            .collect();
+            })
+        })?;
         let spec = LinearSpec::new(settings);
         // The draws of `LinearConfig::new(d, n_vocab).with_bias(false)` at tp = 1, padded.
         let head = (!self.tie_embeddings)
@@ -230,26 +220,7 @@ impl Gpt {
     }
 
     pub(crate) fn keep_blocks(&mut self, layers: &[usize]) {
-        let mut kept = Vec::with_capacity(layers.len());
-        let mut blocks: Vec<Option<_>> = std::mem::take(&mut self.blocks)
-            .into_iter()
-            .map(Some)
-            .collect();
-        for &l in layers {
-            let at = self
-                .block_ids
-                .iter()
-                .position(|&b| b == l)
-                .unwrap_or_else(|| {
-                    panic!(
-                        "{}: block {l} is not held (it holds {:?})",
-                        "Gpt", self.block_ids
-                    )
-                });
-            kept.push(blocks[at].take().expect("a block is kept once"));
-        }
-        self.blocks = kept;
-        self.block_ids = layers.to_vec();
+        crate::decoder::keep_blocks("Gpt", &mut self.blocks, &mut self.block_ids, layers);
     }
 
     /// Block `index` of the whole model, if held.
@@ -257,13 +228,7 @@ impl Gpt {
         &self,
         index: usize,
     ) -> TpResult<&<Self as crate::decoder::Decoder>::Block> {
-        let at = self.block_ids.iter().position(|&b| b == index);
-        at.map(|i| &self.blocks[i]).ok_or_else(|| {
-            TpError::Config(format!(
-                "Gpt: block {index} is not on this stage (it holds {:?})",
-                self.block_ids
-            ))
-        })
+        crate::decoder::block_at("Gpt", &self.blocks, &self.block_ids, index)
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in

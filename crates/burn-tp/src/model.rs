@@ -238,12 +238,14 @@ impl LanguageModel for Gpt {
         self.pos.val().dims()[1]
     }
 
-    fn activation_shape(&self, [s, b]: [usize; 2]) -> [usize; 3] {
-        let d = LanguageModel::d_model(self);
-        match self.options().settings.mode {
-            crate::linear::TpMode::AllReduce => [s, b, d],
-            crate::linear::TpMode::ReduceScatter => [s / self.group().world_size(), b, d],
-        }
+    fn activation_shape(&self, ids: [usize; 2]) -> [usize; 3] {
+        let tp = self.group().world_size();
+        activation_shape(
+            self.options().settings.mode,
+            tp,
+            ids,
+            LanguageModel::d_model(self),
+        )
     }
 
     fn embedding_weight(&self) -> &Param<Tensor<2>> {
@@ -351,12 +353,14 @@ impl LanguageModel for Llama {
         self.norm.gamma.val().dims()[0]
     }
 
-    fn activation_shape(&self, [s, b]: [usize; 2]) -> [usize; 3] {
-        let d = LanguageModel::d_model(self);
-        match self.options().settings.mode {
-            crate::linear::TpMode::AllReduce => [s, b, d],
-            crate::linear::TpMode::ReduceScatter => [s / self.group().world_size(), b, d],
-        }
+    fn activation_shape(&self, ids: [usize; 2]) -> [usize; 3] {
+        let tp = self.group().world_size();
+        activation_shape(
+            self.options().settings.mode,
+            tp,
+            ids,
+            LanguageModel::d_model(self),
+        )
     }
 
     fn embedding_weight(&self) -> &Param<Tensor<2>> {
@@ -398,4 +402,17 @@ fn count_params<M: Module>(module: &M) -> usize {
     let mut c = Count(0);
     module.visit(&mut c);
     c.0
+}
+
+/// `[seq, batch, d]`, or `[seq / tp, ..]` in REDUCE_SCATTER mode.
+fn activation_shape(
+    mode: crate::linear::TpMode,
+    tp: usize,
+    [s, b]: [usize; 2],
+    d: usize,
+) -> [usize; 3] {
+    match mode {
+        crate::linear::TpMode::AllReduce => [s, b, d],
+        crate::linear::TpMode::ReduceScatter => [s / tp, b, d],
+    }
 }

@@ -42,13 +42,14 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Param;
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use burn_tp_comm::{ProcessGroup, ReduceOp, RingLinks, Transfer};
 
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
+use crate::recompute::merge;
 use crate::{Result, TpError};
 
 /// The order in which a stage runs its micro-batches' forwards and backwards.
@@ -571,27 +572,6 @@ fn sum_embedding_grad<M: LanguageModel>(
     let g = Tensor::<2>::from_data(TensorData::new(summed, dims), &device);
     total.register(weight.id, g.inner());
     Ok(())
-}
-
-/// Adds the gradients of `model`'s parameters in `grads` to `total`.
-fn merge<M: Module>(total: &mut GradientsParams, grads: Gradients, model: &M) {
-    struct Add<'a> {
-        total: &'a mut GradientsParams,
-        part: GradientsParams,
-    }
-    impl ModuleVisitor for Add<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.part.remove::<D>(param.id) {
-                let g = match self.total.remove::<D>(param.id) {
-                    Some(sum) => sum + g,
-                    None => g,
-                };
-                self.total.register(param.id, g);
-            }
-        }
-    }
-    let part = GradientsParams::from_grads(grads, model);
-    model.visit(&mut Add { total, part });
 }
 
 #[cfg(test)]

@@ -80,7 +80,7 @@ fn take_grad(x: &Tensor<3>, grads: &mut Gradients) -> Tensor<3> {
 }
 
 /// Adds the gradients of `model`'s parameters in `grads` to `total`.
-fn merge<M: Module>(total: &mut GradientsParams, grads: Gradients, model: &M) {
+pub(crate) fn merge<M: Module>(total: &mut GradientsParams, grads: Gradients, model: &M) {
     struct Add<'a> {
         total: &'a mut GradientsParams,
         part: GradientsParams,

@@ -197,12 +197,8 @@ impl LlamaConfig {
         device: &Device,
         layers: &[usize],
     ) -> TpResult<Llama> {
-        if let Some(&l) = layers.iter().find(|&&l| l >= self.n_layers) {
-            return Err(TpError::Config(format!(
-                "Llama: block {l} of a model of {} blocks",
-                self.n_layers
-            )));
-        }
+        // Before the first collective, as every size.
+        crate::decoder::check_layers("Llama", self.n_layers, layers)?;
         let (d, settings) = (self.d_model, self.settings);
         let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
@@ -233,22 +229,16 @@ impl LlamaConfig {
             .with_vocab_multiple(self.vocab_multiple)
             .init(group, device)?;
         let norm = |g: &ProcessGroup| TpRmsNorm::new(d, self.norm_eps, mode, g, device);
-        let mut blocks: Vec<Option<LlamaBlock>> = Vec::with_capacity(self.n_layers);
-        for i in 0..self.n_layers {
-            let block = LlamaBlock {
+        let blocks = crate::decoder::draw_blocks("Llama", self.n_layers, layers, || {
+            Ok(LlamaBlock {
                 attn_norm: norm(group),
                 attn: attn.init(group, device)?,
                 mlp_norm: norm(group),
                 mlp: ParallelSwiGluConfig::new(d, self.d_ff)
                     .with_settings(settings)
                     .init(group, device)?,
-            };
-            blocks.push(layers.contains(&i).then_some(block));
-        }
-        let blocks: Vec<LlamaBlock> = layers
-            .iter()
-            .map(|&l| blocks[l].take().expect("each block kept once"))
-            .collect();
+            })
+        })?;
         let spec = LinearSpec::new(settings);
         let head = (!self.tie_embeddings)
             .then(|| {
@@ -335,26 +325,7 @@ impl Llama {
     }
 
     pub(crate) fn keep_blocks(&mut self, layers: &[usize]) {
-        let mut kept = Vec::with_capacity(layers.len());
-        let mut blocks: Vec<Option<_>> = std::mem::take(&mut self.blocks)
-            .into_iter()
-            .map(Some)
-            .collect();
-        for &l in layers {
-            let at = self
-                .block_ids
-                .iter()
-                .position(|&b| b == l)
-                .unwrap_or_else(|| {
-                    panic!(
-                        "{}: block {l} is not held (it holds {:?})",
-                        "Llama", self.block_ids
-                    )
-                });
-            kept.push(blocks[at].take().expect("a block is kept once"));
-        }
-        self.blocks = kept;
-        self.block_ids = layers.to_vec();
+        crate::decoder::keep_blocks("Llama", &mut self.blocks, &mut self.block_ids, layers);
     }
 
     /// Block `index` of the whole model, if held.
@@ -362,13 +333,7 @@ impl Llama {
         &self,
         index: usize,
     ) -> TpResult<&<Self as crate::decoder::Decoder>::Block> {
-        let at = self.block_ids.iter().position(|&b| b == index);
-        at.map(|i| &self.blocks[i]).ok_or_else(|| {
-            TpError::Config(format!(
-                "Llama: block {index} is not on this stage (it holds {:?})",
-                self.block_ids
-            ))
-        })
+        crate::decoder::block_at("Llama", &self.blocks, &self.block_ids, index)
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
