@@ -399,7 +399,7 @@ pub fn loss_and_grads<M: LanguageModel>(
                     model.embed(ids.clone())?
                 } else {
                     let waiting = Instant::now();
-                    let x = pipe.links.recv_prev::<f32>(len)?.wait()?;
+                    let x = in_profile(|| Ok(pipe.links.recv_prev::<f32>(len)?.wait()?))?;
                     idle += waiting.elapsed();
                     let x = to_tensor(x).require_grad();
                     inputs[at(c, i)] = Some(x.clone());
@@ -412,7 +412,9 @@ pub fn loss_and_grads<M: LanguageModel>(
                     let loss = model.head_loss(x, targets.clone())? / m as f64;
                     losses[at(c, i)] = Some(loss);
                 } else {
-                    sends.push(pipe.links.send_next(to_vec(x.clone().detach())?)?);
+                    sends.push(in_profile(|| {
+                        Ok(pipe.links.send_next(to_vec(x.clone().detach())?)?)
+                    })?);
                     outputs[at(c, i)] = Some(x);
                 }
             }
@@ -425,7 +427,7 @@ pub fn loss_and_grads<M: LanguageModel>(
                     }
                     None => {
                         let waiting = Instant::now();
-                        let dy = pipe.links.recv_next::<f32>(len)?.wait()?;
+                        let dy = in_profile(|| Ok(pipe.links.recv_next::<f32>(len)?.wait()?))?;
                         idle += waiting.elapsed();
                         let y = outputs[at(c, i)].take().expect("the forward ran first");
                         seeded_backward(y, to_tensor(dy))
@@ -435,7 +437,9 @@ pub fn loss_and_grads<M: LanguageModel>(
                     let dx = x
                         .grad_remove(&mut grads)
                         .expect("a stage's input takes part in its output");
-                    sends.push(pipe.links.send_prev(to_vec(Tensor::from_inner(dx))?)?);
+                    sends.push(in_profile(|| {
+                        Ok(pipe.links.send_prev(to_vec(Tensor::from_inner(dx))?)?)
+                    })?);
                 }
                 merge(&mut total, grads, model);
             }
@@ -443,7 +447,7 @@ pub fn loss_and_grads<M: LanguageModel>(
     }
     let waiting = Instant::now();
     for send in sends {
-        send.wait()?;
+        in_profile(|| Ok(send.wait()?))?;
     }
     idle += waiting.elapsed();
     sum_embedding_grad(model, pipe, &mut total)?;
@@ -490,7 +494,7 @@ pub fn forward_loss<M: LanguageModel>(
         let mut x = if stage == 0 && c == 0 {
             inner.embed(ids.clone().inner())?
         } else {
-            let v = pipe.links.recv_prev::<f32>(len)?.wait()?;
+            let v = in_profile(|| Ok(pipe.links.recv_prev::<f32>(len)?.wait()?))?;
             Tensor::<3>::from_data(TensorData::new(v, shape), &device).cast(dtype)
         };
         for l in chunks[c].clone() {
@@ -500,11 +504,11 @@ pub fn forward_loss<M: LanguageModel>(
             let loss = inner.head_loss(x, targets.clone().inner())?;
             sum += loss.into_scalar::<f32>();
         } else {
-            sends.push(pipe.links.send_next(to_vec(x)?)?);
+            sends.push(in_profile(|| Ok(pipe.links.send_next(to_vec(x)?)?))?);
         }
     }
     for send in sends {
-        send.wait()?;
+        in_profile(|| Ok(send.wait()?))?;
     }
     Ok(pipe.is_last().then(|| sum / m as f32))
 }
@@ -531,6 +535,13 @@ fn chunk_runs<M: LanguageModel>(model: &M, v: usize) -> Result<Vec<Vec<usize>>> 
         )));
     }
     Ok(runs)
+}
+
+/// `f`'s transfers counted under their own label in the communication profile (per stage:
+/// what each sent, received and waited), not under the layers'.
+fn in_profile<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let _scope = burn_tp_comm::profile::scope("pipeline transfers");
+    f()
 }
 
 /// An activation's values, as they travel.
