@@ -8,7 +8,7 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{RotaryEncoding, RotaryEncodingConfig};
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_tp_comm::ProcessGroup;
 
 use crate::backend::{AttentionDropout, AttentionSpec, TpBackend};
@@ -308,7 +308,7 @@ impl ParallelAttention {
         dropout: Option<DropoutKey>,
         site: u64,
     ) -> TpResult<Tensor<3>> {
-        let (q, k, v) = self.project(x, 0, None)?;
+        let (q, k, v) = self.project(x, 0)?;
         self.attend(q, k, v, 0, dropout, site, None)
     }
 
@@ -356,7 +356,9 @@ impl ParallelAttention {
                 got: x.dims().to_vec(),
             });
         }
-        let (q, k, v) = self.project(x, start, padding.as_ref().map(|p| &p.rows[..]))?;
+        // Rotary positions stay the batch's (a padded row's shifted by its padding): the scores
+        // depend on position differences only, so each row scores as it would alone.
+        let (q, k, v) = self.project(x, start)?;
         let (k, v, before) = cache.append(k, v);
         let out = self.attend(q, k, v, before, None, 0, padding.as_ref())?;
         if let Some(w) = self.window {
@@ -366,14 +368,8 @@ impl ParallelAttention {
     }
 
     /// This rank's q `[b, hq, s, hd]` and k, v `[b, hkv, s, hd]` of `x` (`[s, b, d_model]`),
-    /// q and k rotated for positions `start..start + s` (with `padding`, sequence `r`'s
-    /// positions counted from its first token, after `padding[r]`).
-    fn project(
-        &self,
-        x: Tensor<3>,
-        start: usize,
-        padding: Option<&[usize]>,
-    ) -> TpResult<(Tensor<4>, Tensor<4>, Tensor<4>)> {
+    /// q and k rotated for positions `start..start + s`.
+    fn project(&self, x: Tensor<3>, start: usize) -> TpResult<(Tensor<4>, Tensor<4>, Tensor<4>)> {
         let tp = self.out.group().world_size();
         let hd = self.head_dim;
         let hq = self.n_heads / tp;
@@ -408,12 +404,8 @@ impl ParallelAttention {
         let rotate = |t: Tensor<4>| match &self.rope {
             Some(rope) => {
                 let dtype = t.dtype();
-                let t = t.cast(rope.freq_complex.dtype());
-                match padding {
-                    Some(padding) => rotate_rows(rope, t, start, padding),
-                    None => rope.apply(t, start),
-                }
-                .cast(dtype)
+                rope.apply(t.cast(rope.freq_complex.dtype()), start)
+                    .cast(dtype)
             }
             None => t,
         };
@@ -546,8 +538,9 @@ pub struct DecodeCache {
     /// One cache per layer, in order.
     pub layers: Vec<KvCache>,
     /// Left padding of each sequence of the batch (empty: none): sequence `r`'s first
-    /// `padding[r]` positions hold no tokens. No query sees them, and its positions (rotary or
-    /// learned) count from its first token, so each sequence gives what it gives alone.
+    /// `padding[r]` positions hold no tokens. No query sees them, and its learned positions
+    /// count from its first token (rotary ones need not: their scores depend on position
+    /// differences only), so each sequence gives what it gives alone.
     pub padding: Vec<usize>,
 }
 
@@ -660,31 +653,6 @@ struct Padding {
     rows: Vec<usize>,
     /// Position of the first key kept (a sliding window's cache drops the earlier ones).
     first_key: usize,
-}
-
-/// `t` (`[b, n, s, hd]`) rotated as Burn's `RotaryEncoding::apply` does, at sequence `r`'s
-/// positions `start + i - padding[r]` (0 for its padding): the same products, one table row
-/// gathered per position.
-fn rotate_rows(rope: &RotaryEncoding, t: Tensor<4>, start: usize, padding: &[usize]) -> Tensor<4> {
-    let [b, n, s, hd] = t.dims();
-    let device = t.device();
-    let positions: Vec<i64> = (0..b)
-        .flat_map(|r| (0..s).map(move |i| (start + i).saturating_sub(padding[r]) as i64))
-        .collect();
-    let index = Tensor::<1, Int>::from_data(TensorData::new(positions, [b * s]), &device);
-    let freq = rope
-        .freq_complex
-        .clone()
-        .select(0, index)
-        .reshape([b, 1, s, hd, 2]);
-    // [[cos, -sin], [sin, cos]] by signed copies of each pair (Burn's construction).
-    let sign = Tensor::<2>::from_floats([[1.0, 0.0, 0.0, 1.0], [0.0, -1.0, 1.0, 0.0]], &device)
-        .cast(freq.dtype());
-    let pairs = t
-        .reshape([b, n, s, hd / 2, 2])
-        .matmul(sign.unsqueeze::<5>())
-        .reshape([b, n, s, hd, 2]);
-    (pairs * freq).sum_dim(4).reshape([b, n, s, hd])
 }
 
 impl crate::linear::InMode for ParallelAttention {

@@ -122,8 +122,8 @@ pub fn generate<M: LanguageModel>(
 }
 
 /// Generates after each of `prompts` (of any lengths) at once, one batch: the prompts are
-/// left-padded to the longest, each sequence's positions count from its first token and no query
-/// sees another's padding ([`DecodeCache::with_padding`]), so each row is what [`generate`] gives
+/// left-padded to the longest, each sequence's learned positions count from its first token
+/// (rotary scores depend on position differences only) and no query sees its padding ([`DecodeCache::with_padding`]), so each row is what [`generate`] gives
 /// for that prompt alone (sampled rows too: each row draws from its own generator of
 /// `options.seed`). Each row stops at its own `options.eos` (its ids end there); the batch stops
 /// when every row has. Collective; every rank returns the same ids.
