@@ -17,7 +17,8 @@ use burn_tp::local::run_local;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::pipeline::{
-    Pipeline, PipelineSchedule, chunk_layers, forward_loss, loss_and_grads, stage_layers,
+    Pipeline, PipelineSchedule, chunk_layers, drop_unused_ends, forward_loss, loss_and_grads,
+    stage_layers,
 };
 use burn_tp::reshard::Reshard;
 use burn_tp_comm::{LocalGroup, ReduceOp};
@@ -115,6 +116,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         let model = M::shard_module(&full, mesh.tp_group())
             .unwrap()
             .keep_layers(&ranges[stage]);
+        let model = drop_unused_ends(model, stage, pp);
         let pipe = Pipeline::new(mesh.pp_group()).unwrap();
         // This replica's rows of the batch, cut into micro-batches.
         let micro: Vec<_> = (0..m)
@@ -134,16 +136,44 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         let loss = out
             .loss
             .map(|l| mesh.dp_group().all_reduce(vec![l], ReduceOp::Avg).unwrap()[0]);
+        let elements: usize = values(&model).iter().map(Vec::len).sum();
+        let empty = values(&model).iter().filter(|v| v.is_empty()).count();
         let (g, has) = gathered(&model, &out.grads);
         let eval = mesh
             .dp_group()
             .all_reduce(vec![eval], ReduceOp::Avg)
             .unwrap()[0];
-        (stage, loss, values(&g), has, out.peak_in_flight, eval)
+        (
+            stage,
+            loss,
+            values(&g),
+            has,
+            out.peak_in_flight,
+            eval,
+            (elements, empty),
+        )
     })
     .unwrap();
+    // The elements of one block (at tp 1), and of the embedding and head around them.
+    let count = |m: &M| values(m).iter().map(Vec::len).sum::<usize>();
+    let ends = count(&want_full.clone().keep_layers(&[]));
+    let per_block = (count(&want_full) - ends) / want_full.num_layers();
     // The reference's gradients, cut as each stage's model.
-    for (stage, loss, got, has, peak, eval) in out {
+    let [pre, _, post] = want_full.param_sections();
+    let tied = want_full.tied_head();
+    for (stage, loss, got, has, peak, eval, (elements, empty)) in out {
+        // A middle stage holds its blocks only (all of it at tp 1); the first stage no final
+        // norm or head, the last no embedding (but a tied head's table).
+        if stage > 0 && stage + 1 < pp && tp == 1 {
+            let blocks = per_block * layers[stage].len();
+            assert_eq!(elements, blocks, "{tag}: stage {stage}'s elements");
+        }
+        let want_empty = match stage {
+            0 => post,
+            s if s + 1 == pp => pre - usize::from(tied),
+            _ => pre + post,
+        };
+        assert_eq!(empty, want_empty, "{tag}: stage {stage}'s empty parameters");
         assert_close(
             &[eval as f64],
             &[want_eval],
@@ -164,7 +194,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
             peak, want_peak,
             "{tag}: stage {stage}: micro-batches held at once"
         );
-        let want_model = want_full.clone().keep_layers(&layers[stage]);
+        let want_model = drop_unused_ends(want_full.clone().keep_layers(&layers[stage]), stage, pp);
         let want = values(&want_model);
         assert_eq!(got.len(), want.len(), "{tag}");
         if stage == pp - 1 {

@@ -160,8 +160,13 @@ impl VocabParallelEmbedding {
     /// A communication error.
     pub fn to_full(&self) -> TpResult<Embedding> {
         let all = all_gather(self.weight.val(), 0, &self.group)?;
+        // An emptied table (a pipeline stage's unused copy) stays empty.
+        let all = match all.dims()[0] {
+            0 => all,
+            _ => all.narrow(0, 0, self.n_vocab),
+        };
         Ok(Embedding {
-            weight: Param::from_tensor(owned(all.narrow(0, 0, self.n_vocab))),
+            weight: Param::from_tensor(owned(all)),
         })
     }
 

@@ -109,7 +109,8 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// stage's, or an interleaved stage's several ranges: [`crate::pipeline`]), the others
     /// dropped. [`layer`](Self::layer) still takes the whole model's indices, so the dropout
     /// masks are the same at any number of stages. The embedding and the head stay (the first
-    /// stage embeds, the last one runs the head; a tied head needs both).
+    /// stage embeds, the last one runs the head; a tied head needs both):
+    /// [`crate::pipeline::drop_unused_ends`] empties them where a stage does not use them.
     ///
     /// # Panics
     /// If a block of `layers` is not held.
@@ -135,6 +136,10 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
 
     /// The token embedding's table (`[V_p / tp, d_model]`; the head's weight when tied).
     fn embedding_weight(&self) -> &Param<Tensor<2>>;
+
+    /// Whether the head is the embedding's table (tied): then the last pipeline stage uses the
+    /// table too, and its gradient is summed over the first and last stages.
+    fn tied_head(&self) -> bool;
 
     /// How many parameters come before the blocks, in each block, and after them, in visiting
     /// order (what [`crate::pipeline::stage_map`] places a stage's parameters by).
@@ -252,6 +257,10 @@ impl LanguageModel for Gpt {
         &self.tok.weight
     }
 
+    fn tied_head(&self) -> bool {
+        self.head.is_none()
+    }
+
     fn param_sections(&self) -> [usize; 3] {
         [
             count_params(&self.tok) + 1,
@@ -350,7 +359,8 @@ impl LanguageModel for Llama {
     }
 
     fn d_model(&self) -> usize {
-        self.norm.gamma.val().dims()[0]
+        // The table's width: a pipeline stage's empty table keeps it.
+        self.embedding_weight().val().dims()[1]
     }
 
     fn activation_shape(&self, ids: [usize; 2]) -> [usize; 3] {
@@ -365,6 +375,10 @@ impl LanguageModel for Llama {
 
     fn embedding_weight(&self) -> &Param<Tensor<2>> {
         &self.tok.weight
+    }
+
+    fn tied_head(&self) -> bool {
+        self.head.is_none()
     }
 
     fn param_sections(&self) -> [usize; 3] {

@@ -42,7 +42,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use burn::module::Param;
+use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use burn_tp_comm::{ProcessGroup, ReduceOp, RingLinks, Transfer};
@@ -195,7 +195,8 @@ pub fn stage_layers(
 /// Where stage `stage`'s model (of `stages`; `model`, holding its blocks of a whole model of
 /// `n_layers` blocks) keeps each parameter in the whole model, for the checkpoints: the blocks
 /// under their own indices, the embedding (and the GPT's positions) written by the first stage,
-/// the final norm and the head by the last.
+/// the final norm and the head by the last. Parameters the stage does not use
+/// ([`drop_unused_ends`]) are neither read nor written.
 pub fn stage_map<M: LanguageModel>(
     model: &M,
     n_layers: usize,
@@ -218,8 +219,73 @@ pub fn stage_map<M: LanguageModel>(
     crate::checkpoint::StageMap {
         global,
         writes,
+        held: used_params(model, stage, stages),
         total: after + post,
     }
+}
+
+/// Stage `stage`'s model (of `stages`) without the parameters the stage never uses: the
+/// embedding (and the GPT's positions) but on the first stage, and the table on the last when
+/// the head is tied to it; the final norm and the head but on the last stage. Each is left
+/// empty (its first dimension 0) and frozen, so a middle stage holds its blocks only (Megatron's
+/// stages do not build them), and no optimizer state or gradient bucket waits for them.
+/// [`stage_map`] neither reads nor writes them. A model with one stage is returned as it is.
+pub fn drop_unused_ends<M: LanguageModel>(model: M, stage: usize, stages: usize) -> M {
+    struct Emptier {
+        used: Vec<bool>,
+        slot: usize,
+    }
+    impl ModuleMapper for Emptier {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let used = self.used.get(self.slot).copied().unwrap_or(true);
+            self.slot += 1;
+            if used {
+                return param;
+            }
+            param
+                .map(|t| {
+                    let mut dims = t.dims();
+                    dims[0] = 0;
+                    Tensor::<D>::zeros(dims, &t.device()).cast(t.dtype())
+                })
+                .set_require_grad(false)
+        }
+    }
+    let used = used_params(&model, stage, stages);
+    model.map(&mut Emptier { used, slot: 0 })
+}
+
+/// Per parameter (visiting order): whether stage `stage` of `stages` uses it.
+fn used_params<M: LanguageModel>(model: &M, stage: usize, stages: usize) -> Vec<bool> {
+    struct Find {
+        id: burn::module::ParamId,
+        slot: usize,
+        at: Option<usize>,
+    }
+    impl ModuleVisitor for Find {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.id == self.id {
+                self.at.get_or_insert(self.slot);
+            }
+            self.slot += 1;
+        }
+    }
+    let [pre, per, post] = model.param_sections();
+    let (first, last) = (stage == 0, stage + 1 == stages);
+    let mut find = Find {
+        id: model.embedding_weight().id,
+        slot: 0,
+        at: None,
+    };
+    model.visit(&mut find);
+    let table = find.at;
+    let tied = model.tied_head();
+    let mut used: Vec<bool> = (0..pre)
+        .map(|k| first || (last && tied && Some(k) == table))
+        .collect();
+    used.extend(std::iter::repeat_n(true, per * model.num_layers()));
+    used.extend(std::iter::repeat_n(last, post));
+    used
 }
 
 /// A rank's place in a pipeline: its stage, and its links to the stages before and after it.
@@ -568,6 +634,10 @@ fn sum_embedding_grad<M: LanguageModel>(
     let Some(ends) = &pipe.ends else {
         return Ok(());
     };
+    // Untied, the last stage does not use the table.
+    if !model.tied_head() {
+        return Ok(());
+    }
     let weight: &Param<Tensor<2>> = model.embedding_weight();
     let w = weight.val();
     let (dims, device) = (w.dims(), w.device());

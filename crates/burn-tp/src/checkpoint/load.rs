@@ -245,6 +245,10 @@ pub fn load_stage<M: Module + Reshard>(
     };
     let mut values = Vec::with_capacity(layouts.len());
     for (k, (layout, (shape, dtype))) in layouts.iter().zip(&shapes).enumerate() {
+        if !map.held[k] {
+            values.push(None);
+            continue;
+        }
         let name = format!("p{}", map.global[k]);
         let entry = entry_for(&index, &index_path, &name, layout, *dtype)?;
         let mut dim_first_shape = shape.clone();
@@ -293,6 +297,7 @@ pub fn load_optimizer_stage<M: Module + Reshard>(
         .global
         .iter()
         .enumerate()
+        .filter(|&(k, _)| map.held[k])
         .map(|(k, &g)| (g, k))
         .collect();
     let index_path = dir.join(INDEX);

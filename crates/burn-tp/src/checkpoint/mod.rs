@@ -57,6 +57,9 @@ pub struct StageMap {
     pub global: Vec<usize>,
     /// Whether this rank writes each parameter (a copy held by several stages is written once).
     pub writes: Vec<bool>,
+    /// Whether this rank holds each parameter: a stage's unused copies of the embedding or the
+    /// head are empty ([`crate::pipeline::drop_unused_ends`]), neither read nor written.
+    pub held: Vec<bool>,
     /// The whole model's number of parameters.
     pub total: usize,
 }
@@ -67,6 +70,7 @@ impl StageMap {
         Self {
             global: (0..n).collect(),
             writes: vec![true; n],
+            held: vec![true; n],
             total: n,
         }
     }

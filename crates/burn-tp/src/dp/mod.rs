@@ -73,7 +73,8 @@ pub fn broadcast_parameters<M: Module>(module: M, dp_group: &ProcessGroup) -> Re
     }
     impl burn::module::ModuleMapper for Broadcaster<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            if self.error.is_some() {
+            // An empty parameter (a pipeline stage's unused copy) has nothing to send.
+            if self.error.is_some() || param.val().shape().num_elements() == 0 {
                 return param;
             }
             let group = self.group;
