@@ -257,6 +257,148 @@ fn pipelined_losses_and_gradients_equal_the_whole_model() {
     }
 }
 
+/// Under a pipeline the data-parallel reduction overlapped in buckets (each bucket started by
+/// its parameters' last micro-batch's backward, a tied embedding summed over the first and last
+/// stages in a bucket of its own) gives the gradients of the plain reduction after the step, and
+/// the distributed optimizer's step (the tied table's chunk summed over the ends) the
+/// parameters of Burn's AdamW on them: tp 1 and 2 x dp 2 x pp 2, 1F1B and interleaved, the GPT
+/// tied and untied and the Llama with dropout, buckets of every size.
+#[test]
+fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
+    use burn::optim::AdamWConfig;
+    use burn_tp::dp::{DistributedAdamW, GradReducer};
+    use burn_tp::pipeline::loss_and_grads_overlapped;
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    fn run<M: LanguageModel + Send + Sync + 'static>(
+        tag: &str,
+        full: M,
+        tp: usize,
+        schedule: PipelineSchedule,
+        step: Option<DropoutStep>,
+    ) {
+        let (dp, pp, m) = (2, 2, 4);
+        let rows = m * MICRO;
+        let (x, y) = (ids(dp * rows, 2), ids(dp * rows, 6));
+        let n = full.num_layers();
+        let tag = format!("{tag} tp {tp} {schedule:?}");
+        let out = run_local(tp * dp * pp, move |world| {
+            let mesh = DeviceMesh::with_pipeline(world, tp, pp).unwrap();
+            let (stage, replica) = (mesh.pp_rank(), mesh.dp_rank());
+            let layers: Vec<usize> = chunk_layers(n, pp, schedule, stage)
+                .unwrap()
+                .into_iter()
+                .flatten()
+                .collect();
+            let model = M::shard_module(&full, mesh.tp_group())
+                .unwrap()
+                .keep_layers(&layers);
+            let model = drop_unused_ends(model, stage, pp);
+            let pipe = Pipeline::new(mesh.pp_group()).unwrap();
+            let micro: Vec<_> = (0..m)
+                .map(|i| {
+                    let cut =
+                        |t: &Tensor<2, Int>| t.clone().narrow(1, replica * rows + i * MICRO, MICRO);
+                    (cut(&x), cut(&y))
+                })
+                .collect();
+            let step = step.map(|s| s.with_batch(replica * rows, dp * rows));
+            let dp_group = mesh.dp_group();
+            // The plain reduction after the step, and one AdamW step on it.
+            let mut plain = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
+            average_gradients(&model, &mut plain.grads, dp_group).unwrap();
+            let want = values(&gathered(&model, &plain.grads).0);
+            let mut adamw = AdamWConfig::new().init();
+            let stepped = adamw.step(1e-2, model.clone(), plain.grads);
+            let want_step = values(&stepped.to_full_module().unwrap());
+            let summed = pipe.tied_embedding(&model);
+            let mut got = Vec::new();
+            // Buckets of one parameter each, and of everything at once.
+            for bytes in [1, 1 << 30] {
+                let r = GradReducer::new_summed(&model, dp_group, bytes, summed.clone());
+                let out =
+                    loss_and_grads_overlapped(&model, &pipe, &micro, schedule, step, &r).unwrap();
+                let mut grads = out.grads;
+                r.finish(&model, &mut grads).unwrap();
+                got.push(values(&gathered(&model, &grads).0));
+            }
+            let mut zero = DistributedAdamW::new_summed(
+                &AdamWConfig::new(),
+                &model,
+                dp_group,
+                64,
+                summed.clone(),
+            );
+            let out =
+                loss_and_grads_overlapped(&model, &pipe, &micro, schedule, step, zero.reducer())
+                    .unwrap();
+            let zeroed = zero.step(1e-2, model.clone(), out.grads).unwrap();
+            let got_step = values(&zeroed.to_full_module().unwrap());
+            (stage, want, got, want_step, got_step, summed.is_some())
+        })
+        .unwrap();
+        let mut tied_stages = 0;
+        for (stage, want, got, want_step, got_step, summed) in out {
+            tied_stages += usize::from(summed);
+            for (k, got) in got.iter().enumerate() {
+                assert_eq!(got.len(), want.len(), "{tag}");
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_close(
+                        g,
+                        w,
+                        1e-6,
+                        &format!("{tag}: stage {stage} buckets {k} param {i}"),
+                    );
+                }
+            }
+            for (i, (g, w)) in got_step.iter().zip(&want_step).enumerate() {
+                assert_close(
+                    g,
+                    w,
+                    1e-6,
+                    &format!("{tag}: stage {stage} zero step param {i}"),
+                );
+            }
+        }
+        assert_eq!(
+            tied_stages,
+            if tag.contains("tied true") {
+                tp * dp * pp
+            } else {
+                0
+            },
+            "{tag}"
+        );
+    }
+    for tp in [1, 2] {
+        for schedule in [
+            PipelineSchedule::OneFOneB,
+            PipelineSchedule::Interleaved { virtual_stages: 2 },
+        ] {
+            for tied in [false, true] {
+                device().seed(11);
+                let gpt = GptConfig::new(23, SEQ, 16, 4, 4)
+                    .with_tie_embeddings(tied)
+                    .init(&solo, &device())
+                    .unwrap();
+                run(&format!("gpt tied {tied}"), gpt, tp, schedule, None);
+            }
+            device().seed(12);
+            let llama = LlamaConfig::new(23, SEQ, 16, 4, 2, 4, 32)
+                .with_dropout(0.2)
+                .init(&solo, &device())
+                .unwrap();
+            run(
+                "llama dropout",
+                llama,
+                tp,
+                schedule,
+                Some(DropoutStep::new(4)),
+            );
+        }
+    }
+}
+
 /// A stage that fails ends every stage with an error within the timeout, and stages that pass
 /// different numbers of micro-batches get an error naming each stage's.
 #[test]
@@ -312,7 +454,8 @@ fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
 
 /// `train_gpt --pp` (the Llama with dropout 0.1, 4 blocks) gives the loss curve and held-out
 /// losses of the unpipelined run at pp 2 and 4, with tp 2 or dp 2 beside it, every schedule, and
-/// in bf16; its checkpoint (the whole model's, each stage writing its blocks) resumes at pp 1
+/// in bf16, with the dp reduction overlapped in buckets or sharded (the distributed
+/// optimizer); its checkpoint (the whole model's, each stage writing its blocks) resumes at pp 1
 /// and 4 on the uninterrupted curve;
 /// what the pipeline does not run yet is refused, naming the flag.
 #[test]
@@ -380,6 +523,31 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             "--pp-schedule",
             "interleaved",
         ],
+        // The dp reduction in buckets overlapped with the backwards, and sharded.
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--overlap-grad-reduce",
+            "--bucket-mb",
+            "0.01",
+        ],
+        &[
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--pp-schedule",
+            "interleaved",
+            "--distributed-optimizer",
+        ],
     ]
     .into_iter()
     .enumerate()
@@ -441,10 +609,6 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
         (
             &["--pp", "2", "--recompute-layers"][..],
             "--recompute-layers",
-        ),
-        (
-            &["--pp", "2", "--distributed-optimizer"],
-            "--distributed-optimizer",
         ),
         (&["--pp", "8"], "--layers 4"),
         (&["--pp", "2", "--micro-batches", "3"], "--micro-batches 3"),

@@ -35,18 +35,21 @@
 //! A stage is built with only its blocks ([`LanguageModel::init_stage`]: the others drawn and
 //! dropped one at a time, so the weights are the whole model's at any number of stages).
 //!
-//! Limits of this first cut: activations move as f32 (a bf16 model's widened, then cast back);
-//! the data-parallel reduction is the caller's (after the step), not overlapped with the last
-//! micro-batch's backward yet.
+//! The data-parallel reduction is the caller's: after the step ([`loss_and_grads`], then
+//! [`crate::dp::average_gradients`]), or overlapped with the backwards in buckets
+//! ([`loss_and_grads_overlapped`], with [`GradReducer`] or the distributed optimizer).
+//!
+//! Limits of this first cut: activations move as f32 (a bf16 model's widened, then cast back).
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use burn::module::{ModuleMapper, ModuleVisitor, Param};
+use burn::module::{ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use burn_tp_comm::{ProcessGroup, ReduceOp, RingLinks, Transfer};
 
+use crate::dp::GradReducer;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
 use crate::recompute::merge;
@@ -329,6 +332,16 @@ impl Pipeline {
         &self.group
     }
 
+    /// The embedding's table and the group of the first and last stages, on those stages of a
+    /// model whose head is tied to the table (its gradient is summed over them): for
+    /// [`GradReducer::new_summed`] and [`crate::dp::DistributedAdamW::new_summed`].
+    pub fn tied_embedding<M: LanguageModel>(&self, model: &M) -> Option<(ParamId, ProcessGroup)> {
+        let ends = self.ends.as_ref()?;
+        model
+            .tied_head()
+            .then(|| (model.embedding_weight().id, ends.clone()))
+    }
+
     /// `value` of the last stage, on every stage (a loss, to report it everywhere). Collective.
     ///
     /// # Errors
@@ -382,6 +395,44 @@ pub fn loss_and_grads<M: LanguageModel>(
     micro_batches: &[MicroBatch],
     schedule: PipelineSchedule,
     step: Option<DropoutStep>,
+) -> Result<PipelineStep> {
+    let mut out = run_step(model, pipe, micro_batches, schedule, step, None)?;
+    sum_embedding_grad(model, pipe, &mut out.grads)?;
+    Ok(out)
+}
+
+/// [`loss_and_grads`] with the data-parallel reduction overlapped with the backwards (Megatron's
+/// `overlap_grad_reduce` under a pipeline): each forward runs on a view of `model` with
+/// `reducer`'s taps ([`GradReducer`], or [`crate::dp::DistributedAdamW::reducer`]), and before
+/// each backward the reducer is told whether it is the last micro-batch through its chunk, so a
+/// bucket starts once its parameters' gradients are complete, while the other micro-batches and
+/// chunks are still running. Finish with [`GradReducer::finish`] or
+/// [`crate::dp::DistributedAdamW::step`]: the gradients returned are this rank's own until
+/// then. A tied embedding's sum over the first and last stages is the reducer's: build it with
+/// [`Pipeline::tied_embedding`] ([`GradReducer::new_summed`]). Collective over the pipeline.
+///
+/// # Errors
+/// As [`loss_and_grads`].
+pub fn loss_and_grads_overlapped<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+    reducer: &GradReducer,
+) -> Result<PipelineStep> {
+    reducer.begin(false);
+    run_step(model, pipe, micro_batches, schedule, step, Some(reducer))
+}
+
+/// The schedule's forwards and backwards (the embedding's sum over the ends left out).
+fn run_step<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+    reducer: Option<&GradReducer>,
 ) -> Result<PipelineStep> {
     let started = Instant::now();
     let mut idle = Duration::ZERO;
@@ -461,6 +512,9 @@ pub fn loss_and_grads<M: LanguageModel>(
                 held += 1;
                 peak_in_flight = peak_in_flight.max(held);
                 let (ids, targets) = &micro_batches[i];
+                // A tap is one node of one graph: a view per forward.
+                let tapped = reducer.map(|r| r.view(model.clone()));
+                let model = tapped.as_ref().unwrap_or(model);
                 let mut x = if first_virtual(c) {
                     model.embed(ids.clone())?
                 } else {
@@ -486,6 +540,10 @@ pub fn loss_and_grads<M: LanguageModel>(
             }
             Action::Backward { chunk: c, micro: i } => {
                 held -= 1;
+                // A chunk's parameters are complete after its last micro-batch's backward.
+                if let Some(r) = reducer {
+                    r.set_last_micro_batch(i + 1 == m);
+                }
                 let mut grads = match losses[at(c, i)].take() {
                     Some(loss) => {
                         loss_sum += loss.clone().into_scalar::<f32>();
@@ -516,7 +574,6 @@ pub fn loss_and_grads<M: LanguageModel>(
         in_profile(|| Ok(send.wait()?))?;
     }
     idle += waiting.elapsed();
-    sum_embedding_grad(model, pipe, &mut total)?;
     Ok(PipelineStep {
         loss: pipe.is_last().then_some(loss_sum),
         grads: total,

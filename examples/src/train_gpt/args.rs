@@ -442,13 +442,11 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         let refused = [
             (args.export_hf.is_some(), "--export-hf"),
             (args.recompute_layers, "--recompute-layers"),
-            (args.overlap_grad_reduce, "--overlap-grad-reduce"),
-            (args.distributed_optimizer, "--distributed-optimizer"),
             (args.device == DeviceKind::Cuda, "--device cuda"),
         ];
         if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
             return Err(format!(
-                "--pp {} does not run with {flag} yet (CPU ranks, plain AdamW)",
+                "--pp {} does not run with {flag} yet (CPU ranks)",
                 args.pp
             ));
         }

@@ -287,13 +287,16 @@ impl<M: Trainable> Rank<'_, M> {
             };
         }
         let bucket_bytes = (args.bucket_mb * (1 << 20) as f64) as usize;
+        // A tied embedding's gradient, summed over the first and last stages by the buckets.
+        let summed = self.pipe.as_ref().and_then(|p| p.tied_embedding(&model));
         let zero = match args.distributed_optimizer {
             true => {
-                let mut zero = DistributedAdamW::new(
+                let mut zero = DistributedAdamW::new_summed(
                     &AdamWConfig::new(),
                     &model,
                     &self.dp_group,
                     bucket_bytes,
+                    summed.clone(),
                 );
                 // This rank's chunks of a resumed state (saved at any dp).
                 zero.shard_module_optimizer(&adamw, &model)?;
@@ -303,7 +306,7 @@ impl<M: Trainable> Rank<'_, M> {
         };
         let replicated = zero.is_none().then(|| ReplicatedGrads::new(tp_group));
         let reducer = (args.overlap_grad_reduce && zero.is_none())
-            .then(|| GradReducer::new(&model, &self.dp_group, bucket_bytes));
+            .then(|| GradReducer::new_summed(&model, &self.dp_group, bucket_bytes, summed));
         let optim = Optimizer {
             adamw,
             zero,
@@ -522,7 +525,18 @@ impl<M: Trainable> Rank<'_, M> {
         let args = self.args;
         let micro = micro_batches(ids, targets, args.micro_batches);
         let schedule = pp_schedule(args);
-        let run = || pipeline::loss_and_grads(&working, pipe, &micro, schedule, Some(dropout));
+        // With buckets, each starts as its parameters' last micro-batch's backward ends.
+        let buckets = match (&optim.zero, &optim.reducer) {
+            (Some(z), _) => Some(z.reducer()),
+            (None, r) => r.as_ref(),
+        };
+        let dropout = Some(dropout);
+        let run = || match buckets {
+            Some(r) => {
+                pipeline::loss_and_grads_overlapped(&working, pipe, &micro, schedule, dropout, r)
+            }
+            None => pipeline::loss_and_grads(&working, pipe, &micro, schedule, dropout),
+        };
         let out = match &optim.replicated {
             Some(r) => r.scope(run)?,
             None => run()?,
@@ -533,11 +547,20 @@ impl<M: Trainable> Rank<'_, M> {
             return Ok((model, value));
         }
         let mut grads = out.grads;
+        if let Some(z) = &mut optim.zero {
+            cast_grads(&working, &mut grads, FloatDType::F32);
+            return Ok((z.step(args.lr, model, grads)?, value));
+        }
+        if let Some(r) = &optim.reducer {
+            r.finish(&working, &mut grads)?;
+        }
         cast_grads(&working, &mut grads, FloatDType::F32);
         if let Some(r) = &optim.replicated {
             r.finish(&working, &mut grads)?;
         }
-        average_gradients(&model, &mut grads, &self.dp_group)?;
+        if optim.reducer.is_none() {
+            average_gradients(&model, &mut grads, &self.dp_group)?;
+        }
         Ok((optim.adamw.step(args.lr, model, grads), value))
     }
 

@@ -4,10 +4,12 @@ use std::fmt;
 use std::sync::Arc;
 
 use burn::backend::Dispatch;
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use burn_tp_comm::ProcessGroup;
+use burn_tp_comm::{ProcessGroup, ReduceOp};
+
+use crate::ops::all_reduce;
 
 use crate::backend::TpBackend;
 use crate::backend::grad_tap::{GradTap, TapShared, TapState};
@@ -39,6 +41,9 @@ use crate::{Result, TpError};
 pub struct GradReducer {
     shared: Arc<TapShared>,
     group: ProcessGroup,
+    /// A parameter whose gradient is also summed over another group (its slot, in a bucket of
+    /// its own): a tied embedding over a pipeline's first and last stages.
+    summed: Option<(usize, ProcessGroup)>,
     /// Per slot: its elements, and its offset in its bucket.
     numel: Vec<usize>,
     offset: Vec<usize>,
@@ -63,7 +68,20 @@ impl GradReducer {
     /// A reducer for `model`'s trainable parameters over `dp_group`, in buckets of at most
     /// `bucket_bytes`.
     pub fn new<M: Module>(model: &M, dp_group: &ProcessGroup, bucket_bytes: usize) -> Self {
-        Self::build(model, dp_group, bucket_bytes, false)
+        Self::build(model, dp_group, bucket_bytes, false, None)
+    }
+
+    /// [`new`](Self::new), with the gradient of parameter `summed.0` also summed over group
+    /// `summed.1` after its average over dp: a tied embedding over a pipeline's first and last
+    /// stages ([`crate::pipeline::Pipeline::tied_embedding`]). It gets a bucket of its own (as
+    /// in Megatron), so its chunks line up on both stages under the distributed optimizer.
+    pub fn new_summed<M: Module>(
+        model: &M,
+        dp_group: &ProcessGroup,
+        bucket_bytes: usize,
+        summed: Option<(ParamId, ProcessGroup)>,
+    ) -> Self {
+        Self::build(model, dp_group, bucket_bytes, false, summed)
     }
 
     /// With `scatter`, each bucket is reduce-scattered (zero-padded to a multiple of the dp
@@ -73,28 +91,42 @@ impl GradReducer {
         dp_group: &ProcessGroup,
         bucket_bytes: usize,
         scatter: bool,
+        summed: Option<(ParamId, ProcessGroup)>,
     ) -> Self {
-        struct Sizes(Vec<(usize, usize, bool)>);
+        struct Sizes(Vec<(usize, usize, bool, ParamId)>);
         impl ModuleVisitor for Sizes {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let t = param.val();
                 let n = t.shape().num_elements();
-                self.0.push((n, n * t.dtype().size(), t.is_require_grad()));
+                self.0
+                    .push((n, n * t.dtype().size(), t.is_require_grad(), param.id));
             }
         }
         let mut sizes = Sizes(Vec::new());
         model.visit(&mut sizes);
         let sizes = sizes.0;
+        let summed = summed.and_then(|(id, group)| {
+            let slot = sizes.iter().position(|s| s.3 == id && s.2)?;
+            Some((slot, group))
+        });
+        let alone = summed.as_ref().map(|s| s.0);
         let mut bucket_of = vec![None; sizes.len()];
         let mut buckets: Vec<Vec<usize>> = Vec::new();
         let mut filled = 0usize;
+        let mut after_alone = false;
         // Reverse visiting order: the backward produces the last layers' gradients first.
         for slot in (0..sizes.len()).rev().filter(|&s| sizes[s].2) {
             let bytes = sizes[slot].1;
-            if buckets.is_empty() || (filled > 0 && filled + bytes > bucket_bytes) {
+            let own = alone == Some(slot);
+            if buckets.is_empty()
+                || own
+                || after_alone
+                || (filled > 0 && filled + bytes > bucket_bytes)
+            {
                 buckets.push(Vec::new());
                 filled = 0;
             }
+            after_alone = own;
             buckets.last_mut().expect("a bucket").push(slot);
             bucket_of[slot] = Some(buckets.len() - 1);
             filled += bytes;
@@ -129,9 +161,25 @@ impl GradReducer {
                 state: std::sync::Mutex::new(state),
             }),
             group: dp_group.clone(),
+            summed,
             numel: sizes.iter().map(|s| s.0).collect(),
             offset,
         }
+    }
+
+    /// Whether the coming backward completes its parameters' gradients for the step (each
+    /// bucket starts once all its parameters have delivered in such a backward): a pipeline's
+    /// schedule tells it before each backward.
+    pub(crate) fn set_last_micro_batch(&self, last: bool) {
+        let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.last = last;
+    }
+
+    /// The parameter summed over another group after its dp average, and its bucket.
+    pub(crate) fn summed(&self) -> Option<(usize, usize, &ProcessGroup)> {
+        let (slot, group) = self.summed.as_ref()?;
+        let bucket = self.shared.bucket_of[*slot]?;
+        Some((*slot, bucket, group))
     }
 
     /// Buckets (each one all-reduce per step).
@@ -143,13 +191,23 @@ impl GradReducer {
     /// it. `last_micro_batch`: this backward's gradients complete the step's (the buckets start);
     /// earlier micro-batches only accumulate.
     pub fn attach<M: Module>(&self, model: M, last_micro_batch: bool) -> M {
-        {
-            let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
-            st.last = last_micro_batch;
-            for (b, slots) in self.shared.buckets.iter().enumerate() {
-                st.remaining[b] = slots.len();
-            }
+        self.begin(last_micro_batch);
+        self.view(model)
+    }
+
+    /// Every bucket waits for all its parameters again; `last`: the coming backward completes
+    /// the step's gradients.
+    pub(crate) fn begin(&self, last: bool) {
+        let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.last = last;
+        for (b, slots) in self.shared.buckets.iter().enumerate() {
+            st.remaining[b] = slots.len();
         }
+    }
+
+    /// `model` with a tap on each trainable parameter, the step's state left as it is: one
+    /// view per forward whose backward delivers.
+    pub(crate) fn view<M: Module>(&self, model: M) -> M {
         struct Tapper<'a> {
             shared: &'a Arc<TapShared>,
             slot: usize,
@@ -191,7 +249,10 @@ impl GradReducer {
         let Some(like) = first_grad(model, grads) else {
             return Ok(());
         };
-        let flat = self.resolve(like)?;
+        let mut flat = self.resolve(like)?;
+        if let Some((_, bucket, group)) = self.summed() {
+            flat[bucket] = all_reduce(flat[bucket].clone(), ReduceOp::Sum, group)?;
+        }
         struct Finisher<'a> {
             reducer: &'a GradReducer,
             grads: &'a mut GradientsParams,

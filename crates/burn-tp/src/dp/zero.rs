@@ -10,14 +10,14 @@
 //!             -> all-gather of the updated chunks -> every rank's full parameters
 //! ```
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{
     AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate,
     ModuleOptimizer, Optimizer,
 };
 use burn::tensor::{Tensor, TensorData};
 use burn_pack::Scalar;
-use burn_tp_comm::ProcessGroup;
+use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use super::reducer::{GradReducer, first_grad};
 use crate::ops::{all_gather, all_gather_async};
@@ -69,7 +69,20 @@ impl DistributedAdamW {
         dp_group: &ProcessGroup,
         bucket_bytes: usize,
     ) -> Self {
-        let reducer = GradReducer::build(model, dp_group, bucket_bytes, true);
+        Self::new_summed(config, model, dp_group, bucket_bytes, None)
+    }
+
+    /// [`new`](Self::new), with the gradient of parameter `summed.0` also summed over group
+    /// `summed.1` (see [`GradReducer::new_summed`]: a tied embedding over a pipeline's first and
+    /// last stages): its chunk, in a bucket of its own, summed after the reduce-scatter.
+    pub fn new_summed<M: Module>(
+        config: &AdamWConfig,
+        model: &M,
+        dp_group: &ProcessGroup,
+        bucket_bytes: usize,
+        summed: Option<(ParamId, ProcessGroup)>,
+    ) -> Self {
+        let reducer = GradReducer::build(model, dp_group, bucket_bytes, true, summed);
         let state = (0..reducer.buckets()).map(|_| None).collect();
         Self {
             reducer,
@@ -103,6 +116,11 @@ impl DistributedAdamW {
         self.reducer.attach(model, last_micro_batch)
     }
 
+    /// Its gradient buckets (for [`crate::pipeline::loss_and_grads_overlapped`]).
+    pub fn reducer(&self) -> &GradReducer {
+        &self.reducer
+    }
+
     /// One AdamW step after the last micro-batch's backward: waits for this rank's chunks of the
     /// averaged gradients, updates them, and returns `model` with every rank's updated chunks.
     ///
@@ -118,7 +136,13 @@ impl DistributedAdamW {
         let Some(like) = first_grad(&model, &grads) else {
             return Ok(model);
         };
-        let grad_chunks = self.reducer.resolve(like)?;
+        let mut grad_chunks = self.reducer.resolve(like)?;
+        // Chunk r of a bucket of its own covers the same elements on every stage that shares
+        // the parameter.
+        if let Some((_, bucket, group)) = self.reducer.summed() {
+            let chunk = grad_chunks[bucket].clone();
+            grad_chunks[bucket] = crate::ops::all_reduce(chunk, ReduceOp::Sum, group)?;
+        }
         let flat = self.flat_params(&model);
         let (r, dp) = (self.group.rank(), self.group.world_size());
         let _scope =
