@@ -308,8 +308,10 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
             let mut plain = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
             average_gradients(&model, &mut plain.grads, dp_group).unwrap();
             let want = values(&gathered(&model, &plain.grads).0);
-            let mut adamw = AdamWConfig::new().init();
-            let stepped = adamw.step(1e-2, model.clone(), plain.grads);
+            // A large epsilon makes the step follow the gradient's size, not only its sign.
+            let config = AdamWConfig::new().with_epsilon(1.0);
+            let mut adamw = config.init();
+            let stepped = adamw.step(1.0, model.clone(), plain.grads);
             let want_step = values(&stepped.to_full_module().unwrap());
             let summed = pipe.tied_embedding(&model);
             let mut got = Vec::new();
@@ -323,7 +325,7 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
                 got.push(values(&gathered(&model, &grads).0));
             }
             let mut zero = DistributedAdamW::new_summed(
-                &AdamWConfig::new(),
+                &config,
                 &model,
                 dp_group,
                 64,
@@ -332,7 +334,7 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
             let out =
                 loss_and_grads_overlapped(&model, &pipe, &micro, schedule, step, zero.reducer())
                     .unwrap();
-            let zeroed = zero.step(1e-2, model.clone(), out.grads).unwrap();
+            let zeroed = zero.step(1.0, model.clone(), out.grads).unwrap();
             let got_step = values(&zeroed.to_full_module().unwrap());
             (stage, want, got, want_step, got_step, summed.is_some())
         })
