@@ -3,7 +3,8 @@
 //! stages), 4 and 8 micro-batches, the
 //! loss and every parameter's gradient equal the whole batch's through the whole model, for the
 //! GPT (tied and untied) and the Llama with dropout (the micro-batches' masks being the batch's
-//! rows); the activations each stage holds; a stage that fails ends every stage with an error.
+//! rows), and the same with each block recomputed in its backward; the activations each stage
+//! holds; a stage that fails ends every stage with an error.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -18,7 +19,7 @@ use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::pipeline::{
     Pipeline, PipelineSchedule, chunk_layers, drop_unused_ends, forward_loss, loss_and_grads,
-    stage_layers,
+    loss_and_grads_recomputed, stage_layers,
 };
 use burn_tp::reshard::Reshard;
 use burn_tp_comm::{LocalGroup, ReduceOp};
@@ -133,6 +134,17 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         let step = step.map(|s| s.with_batch(replica * rows, dp * rows));
         let mut out = loss_and_grads(&model, &pipe, &micro, schedule, step).unwrap();
         average_gradients(&model, &mut out.grads, mesh.dp_group()).unwrap();
+        // Each block recomputed in its backward: the same loss and gradients.
+        let mut re = loss_and_grads_recomputed(&model, &pipe, &micro, schedule, step).unwrap();
+        average_gradients(&model, &mut re.grads, mesh.dp_group()).unwrap();
+        let re_loss = re
+            .loss
+            .map(|l| mesh.dp_group().all_reduce(vec![l], ReduceOp::Avg).unwrap()[0]);
+        let re = (
+            values(&gathered(&model, &re.grads).0),
+            re_loss,
+            re.peak_in_flight,
+        );
         let loss = out
             .loss
             .map(|l| mesh.dp_group().all_reduce(vec![l], ReduceOp::Avg).unwrap()[0]);
@@ -151,6 +163,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
             out.peak_in_flight,
             eval,
             (elements, empty),
+            re,
         )
     })
     .unwrap();
@@ -161,7 +174,18 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
     // The reference's gradients, cut as each stage's model.
     let [pre, _, post] = want_full.param_sections();
     let tied = want_full.tied_head();
-    for (stage, loss, got, has, peak, eval, (elements, empty)) in out {
+    for (stage, loss, got, has, peak, eval, (elements, empty), re) in out {
+        let (re_got, re_loss, re_peak) = re;
+        assert_eq!(re_peak, peak, "{tag}: stage {stage}: recomputed, held");
+        assert_eq!(re_loss.is_some(), loss.is_some(), "{tag}: stage {stage}");
+        if let (Some(a), Some(b)) = (re_loss, loss) {
+            assert_close(
+                &[a as f64],
+                &[b as f64],
+                1e-6,
+                &format!("{tag}: recomputed loss"),
+            );
+        }
         // A middle stage holds its blocks only (all of it at tp 1); the first stage no final
         // norm or head, the last no embedding (but a tied head's table).
         if stage > 0 && stage + 1 < pp && tp == 1 {
@@ -211,6 +235,13 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         for (i, ((g, w), h)) in got.iter().zip(&want).zip(&has).enumerate() {
             if *h {
                 assert_close(g, w, 1e-5, &format!("{tag}: stage {stage} param {i}"));
+                let r = &re_got[i];
+                assert_close(
+                    r,
+                    w,
+                    1e-5,
+                    &format!("{tag}: stage {stage} param {i} recomputed"),
+                );
                 compared += 1;
             }
         }
@@ -324,13 +355,8 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
                 r.finish(&model, &mut grads).unwrap();
                 got.push(values(&gathered(&model, &grads).0));
             }
-            let mut zero = DistributedAdamW::new_summed(
-                &config,
-                &model,
-                dp_group,
-                64,
-                summed.clone(),
-            );
+            let mut zero =
+                DistributedAdamW::new_summed(&config, &model, dp_group, 64, summed.clone());
             let out =
                 loss_and_grads_overlapped(&model, &pipe, &micro, schedule, step, zero.reducer())
                     .unwrap();
@@ -456,8 +482,8 @@ fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
 
 /// `train_gpt --pp` (the Llama with dropout 0.1, 4 blocks) gives the loss curve and held-out
 /// losses of the unpipelined run at pp 2 and 4, with tp 2 or dp 2 beside it, every schedule, and
-/// in bf16, with the dp reduction overlapped in buckets or sharded (the distributed
-/// optimizer); its checkpoint (the whole model's, each stage writing its blocks) resumes at pp 1
+/// in bf16, with each block recomputed, with the dp reduction overlapped in buckets or sharded
+/// (the distributed optimizer); its checkpoint (the whole model's, each stage writing its blocks) resumes at pp 1
 /// and 4 on the uninterrupted curve;
 /// what the pipeline does not run yet is refused, naming the flag.
 #[test]
@@ -524,6 +550,16 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             "4",
             "--pp-schedule",
             "interleaved",
+        ],
+        // Each block recomputed in its backward.
+        &[
+            "--pp",
+            "2",
+            "--micro-batches",
+            "4",
+            "--pp-schedule",
+            "interleaved",
+            "--recompute-layers",
         ],
         // The dp reduction in buckets overlapped with the backwards, and sharded.
         &[
@@ -608,11 +644,7 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
     let got = bf16(&["--pp", "2", "--micro-batches", "2"], "bf16-pp");
     assert_close(&got, &want, 1e-2, "bf16 at pp 2");
     for (extra, named) in [
-        (
-            &["--pp", "2", "--recompute-layers"][..],
-            "--recompute-layers",
-        ),
-        (&["--pp", "8"], "--layers 4"),
+        (&["--pp", "8"][..], "--layers 4"),
         (&["--pp", "2", "--micro-batches", "3"], "--micro-batches 3"),
         (
             &[

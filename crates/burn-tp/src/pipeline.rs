@@ -396,7 +396,7 @@ pub fn loss_and_grads<M: LanguageModel>(
     schedule: PipelineSchedule,
     step: Option<DropoutStep>,
 ) -> Result<PipelineStep> {
-    let mut out = run_step(model, pipe, micro_batches, schedule, step, None)?;
+    let mut out = run_step(model, pipe, micro_batches, schedule, step, None, false)?;
     sum_embedding_grad(model, pipe, &mut out.grads)?;
     Ok(out)
 }
@@ -422,10 +422,40 @@ pub fn loss_and_grads_overlapped<M: LanguageModel>(
     reducer: &GradReducer,
 ) -> Result<PipelineStep> {
     reducer.begin(false);
-    run_step(model, pipe, micro_batches, schedule, step, Some(reducer))
+    run_step(
+        model,
+        pipe,
+        micro_batches,
+        schedule,
+        step,
+        Some(reducer),
+        false,
+    )
 }
 
-/// The schedule's forwards and backwards (the embedding's sum over the ends left out).
+/// [`loss_and_grads`] with every block recomputed in its backward ([`crate::recompute`] under
+/// a pipeline): a forward keeps only its blocks' inputs (and, on the last stage, the head's),
+/// untracked, so each micro-batch in flight holds one `[s(/tp), batch, d_model]` tensor per
+/// block; a backward reruns each block tracked, from the last, just before its own backward
+/// (and the head and loss on the last stage). The same values, at the cost of one more forward
+/// of the blocks. Collective over the pipeline.
+///
+/// # Errors
+/// As [`loss_and_grads`].
+pub fn loss_and_grads_recomputed<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+) -> Result<PipelineStep> {
+    let mut out = run_step(model, pipe, micro_batches, schedule, step, None, true)?;
+    sum_embedding_grad(model, pipe, &mut out.grads)?;
+    Ok(out)
+}
+
+/// The schedule's forwards and backwards (the embedding's sum over the ends left out);
+/// `recompute`: each block rerun in the backward.
 fn run_step<M: LanguageModel>(
     model: &M,
     pipe: &Pipeline,
@@ -433,6 +463,7 @@ fn run_step<M: LanguageModel>(
     schedule: PipelineSchedule,
     step: Option<DropoutStep>,
     reducer: Option<&GradReducer>,
+    recompute: bool,
 ) -> Result<PipelineStep> {
     let started = Instant::now();
     let mut idle = Duration::ZERO;
@@ -502,12 +533,75 @@ fn run_step<M: LanguageModel>(
     let mut inputs: Vec<Option<Tensor<3>>> = vec![None; v * m];
     let mut outputs: Vec<Option<Tensor<3>>> = vec![None; v * m];
     let mut losses: Vec<Option<Tensor<1>>> = vec![None; v * m];
+    // Recomputing: per (chunk, micro-batch), its blocks' inputs (untracked), and on the last
+    // virtual stage the head's.
+    let mut kept: Vec<Vec<Tensor<3>>> = vec![Vec::new(); v * m];
+    let inner = recompute.then(|| model.valid());
+    let inner_device = device.clone().without_autodiff();
     let mut sends: Vec<Transfer<f32>> = Vec::new();
     let mut total = GradientsParams::new();
     let mut loss_sum = 0.0f32;
     let (mut held, mut peak_in_flight) = (0usize, 0usize);
     for action in actions(schedule, stage, p, m) {
         match action {
+            Action::Forward { chunk: c, micro: i } if recompute => {
+                held += 1;
+                peak_in_flight = peak_in_flight.max(held);
+                let inner = inner.as_ref().expect("recomputing");
+                let mut x = if first_virtual(c) {
+                    inner.embed(micro_batches[i].0.clone().inner())?
+                } else {
+                    let waiting = Instant::now();
+                    let x = in_profile(|| Ok(pipe.links.recv_prev::<f32>(len)?.wait()?))?;
+                    idle += waiting.elapsed();
+                    Tensor::<3>::from_data(TensorData::new(x, shape), &inner_device).cast(dtype)
+                };
+                for l in chunks[c].clone() {
+                    let next = inner.layer(l, x.clone(), micro_step(i))?;
+                    kept[at(c, i)].push(x);
+                    x = next;
+                }
+                if last_virtual(c) {
+                    kept[at(c, i)].push(x);
+                } else {
+                    sends.push(in_profile(|| Ok(pipe.links.send_next(to_vec(x)?)?))?);
+                }
+            }
+            Action::Backward { chunk: c, micro: i } if recompute => {
+                held -= 1;
+                let mut inputs = std::mem::take(&mut kept[at(c, i)]);
+                let leaf = |x: Tensor<3>| Tensor::<3>::from_inner(x).require_grad();
+                let mut dy = if last_virtual(c) {
+                    let h = leaf(inputs.pop().expect("the head's input"));
+                    let loss = model.head_loss(h.clone(), micro_batches[i].1.clone())? / m as f64;
+                    loss_sum += loss.clone().into_scalar::<f32>();
+                    let mut grads = loss.backward();
+                    let dy = h.grad_remove(&mut grads).expect("the head uses its input");
+                    merge(&mut total, grads, model);
+                    Tensor::from_inner(dy)
+                } else {
+                    let waiting = Instant::now();
+                    let dy = in_profile(|| Ok(pipe.links.recv_next::<f32>(len)?.wait()?))?;
+                    idle += waiting.elapsed();
+                    to_tensor(dy)
+                };
+                for l in chunks[c].clone().into_iter().rev() {
+                    let x = leaf(inputs.pop().expect("one input per block"));
+                    let y = model.layer(l, x.clone(), micro_step(i))?;
+                    let mut grads = seeded_backward(y, dy);
+                    dy = Tensor::from_inner(
+                        x.grad_remove(&mut grads)
+                            .expect("a block's input takes part in its output"),
+                    );
+                    merge(&mut total, grads, model);
+                }
+                if first_virtual(c) {
+                    let grads = seeded_backward(model.embed(micro_batches[i].0.clone())?, dy);
+                    merge(&mut total, grads, model);
+                } else {
+                    sends.push(in_profile(|| Ok(pipe.links.send_prev(to_vec(dy)?)?))?);
+                }
+            }
             Action::Forward { chunk: c, micro: i } => {
                 held += 1;
                 peak_in_flight = peak_in_flight.max(held);

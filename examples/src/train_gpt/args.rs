@@ -441,7 +441,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         // What the pipeline does not run yet.
         let refused = [
             (args.export_hf.is_some(), "--export-hf"),
-            (args.recompute_layers, "--recompute-layers"),
             (args.device == DeviceKind::Cuda, "--device cuda"),
         ];
         if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {

@@ -535,6 +535,9 @@ impl<M: Trainable> Rank<'_, M> {
             Some(r) => {
                 pipeline::loss_and_grads_overlapped(&working, pipe, &micro, schedule, dropout, r)
             }
+            None if args.recompute_layers => {
+                pipeline::loss_and_grads_recomputed(&working, pipe, &micro, schedule, dropout)
+            }
             None => pipeline::loss_and_grads(&working, pipe, &micro, schedule, dropout),
         };
         let out = match &optim.replicated {
