@@ -439,10 +439,7 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             ));
         }
         // What the pipeline does not run yet.
-        let refused = [
-            (args.export_hf.is_some(), "--export-hf"),
-            (args.device == DeviceKind::Cuda, "--device cuda"),
-        ];
+        let refused = [(args.device == DeviceKind::Cuda, "--device cuda")];
         if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
             return Err(format!(
                 "--pp {} does not run with {flag} yet (CPU ranks)",

@@ -176,7 +176,7 @@ pub(super) fn train_rank<M: Trainable>(
         // No checkpoint or sample of a diverged model: only the curve up to there.
         return Ok(RankOut { timings, ..out });
     }
-    if let Some(dir) = &args.export_hf {
+    if let (Some(dir), None) = (&args.export_hf, &r.pipe) {
         if r.dp_rank == 0 {
             model.save_hf(config, args.init_from.as_deref(), dir, &r.tp_group)?;
         }
@@ -185,6 +185,9 @@ pub(super) fn train_rank<M: Trainable>(
     let save_start = Instant::now();
     r.save(&mut model, &mut optim, first_step + args.steps)?;
     timings.save_s = save_start.elapsed().as_secs_f64();
+    if let (Some(dir), Some(_)) = (&args.export_hf, &r.pipe) {
+        r.export_from_checkpoint(dir)?;
+    }
     // The profile covers training only (not the sample below). A pipeline stage holds part of
     // the model: no sample yet.
     let profile = r.world.profile();
@@ -314,6 +317,20 @@ impl<M: Trainable> Rank<'_, M> {
             replicated,
         };
         Ok((model, first_step, optim))
+    }
+
+    /// `--export-hf` of a pipelined run: the checkpoint just saved (the whole model's, every
+    /// stage's blocks) read back whole on world rank 0 and written as Hugging Face's; as the
+    /// export without a pipeline (the whole model gathered on one rank), once. Collective.
+    fn export_from_checkpoint(&self, dir: &Path) -> BoxResult<()> {
+        if self.world.rank() == 0 {
+            let solo = burn_tp::comm::LocalGroup::new(1)?.remove(0);
+            let whole = M::init(self.config, &solo, &self.device)?;
+            let (whole, _) = checkpoint::load(whole, self.checkpoint, Some(self.config), &solo)?;
+            whole.save_hf(self.config, self.args.init_from.as_deref(), dir, &solo)?;
+        }
+        self.world.barrier()?;
+        Ok(())
     }
 
     /// The model the forward and backward run: the master weights, or a bf16 copy of them.

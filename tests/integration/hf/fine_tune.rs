@@ -4,7 +4,8 @@ use super::*;
 
 /// Fine-tuning an imported model: `train_gpt --init-from DIR` (the architecture read from DIR:
 /// a Llama, a Phi-3 with its fused tensors and sliding window, a Qwen3 with its q / k norms)
-/// trains the Hugging Face model at tp 2 (the loss falls from the imported weights),
+/// trains the Hugging Face model at tp 2, and at tp 2 x pp 2 (the loss falls from the imported
+/// weights),
 /// `--export-hf` writes the result as the same architecture, and that export and the run's own
 /// sharded checkpoint are the same model (the same held-out loss when either starts a run). The
 /// GPT, or a text with more characters than the model's vocabulary, is an error naming it.
@@ -45,9 +46,18 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
         argv.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
         Args::try_parse_from(argv).unwrap()
     };
-    for name in ["llama_tied", "phi3", "qwen3"] {
+    // The tied Llama also through a pipeline of 2 stages (each stage's blocks, the export read
+    // back from the whole checkpoint).
+    for (name, pp) in [
+        ("llama_tied", 1),
+        ("llama_tied", 2),
+        ("phi3", 1),
+        ("qwen3", 1),
+    ] {
         let model = fixture(name);
+        let name = &format!("{name}-pp{pp}");
         let export = root.join(format!("export-{name}"));
+        let pp = pp.to_string();
         let tuned = run(&args(
             &[
                 "--steps",
@@ -56,6 +66,10 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
                 model.to_str().unwrap(),
                 "--export-hf",
                 export.to_str().unwrap(),
+                "--pp",
+                &pp,
+                "--micro-batches",
+                &pp,
             ],
             &format!("{name}-tune"),
         ))
