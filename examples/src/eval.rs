@@ -7,6 +7,7 @@ use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::linear::TpMode;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::{all_reduce, gather_from_tp_region};
+use burn_tp::pipeline::{self, Pipeline, PipelineSchedule};
 
 use crate::train_gpt::Args;
 
@@ -91,15 +92,7 @@ pub(crate) fn generate<M: LanguageModel>(
     let device = &device.clone().without_autodiff();
     let window = args.seq;
     let mut context = data.held_out[..window].to_vec();
-    let mut state = args.seed ^ 0x5eed_5a3b_1e00_0000;
-    let mut uniform = move || {
-        // SplitMix64: the same draws on every rank.
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut uniform = draws(args.seed);
     let mut cache = DecodeCache::default();
     let mut feed = context.clone();
     let mut out = Vec::with_capacity(args.sample_len);
@@ -112,33 +105,97 @@ pub(crate) fn generate<M: LanguageModel>(
         let s = feed.len();
         let ids = Tensor::<2, Int>::from_data(TensorData::new(feed.clone(), [s, 1]), device);
         let logits = model.logits_cached(ids, &mut cache)?.detach(); // [s, 1, vocab / tp]
-        let [_, _, v] = logits.dims();
-        let last = gather_from_tp_region(logits.slice([s - 1..s, 0..1, 0..v]), 2, tp_group)?;
-        let logits: Vec<f32> = last.into_data().convert::<f32>().try_to_vec::<f32>()?;
-        // Only real characters (the padded vocabulary's extra ids are never drawn).
-        let logits = &logits[..data.vocab];
-        let next = if args.temperature == 0.0 {
-            (0..logits.len())
-                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
-                .unwrap_or(0)
-        } else {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let weights: Vec<f64> = logits
-                .iter()
-                .map(|&l| ((l as f64 - max) / args.temperature).exp())
-                .collect();
-            let mut u = uniform() * weights.iter().sum::<f64>();
-            weights
-                .iter()
-                .position(|&w| {
-                    u -= w;
-                    u <= 0.0
-                })
-                .unwrap_or(weights.len() - 1)
-        } as i64;
+        let next = choose(logits, data, args, tp_group, &mut uniform)?;
         context.push(next);
         feed = vec![next];
         out.push(next);
     }
     Ok(out)
+}
+
+/// [`generate`] through a pipeline (each stage its blocks): no KV cache, each token a pass of
+/// the whole visible text (the same text the cached version sees: from its last restart), the
+/// last stage choosing and broadcasting the token. Collective over the whole world.
+pub(crate) fn generate_pipelined<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    schedule: PipelineSchedule,
+    args: &Args,
+    data: &Data,
+    tp_group: &ProcessGroup,
+    device: &Device,
+) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
+    let model = model.valid().with_mode(TpMode::AllReduce);
+    let device = &device.clone().without_autodiff();
+    let window = args.seq;
+    let mut context = data.held_out[..window].to_vec();
+    let mut uniform = draws(args.seed);
+    let mut start = 0;
+    let mut out = Vec::with_capacity(args.sample_len);
+    for _ in 0..args.sample_len {
+        if context.len() - start > window {
+            start = context.len() - (window / 2).max(1);
+        }
+        let visible = context[start..].to_vec();
+        let s = visible.len();
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(visible, [s, 1]), device);
+        let logits = pipeline::forward_logits(&model, pipe, ids, schedule)?;
+        let next = match logits {
+            Some(logits) => Some(choose(logits, data, args, tp_group, &mut uniform)? as f32),
+            None => None,
+        };
+        // Token ids are exact in f32 (a vocabulary under 2^24).
+        let next = pipe.from_last(next)? as i64;
+        context.push(next);
+        out.push(next);
+    }
+    Ok(out)
+}
+
+/// SplitMix64 uniform draws in [0, 1) from `seed`: the same draws on every rank.
+fn draws(seed: u64) -> impl FnMut() -> f64 {
+    let mut state = seed ^ 0x5eed_5a3b_1e00_0000;
+    move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The next token from `logits` (`[s, 1, vocab / tp]`, the last position's gathered over tp):
+/// the most likely with `--temperature 0`, else a draw.
+fn choose(
+    logits: Tensor<3>,
+    data: &Data,
+    args: &Args,
+    tp_group: &ProcessGroup,
+    uniform: &mut impl FnMut() -> f64,
+) -> Result<i64, Box<dyn std::error::Error>> {
+    let [s, _, v] = logits.dims();
+    let last = gather_from_tp_region(logits.slice([s - 1..s, 0..1, 0..v]), 2, tp_group)?;
+    let logits: Vec<f32> = last.into_data().convert::<f32>().try_to_vec::<f32>()?;
+    // Only real characters (the padded vocabulary's extra ids are never drawn).
+    let logits = &logits[..data.vocab];
+    let next = if args.temperature == 0.0 {
+        (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap_or(0)
+    } else {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&l| ((l as f64 - max) / args.temperature).exp())
+            .collect();
+        let mut u = uniform() * weights.iter().sum::<f64>();
+        weights
+            .iter()
+            .position(|&w| {
+                u -= w;
+                u <= 0.0
+            })
+            .unwrap_or(weights.len() - 1)
+    };
+    Ok(next as i64)
 }

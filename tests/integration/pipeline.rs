@@ -483,7 +483,8 @@ fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
 /// `train_gpt --pp` (the Llama with dropout 0.1, 4 blocks) gives the loss curve and held-out
 /// losses of the unpipelined run at pp 2 and 4, with tp 2 or dp 2 beside it, every schedule, and
 /// in bf16, with each block recomputed, with the dp reduction overlapped in buckets or sharded
-/// (the distributed optimizer); its checkpoint (the whole model's, each stage writing its blocks) resumes at pp 1
+/// (the distributed optimizer), and its sample through the pipeline is the same text; its
+/// checkpoint (the whole model's, each stage writing its blocks) resumes at pp 1
 /// and 4 on the uninterrupted curve;
 /// what the pipeline does not run yet is refused, naming the flag.
 #[test]
@@ -507,18 +508,21 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             "16",
             "--eval-every",
             "2",
-            "--sample-len",
-            "0",
             "--out",
             out.to_str().unwrap(),
         ];
         argv.extend_from_slice(extra);
+        if !extra.contains(&"--sample-len") {
+            argv.extend(["--sample-len", "0"]);
+        }
         if !extra.contains(&"--steps") {
             argv.extend(["--steps", "4"]);
         }
         Args::try_parse_from(argv)
     };
-    let base = run(&args(&["--tp", "1"], "base").unwrap()).unwrap();
+    // A sample longer than the context (--seq 16), so the text restarts once.
+    let base = run(&args(&["--tp", "1", "--sample-len", "24"], "base").unwrap()).unwrap();
+    assert_eq!(base.sample.chars().count(), 24);
     assert!(base.losses[3] < base.losses[0], "{:?}", base.losses);
     for (i, extra) in [
         &["--tp", "1", "--pp", "2", "--micro-batches", "4"][..],
@@ -550,6 +554,8 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             "4",
             "--pp-schedule",
             "interleaved",
+            "--sample-len",
+            "24",
         ],
         // Each block recomputed in its backward.
         &[
@@ -592,6 +598,10 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
     {
         let r = run(&args(extra, &format!("pp{i}")).unwrap()).unwrap();
         let tag = format!("{extra:?}");
+        // The sample through the pipeline (no KV cache): the unpipelined model's text.
+        if extra.contains(&"--sample-len") {
+            assert_eq!(r.sample, base.sample, "{tag}: sample");
+        }
         assert_close(&r.losses, &base.losses, 1e-5, &format!("{tag}: losses"));
         let held = |h: &[(usize, f64)]| h.iter().map(|x| x.1).collect::<Vec<_>>();
         assert_close(

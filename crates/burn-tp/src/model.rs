@@ -163,6 +163,13 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// # Errors
     /// As [`loss`](Self::loss).
     fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>>;
+
+    /// The vocabulary-sharded logits `[s, batch, V_p / tp]` of the last block's output `x`
+    /// (`[s(/tp), batch, d_model]`): the final norm and the head.
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss).
+    fn head_logits(&self, x: Tensor<3>) -> crate::Result<Tensor<3>>;
 }
 
 impl LanguageModel for Gpt {
@@ -281,6 +288,10 @@ impl LanguageModel for Gpt {
 
     fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>> {
         self.loss_of_logits(Decoder::logits(self, x)?, targets)
+    }
+
+    fn head_logits(&self, x: Tensor<3>) -> crate::Result<Tensor<3>> {
+        Decoder::logits(self, x)
     }
 }
 
@@ -402,6 +413,10 @@ impl LanguageModel for Llama {
         Ok(self
             .loss_of_logits(Decoder::logits(self, x)?, targets, None)?
             .mean)
+    }
+
+    fn head_logits(&self, x: Tensor<3>) -> crate::Result<Tensor<3>> {
+        Decoder::logits(self, x)
     }
 }
 

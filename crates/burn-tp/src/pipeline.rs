@@ -730,6 +730,47 @@ pub fn forward_loss<M: LanguageModel>(
     Ok(pipe.is_last().then(|| sum / m as f32))
 }
 
+/// The vocabulary-sharded logits (`[s, batch, V_p / tp]`) of `ids` (`[seq, batch]`) through
+/// the pipeline, on the last stage (`None` on the others): one pass of the blocks, each stage
+/// its chunks in turn (for generation and evaluation; no micro-batches, no dropout). `model`
+/// runs as given: pass `model.valid()` and ids off the autodiff device for no tape.
+/// Collective over the pipeline.
+///
+/// # Errors
+/// The model's errors; a transfer that fails.
+pub fn forward_logits<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    ids: Tensor<2, Int>,
+    schedule: PipelineSchedule,
+) -> Result<Option<Tensor<3>>> {
+    let v = schedule.chunks();
+    let (p, stage) = (pipe.stages(), pipe.stage());
+    let chunks = chunk_runs(model, v)?;
+    let shape = model.activation_shape(ids.dims());
+    let len: usize = shape.iter().product();
+    let device = ids.device();
+    let dtype = model.embedding_weight().val().dtype();
+    let mut logits = None;
+    for (c, blocks) in chunks.iter().enumerate() {
+        let mut x = if stage == 0 && c == 0 {
+            model.embed(ids.clone())?
+        } else {
+            let v = in_profile(|| Ok(pipe.links.recv_prev::<f32>(len)?.wait()?))?;
+            Tensor::<3>::from_data(TensorData::new(v, shape), &device).cast(dtype)
+        };
+        for &l in blocks {
+            x = model.layer(l, x, None)?;
+        }
+        if stage == p - 1 && c == v - 1 {
+            logits = Some(model.head_logits(x)?);
+        } else {
+            in_profile(|| Ok(pipe.links.send_next(to_vec(x)?)?.wait()?))?;
+        }
+    }
+    Ok(logits)
+}
+
 /// The blocks of each of the model's `v` chunks: its held blocks (the whole model's indices)
 /// cut into their contiguous runs.
 fn chunk_runs<M: LanguageModel>(model: &M, v: usize) -> Result<Vec<Vec<usize>>> {

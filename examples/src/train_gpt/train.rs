@@ -21,7 +21,9 @@ use burn_tp::recompute;
 use burn_tp::transformer::ReplicatedGrads;
 
 use super::{Args, CheckpointTimes, PpSchedule};
-use crate::eval::{Data, EVAL_BATCHES, batch, dp_slice, generate, held_out_loss};
+use crate::eval::{
+    Data, EVAL_BATCHES, batch, dp_slice, generate, generate_pipelined, held_out_loss,
+};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -188,12 +190,19 @@ pub(super) fn train_rank<M: Trainable>(
     if let (Some(dir), Some(_)) = (&args.export_hf, &r.pipe) {
         r.export_from_checkpoint(dir)?;
     }
-    // The profile covers training only (not the sample below). A pipeline stage holds part of
-    // the model: no sample yet.
+    // The profile covers training only (not the sample below).
     let profile = r.world.profile();
     let sample = match &r.pipe {
         None => generate(&r.compute(&model), args, data, &r.tp_group, &r.device)?,
-        Some(_) => Vec::new(),
+        Some(pipe) => generate_pipelined(
+            &r.compute(&model),
+            pipe,
+            pp_schedule(args),
+            args,
+            data,
+            &r.tp_group,
+            &r.device,
+        )?,
     };
     Ok(RankOut {
         timings,
