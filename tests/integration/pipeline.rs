@@ -36,6 +36,18 @@ fn ids(batch: usize, seed: i64) -> Tensor<2, Int> {
     Tensor::from_data(TensorData::new(v, [SEQ, batch]), &device())
 }
 
+/// `m` micro-batches of `MICRO` sequences of `x`, `y` from sequence `first` on (a replica's rows
+/// of the batch).
+fn micro_batches(
+    x: &Tensor<2, Int>,
+    y: &Tensor<2, Int>,
+    first: usize,
+    m: usize,
+) -> Vec<(Tensor<2, Int>, Tensor<2, Int>)> {
+    let cut = |t: &Tensor<2, Int>, i: usize| t.clone().narrow(1, first + i * MICRO, MICRO);
+    (0..m).map(|i| (cut(x, i), cut(y, i))).collect()
+}
+
 /// The model with each parameter replaced by its gradient in `grads` (zeros where there is
 /// none), gathered to tp 1, and which parameters had one.
 fn gathered<M: Module + Reshard>(model: &M, grads: &GradientsParams) -> (M, Vec<bool>) {
@@ -119,14 +131,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
             .keep_layers(&ranges[stage]);
         let model = drop_unused_ends(model, stage, pp);
         let pipe = Pipeline::new(mesh.pp_group()).unwrap();
-        // This replica's rows of the batch, cut into micro-batches.
-        let micro: Vec<_> = (0..m)
-            .map(|i| {
-                let cut =
-                    |t: &Tensor<2, Int>| t.clone().narrow(1, replica * rows + i * MICRO, MICRO);
-                (cut(&x), cut(&y))
-            })
-            .collect();
+        let micro = micro_batches(&x, &y, replica * rows, m);
         // Evaluation: the forwards only, no dropout.
         let eval = pipe
             .from_last(forward_loss(&model, &pipe, &micro, schedule).unwrap())
@@ -326,13 +331,7 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
                 .keep_layers(&layers);
             let model = drop_unused_ends(model, stage, pp);
             let pipe = Pipeline::new(mesh.pp_group()).unwrap();
-            let micro: Vec<_> = (0..m)
-                .map(|i| {
-                    let cut =
-                        |t: &Tensor<2, Int>| t.clone().narrow(1, replica * rows + i * MICRO, MICRO);
-                    (cut(&x), cut(&y))
-                })
-                .collect();
+            let micro = micro_batches(&x, &y, replica * rows, m);
             let step = step.map(|s| s.with_batch(replica * rows, dp * rows));
             let dp_group = mesh.dp_group();
             // The plain reduction after the step, and one AdamW step on it.
