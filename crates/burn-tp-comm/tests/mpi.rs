@@ -100,7 +100,8 @@ fn a_rank_that_never_arrives_is_a_timeout_on_the_others_and_the_job_ends() {
 
 #[test]
 fn a_rank_that_panics_or_is_killed_ends_the_job_with_a_failure_on_every_rank() {
-    for how in ["panic", "kill"] {
+    // kill-ring: killed while the others wait on a ring transfer (a pipeline stage's).
+    for how in ["panic", "kill", "kill-ring"] {
         let start = Instant::now();
         // The survivors would wait 120 s in their all-reduce: mpirun ends them first.
         let out = mpirun(4, how, &[("BURN_TP_TIMEOUT_S", "120")]);
@@ -294,7 +295,8 @@ fn mpi_rank_program() {
             std::thread::sleep(Duration::from_secs(1));
             runtime.abort(2);
         }
-        "panic" | "kill" => {
+        "panic" | "kill" | "kill-ring" => {
+            let links = (scenario == "kill-ring").then(|| pg.ring_links().unwrap());
             pg.barrier().unwrap();
             if rank == 1 {
                 eprintln!("rank 1 leaves");
@@ -303,8 +305,17 @@ fn mpi_rank_program() {
                 }
                 kill_self();
             }
-            let r = pg.all_reduce(vec![0f32; 8], ReduceOp::Sum);
-            println!("\nrank {rank} survived: {r:?}");
+            match &links {
+                // Every stage waits for its previous one's activation (rank 2 for rank 1's).
+                Some(links) => {
+                    let r = links.recv_prev::<f32>(8).and_then(|t| t.wait());
+                    println!("\nrank {rank} survived: {r:?}");
+                }
+                None => {
+                    let r = pg.all_reduce(vec![0f32; 8], ReduceOp::Sum);
+                    println!("\nrank {rank} survived: {r:?}");
+                }
+            }
         }
         other => panic!("unknown scenario {other}"),
     }
