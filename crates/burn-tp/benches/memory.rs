@@ -11,15 +11,22 @@
 //! `34 s b h / t` bytes in 16-bit, twice that in f32 (GELU MLP, attention dropout; the SwiGLU
 //! MLP of the Llama keeps more: its formula is printed beside it).
 //!
+//! Section 2 counts each pipeline stage's bytes alone: its rank thread's allocations carry a
+//! tag, kept in a header in front of each block, so a block freed on another thread still comes
+//! off the right count.
+//!
 //! ```text
 //! cargo bench -p burn-tp --bench memory            # the issue's shapes
 //! cargo bench -p burn-tp --bench memory -- --quick # small shapes (CI smoke)
+//! cargo bench -p burn-tp --bench memory -- --only=pipeline # section 2 alone
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use burn::tensor::{Device, FloatDType, Int, Tensor};
+use burn::module::Module;
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use burn_tp::attention::ParallelAttentionConfig;
 use burn_tp::comm::{LocalGroup, ProcessGroup};
 use burn_tp::dropout::{DropoutKey, DropoutStep};
@@ -28,32 +35,78 @@ use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::llama::{Llama, LlamaConfig, ParallelSwiGluConfig, TpRmsNorm};
 use burn_tp::local::{RunOptions, run_ranks_with};
 use burn_tp::model::LanguageModel;
+use burn_tp::pipeline::{
+    Pipeline, PipelineSchedule, chunk_layers, drop_unused_ends, loss_and_grads,
+};
 use burn_tp::precision::cast_params;
 use burn_tp::transformer::{ParallelMlpConfig, TpLayerNorm};
 
 /// Bytes the process holds (all threads).
 static LIVE: AtomicI64 = AtomicI64::new(0);
 
+/// Tags a thread's allocations can carry (a pipeline stage's rank thread: its own count).
+const TAGS: usize = 8;
+/// Per tag: bytes held, and the most held since [`start_peak`].
+static TAGGED: [AtomicI64; TAGS] = [const { AtomicI64::new(0) }; TAGS];
+static TAGGED_PEAK: [AtomicI64; TAGS] = [const { AtomicI64::new(0) }; TAGS];
+
+thread_local! {
+    /// This thread's tag (`usize::MAX`: none).
+    static TAG: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
 struct Counting;
 
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
+/// Room in front of each block for its tag: the alignment, at least 16 bytes.
+fn header(align: usize) -> usize {
+    align.max(16)
+}
+
+// SAFETY: every block is the system allocator's, `header` bytes larger at the front (a multiple
+// of the alignment, so the block handed out is aligned); the tag of the thread that allocated
+// it sits in the 8 bytes before it, so a block freed on another thread is taken off the right
+// count. realloc and alloc_zeroed are the trait's defaults (through these two).
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
-        unsafe { System.alloc_zeroed(layout) }
+        let pad = header(layout.align());
+        let Ok(outer) = Layout::from_size_align(layout.size() + pad, pad) else {
+            return std::ptr::null_mut();
+        };
+        let base = unsafe { System.alloc(outer) };
+        if base.is_null() {
+            return base;
+        }
+        let size = layout.size() as i64;
+        LIVE.fetch_add(size, Ordering::Relaxed);
+        let tag = TAG.try_with(Cell::get).unwrap_or(usize::MAX);
+        if tag < TAGS {
+            let now = TAGGED[tag].fetch_add(size, Ordering::Relaxed) + size;
+            TAGGED_PEAK[tag].fetch_max(now, Ordering::Relaxed);
+        }
+        unsafe {
+            let ptr = base.add(pad);
+            (ptr.sub(8) as *mut usize).write(tag);
+            ptr
+        }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
+        let pad = header(layout.align());
+        let size = layout.size() as i64;
+        LIVE.fetch_sub(size, Ordering::Relaxed);
+        let tag = unsafe { (ptr.sub(8) as *const usize).read() };
+        if tag < TAGS {
+            TAGGED[tag].fetch_sub(size, Ordering::Relaxed);
+        }
+        let outer = Layout::from_size_align(layout.size() + pad, pad).expect("as allocated");
+        unsafe { System.dealloc(ptr.sub(pad), outer) }
     }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new as i64 - layout.size() as i64, Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new) }
-    }
+}
+
+/// Bytes this tag holds now; the peak restarts from here.
+fn start_peak(tag: usize) -> i64 {
+    let now = TAGGED[tag].load(Ordering::SeqCst);
+    TAGGED_PEAK[tag].store(now, Ordering::SeqCst);
+    now
 }
 
 #[global_allocator]
@@ -251,6 +304,10 @@ fn mb(x: f64) -> String {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    if std::env::args().any(|a| a == "--only=pipeline") {
+        pipeline_memory(quick);
+        return;
+    }
     let (seq, batch) = if quick { (128, 2) } else { (1024, 8) };
     let mut cases = Vec::new();
     for dtype in [FloatDType::F32, FloatDType::BF16] {
@@ -310,5 +367,92 @@ fn main() {
             layer / count,
             parts
         );
+    }
+    pipeline_memory(quick);
+}
+
+/// Section 2: bytes per pipeline stage over one step, each stage a rank thread whose
+/// allocations carry its tag (one thread per rank, so all of a stage's work is on it): the
+/// parameters it holds before the step (a stage keeps its blocks, the first the embedding, the
+/// last the final norm and the head: `drop_unused_ends`), beside the whole model's / pp, and the
+/// most it held during the step above that, beside the micro-batches it held at once (1F1B at
+/// most `pp - stage`, GPipe all of them). The last column is that peak per micro-batch held; it
+/// also carries the gradients (as large as the parameters) and the step's temporaries.
+fn pipeline_memory(quick: bool) {
+    let (seq, micro, layers, m): (usize, usize, usize, usize) =
+        if quick { (64, 2, 4, 4) } else { (256, 2, 8, 8) };
+    let (vocab, d, ff) = (8192, 256, 688);
+    let config = LlamaConfig::new(vocab, seq, d, 4, 2, layers, ff);
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let whole = {
+        let model = config.init(&solo, &Device::flex()).unwrap();
+        (model.num_params() * 4) as f64
+    };
+    println!(
+        "\n## Pipeline stages: bytes per stage over one step (MB; Llama vocab {vocab}, d {d}, \
+         {layers} blocks, seq {seq}, {micro} sequences per micro-batch, {m} micro-batches, f32; \
+         ranks as threads, one each)\n"
+    );
+    println!(
+        "| pp | schedule | stage | parameters | whole model / pp | step peak above them | \
+         micro-batches held | peak / held |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+    let pps: &[usize] = if quick { &[2] } else { &[2, 4] };
+    for &pp in pps {
+        for schedule in [
+            PipelineSchedule::GPipe,
+            PipelineSchedule::OneFOneB,
+            PipelineSchedule::Interleaved { virtual_stages: 2 },
+        ] {
+            if schedule.chunks() > 1 && (!m.is_multiple_of(pp) || pp * 2 > layers) {
+                continue;
+            }
+            let options = RunOptions {
+                threads_per_rank: Some(1),
+                keep_freed_memory: Some(false),
+            };
+            let config = config.clone();
+            let out = run_ranks_with(LocalGroup::new(pp).unwrap(), options, move |g| {
+                let stage = g.rank();
+                TAG.set(stage);
+                let device = Device::flex().autodiff();
+                let solo = LocalGroup::new(1).unwrap().remove(0);
+                let held: Vec<usize> = chunk_layers(layers, pp, schedule, stage)
+                    .unwrap()
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let model = config.init_layers(&solo, &device, &held).unwrap();
+                let model = drop_unused_ends(model, stage, pp);
+                let pipe = Pipeline::new(&g).unwrap();
+                let ids = |i: usize| {
+                    let v: Vec<i64> = (0..seq * micro)
+                        .map(|j| ((i * 31 + j * 7) % vocab) as i64)
+                        .collect();
+                    Tensor::<2, Int>::from_data(TensorData::new(v, [seq, micro]), &device)
+                };
+                let batches: Vec<_> = (0..m).map(|i| (ids(i), ids(i + 1))).collect();
+                g.barrier().unwrap();
+                let before = start_peak(stage);
+                let out = loss_and_grads(&model, &pipe, &batches, schedule, None).unwrap();
+                let peak = TAGGED_PEAK[stage].load(Ordering::SeqCst) - before;
+                let held = out.peak_in_flight;
+                drop(out);
+                let params = (model.num_params() * 4) as f64;
+                TAG.set(usize::MAX);
+                (params, peak as f64, held)
+            })
+            .unwrap();
+            for (stage, (params, peak, held)) in out.into_iter().enumerate() {
+                println!(
+                    "| {pp} | {schedule:?} | {stage} | {} | {} | {} | {held} | {} |",
+                    mb(params),
+                    mb(whole / pp as f64),
+                    mb(peak),
+                    mb(peak / held as f64)
+                );
+            }
+        }
     }
 }
