@@ -4,11 +4,15 @@
 //! - [`train_gpt`]: a tiny character-level GPT (or Llama, `--arch llama`) trained with tensor
 //!   (and data) parallelism, either architecture through `burn_tp::model::LanguageModel`.
 //! - [`generate`]: text from a Hugging Face Llama-family model at any tp, with the KV cache.
+//! - `learner` (feature `train`): a burn-tp language model as a Burn Learner model
+//!   (`learner_llama`).
 //! - [`checks`]: what the GPU check (`gpu_check`) compares and records with.
 
 pub mod checks;
 pub mod corpus;
 mod eval;
 pub mod generate;
+#[cfg(feature = "train")]
+pub mod learner;
 pub mod plot;
 pub mod train_gpt;

@@ -12,6 +12,7 @@ mod fused_ops;
 mod gpt;
 mod gpu_check_script;
 mod hf;
+mod learner;
 mod linear;
 mod llama;
 mod loss;

@@ -96,6 +96,8 @@ pub mod precision;
 pub mod recompute;
 pub mod reshard;
 pub mod testing;
+#[cfg(feature = "train")]
+pub mod train;
 pub mod transformer;
 
 /// The communication layer, the one path to its types: process groups ([`comm::ProcessGroup`],
