@@ -6,18 +6,24 @@ use std::path::Path;
 
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::split::split_dataloader;
+use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor};
+use burn_tp::checkpoint;
 use burn_tp::dropout::DropoutStep;
 use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::model::LanguageModel;
 use burn_tp::train::TensorParallel;
 use burn_tp_comm::LocalGroup;
 use burn_tp_examples::learner::{LmBatch, LmBatcher, LmLearner, Windows};
+use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::metric::LossMetric;
+use burn_train::metric::store::{Aggregate, Direction, Split};
 use burn_train::renderer::CliMetricsRenderer;
-use burn_train::{Learner, SupervisedTraining};
+use burn_train::{
+    Learner, LearningResult, MetricEarlyStoppingStrategy, StoppingCondition, SupervisedTraining,
+};
 
 use crate::common::{assert_close, device, f64s, rng_lock};
 
@@ -94,37 +100,57 @@ fn plain_loop(full: &Llama, dp: usize) -> (Vec<f64>, Llama) {
     (losses, model)
 }
 
-/// The Learner at tp x dp for one epoch: its logged per-step losses (the dp replicas' items
-/// averaged, as a step's loss is their mean) and the trained model it returns.
-fn learner_run(full: &Llama, tp: usize, dp: usize, dir: &Path) -> (Vec<f64>, Llama) {
-    let _ = std::fs::remove_dir_all(dir);
-    let loader = |windows: Windows| {
+type Training = SupervisedTraining<LmLearner<Llama>>;
+
+/// `SupervisedTraining` of `full` in `dir` through `strategy` on `train` (the held-out windows
+/// validate), its loss metric logged, the plain renderer, set up further by `setup`.
+fn launch(
+    full: &Llama,
+    strategy: TensorParallel,
+    dir: &Path,
+    train: impl Dataset<Vec<i64>> + 'static,
+    setup: impl FnOnce(Training) -> Training,
+) -> LearningResult<LmLearner<Llama>> {
+    // Another text: memorizing the training text stops helping on it at some epoch.
+    let other = (0..(SEQ * 6 + 1) as i64).map(|i| (i * 5 + i * i % 7) % 23).collect();
+    let valid = Windows::new(other, SEQ, SEQ);
+    let training = SupervisedTraining::new(
+        dir,
         DataLoaderBuilder::new(LmBatcher)
             .batch_size(BATCH)
-            .build(windows)
-    };
-    let strategy = TensorParallel::new(tp, dp, || AdamWConfig::new().init());
-    let result = SupervisedTraining::new(
-        dir,
-        loader(Windows::new(text(), SEQ, SEQ)),
-        loader(Windows::new(text()[..SEQ * 6].to_vec(), SEQ, SEQ)),
+            .build(train),
+        DataLoaderBuilder::new(LmBatcher)
+            .batch_size(BATCH)
+            .build(valid),
     )
     .metrics((LossMetric::new(),))
     .renderer(Box::new(CliMetricsRenderer::new()))
-    .with_training_strategy(strategy.into_strategy())
-    .num_epochs(1)
-    .launch(Learner::new(
+    .with_training_strategy(strategy.into_strategy());
+    setup(training).launch(Learner::new(
         LmLearner::new(full.clone()),
         AdamWConfig::new().init(),
         LR,
-    ));
-    assert!(result.error.is_none(), "{:?}", result.error);
-    let items = logged(dir, "train", 1, "Loss");
-    let steps: Vec<f64> = items
+    ))
+}
+
+/// The per-step losses logged for `epoch` (the dp replicas' items averaged, as a step's loss is
+/// their mean).
+fn step_losses(dir: &Path, epoch: usize, dp: usize) -> Vec<f64> {
+    logged(dir, "train", epoch, "Loss")
         .chunks(dp)
         .map(|c| c.iter().sum::<f64>() / c.len() as f64)
-        .collect();
-    (steps, result.model.model)
+        .collect()
+}
+
+/// The Learner at tp x dp for one epoch: its logged per-step losses and the trained model it
+/// returns.
+fn learner_run(full: &Llama, tp: usize, dp: usize, dir: &Path) -> (Vec<f64>, Llama) {
+    let _ = std::fs::remove_dir_all(dir);
+    let strategy = TensorParallel::new(tp, dp, || AdamWConfig::new().init());
+    let train = Windows::new(text(), SEQ, SEQ);
+    let result = launch(full, strategy, dir, train, |t| t.num_epochs(1));
+    assert!(result.error.is_none(), "{:?}", result.error);
+    (step_losses(dir, 1, dp), result.model.model)
 }
 
 /// At tp 1, tp 2 and tp 2 x dp 2 the Learner's logged losses are the plain loop's, step by step
@@ -151,4 +177,142 @@ fn the_learner_at_tp_and_dp_gives_the_plain_loops_losses() {
         );
     }
     std::fs::remove_dir_all(&root).ok();
+}
+
+/// Checkpoints through the Learner: Burn's `KeepLastNCheckpoints` drives burn-tp's sharded
+/// checkpoints (each rank its shard of the model and of AdamW's state); one written at tp 2
+/// after epoch 1 resumes at tp 4 (`SupervisedTraining::checkpoint(1)`) on the uninterrupted
+/// curve of epoch 2; the strategy deletes all but the last 2.
+#[test]
+fn a_learner_checkpoint_written_at_tp_2_resumes_at_tp_4_on_the_curve() {
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let root = std::env::temp_dir().join(format!("burn-tp-learner-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    device().seed(4);
+    let full = config().init(&solo, &device()).unwrap();
+    let ckpt = root.join("checkpoints");
+    let strategy = TensorParallel::new(2, 1, || AdamWConfig::new().init())
+        .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(2));
+    let train = || Windows::new(text(), SEQ, SEQ);
+    let first = root.join("first");
+    let result = launch(&full, strategy, &first, train(), |t| t.num_epochs(3));
+    assert!(result.error.is_none(), "{:?}", result.error);
+    // Epochs 2 and 3 kept, epoch 1 deleted by the strategy.
+    let kept: Vec<bool> = (1..=3)
+        .map(|e| {
+            TensorParallel::checkpoint_dir(&ckpt, e)
+                .join(checkpoint::INDEX)
+                .exists()
+        })
+        .collect();
+    assert_eq!(kept, [false, true, true]);
+    // Resumed after epoch 2 at tp 4: epoch 3 on the uninterrupted curve.
+    let strategy = TensorParallel::new(4, 1, || AdamWConfig::new().init())
+        .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(2));
+    let second = root.join("second");
+    let resumed = launch(&full, strategy, &second, train(), |t| {
+        t.num_epochs(3).checkpoint(2)
+    });
+    assert!(resumed.error.is_none(), "{:?}", resumed.error);
+    let want = step_losses(&first, 3, 1);
+    assert!(want.len() >= 8);
+    assert_close(&step_losses(&second, 3, 1), &want, 1e-5, "resumed at tp 4");
+    assert!(!second.join("train").join("epoch-2").exists());
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// Burn's early stopping through the Learner: a run whose validation loss stops improving
+/// (a learning rate too large) stops at the first epoch without an improvement, as the
+/// strategy reads the flushed metrics.
+#[test]
+fn early_stopping_stops_the_tensor_parallel_run_at_the_right_epoch() {
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let dir = std::env::temp_dir().join(format!("burn-tp-learner-stop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    device().seed(5);
+    let full = config().init(&solo, &device()).unwrap();
+    let strategy = TensorParallel::new(2, 1, || AdamWConfig::new().init());
+    let stopping = MetricEarlyStoppingStrategy::new(
+        &LossMetric::new(),
+        Aggregate::Mean,
+        Direction::Lowest,
+        Split::Valid,
+        StoppingCondition::NoImprovementSince { n_epochs: 1 },
+    );
+    let epochs = 12;
+    let result = launch(&full, strategy, &dir, Windows::new(text(), SEQ, SEQ), |t| {
+        t.num_epochs(epochs).early_stopping(stopping)
+    });
+    assert!(result.error.is_none(), "{:?}", result.error);
+    // The epochs that ran and their mean validation loss.
+    let valid: Vec<f64> = (1..=epochs)
+        .take_while(|e| dir.join("valid").join(format!("epoch-{e}")).exists())
+        .map(|e| {
+            let v = logged(&dir, "valid", e, "Loss");
+            v.iter().sum::<f64>() / v.len() as f64
+        })
+        .collect();
+    let ran = valid.len();
+    assert!(ran >= 2 && ran < epochs, "ran {ran} epochs: {valid:?}");
+    // Every epoch before the last improved on the best so far; the last did not (more than
+    // n_epochs = 1 since the best).
+    let best_before = valid[..ran - 1].iter().copied().fold(f64::MAX, f64::min);
+    for e in 1..ran - 1 {
+        assert!(
+            valid[e] < valid[..e].iter().copied().fold(f64::MAX, f64::min),
+            "{valid:?}"
+        );
+    }
+    assert!(valid[ran - 1] >= best_before, "{valid:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A dataset whose item `bad` fails to load.
+struct Failing {
+    windows: Windows,
+    bad: usize,
+}
+
+impl Dataset<Vec<i64>> for Failing {
+    fn get(&self, index: usize) -> Result<Vec<i64>, DatasetError> {
+        if index == self.bad {
+            return Err(DatasetError::new(std::io::Error::other(format!(
+                "item {index} is unreadable on purpose"
+            ))));
+        }
+        self.windows.get(index)
+    }
+    fn len(&self) -> usize {
+        self.windows.len()
+    }
+}
+
+/// A rank that fails (its replica's loader errs, at tp 2 x dp 2) ends `fit` with the error in
+/// `LearningResult::error`, within the timeout, not a hang.
+#[test]
+fn a_failing_rank_ends_the_learner_with_its_error() {
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let dir = std::env::temp_dir().join(format!("burn-tp-learner-fail-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    device().seed(6);
+    let full = config().init(&solo, &device()).unwrap();
+    let strategy = TensorParallel::new(2, 2, || AdamWConfig::new().init())
+        .with_timeout(std::time::Duration::from_secs(20));
+    let train = Failing {
+        windows: Windows::new(text(), SEQ, SEQ),
+        bad: 9,
+    };
+    let start = std::time::Instant::now();
+    let result = launch(&full, strategy, &dir, train, |t| t.num_epochs(2));
+    let took = start.elapsed();
+    let e = result
+        .error
+        .expect("the failure is the run's error")
+        .to_string();
+    assert!(e.contains("unreadable on purpose"), "{e}");
+    assert!(took < std::time::Duration::from_secs(15), "{took:?}: {e}");
+    std::fs::remove_dir_all(&dir).ok();
 }
