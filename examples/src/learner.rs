@@ -8,11 +8,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::{Module, ModuleDisplay};
+use burn::tensor::TensorReadError;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::model::LanguageModel;
 use burn_tp::reshard::{ParamLayout, Reshard};
-use burn_train::metric::{Adaptor, ItemLazy, LossInput};
+use burn_train::metric::state::{FormatOptions, NumericMetricState};
+use burn_train::metric::{
+    Adaptor, ItemLazy, LossInput, Metric, MetricAttributes, MetricMetadata, MetricName, Numeric,
+    NumericAttributes, NumericEntry, SerializedEntry,
+};
 use burn_train::{InferenceStep, TrainOutput, TrainStep};
 
 /// A burn-tp language model as a Learner model: the loss of a batch of next-token targets.
@@ -172,5 +177,154 @@ impl Batcher<Vec<i64>, LmBatch> for LmBatcher {
             ids: Tensor::from_data(TensorData::new(ids, [s, b]), device),
             targets: Tensor::from_data(TensorData::new(targets, [s, b]), device),
         }
+    }
+}
+
+/// A step's mean loss and its tokens, for [`PerplexityMetric`] and [`TokensPerSecond`].
+#[derive(Clone, Debug)]
+pub struct LmStats {
+    /// The mean next-token loss.
+    pub loss: f64,
+    /// Tokens in the batch.
+    pub tokens: usize,
+}
+
+impl Adaptor<LmStats> for LmOutput {
+    fn adapt(&self) -> LmStats {
+        LmStats {
+            loss: self.loss.clone().into_scalar::<f32>() as f64,
+            tokens: self.tokens,
+        }
+    }
+}
+
+/// Perplexity, `exp` of the mean loss per token (the epoch's: weighted by the batches' tokens).
+#[derive(Clone)]
+pub struct PerplexityMetric {
+    name: MetricName,
+    state: NumericMetricState,
+}
+
+impl Default for PerplexityMetric {
+    fn default() -> Self {
+        Self {
+            name: Arc::new("Perplexity".to_string()),
+            state: NumericMetricState::new(),
+        }
+    }
+}
+
+impl Metric for PerplexityMetric {
+    type Input = LmStats;
+
+    fn update(
+        &mut self,
+        item: &LmStats,
+        _: &MetricMetadata,
+    ) -> Result<SerializedEntry, TensorReadError> {
+        self.state.update(item.loss.exp(), item.tokens);
+        Ok(self
+            .state
+            .compute_update(FormatOptions::new(self.name()).precision(2)))
+    }
+    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
+        Ok(self
+            .state
+            .compute_final(FormatOptions::new(self.name()).precision(2)))
+    }
+    fn clear(&mut self) {
+        self.state.reset()
+    }
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: None,
+            higher_is_better: false,
+        }
+        .into()
+    }
+}
+
+impl Numeric for PerplexityMetric {
+    fn value(&self) -> Option<NumericEntry> {
+        Some(self.state.current_value())
+    }
+    fn running_value(&self) -> Option<NumericEntry> {
+        Some(self.state.running_value())
+    }
+    fn final_value(&self) -> NumericEntry {
+        self.state.final_value()
+    }
+}
+
+/// Tokens per second of the items reported (a replica's: with dp, each replica's rate).
+#[derive(Clone)]
+pub struct TokensPerSecond {
+    name: MetricName,
+    state: NumericMetricState,
+    last: Option<std::time::Instant>,
+}
+
+impl Default for TokensPerSecond {
+    fn default() -> Self {
+        Self {
+            name: Arc::new("Tokens per second".to_string()),
+            state: NumericMetricState::new(),
+            last: None,
+        }
+    }
+}
+
+impl Metric for TokensPerSecond {
+    type Input = LmStats;
+
+    fn update(
+        &mut self,
+        item: &LmStats,
+        _: &MetricMetadata,
+    ) -> Result<SerializedEntry, TensorReadError> {
+        let now = std::time::Instant::now();
+        // The first item of a split has no interval before it.
+        let rate = match self.last.replace(now) {
+            Some(last) => item.tokens as f64 / (now - last).as_secs_f64().max(1e-9),
+            None => 0.0,
+        };
+        self.state.update(rate, 1);
+        Ok(self
+            .state
+            .compute_update(FormatOptions::new(self.name()).unit("tok/s").precision(0)))
+    }
+    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
+        Ok(self
+            .state
+            .compute_final(FormatOptions::new(self.name()).unit("tok/s").precision(0)))
+    }
+    fn clear(&mut self) {
+        self.state.reset();
+        self.last = None;
+    }
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: Some("tok/s".to_string()),
+            higher_is_better: true,
+        }
+        .into()
+    }
+}
+
+impl Numeric for TokensPerSecond {
+    fn value(&self) -> Option<NumericEntry> {
+        Some(self.state.current_value())
+    }
+    fn running_value(&self) -> Option<NumericEntry> {
+        Some(self.state.running_value())
+    }
+    fn final_value(&self) -> NumericEntry {
+        self.state.final_value()
     }
 }

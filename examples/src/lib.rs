@@ -5,7 +5,7 @@
 //!   (and data) parallelism, either architecture through `burn_tp::model::LanguageModel`.
 //! - [`generate`]: text from a Hugging Face Llama-family model at any tp, with the KV cache.
 //! - `learner` (feature `train`): a burn-tp language model as a Burn Learner model
-//!   (`learner_llama`).
+//!   (`learner_llama`), and `learner_llama` itself.
 //! - [`checks`]: what the GPU check (`gpu_check`) compares and records with.
 
 pub mod checks;
@@ -14,5 +14,7 @@ mod eval;
 pub mod generate;
 #[cfg(feature = "train")]
 pub mod learner;
+#[cfg(feature = "train")]
+pub mod learner_llama;
 pub mod plot;
 pub mod train_gpt;

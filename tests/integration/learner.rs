@@ -112,7 +112,9 @@ fn launch(
     setup: impl FnOnce(Training) -> Training,
 ) -> LearningResult<LmLearner<Llama>> {
     // Another text: memorizing the training text stops helping on it at some epoch.
-    let other = (0..(SEQ * 6 + 1) as i64).map(|i| (i * 5 + i * i % 7) % 23).collect();
+    let other = (0..(SEQ * 6 + 1) as i64)
+        .map(|i| (i * 5 + i * i % 7) % 23)
+        .collect();
     let valid = Windows::new(other, SEQ, SEQ);
     let training = SupervisedTraining::new(
         dir,
@@ -315,4 +317,55 @@ fn a_failing_rank_ends_the_learner_with_its_error() {
     assert!(e.contains("unreadable on purpose"), "{e}");
     assert!(took < std::time::Duration::from_secs(15), "{took:?}: {e}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `learner_llama` (the example) runs to completion with the plain renderer: two short epochs
+/// at tp 2, the validation loss falling, its checkpoints kept; resumed after epoch 1 at tp 1 it
+/// gives epoch 2's training loss again.
+#[test]
+fn learner_llama_runs_to_completion_and_resumes_at_another_tp() {
+    use burn_tp_examples::learner_llama::{LearnerArgs, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let out = std::env::temp_dir().join(format!("burn-tp-learner-llama-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let args = |extra: &[&str]| {
+        let mut argv = vec![
+            "learner_llama",
+            "--plain",
+            "--max-sequences",
+            "32",
+            "--seq",
+            "32",
+            "--epochs",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        argv.extend_from_slice(extra);
+        LearnerArgs::try_parse_from(argv).unwrap()
+    };
+    device().seed(7);
+    let first = run(&args(&[])).unwrap();
+    assert_eq!(first.sequences, 32);
+    assert_eq!(first.train_loss.len(), 2);
+    assert!(first.valid_loss[1] < first.valid_loss[0], "{first:?}");
+    for e in [1, 2] {
+        let dir = TensorParallel::checkpoint_dir(&out.join("checkpoints"), e);
+        assert!(dir.join(checkpoint::INDEX).exists(), "{dir:?}");
+    }
+    device().seed(7);
+    let resumed = run(&args(&["--tp", "1", "--resume", "1"])).unwrap();
+    assert_close(
+        &resumed.train_loss,
+        &first.train_loss[1..],
+        1e-5,
+        "epoch 2 resumed at tp 1",
+    );
+    let e = run(&args(&["--batch", "64"])).unwrap_err();
+    assert!(
+        e.contains("32 training sequences") && e.contains("--batch 64"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&out).ok();
 }

@@ -1,0 +1,239 @@
+//! `learner_llama`: the Llama trained through Burn's `SupervisedTraining` at tp 2 (feature
+//! `train`): the Learner's metrics (loss, perplexity, learning rate, tokens/s), its terminal
+//! dashboard when a terminal is there (the plain renderer otherwise, or with `--plain`), its
+//! metric logs, an evaluation split, checkpoints kept by Burn's `KeepLastNCheckpoints` (burn-tp's
+//! sharded ones, resumable at any tp / dp with `--resume EPOCH`).
+
+use std::path::{Path, PathBuf};
+
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::optim::AdamWConfig;
+use burn::tensor::Device;
+use burn_tp::comm::LocalGroup;
+use burn_tp::hf::HfConfig;
+use burn_tp::linear::{TpMode, TpSettings};
+use burn_tp::llama::LlamaConfig;
+use burn_tp::train::TensorParallel;
+use burn_train::checkpoint::KeepLastNCheckpoints;
+use burn_train::metric::{LearningRateMetric, LossMetric};
+use burn_train::renderer::CliMetricsRenderer;
+use burn_train::{Learner, SupervisedTraining};
+use clap::Parser;
+
+use crate::corpus::{self, Codec, Vocab};
+use crate::learner::{LmBatcher, LmLearner, PerplexityMetric, TokensPerSecond, Windows};
+
+/// `learner_llama`'s command line.
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Train a Llama through Burn's Learner (SupervisedTraining) at tp x dp")]
+pub struct LearnerArgs {
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 2)]
+    pub tp: usize,
+    /// Data-parallel size (world = tp x dp, ranks as threads).
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Epochs over the training text.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: usize,
+    /// Sequences per batch and replica.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    pub seq: usize,
+    /// Model width (without `--init-from`).
+    #[arg(long, default_value_t = 128)]
+    pub d_model: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Key / value heads.
+    #[arg(long, default_value_t = 2)]
+    pub kv_heads: usize,
+    /// Blocks.
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    /// Learning rate (AdamW).
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    /// A text file to train on (default: the built-in corpus); its last tenth validates.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Start from this Hugging Face Llama-family folder (its config, weights and tokenizer).
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// At most this many training sequences per epoch (a short run).
+    #[arg(long)]
+    pub max_sequences: Option<usize>,
+    /// Checkpoints to keep (Burn's `KeepLastNCheckpoints`), in `OUT/checkpoints/epoch-N`.
+    #[arg(long, default_value_t = 2)]
+    pub keep_checkpoints: usize,
+    /// Resume after this epoch (its checkpoint in `OUT/checkpoints`, written at any tp / dp).
+    #[arg(long)]
+    pub resume: Option<usize>,
+    /// The plain renderer even in a terminal.
+    #[arg(long)]
+    pub plain: bool,
+    /// Output folder: the Learner's logs and metrics, the checkpoints.
+    #[arg(long, default_value = "out/learner")]
+    pub out: PathBuf,
+}
+
+/// What a run reports: each epoch's mean training and validation loss (from the Learner's
+/// metric logs).
+#[derive(Debug)]
+pub struct LearnerReport {
+    /// Per epoch run: the mean training loss.
+    pub train_loss: Vec<f64>,
+    /// Per epoch run: the mean validation loss.
+    pub valid_loss: Vec<f64>,
+    /// Training sequences per epoch.
+    pub sequences: usize,
+}
+
+/// Runs `learner_llama` with `args`.
+///
+/// # Errors
+/// Bad arguments, data or model folders, or the training's error, as text.
+pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
+    if args.tp == 0 || args.dp == 0 || args.epochs == 0 || args.batch == 0 {
+        return Err(format!(
+            "--tp, --dp, --epochs and --batch must be at least 1 (got {}, {}, {}, {})",
+            args.tp, args.dp, args.epochs, args.batch
+        ));
+    }
+    let text = match &args.data {
+        Some(path) => {
+            std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?
+        }
+        None => corpus::builtin(200_000),
+    };
+    let hf_codec = match &args.init_from {
+        Some(dir) => Codec::from_model_dir(dir)?,
+        None => None,
+    };
+    let codec = hf_codec.unwrap_or_else(|| Codec::Chars(Vocab::new(&text)));
+    let tokens = codec.encode(&text, false)?;
+    let split = tokens.len() * 9 / 10;
+    let mut train = tokens[..split].to_vec();
+    if let Some(n) = args.max_sequences {
+        train.truncate(n * args.seq + 1);
+    }
+    let train = Windows::new(train, args.seq, args.seq);
+    let valid = Windows::new(tokens[split..].to_vec(), args.seq, args.seq);
+    let sequences = burn::data::dataset::Dataset::len(&train);
+    if sequences < args.batch * args.dp || burn::data::dataset::Dataset::len(&valid) == 0 {
+        return Err(format!(
+            "{} training sequences of --seq {} for --batch {} x --dp {}: more data, or a \
+             shorter --seq",
+            sequences, args.seq, args.batch, args.dp
+        ));
+    }
+    let settings = TpSettings::new().with_mode(TpMode::ReduceScatter);
+    let (config, init_from) = match &args.init_from {
+        Some(dir) => {
+            let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
+            if codec.len() > hf.vocab_size {
+                return Err(format!(
+                    "--init-from {}: the data has {} distinct tokens, more than the model's \
+                     vocabulary of {}",
+                    dir.display(),
+                    codec.len(),
+                    hf.vocab_size
+                ));
+            }
+            (hf.llama_config(settings), Some(dir.as_path()))
+        }
+        None => (
+            LlamaConfig::new(
+                codec.len(),
+                args.seq,
+                args.d_model,
+                args.heads,
+                args.kv_heads,
+                args.layers,
+                (8 * args.d_model / 3).next_multiple_of(32),
+            )
+            .with_settings(settings),
+            None,
+        ),
+    };
+    // The whole model, as a Burn user builds it; the strategy shards it over each replica's tp.
+    let device = Device::flex().autodiff();
+    let solo = LocalGroup::new(1).map_err(|e| e.to_string())?.remove(0);
+    let model = config.init(&solo, &device).map_err(|e| e.to_string())?;
+    let model = match init_from {
+        Some(dir) => burn_tp::hf::load(model, dir, &solo).map_err(|e| e.to_string())?,
+        None => model,
+    };
+    let checkpoints = args.out.join("checkpoints");
+    let strategy = TensorParallel::new(args.tp, args.dp, || AdamWConfig::new().init())
+        .with_checkpoints(
+            &checkpoints,
+            KeepLastNCheckpoints::new(args.keep_checkpoints),
+        );
+    let loader = |windows: Windows| {
+        DataLoaderBuilder::new(LmBatcher)
+            .batch_size(args.batch)
+            .build(windows)
+    };
+    let mut training = SupervisedTraining::new(&args.out, loader(train), loader(valid))
+        .metrics((
+            LossMetric::new(),
+            PerplexityMetric::default(),
+            TokensPerSecond::default(),
+            LearningRateMetric::new(),
+        ))
+        .with_training_strategy(strategy.into_strategy())
+        .num_epochs(args.epochs)
+        .summary();
+    if args.plain {
+        training = training.renderer(Box::new(CliMetricsRenderer::new()));
+    }
+    if let Some(epoch) = args.resume {
+        training = training.checkpoint(epoch);
+    }
+    let result = training.launch(Learner::new(
+        LmLearner::new(model),
+        AdamWConfig::new().init(),
+        args.lr,
+    ));
+    if let Some(e) = result.error {
+        return Err(e.to_string());
+    }
+    let first = args.resume.map_or(1, |e| e + 1);
+    let mean = |split: &str, epoch: usize| epoch_mean(&args.out, split, epoch, "Loss");
+    let epochs: Vec<usize> = (first..=args.epochs)
+        .take_while(|&e| args.out.join("train").join(format!("epoch-{e}")).exists())
+        .collect();
+    Ok(LearnerReport {
+        train_loss: epochs
+            .iter()
+            .map(|&e| mean("train", e))
+            .collect::<Result<_, _>>()?,
+        valid_loss: epochs
+            .iter()
+            .map(|&e| mean("valid", e))
+            .collect::<Result<_, _>>()?,
+        sequences,
+    })
+}
+
+/// The mean of metric `name` over epoch `epoch`'s items of `split`, from the Learner's log.
+fn epoch_mean(out: &Path, split: &str, epoch: usize, name: &str) -> Result<f64, String> {
+    let path = out
+        .join(split)
+        .join(format!("epoch-{epoch}"))
+        .join(format!("{name}.log"));
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.ends_with(",final"))
+        .filter_map(|l| l.split(',').next()?.parse().ok())
+        .collect();
+    if values.is_empty() {
+        return Err(format!("{}: no values", path.display()));
+    }
+    Ok(values.iter().sum::<f64>() / values.len() as f64)
+}
