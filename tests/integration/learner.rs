@@ -146,29 +146,47 @@ fn step_losses(dir: &Path, epoch: usize, dp: usize) -> Vec<f64> {
 
 /// The Learner at tp x dp for one epoch: its logged per-step losses and the trained model it
 /// returns.
-fn learner_run(full: &Llama, tp: usize, dp: usize, dir: &Path) -> (Vec<f64>, Llama) {
+fn learner_run(
+    full: &Llama,
+    (tp, dp): (usize, usize),
+    dir: &Path,
+    sync: impl FnOnce(TensorParallel) -> TensorParallel,
+) -> (Vec<f64>, Llama) {
     let _ = std::fs::remove_dir_all(dir);
-    let strategy = TensorParallel::new(tp, dp, || AdamWConfig::new().init());
+    let strategy = sync(TensorParallel::new(tp, dp, || AdamWConfig::new().init()));
     let train = Windows::new(text(), SEQ, SEQ);
     let result = launch(full, strategy, dir, train, |t| t.num_epochs(1));
     assert!(result.error.is_none(), "{:?}", result.error);
     (step_losses(dir, 1, dp), result.model.model)
 }
 
-/// At tp 1, tp 2 and tp 2 x dp 2 the Learner's logged losses are the plain loop's, step by step
+/// At tp 1, tp 2 and tp 2 x dp 2 (the dp average after the backward, overlapped in buckets, or
+/// the distributed optimizer) the Learner's logged losses are the plain loop's, step by step
 /// (f32, 1e-5), and the model it returns (gathered to tp 1) is the plain loop's trained model.
 #[test]
 fn the_learner_at_tp_and_dp_gives_the_plain_loops_losses() {
     let _rng = rng_lock();
     let solo = LocalGroup::new(1).unwrap().remove(0);
     let root = std::env::temp_dir().join(format!("burn-tp-learner-{}", std::process::id()));
-    for (tp, dp) in [(1, 1), (2, 1), (2, 2)] {
+    type Sync = fn(TensorParallel) -> TensorParallel;
+    let runs: [(usize, usize, &str, Sync); 6] = [
+        (1, 1, "", |t| t),
+        (2, 1, "", |t| t),
+        (2, 2, "", |t| t),
+        (1, 2, "buckets", |t| t.with_overlapped_grad_reduce(2048)),
+        (2, 2, "buckets", |t| t.with_overlapped_grad_reduce(2048)),
+        (2, 2, "distributed optimizer", |t| {
+            t.with_distributed_optimizer(AdamWConfig::new(), 2048)
+        }),
+    ];
+    for (tp, dp, how, sync) in runs {
         device().seed(3);
         let full = config().init(&solo, &device()).unwrap();
         let (want, want_model) = plain_loop(&full, dp);
         assert!(want.len() >= 8, "{} steps", want.len());
-        let (got, got_model) = learner_run(&full, tp, dp, &root.join(format!("tp{tp}dp{dp}")));
-        let tag = format!("tp {tp} dp {dp}");
+        let dir = root.join(format!("tp{tp}dp{dp}{}", how.len()));
+        let (got, got_model) = learner_run(&full, (tp, dp), &dir, sync);
+        let tag = format!("tp {tp} dp {dp} {how}");
         assert_close(&got, &want, 1e-5, &format!("{tag}: losses"));
         assert!(want.last() < want.first(), "{tag}: {want:?}");
         assert_close(

@@ -31,7 +31,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::data::dataloader::split::split_dataloader;
-use burn::optim::ModuleOptimizer;
+use burn::module::Module;
+use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::Device;
 use burn_tp_comm::{LocalGroup, ProcessGroup, ReduceOp};
 use burn_train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
@@ -43,7 +44,7 @@ use burn_train::{
 };
 
 use crate::checkpoint::{self, CheckpointInfo};
-use crate::dp::average_gradients;
+use crate::dp::{DistributedAdamW, GradReducer, average_gradients};
 use crate::local::{RunOptions, run_ranks_with};
 use crate::mesh::DeviceMesh;
 use crate::reshard::Reshard;
@@ -87,6 +88,22 @@ pub struct TensorParallel {
     /// The checkpoints' folder and strategy (lent to world rank 0 during `fit`).
     checkpoints: Option<(PathBuf, Lent)>,
     timeout: Option<Duration>,
+    sync: GradSync,
+}
+
+/// How the gradients meet over dp.
+#[derive(Clone, Debug)]
+enum GradSync {
+    /// Averaged after the backward ([`average_gradients`]).
+    AfterBackward,
+    /// Averaged in buckets during the backward ([`GradReducer`]).
+    Overlapped { bucket_bytes: usize },
+    /// Reduce-scattered in buckets during the backward, AdamW on this rank's chunks
+    /// ([`DistributedAdamW`]; the factory's optimizer is not used).
+    Distributed {
+        config: AdamWConfig,
+        bucket_bytes: usize,
+    },
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -122,7 +139,27 @@ impl TensorParallel {
             optimizer: Arc::new(optimizer),
             checkpoints: None,
             timeout: None,
+            sync: GradSync::AfterBackward,
         }
+    }
+
+    /// The dp average of the gradients in buckets of at most `bucket_bytes`, each started
+    /// during the backward as soon as its last gradient is there ([`GradReducer`]): the user's
+    /// `TrainStep` runs on a view of the model with the reducer's taps.
+    pub fn with_overlapped_grad_reduce(mut self, bucket_bytes: usize) -> Self {
+        self.sync = GradSync::Overlapped { bucket_bytes };
+        self
+    }
+
+    /// Megatron's distributed optimizer: AdamW of `config` with its moments sharded over dp,
+    /// the gradients reduce-scattered in buckets during the backward ([`DistributedAdamW`]). It
+    /// takes the schedule's base learning rate, and replaces the factory's optimizer.
+    pub fn with_distributed_optimizer(mut self, config: AdamWConfig, bucket_bytes: usize) -> Self {
+        self.sync = GradSync::Distributed {
+            config,
+            bucket_bytes,
+        };
+        self
     }
 
     /// After each epoch, `strategy` (Burn's `KeepLastNCheckpoints`, `MetricCheckpointingStrategy`,
@@ -169,6 +206,7 @@ struct Shared<M: LearnerModel> {
     learner: Learner<M>,
     optimizer: OptimizerFactory,
     timeout: Option<Duration>,
+    sync: GradSync,
     train: Vec<TrainLoader<M>>,
     valid: ValidLoader<M>,
     train_items: usize,
@@ -238,6 +276,7 @@ where
             learner,
             optimizer: self.optimizer.clone(),
             timeout: self.timeout,
+            sync: self.sync.clone(),
             train,
             valid,
             train_items,
@@ -346,6 +385,7 @@ where
             schedule.lr_step();
         }
     }
+    let mut optim = RankOptim::new(&shared.sync, optim, &model, &dp_group)?;
     let mut control = control;
     for epoch in first_epoch..=last_epoch {
         if rank == 0 {
@@ -399,7 +439,8 @@ where
         if save && let Some(dir) = &shared.checkpoints {
             let dir = TensorParallel::checkpoint_dir(dir, epoch);
             let info = CheckpointInfo::new(step, shared.tp, shared.dp, &());
-            checkpoint::save(&model, Some(&optim), &dir, &info, &tp_group, replica)?;
+            let state = optim.module_optimizer(&model)?;
+            checkpoint::save(&model, Some(&state), &dir, &info, &tp_group, replica)?;
             world.barrier()?;
         }
         if stop {
@@ -470,7 +511,7 @@ type Outbox<M> = Vec<Sender<Message<M>>>;
 fn train_epoch<M>(
     shared: &Shared<M>,
     model: &mut M,
-    optim: &mut ModuleOptimizer,
+    optim: &mut RankOptim,
     schedule: &mut Learner<M>,
     (dp_group, replica, leader): (&ProcessGroup, usize, bool),
     (inbox, outbox): (&Inbox<M>, &Outbox<M>),
@@ -523,15 +564,12 @@ where
         steps += 1;
         schedule.lr_step();
         let lr = schedule.lr_current();
-        let out = TrainStep::step(&*model, item);
-        let mut grads = out.grads;
-        average_gradients(&*model, &mut grads, dp_group)?;
-        *model = model.clone().optimize(optim, lr.clone(), grads);
+        let out = optim.step(model, item, lr.clone(), dp_group)?;
         if let Some(mut progress) = progress {
             // As Burn's DDP counts: every replica's items.
             progress.items_processed *= dp;
             progress.items_total *= dp;
-            let item = TrainingItem::new(out.item, progress, Some(steps as usize * dp), Some(lr));
+            let item = TrainingItem::new(out, progress, Some(steps as usize * dp), Some(lr));
             shared.process(|p| p.process_train(LearnerEvent::ProcessedItem(item)));
         }
     }
@@ -589,6 +627,91 @@ where
         }
     }
     Ok(())
+}
+
+/// A rank's optimizer: the factory's, with the dp average after the backward or in buckets
+/// during it; or the distributed optimizer.
+struct RankOptim {
+    optim: ModuleOptimizer,
+    reducer: Option<GradReducer>,
+    zero: Option<(DistributedAdamW, AdamWConfig)>,
+}
+
+impl RankOptim {
+    /// `optim` (loaded, on resume) for `model` on `dp_group`, as `sync` asks.
+    fn new<M: Module>(
+        sync: &GradSync,
+        optim: ModuleOptimizer,
+        model: &M,
+        dp_group: &ProcessGroup,
+    ) -> Result<Self> {
+        Ok(match sync {
+            GradSync::AfterBackward => Self {
+                optim,
+                reducer: None,
+                zero: None,
+            },
+            GradSync::Overlapped { bucket_bytes } => Self {
+                optim,
+                reducer: Some(GradReducer::new(model, dp_group, *bucket_bytes)),
+                zero: None,
+            },
+            GradSync::Distributed {
+                config,
+                bucket_bytes,
+            } => {
+                let mut zero = DistributedAdamW::new(config, model, dp_group, *bucket_bytes);
+                // This rank's chunks of a resumed state (saved at any dp).
+                zero.shard_module_optimizer(&optim, model)?;
+                Self {
+                    optim,
+                    reducer: None,
+                    zero: Some((zero, config.clone())),
+                }
+            }
+        })
+    }
+
+    /// One training step of `model` on `item`: the user's `TrainStep`, the gradients reduced
+    /// over dp, the update. Returns the step's output item.
+    fn step<M: LearnerModel>(
+        &mut self,
+        model: &mut M,
+        item: TrainInput<M>,
+        lr: burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate,
+        dp_group: &ProcessGroup,
+    ) -> Result<<M as TrainStep>::Output> {
+        if let Some((zero, _)) = &mut self.zero {
+            let view = zero.attach(model.clone(), true);
+            let out = TrainStep::step(&view, item);
+            *model = zero.step(lr.base(), model.clone(), out.grads)?;
+            return Ok(out.item);
+        }
+        let out = match &self.reducer {
+            Some(reducer) => {
+                let view = reducer.attach(model.clone(), true);
+                let mut out = TrainStep::step(&view, item);
+                reducer.finish(&*model, &mut out.grads)?;
+                out
+            }
+            None => {
+                let mut out = TrainStep::step(&*model, item);
+                average_gradients(&*model, &mut out.grads, dp_group)?;
+                out
+            }
+        };
+        *model = model.clone().optimize(&mut self.optim, lr, out.grads);
+        Ok(out.item)
+    }
+
+    /// The state as a Burn optimizer over this rank's shard, to save (the distributed
+    /// optimizer's chunks gathered over dp first: collective over dp).
+    fn module_optimizer<M: Module>(&mut self, model: &M) -> Result<ModuleOptimizer> {
+        if let Some((zero, config)) = &self.zero {
+            self.optim = zero.to_module_optimizer(config, model)?;
+        }
+        Ok(self.optim.clone())
+    }
 }
 
 fn peer_gone() -> TpError {

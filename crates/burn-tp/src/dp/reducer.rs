@@ -267,13 +267,13 @@ impl GradReducer {
                 let Some(bucket) = r.shared.bucket_of.get(slot).copied().flatten() else {
                     return;
                 };
-                let Some(own) = self.grads.remove::<D>(param.id) else {
-                    return;
-                };
+                // Every bucketed parameter gets its average, whether `grads` had it or not
+                // (gradients read off a tapped view have none: its parameters are not leaves).
+                self.grads.remove::<D>(param.id);
                 let avg: Tensor<D> = self.flat[bucket]
                     .clone()
                     .narrow(0, r.offset[slot], r.numel[slot])
-                    .reshape(own.shape());
+                    .reshape(param.val().shape());
                 self.grads.register(param.id, avg);
             }
         }
@@ -345,9 +345,11 @@ impl GradReducer {
     }
 }
 
-/// Any gradient in `grads` of a parameter of `model`, flattened (it routes the bucket resolves).
+/// Any gradient in `grads` of a parameter of `model`, flattened, or else any of its trainable
+/// parameters' values (inner): it routes the bucket resolves to their backend. `None` for a
+/// model without trainable parameters.
 pub(crate) fn first_grad<M: Module>(model: &M, grads: &GradientsParams) -> Option<Tensor<1>> {
-    struct First<'a>(&'a GradientsParams, Option<Tensor<1>>);
+    struct First<'a>(&'a GradientsParams, Option<Tensor<1>>, Option<Tensor<1>>);
     impl ModuleVisitor for First<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if self.1.is_none()
@@ -355,11 +357,15 @@ pub(crate) fn first_grad<M: Module>(model: &M, grads: &GradientsParams) -> Optio
             {
                 self.1 = Some(g.flatten(0, D - 1));
             }
+            let t = param.val();
+            if self.2.is_none() && t.is_require_grad() {
+                self.2 = Some(t.inner().flatten(0, D - 1));
+            }
         }
     }
-    let mut first = First(grads, None);
+    let mut first = First(grads, None, None);
     model.visit(&mut first);
-    first.1
+    first.1.or(first.2)
 }
 
 /// Where each parameter (slot, in visiting order) lies in the buckets.
