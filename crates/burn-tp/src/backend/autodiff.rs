@@ -213,7 +213,7 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
     ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct AttentionBackward;
-        impl<B: Backend> Backward<B, 3> for AttentionBackward {
+        impl<B: TpBackend> Backward<B, 3> for AttentionBackward {
             type State = AttentionState<B>;
             fn backward(
                 self,

@@ -33,6 +33,7 @@ use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{Shape, TensorData};
 use burn_std::Scalar;
 
+use super::TpBackend;
 use super::host::{slice_dim, widen};
 use crate::dropout::{DropoutKey, dropout_mask_values};
 
@@ -186,7 +187,7 @@ fn blocks(n: usize, block: usize) -> impl Iterator<Item = Range<usize>> {
 
 /// Scores `[b, hkv, g * Bq, Bk]` of the (pre-scaled) stacked queries against key block `kb`,
 /// the keys a query does not see (its future, those before its window) masked to `-inf`.
-fn scores<B: Backend>(
+fn scores<B: TpBackend>(
     geo: &Geometry,
     spec: &AttentionSpec,
     q: &FloatTensor<B>,
@@ -195,7 +196,7 @@ fn scores<B: Backend>(
     cols: &Range<usize>,
     masked: bool,
 ) -> FloatTensor<B> {
-    let s = B::float_matmul(q.clone(), B::float_swap_dims(kb, 2, 3));
+    let s = B::tp_matmul(q.clone(), B::float_swap_dims(kb, 2, 3));
     if !masked {
         return s;
     }
@@ -244,7 +245,7 @@ fn dropout_block<B: Backend>(
 ///
 /// Shapes: `q` `[b, hq, s, hd]`, `k`, `v` `[b, hkv, t, hd]` with `hkv` dividing `hq` (each key
 /// / value head serves `hq / hkv` consecutive query heads) and `t >= spec.start + s`.
-pub(crate) fn forward<B: Backend>(
+pub(crate) fn forward<B: TpBackend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -299,7 +300,7 @@ pub(crate) fn forward<B: Backend>(
                 }
                 None => p,
             };
-            let pv = B::float_matmul(p, vb);
+            let pv = B::tp_matmul(p, vb);
             let (l, acc) = match state.take() {
                 None => (row_sum, pv),
                 Some((m, l, acc)) => {
@@ -337,7 +338,7 @@ pub(crate) fn forward<B: Backend>(
 /// The backward: `(dq, dk, dv)` in the dtypes of q, k and v, from the upstream gradient
 /// `d_out` (`[b, hq, s, hd]`) and what the forward kept.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<B: Backend>(
+pub(crate) fn backward<B: TpBackend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -401,9 +402,9 @@ pub(crate) fn backward<B: Backend>(
             };
             dv = Some(add(
                 dv,
-                B::float_matmul(B::float_swap_dims(p_kept, 2, 3), gb.clone()),
+                B::tp_matmul(B::float_swap_dims(p_kept, 2, 3), gb.clone()),
             ));
-            let dp = B::float_matmul(gb.clone(), B::float_swap_dims(vb.clone(), 2, 3));
+            let dp = B::tp_matmul(gb.clone(), B::float_swap_dims(vb.clone(), 2, 3));
             let dp = match keep {
                 Some(m) => B::float_mul(dp, m),
                 None => dp,
@@ -412,13 +413,13 @@ pub(crate) fn backward<B: Backend>(
             dq[i] = Some(add(
                 dq[i].take(),
                 B::float_mul_scalar(
-                    B::float_matmul(ds.clone(), kb.clone()),
+                    B::tp_matmul(ds.clone(), kb.clone()),
                     Scalar::Float(scale),
                 ),
             ));
             dk = Some(add(
                 dk,
-                B::float_matmul(B::float_swap_dims(ds, 2, 3), qb.clone()),
+                B::tp_matmul(B::float_swap_dims(ds, 2, 3), qb.clone()),
             ));
         }
         let zeros = || {

@@ -174,6 +174,24 @@ pub trait TpBackend: Backend {
         swiglu::forward::<Self>(y)
     }
 
+    /// One GEMM of the parallel layers (forward, dgrad, wgrad, each block of the split / ring
+    /// schedules) and of the attention's blocks: `a [.., m, k] · b [.., k, n] -> [.., m, n]`.
+    /// The default is the backend's own matmul; a backend with a faster GEMM (cuBLAS on CUDA,
+    /// issue 36, `gemm.rs` maps the layouts) overrides this one method.
+    fn tp_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
+    /// `acc + a · b`: a gradient built block by block (BLAS's `beta = 1`, accumulating in
+    /// place where the backend can). The default adds the backend's own matmul.
+    fn tp_matmul_acc(
+        acc: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::float_add(acc, Self::float_matmul(a, b))
+    }
+
     /// Column-parallel linear with overlapped communication (see `overlap.rs`):
     /// `x [.., d_in] -> [.., d_out/n]` (ALL_REDUCE) or `x [s/n, .., d_in] -> [s, .., d_out/n]`
     /// (REDUCE_SCATTER). `weight` is `[d_in, d_out/n]`, `bias` `[d_out/n]`.

@@ -205,7 +205,7 @@ pub(crate) fn gather_matmul<B: TpBackend>(
         schedule,
         keep_gathered,
         |range, block| {
-            let y = B::float_matmul(block, rhs.clone());
+            let y = B::tp_matmul(block, rhs.clone());
             if range.len() == n * m {
                 out = Some(y);
                 return;
@@ -250,7 +250,7 @@ pub(crate) fn column_forward<B: TpBackend>(
     lead.pop();
     match spec.settings.mode {
         TpMode::AllReduce => {
-            let y = add_bias::<B>(B::float_matmul(flatten::<B>(x.clone()), weight), bias);
+            let y = add_bias::<B>(B::tp_matmul(flatten::<B>(x.clone()), weight), bias);
             Ok((
                 unflatten::<B>(y, &lead),
                 ColumnSaved {
@@ -355,7 +355,7 @@ pub(crate) fn column_backward<B: TpBackend>(
                 };
                 let mut dims = gathered_lead.clone();
                 dims.push(cols.len());
-                let gx = B::float_reshape(B::float_matmul(g2.clone(), w_k), Shape::from(dims));
+                let gx = B::float_reshape(B::tp_matmul(g2.clone(), w_k), Shape::from(dims));
                 start::<B>(gx, op, group)
             })
             .collect::<Vec<_>>()
@@ -366,7 +366,7 @@ pub(crate) fn column_backward<B: TpBackend>(
     };
     let weight_grad = needs
         .weight
-        .then(|| B::float_matmul(B::float_transpose(flatten::<B>(input)), g2.clone()));
+        .then(|| B::tp_matmul(B::float_transpose(flatten::<B>(input)), g2.clone()));
     let bias_grad = needs.bias.then(|| sum_rows::<B>(g2));
     let input_grad = match pending_dx {
         Some(pending) if needs.input => {
@@ -410,7 +410,7 @@ pub(crate) fn row_forward<B: TpBackend>(
     let _scope = scope("RowParallelLinear.forward");
     let mut lead = x.shape().to_vec();
     lead.pop();
-    let partial = unflatten::<B>(B::float_matmul(flatten::<B>(x), weight), &lead);
+    let partial = unflatten::<B>(B::tp_matmul(flatten::<B>(x), weight), &lead);
     let op = match spec.settings.mode {
         TpMode::AllReduce => Collective::ReduceFromRegion,
         TpMode::ReduceScatter => Collective::ReduceScatter { dim: 0 },
@@ -442,10 +442,10 @@ pub(crate) fn row_backward<B: TpBackend>(
     let (grad_input, weight_grad, bias_grad) = match spec.settings.mode {
         TpMode::AllReduce => {
             let g2 = flatten::<B>(grad);
-            let gx = needs.input.then(|| B::float_matmul(g2.clone(), w_t));
+            let gx = needs.input.then(|| B::tp_matmul(g2.clone(), w_t));
             let gw = needs
                 .weight
-                .then(|| B::float_matmul(B::float_transpose(x2), g2.clone()));
+                .then(|| B::tp_matmul(B::float_transpose(x2), g2.clone()));
             (gx, gw, needs.bias.then(|| sum_rows::<B>(g2)))
         }
         TpMode::ReduceScatter if spec.settings.schedule == OverlapSchedule::Ring => {
@@ -474,7 +474,7 @@ pub(crate) fn row_backward<B: TpBackend>(
                 false,
                 |range, block| {
                     if needs.input {
-                        let y = B::float_matmul(block.clone(), w_t.clone());
+                        let y = B::tp_matmul(block.clone(), w_t.clone());
                         gx = Some(if range.len() == n * m {
                             y
                         } else {
@@ -490,7 +490,10 @@ pub(crate) fn row_backward<B: TpBackend>(
                     }
                     if needs.weight {
                         let x_rows = B::float_transpose(rows::<B>(x2.clone(), range));
-                        gw = add(gw.take(), B::float_matmul(x_rows, block.clone()));
+                        gw = Some(match gw.take() {
+                            Some(acc) => B::tp_matmul_acc(acc, x_rows, block.clone()),
+                            None => B::tp_matmul(x_rows, block.clone()),
+                        });
                     }
                     if needs.bias {
                         gb = add(gb.take(), sum_rows::<B>(block));
@@ -512,7 +515,7 @@ pub(crate) fn row_backward<B: TpBackend>(
             let total = total.expect("kept");
             let gw = needs
                 .weight
-                .then(|| B::float_matmul(B::float_transpose(x2), total.clone()));
+                .then(|| B::tp_matmul(B::float_transpose(x2), total.clone()));
             (
                 needs.input.then_some(gx),
                 gw,
