@@ -240,3 +240,13 @@ impl HostCall for Broadcast<'_> {
         ))
     }
 }
+
+/// `a · b` (`[.., m, k] · [.., k, n]`) through the GEMM hook the parallel layers use
+/// ([`TpBackend::tp_matmul`]): burn's matmul, but on CUDA, where it is cuBLAS (issue 36). For
+/// checking the hook against burn's own `matmul`; differentiable (on `Autodiff`, burn's).
+pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as TpBackend>::tp_matmul(
+        a.into_dispatch(),
+        b.into_dispatch(),
+    ))
+}

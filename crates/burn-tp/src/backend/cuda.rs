@@ -30,6 +30,7 @@
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
+use burn::backend::ops::FloatTensorOps;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
@@ -51,6 +52,25 @@ use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 type Server = <CudaRuntime as Runtime>::Server;
 
 impl TpBackend for CubeBackend {
+    // The GEMM hook: cuBLAS (`cublas.rs`), burn's matmul where cuBLAS cannot read the layout.
+    fn tp_matmul(a: CubeTensor, b: CubeTensor) -> CubeTensor {
+        match super::cublas::matmul(&a, &b, None) {
+            Ok(out) => out,
+            Err(reason) => {
+                super::cublas::note_fallback(&reason);
+                Self::float_matmul(a, b)
+            }
+        }
+    }
+
+    fn tp_matmul_acc(acc: CubeTensor, a: CubeTensor, b: CubeTensor) -> CubeTensor {
+        match super::cublas::matmul(&a, &b, Some(&acc)) {
+            Ok(out) => out,
+            // A shared accumulator: the product, then the add.
+            Err(_) => Self::float_add(acc, Self::tp_matmul(a, b)),
+        }
+    }
+
     fn tp_start(x: CubeTensor, op: Collective, group: ProcessGroup) -> PendingCollective<Self> {
         match group.nccl().cloned() {
             Some(nccl) if op.communicates() && nccl.posts() => device_start(x, op, group, nccl),

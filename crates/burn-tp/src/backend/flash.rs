@@ -412,10 +412,7 @@ pub(crate) fn backward<B: TpBackend>(
             let ds = B::float_mul(p, B::float_sub(dp, d.clone()));
             dq[i] = Some(add(
                 dq[i].take(),
-                B::float_mul_scalar(
-                    B::tp_matmul(ds.clone(), kb.clone()),
-                    Scalar::Float(scale),
-                ),
+                B::float_mul_scalar(B::tp_matmul(ds.clone(), kb.clone()), Scalar::Float(scale)),
             ));
             dk = Some(add(
                 dk,

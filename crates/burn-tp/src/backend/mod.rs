@@ -22,6 +22,7 @@
 //! | `flex.rs`     | `TpBackend` for Flex (the defaults)                               |
 //! | `autodiff.rs` | `TpBackend` for `Autodiff<B>`: the backward nodes                 |
 //! | `cuda.rs`     | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
+//! | `cublas.rs`   | the GEMM hook ([`TpBackend::tp_matmul`]) on CUDA: cuBLAS          |
 //!
 //! Adjoints (backward of each forward, per rank):
 //!
@@ -37,6 +38,8 @@
 //! | scatter-to-region(dim)  | all-gather(dim)                  |
 
 mod autodiff;
+#[cfg(feature = "cuda")]
+mod cublas;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub(crate) mod flash;
