@@ -80,13 +80,14 @@ fn main() {
     // SAFETY: set before any thread of this program starts.
     unsafe { std::env::set_var("GPU_CHECK_SCRATCH", &scratch) };
     let mut failed = false;
-    let checks: [(&str, Check); 6] = [
+    let checks: [(&str, Check); 7] = [
         ("device_path", device_path),
         ("gemm_hook", gemm_hook),
         ("layers_tp2", layers_tp2),
         ("linear_8192", linear_8192),
         ("attention", attention_check),
         ("train_gpt", train_gpt),
+        ("llama_step", llama_step),
     ];
     for (name, check) in checks {
         println!("== {name}");
@@ -842,6 +843,78 @@ fn linear_8192(f: &mut Figures) -> Result<(), String> {
                 )?;
             }
         }
+    }
+    Ok(())
+}
+
+/// A whole training step of the Llama (d 2048, 16 heads, 8 kv heads, 8 blocks, d_ff
+/// 5632, seq 2048, batch 2, bf16 on f32 master weights, AdamW) at tp 1: tokens/s of the steps
+/// after the first, and the model's TFLOP/s (Megatron's count: 6 N per token plus the causal
+/// attention's 6 L s d). PyTorch's figure for the same model is `gpu_torch.py`'s, in the same
+/// run. Uses the launch `train_gpt` set up (it runs after that check).
+fn llama_step(f: &mut Figures) -> Result<(), String> {
+    use burn_tp_examples::train_gpt::{Args, run};
+    use clap::Parser;
+    let scratch = std::env::var("GPU_CHECK_SCRATCH").unwrap_or_else(|_| "/tmp/gpu-check".into());
+    let dir = format!("{scratch}/llama_step");
+    let (d, layers, seq, d_ff) = (2048usize, 8usize, 2048usize, 5632usize);
+    let args = Args::try_parse_from([
+        "train_gpt",
+        "--device",
+        "cuda",
+        "--tp",
+        "1",
+        "--arch",
+        "llama",
+        "--dtype",
+        "bf16",
+        "--d-model",
+        "2048",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "8",
+        "--layers",
+        "8",
+        "--d-ff",
+        "5632",
+        "--seq",
+        "2048",
+        "--batch",
+        "2",
+        "--dropout",
+        "0",
+        "--steps",
+        "3",
+        "--eval-every",
+        "1000",
+        "--sample-len",
+        "0",
+        "--timeout",
+        "120",
+        "--quiet",
+        "--out",
+        &dir,
+    ])
+    .map_err(|e| e.to_string())?;
+    let report = run(&args)?;
+    let vocab = 128.0; // about the corpus's characters, padded: a rounding of N here
+    let n = layers as f64 * (4.0 * (d * d) as f64 * 0.75 + 3.0 * (d * d_ff) as f64)
+        + 2.0 * vocab * d as f64;
+    let flops = 6.0 * n + 6.0 * (layers * seq * d) as f64;
+    let tokens = report.step_tokens_per_s;
+    println!(
+        "  {tokens:.0} tokens/s, {:.1} model TFLOP/s (N about {:.0}M)",
+        tokens * flops / 1e12,
+        n / 1e6
+    );
+    f.num("llama_step.tokens_per_s", tokens.round());
+    f.num(
+        "llama_step.model_tflops",
+        (tokens * flops / 1e10).round() / 100.0,
+    );
+    if !report.losses.iter().all(|l| l.is_finite()) {
+        return Err(format!("losses {:?}", report.losses));
     }
     Ok(())
 }
