@@ -334,6 +334,13 @@ fn a_failing_rank_ends_the_learner_with_its_error() {
         .to_string();
     assert!(e.contains("unreadable on purpose"), "{e}");
     assert!(took < std::time::Duration::from_secs(15), "{took:?}: {e}");
+    // A layout of no ranks is an error naming it, before any thread starts.
+    let strategy = TensorParallel::new(0, 2, || AdamWConfig::new().init());
+    let result = launch(&full, strategy, &dir, Windows::new(text(), SEQ, SEQ), |t| {
+        t.num_epochs(1)
+    });
+    let e = result.error.expect("tp 0 is an error").to_string();
+    assert!(e.contains("tp (0)") && e.contains("dp (2)"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -202,7 +202,7 @@ impl TensorParallel {
 struct Shared<M: LearnerModel> {
     tp: usize,
     dp: usize,
-    full: M,
+    /// The caller's Learner: the full model each rank shards, the schedule each rank clones.
     learner: Learner<M>,
     optimizer: OptimizerFactory,
     timeout: Option<Duration>,
@@ -243,6 +243,15 @@ where
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let (tp, dp) = (self.tp, self.dp);
+        if tp == 0 || dp == 0 {
+            components
+                .interrupter
+                .fail(TrainingError::Workers(vec![WorkerFailure {
+                    device_id: 0,
+                    message: format!("TensorParallel: tp ({tp}) and dp ({dp}) must be at least 1"),
+                }]));
+            return (learner.model(), components.event_processor);
+        }
         let world = tp * dp;
         let device = Device::flex().autodiff();
         let train_items = dataloader_train.num_items();
@@ -272,7 +281,6 @@ where
         let shared = Arc::new(Shared {
             tp,
             dp,
-            full: learner.model(),
             learner,
             optimizer: self.optimizer.clone(),
             timeout: self.timeout,
@@ -362,7 +370,8 @@ where
         .ok()
         .and_then(|mut s| s.take())
         .unwrap_or_default();
-    let mut model = M::shard_module(&shared.full, &tp_group)?;
+    // The Learner's model is the full one: each rank takes its shard of it.
+    let mut model = M::shard_module(&shared.learner.model(), &tp_group)?;
     let mut optim = (shared.optimizer)();
     let mut schedule = shared.learner.clone();
     let control = if rank == 0 {

@@ -69,13 +69,9 @@ pub(crate) fn matmul(
         layout("a", a.meta.shape(), a.meta.strides())?,
         layout("b", b.meta.shape(), b.meta.strides())?,
     );
-    let rank = a.meta.shape().len();
     let mut out_dims: Vec<usize> = batch_dims(a.meta.shape(), b.meta.shape())?;
     out_dims.extend([la.shape[1], lb.shape[2]]);
     let out_shape = Shape::from(out_dims);
-    if out_shape.num_dims() != rank || b.meta.shape().len() != rank {
-        return Err(format!("ranks {rank} and {} differ", b.meta.shape().len()));
-    }
     // The output: `acc`'s buffer when it is dense and this tensor its only holder, else a
     // fresh dense one (never cubecl's pitched rows: cuBLAS writes ldc-spaced rows of the
     // layout it is given, so any dense layout is read back right).
