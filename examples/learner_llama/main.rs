@@ -3,6 +3,9 @@
 //!
 //! ```text
 //! cargo run --release -p burn-tp-examples --features train --example learner_llama
+//! # ranks as processes:
+//! cargo build --release -p burn-tp-examples --features train,mpi --example learner_llama
+//! mpirun -n 2 target/release/examples/learner_llama --transport mpi --plain
 //! ```
 
 use burn_tp_examples::learner_llama::{LearnerArgs, run};
@@ -11,6 +14,8 @@ use clap::Parser;
 fn main() {
     let args = LearnerArgs::parse();
     match run(&args) {
+        // Under mpirun, world rank 0 speaks for the run.
+        Ok(report) if report.rank != 0 => {}
         Ok(report) => {
             println!(
                 "{} training sequences per epoch; mean loss per epoch: train {:?}, valid {:?}",

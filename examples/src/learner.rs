@@ -13,6 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::model::LanguageModel;
 use burn_tp::reshard::{ParamLayout, Reshard};
+use burn_tp::train::ProcessBatch;
 use burn_train::metric::state::{FormatOptions, NumericMetricState};
 use burn_train::metric::{
     Adaptor, ItemLazy, LossInput, Metric, MetricAttributes, MetricMetadata, MetricName, Numeric,
@@ -61,6 +62,21 @@ pub struct LmBatch {
     pub ids: Tensor<2, Int>,
     /// Next-token targets.
     pub targets: Tensor<2, Int>,
+}
+
+/// A batch's tensors, for ranks as processes: the leader sends them to its tp peers.
+impl ProcessBatch for LmBatch {
+    fn to_data(&self) -> Vec<TensorData> {
+        vec![self.ids.to_data(), self.targets.to_data()]
+    }
+    fn from_data(data: Vec<TensorData>, device: &Device) -> Self {
+        let [ids, targets] = <[TensorData; 2]>::try_from(data)
+            .unwrap_or_else(|d| panic!("an LmBatch is 2 tensors, not {}", d.len()));
+        Self {
+            ids: Tensor::from_data(ids, device),
+            targets: Tensor::from_data(targets, device),
+        }
+    }
 }
 
 /// A step's output: the batch's mean loss, and its tokens.

@@ -2,7 +2,8 @@
 //! `train`): the Learner's metrics (loss, perplexity, learning rate, tokens/s), its terminal
 //! dashboard when a terminal is there (the plain renderer otherwise, or with `--plain`), its
 //! metric logs, an evaluation split, checkpoints kept by Burn's `KeepLastNCheckpoints` (burn-tp's
-//! sharded ones, resumable at any tp / dp with `--resume EPOCH`).
+//! sharded ones, resumable at any tp / dp with `--resume EPOCH`). Ranks are threads, or with
+//! `--transport mpi` one process each under `mpirun -n TPxDP` (feature `mpi`).
 
 use std::path::{Path, PathBuf};
 
@@ -22,6 +23,7 @@ use clap::Parser;
 
 use crate::corpus::{self, Codec, Vocab};
 use crate::learner::{LmBatcher, LmLearner, PerplexityMetric, TokensPerSecond, Windows};
+pub use crate::train_gpt::Transport;
 
 /// `learner_llama`'s command line.
 #[derive(Parser, Debug, Clone)]
@@ -30,9 +32,17 @@ pub struct LearnerArgs {
     /// Tensor-parallel size.
     #[arg(long, default_value_t = 2)]
     pub tp: usize,
-    /// Data-parallel size (world = tp x dp, ranks as threads).
+    /// Data-parallel size (world = tp x dp).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
+    /// How the ranks run: threads of this process, or one process each under `mpirun -n
+    /// (tp x dp)` (feature `mpi`). With MPI, world rank 0's Learner writes to `--out` (and
+    /// shows its replica's items), rank N's to `OUT/rank-N`; the checkpoints are shared.
+    #[arg(long, value_enum, default_value_t = Transport::Threads)]
+    pub transport: Transport,
+    /// The seed of the model's initial weights (every process draws the same).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Epochs over the training text.
     #[arg(long, default_value_t = 1)]
     pub epochs: usize,
@@ -81,9 +91,11 @@ pub struct LearnerArgs {
 }
 
 /// What a run reports: each epoch's mean training and validation loss (from the Learner's
-/// metric logs).
+/// metric logs; empty on MPI ranks other than 0, whose Learners show nothing).
 #[derive(Debug)]
 pub struct LearnerReport {
+    /// This process's world rank (0 with threads).
+    pub rank: usize,
     /// Per epoch run: the mean training loss.
     pub train_loss: Vec<f64>,
     /// Per epoch run: the mean validation loss.
@@ -161,6 +173,7 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
     };
     // The whole model, as a Burn user builds it; the strategy shards it over each replica's tp.
     let device = Device::flex().autodiff();
+    device.seed(args.seed);
     let solo = LocalGroup::new(1).map_err(|e| e.to_string())?.remove(0);
     let model = config.init(&solo, &device).map_err(|e| e.to_string())?;
     let model = match init_from {
@@ -168,24 +181,38 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
         None => model,
     };
     let checkpoints = args.out.join("checkpoints");
-    let strategy = TensorParallel::new(args.tp, args.dp, || AdamWConfig::new().init())
+    let tensor_parallel = TensorParallel::new(args.tp, args.dp, || AdamWConfig::new().init())
         .with_checkpoints(
             &checkpoints,
             KeepLastNCheckpoints::new(args.keep_checkpoints),
         );
+    // With MPI, this process is one rank (the runtime lives until the training ends).
+    let (strategy, rank, _mpi) = match args.transport {
+        Transport::Threads => (tensor_parallel.into_strategy(), 0, None),
+        Transport::Mpi => {
+            let (world, runtime) = mpi_world(args)?;
+            let rank = world.rank();
+            let strategy = tensor_parallel.on_processes(world, device.clone());
+            (strategy.into_strategy(), rank, Some(runtime))
+        }
+    };
+    let out = match rank {
+        0 => args.out.clone(),
+        rank => args.out.join(format!("rank-{rank}")),
+    };
     let loader = |windows: Windows| {
         DataLoaderBuilder::new(LmBatcher)
             .batch_size(args.batch)
             .build(windows)
     };
-    let mut training = SupervisedTraining::new(&args.out, loader(train), loader(valid))
+    let mut training = SupervisedTraining::new(&out, loader(train), loader(valid))
         .metrics((
             LossMetric::new(),
             PerplexityMetric::default(),
             TokensPerSecond::default(),
             LearningRateMetric::new(),
         ))
-        .with_training_strategy(strategy.into_strategy())
+        .with_training_strategy(strategy)
         .num_epochs(args.epochs)
         .summary();
     if args.plain {
@@ -202,12 +229,21 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
     if let Some(e) = result.error {
         return Err(e.to_string());
     }
+    if rank != 0 {
+        return Ok(LearnerReport {
+            rank,
+            train_loss: Vec::new(),
+            valid_loss: Vec::new(),
+            sequences,
+        });
+    }
     let first = args.resume.map_or(1, |e| e + 1);
     let mean = |split: &str, epoch: usize| epoch_mean(&args.out, split, epoch, "Loss");
     let epochs: Vec<usize> = (first..=args.epochs)
         .take_while(|&e| args.out.join("train").join(format!("epoch-{e}")).exists())
         .collect();
     Ok(LearnerReport {
+        rank,
         train_loss: epochs
             .iter()
             .map(|&e| mean("train", e))
@@ -218,6 +254,35 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
             .collect::<Result<_, _>>()?,
         sequences,
     })
+}
+
+/// The MPI world of this process (under `mpirun`), and its runtime, checked to hold
+/// `--tp x --dp` processes.
+#[cfg(feature = "mpi")]
+fn mpi_world(
+    args: &LearnerArgs,
+) -> Result<(burn_tp::comm::ProcessGroup, burn_tp::comm::mpi::MpiRuntime), String> {
+    let runtime = burn_tp::comm::mpi::MpiRuntime::init().map_err(|e| e.to_string())?;
+    if runtime.world_size() != args.tp * args.dp {
+        return Err(format!(
+            "--transport mpi: mpirun started {} processes but --tp {} x --dp {} = {}",
+            runtime.world_size(),
+            args.tp,
+            args.dp,
+            args.tp * args.dp
+        ));
+    }
+    Ok((burn_tp::comm::ProcessGroup::from_mpi(&runtime), runtime))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_world(_: &LearnerArgs) -> Result<(burn_tp::comm::ProcessGroup, ()), String> {
+    Err(
+        "--transport mpi needs the `mpi` feature and a system MPI: cargo build --release \
+         -p burn-tp-examples --features train,mpi --example learner_llama, then mpirun -n TPxDP \
+         (see README)"
+            .into(),
+    )
 }
 
 /// The mean of metric `name` over epoch `epoch`'s items of `split`, from the Learner's log.

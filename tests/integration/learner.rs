@@ -43,7 +43,7 @@ fn config() -> LlamaConfig {
 }
 
 /// The per-item values of metric `name` in a Learner's metric log of `split` and `epoch`.
-fn logged(dir: &Path, split: &str, epoch: usize, name: &str) -> Vec<f64> {
+pub(crate) fn logged(dir: &Path, split: &str, epoch: usize, name: &str) -> Vec<f64> {
     let path = dir
         .join(split)
         .join(format!("epoch-{epoch}"))

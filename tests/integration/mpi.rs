@@ -203,6 +203,151 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
     );
 }
 
+const LEARNER_VAR: &str = "BURN_TP_TEST_MPI_LEARNER_ARGS";
+
+/// `learner_llama`'s tiny run (2 epochs) with `extra`, into `out`.
+fn learner_argv(extra: &[&str], out: &Path) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "learner_llama",
+        "--plain",
+        "--max-sequences",
+        "32",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--d-model",
+        "32",
+        "--layers",
+        "2",
+        "--epochs",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v.extend(["--out".to_string(), out.display().to_string()]);
+    v
+}
+
+/// `mpirun -n n` of this binary running `learner_llama --transport mpi` with `argv`.
+fn mpirun_learner(n: usize, argv: &[String]) -> std::process::Output {
+    Command::new("mpirun")
+        .args(["--oversubscribe", "-n", &n.to_string()])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "mpi::mpi_learner_rank",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(LEARNER_VAR, argv.join("\u{1f}"))
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl", "self,vader,tcp")
+        .env("OMPI_MCA_pml", "ob1")
+        .output()
+        .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see README")
+}
+
+/// Burn's Learner with ranks as MPI processes (`TensorParallel::on_processes`): 2 processes at
+/// tp 2 log the thread run's per-step losses; 4 at tp 2 x dp 2 train the thread run's model
+/// (the same validation losses; rank 0 logs its replica's half of the steps), and their
+/// checkpoint resumes on threads at tp 1 on the uninterrupted curve. A world that is not
+/// tp x dp is an error naming both.
+#[test]
+fn the_learner_over_mpi_gives_the_thread_runs_losses() {
+    use crate::learner::logged;
+    use burn_tp_examples::learner_llama::{LearnerArgs, run as learner};
+    let _rng = rng_lock();
+    let threads = |extra: &[&str], out: &Path| {
+        learner(&LearnerArgs::try_parse_from(learner_argv(extra, out)).unwrap()).unwrap()
+    };
+    let ok = |out: &std::process::Output, what: &str| {
+        assert!(
+            out.status.success(),
+            "{what}: {:?}\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    for (tp, dp) in [(2, 1), (2, 2)] {
+        let layout = ["--tp", &tp.to_string(), "--dp", &dp.to_string()].map(String::from);
+        let layout: Vec<&str> = layout.iter().map(String::as_str).collect();
+        let (t_dir, m_dir) = (temp_dir("learner-t"), temp_dir("learner-m"));
+        threads(&layout, &t_dir);
+        let mpi = [&layout[..], &["--transport", "mpi"]].concat();
+        ok(
+            &mpirun_learner(tp * dp, &learner_argv(&mpi, &m_dir)),
+            "mpirun learner",
+        );
+        for epoch in [1, 2] {
+            let what = format!("tp {tp} x dp {dp}, epoch {epoch}");
+            let (t_valid, m_valid) = (
+                logged(&t_dir, "valid", epoch, "Loss"),
+                logged(&m_dir, "valid", epoch, "Loss"),
+            );
+            assert_close(&m_valid, &t_valid, 1e-5, &format!("valid losses, {what}"));
+            let (t_train, m_train) = (
+                logged(&t_dir, "train", epoch, "Loss"),
+                logged(&m_dir, "train", epoch, "Loss"),
+            );
+            // dp 2: rank 0 logs its replica's steps, the threads both replicas'.
+            assert_eq!(m_train.len() * dp, t_train.len(), "{what}");
+            if dp == 1 {
+                assert_close(&m_train, &t_train, 1e-5, &format!("train losses, {what}"));
+            }
+        }
+        if dp == 2 {
+            // The processes' epoch-1 checkpoint, resumed by one thread (tp 1).
+            let resumed = temp_dir("learner-r");
+            std::fs::create_dir_all(&resumed).unwrap();
+            let from = m_dir.join("checkpoints");
+            let to = resumed.join("checkpoints");
+            std::fs::create_dir_all(&to).unwrap();
+            std::fs::rename(from.join("epoch-1"), to.join("epoch-1")).unwrap();
+            let report = threads(&["--tp", "1", "--dp", "2", "--resume", "1"], &resumed);
+            let want = logged(&t_dir, "valid", 2, "Loss");
+            let got = logged(&resumed, "valid", 2, "Loss");
+            assert_close(&got, &want, 1e-4, "resumed at tp 1 x dp 2 from 4 processes");
+            assert_eq!(report.valid_loss.len(), 1);
+        }
+    }
+    let out = mpirun_learner(
+        3,
+        &learner_argv(
+            &["--tp", "2", "--dp", "2", "--transport", "mpi"],
+            &temp_dir("bad"),
+        ),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("mpirun started 3 processes but --tp 2 x --dp 2 = 4"),
+        "{stderr}"
+    );
+}
+
+/// One rank of the Learner runs above, under mpirun (a no-op in a normal test run).
+#[test]
+fn mpi_learner_rank() {
+    let Ok(joined) = std::env::var(LEARNER_VAR) else {
+        return;
+    };
+    let args = burn_tp_examples::learner_llama::LearnerArgs::try_parse_from(joined.split('\u{1f}'))
+        .unwrap();
+    match burn_tp_examples::learner_llama::run(&args) {
+        Ok(_) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("learner_llama: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// One rank of the runs above, under mpirun (a no-op in a normal test run).
 #[test]
 fn mpi_train_gpt_rank() {

@@ -20,6 +20,12 @@
 //!         └─ the trained model gathered to tp 1 on world rank 0: LearningResult's model
 //! ```
 //!
+//! Ranks as processes ([`TensorParallel::on_processes`]: MPI under `mpirun`, or one GPU per
+//! process over NCCL) run the same code, one rank per process: each process launches its own
+//! Learner, the replica leaders send each batch's tensors to their tp peers over the tp group
+//! ([`ProcessBatch`]), and world rank 0's Learner reports (its replica's items: the other
+//! replicas' live in other processes).
+//!
 //! The learner handed to `launch` gives the starting weights (its model, built as without
 //! tensor parallelism, sharded to each rank) and the learning-rate schedule; its optimizer is
 //! replaced by one per rank from [`TensorParallel::new`]'s factory (Burn's `Learner` does not
@@ -33,8 +39,8 @@ use std::time::Duration;
 use burn::data::dataloader::split::split_dataloader;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer};
-use burn::tensor::Device;
-use burn_tp_comm::{LocalGroup, ProcessGroup, ReduceOp};
+use burn::tensor::{DType, Device, TensorData};
+use burn_tp_comm::{CommError, LocalGroup, ProcessGroup, ReduceOp};
 use burn_train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
 use burn_train::train::WorkerFailure;
 use burn_train::{
@@ -58,8 +64,60 @@ type ValidInput<M> = <M as InferenceStep>::Input;
 /// A checkpointing strategy, lent to world rank 0 during `fit`.
 type Lent = Mutex<Option<Box<dyn CheckpointingStrategy>>>;
 
-/// What a replica's leader hands its tp peers.
+/// What a replica's leader hands its tp peers (ranks as threads).
 type Message<M> = Handoff<TrainInput<M>, ValidInput<M>>;
+
+/// A batch that a replica's leader can send to its tp peers in other processes (ranks as
+/// processes, [`TensorParallel::on_processes`]): its tensors' data, and the batch rebuilt from
+/// them on the peer's device. Megatron's `broadcast_data`, for the user's batch type.
+///
+/// ```ignore
+/// impl ProcessBatch for MyBatch {
+///     fn to_data(&self) -> Vec<TensorData> {
+///         vec![self.ids.to_data(), self.targets.to_data()]
+///     }
+///     fn from_data(mut data: Vec<TensorData>, device: &Device) -> Self {
+///         let targets = Tensor::from_data(data.pop().unwrap(), device);
+///         let ids = Tensor::from_data(data.pop().unwrap(), device);
+///         Self { ids, targets }
+///     }
+/// }
+/// ```
+pub trait ProcessBatch: Sized {
+    /// The batch's tensors, in an order [`ProcessBatch::from_data`] reads back.
+    fn to_data(&self) -> Vec<TensorData>;
+    /// The batch from what [`ProcessBatch::to_data`] gave, on `device`.
+    fn from_data(data: Vec<TensorData>, device: &Device) -> Self;
+}
+
+/// How a batch reaches a replica's tp peers: cloned (threads) or as its tensors' data over the
+/// tp group (processes).
+enum Codec<T> {
+    Clone(fn(&T) -> T),
+    Data {
+        to: fn(&T) -> Vec<TensorData>,
+        from: fn(Vec<TensorData>, &Device) -> T,
+    },
+}
+
+impl<T> Codec<T> {
+    fn cloned() -> Self
+    where
+        T: Clone,
+    {
+        Self::Clone(T::clone)
+    }
+
+    fn data() -> Self
+    where
+        T: ProcessBatch,
+    {
+        Self::Data {
+            to: T::to_data,
+            from: T::from_data,
+        }
+    }
+}
 
 /// The factory of each rank's optimizer.
 type OptimizerFactory = Arc<dyn Fn() -> ModuleOptimizer + Send + Sync>;
@@ -198,10 +256,76 @@ impl TensorParallel {
     }
 }
 
-/// What every rank thread shares.
+/// [`TensorParallel`] with this process as one rank of a world of `tp x dp` processes: MPI
+/// processes under `mpirun` (`ProcessGroup::from_mpi`), or one GPU per process over NCCL
+/// (`ProcessGroup::from_nccl`, `Device::cuda(local_rank)`). Made by
+/// [`TensorParallel::on_processes`].
+pub struct ProcessRanks {
+    strategy: TensorParallel,
+    world: ProcessGroup,
+    device: Device,
+}
+
+impl std::fmt::Debug for ProcessRanks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} as rank {} of {} processes",
+            self.strategy,
+            self.world.rank(),
+            self.world.world_size()
+        )
+    }
+}
+
+impl TensorParallel {
+    /// This process as rank `world.rank()` of the `tp x dp` ranks, its shard on `device` (with
+    /// autodiff): ranks as processes instead of threads, the same mesh and training code.
+    ///
+    /// Every process runs the same program and launches its own Learner with the same model,
+    /// loaders and epochs; give each its own artifact folder (the checkpoints' folder is shared).
+    /// Each replica's leader reads its split of the train loader and sends each batch's tensors
+    /// to its tp peers ([`ProcessBatch`]); world rank 0's Learner reports its replica's items
+    /// (the epoch's loss is replica 0's, not the mean over dp as with threads), decides the
+    /// checkpoints and early stopping. Every process's `LearningResult::model` is the trained
+    /// model (each replica gathers its own to tp 1). A rank's error aborts the world (on MPI,
+    /// the whole job), so no peer waits for it.
+    pub fn on_processes(self, world: ProcessGroup, device: Device) -> ProcessRanks {
+        ProcessRanks {
+            strategy: self,
+            world,
+            device: device.inner().autodiff(),
+        }
+    }
+}
+
+impl ProcessRanks {
+    /// This strategy, for `SupervisedTraining::with_training_strategy`.
+    pub fn into_strategy<M>(self) -> TrainingStrategy<M>
+    where
+        M: LearnerModel + Reshard + Send + Sync,
+        TrainInput<M>: ProcessBatch,
+        ValidInput<M>: ProcessBatch,
+    {
+        TrainingStrategy::Custom(Arc::new(self))
+    }
+}
+
+/// Where the ranks run.
+enum Ranks {
+    /// `tp x dp` threads of this process, on Flex.
+    Threads,
+    /// This process is rank `world.rank()`, on `device`.
+    Process { world: ProcessGroup, device: Device },
+}
+
+/// What every rank (thread) of this process shares.
 struct Shared<M: LearnerModel> {
     tp: usize,
     dp: usize,
+    /// Ranks as processes (one per process) rather than threads.
+    processes: bool,
+    device: Device,
     /// The caller's Learner: the full model each rank shards, the schedule each rank clones.
     learner: Learner<M>,
     optimizer: OptimizerFactory,
@@ -213,11 +337,13 @@ struct Shared<M: LearnerModel> {
     valid_items: usize,
     epochs: (usize, usize),
     processor: Mutex<SupervisedTrainingEventProcessor<M>>,
+    /// World rank 0's: it decides with it after each epoch, and `fit` gives the strategy back.
     components: Mutex<Option<EpochControl>>,
     interrupter: burn_train::Interrupter,
-    /// Per world rank: its receiving end (tp peers), or its senders to its peers (leaders).
+    /// Per rank thread: its receiving end (tp peers), or its senders to its peers (leaders).
     inbox: Vec<Mutex<Inbox<M>>>,
     outbox: Vec<Mutex<Option<Outbox<M>>>>,
+    codecs: (Codec<TrainInput<M>>, Codec<ValidInput<M>>),
     checkpoints: Option<PathBuf>,
 }
 
@@ -242,24 +368,105 @@ where
         dataloader_valid: ValidLoader<M>,
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let (tp, dp) = (self.tp, self.dp);
-        if tp == 0 || dp == 0 {
-            components
-                .interrupter
-                .fail(TrainingError::Workers(vec![WorkerFailure {
-                    device_id: 0,
-                    message: format!("TensorParallel: tp ({tp}) and dp ({dp}) must be at least 1"),
-                }]));
-            return (learner.model(), components.event_processor);
+        let codecs = (Codec::cloned(), Codec::cloned());
+        let loaders = (dataloader_train, dataloader_valid);
+        fit(
+            self,
+            Ranks::Threads,
+            codecs,
+            components,
+            learner,
+            loaders,
+            starting_epoch,
+        )
+    }
+}
+
+impl<M> SupervisedLearningStrategy<M> for ProcessRanks
+where
+    M: LearnerModel + Reshard + Send + Sync,
+    TrainInput<M>: ProcessBatch,
+    ValidInput<M>: ProcessBatch,
+{
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let ranks = Ranks::Process {
+            world: self.world.clone(),
+            device: self.device.clone(),
+        };
+        let codecs = (Codec::data(), Codec::data());
+        let loaders = (dataloader_train, dataloader_valid);
+        fit(
+            &self.strategy,
+            ranks,
+            codecs,
+            components,
+            learner,
+            loaders,
+            starting_epoch,
+        )
+    }
+}
+
+/// `SupervisedLearningStrategy::fit` for `strategy` on `ranks`.
+fn fit<M>(
+    strategy: &TensorParallel,
+    ranks: Ranks,
+    codecs: (Codec<TrainInput<M>>, Codec<ValidInput<M>>),
+    components: TrainingComponents<M>,
+    learner: Learner<M>,
+    (dataloader_train, dataloader_valid): (TrainLoader<M>, ValidLoader<M>),
+    starting_epoch: usize,
+) -> (M, SupervisedTrainingEventProcessor<M>)
+where
+    M: LearnerModel + Reshard + Send + Sync,
+{
+    let (tp, dp) = (strategy.tp, strategy.dp);
+    let world_size = match &ranks {
+        Ranks::Threads => None,
+        Ranks::Process { world, .. } => Some(world.world_size()),
+    };
+    let problem = if tp == 0 || dp == 0 {
+        Some(format!(
+            "TensorParallel: tp ({tp}) and dp ({dp}) must be at least 1"
+        ))
+    } else {
+        world_size.filter(|&n| n != tp * dp).map(|n| {
+            format!(
+                "TensorParallel::on_processes: {n} processes, but tp ({tp}) x dp ({dp}) = {}",
+                tp * dp
+            )
+        })
+    };
+    if let Some(message) = problem {
+        if let Ranks::Process { world, .. } = &ranks {
+            world.abort(&CommError::Backend(message.clone()));
         }
-        let world = tp * dp;
-        let device = Device::flex().autodiff();
-        let train_items = dataloader_train.num_items();
-        let valid_items = dataloader_valid.num_items();
-        let train = split_dataloader(dataloader_train, &vec![device.clone(); dp]);
-        let valid = dataloader_valid.to_device(&device.clone().inner());
-        let mut inbox = Vec::with_capacity(world);
-        let mut outbox = Vec::with_capacity(world);
+        components
+            .interrupter
+            .fail(TrainingError::Workers(vec![WorkerFailure {
+                device_id: 0,
+                message,
+            }]));
+        return (learner.model(), components.event_processor);
+    }
+    let world = tp * dp;
+    let device = match &ranks {
+        Ranks::Threads => Device::flex().autodiff(),
+        Ranks::Process { device, .. } => device.clone(),
+    };
+    let train_items = dataloader_train.num_items();
+    let valid_items = dataloader_valid.num_items();
+    let train = split_dataloader(dataloader_train, &vec![device.clone(); dp]);
+    let valid = dataloader_valid.to_device(&device.clone().inner());
+    let (mut inbox, mut outbox) = (Vec::new(), Vec::new());
+    if matches!(ranks, Ranks::Threads) {
         for _replica in 0..dp {
             let (senders, receivers): (Vec<_>, Vec<_>) = (1..tp).map(|_| channel()).unzip();
             outbox.push(Mutex::new(Some(senders)));
@@ -269,92 +476,111 @@ where
                 inbox.push(Mutex::new(Some(r)));
             }
         }
-        let control = EpochControl {
-            checkpointing: self
-                .checkpoints
-                .as_ref()
-                .and_then(|(_, s)| s.lock().ok()?.take()),
-            early_stopping: components.early_stopping,
-            event_store: components.event_store.clone(),
-        };
-        let interrupter = components.interrupter.clone();
-        let shared = Arc::new(Shared {
-            tp,
-            dp,
-            learner,
-            optimizer: self.optimizer.clone(),
-            timeout: self.timeout,
-            sync: self.sync.clone(),
-            train,
-            valid,
-            train_items,
-            valid_items,
-            epochs: (starting_epoch, components.num_epochs),
-            processor: Mutex::new(components.event_processor),
-            components: Mutex::new(Some(control)),
-            interrupter: interrupter.clone(),
-            inbox,
-            outbox,
-            checkpoints: self.checkpoints.as_ref().map(|c| c.0.clone()),
-        });
-        let run = {
-            let shared = shared.clone();
-            match LocalGroup::new(world) {
+    }
+    let control = EpochControl {
+        checkpointing: strategy
+            .checkpoints
+            .as_ref()
+            .and_then(|(_, s)| s.lock().ok()?.take()),
+        early_stopping: components.early_stopping,
+        event_store: components.event_store.clone(),
+    };
+    let interrupter = components.interrupter.clone();
+    let shared = Arc::new(Shared {
+        tp,
+        dp,
+        processes: world_size.is_some(),
+        device,
+        learner,
+        optimizer: strategy.optimizer.clone(),
+        timeout: strategy.timeout,
+        sync: strategy.sync.clone(),
+        train,
+        valid,
+        train_items,
+        valid_items,
+        epochs: (starting_epoch, components.num_epochs),
+        processor: Mutex::new(components.event_processor),
+        components: Mutex::new(Some(control)),
+        interrupter: interrupter.clone(),
+        inbox,
+        outbox,
+        codecs,
+        checkpoints: strategy.checkpoints.as_ref().map(|c| c.0.clone()),
+    });
+    let run = {
+        let shared = shared.clone();
+        match ranks {
+            Ranks::Threads => match LocalGroup::new(world) {
                 Ok(groups) => run_ranks_with(groups, RunOptions::default(), move |g| {
                     rank_main(&shared, g).map_err(|e| e.to_string())
                 }),
                 Err(e) => Err(e.to_string()),
+            },
+            Ranks::Process { world, .. } => {
+                let rank = world.rank();
+                let result = rank_main(&shared, world.clone());
+                if let Err(e) = &result {
+                    world.abort(&CommError::Backend(e.to_string()));
+                }
+                // This rank's result at its index: the failure names the world rank.
+                let mut results: Vec<std::result::Result<Option<M>, String>> =
+                    (0..rank).map(|_| Ok(None)).collect();
+                results.push(result.map_err(|e| e.to_string()));
+                Ok(results)
             }
-        };
-        // The checkpointing strategy back (a later fit of the same strategy goes on with it).
-        if let (Some((_, slot)), Some(control)) = (
-            &self.checkpoints,
-            shared.components.lock().ok().and_then(|mut c| c.take()),
-        ) && let Ok(mut slot) = slot.lock()
-        {
-            *slot = control.checkpointing;
         }
-        let failures: Vec<WorkerFailure> = match &run {
-            Ok(results) => results
-                .iter()
-                .enumerate()
-                .filter_map(|(rank, r)| {
-                    r.as_ref().err().map(|message| WorkerFailure {
-                        device_id: rank,
-                        message: message.clone(),
-                    })
-                })
-                .collect(),
-            Err(message) => vec![WorkerFailure {
-                device_id: 0,
-                message: message.clone(),
-            }],
-        };
-        let model = run
-            .ok()
-            .and_then(|mut results| results.get_mut(0).and_then(|r| r.as_mut().ok()?.take()));
-        if !failures.is_empty() {
-            interrupter.fail(TrainingError::Workers(failures));
-        }
-        let shared = match Arc::try_unwrap(shared) {
-            Ok(shared) => shared,
-            Err(_) => unreachable!("every rank thread has ended"),
-        };
-        let model = model.unwrap_or_else(|| shared.learner.model());
-        let processor = shared
-            .processor
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner());
-        (model, processor)
+    };
+    // The checkpointing strategy back, also after an error (a later fit of the same strategy
+    // goes on with it).
+    if let (Some((_, slot)), Some(control)) = (
+        &strategy.checkpoints,
+        shared.components.lock().ok().and_then(|mut c| c.take()),
+    ) && let Ok(mut slot) = slot.lock()
+    {
+        *slot = control.checkpointing;
     }
+    let failures: Vec<WorkerFailure> = match &run {
+        Ok(results) => results
+            .iter()
+            .enumerate()
+            .filter_map(|(rank, r)| {
+                r.as_ref().err().map(|message| WorkerFailure {
+                    device_id: rank,
+                    message: message.clone(),
+                })
+            })
+            .collect(),
+        Err(message) => vec![WorkerFailure {
+            device_id: 0,
+            message: message.clone(),
+        }],
+    };
+    let model = run.ok().and_then(|mut results| {
+        results
+            .iter_mut()
+            .find_map(|r| r.as_mut().ok().and_then(Option::take))
+    });
+    if !failures.is_empty() {
+        interrupter.fail(TrainingError::Workers(failures));
+    }
+    let shared = match Arc::try_unwrap(shared) {
+        Ok(shared) => shared,
+        Err(_) => unreachable!("every rank thread has ended"),
+    };
+    let model = model.unwrap_or_else(|| shared.learner.model());
+    let processor = shared
+        .processor
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner());
+    (model, processor)
 }
 
-/// One rank's whole run: its shard, the epochs, the trained model gathered on world rank 0.
+/// One rank's whole run: its shard, the epochs, the trained model gathered to tp 1 (on world
+/// rank 0 with threads, on every rank with processes).
 fn rank_main<M>(shared: &Shared<M>, world: ProcessGroup) -> Result<Option<M>>
 where
     M: LearnerModel + Reshard + Send + Sync,
-    TrainInput<M>: Clone,
-    ValidInput<M>: Clone,
 {
     if let Some(t) = shared.timeout {
         world.set_timeout(t);
@@ -364,21 +590,21 @@ where
     let (tp_group, dp_group) = (mesh.tp_group().clone(), mesh.dp_group().clone());
     let replica = mesh.dp_rank();
     let leader = tp_group.rank() == 0;
-    let inbox = shared.inbox[rank].lock().ok().and_then(|mut s| s.take());
-    let outbox = shared.outbox[rank]
-        .lock()
-        .ok()
-        .and_then(|mut s| s.take())
-        .unwrap_or_default();
+    let feed = Feed {
+        shared,
+        tp_group: tp_group.clone(),
+        leader,
+        // With processes, only world rank 0's Learner shows anything.
+        reports: leader && (!shared.processes || rank == 0),
+        inbox: take_slot(&shared.inbox, rank).flatten(),
+        outbox: take_slot(&shared.outbox, rank)
+            .flatten()
+            .unwrap_or_default(),
+    };
     // The Learner's model is the full one: each rank takes its shard of it.
     let mut model = M::shard_module(&shared.learner.model(), &tp_group)?;
     let mut optim = (shared.optimizer)();
     let mut schedule = shared.learner.clone();
-    let control = if rank == 0 {
-        shared.components.lock().ok().and_then(|mut c| c.take())
-    } else {
-        None
-    };
     let (first_epoch, last_epoch) = shared.epochs;
     let mut step: u64 = 0;
     if first_epoch > 1
@@ -395,7 +621,6 @@ where
         }
     }
     let mut optim = RankOptim::new(&shared.sync, optim, &model, &dp_group)?;
-    let mut control = control;
     for epoch in first_epoch..=last_epoch {
         if rank == 0 {
             shared.process(|p| {
@@ -410,8 +635,8 @@ where
             &mut model,
             &mut optim,
             &mut schedule,
-            (&dp_group, replica, leader),
-            (&inbox, &outbox),
+            (&dp_group, replica),
+            &feed,
         )?;
         step += steps;
         world.barrier()?;
@@ -425,11 +650,16 @@ where
             });
         }
         if replica == 0 {
-            valid_epoch(shared, &model, leader, (&inbox, &outbox))?;
+            valid_epoch(shared, &model, &feed)?;
         }
         world.barrier()?;
         // World rank 0 decides (checkpoint, stop) from the flushed metrics; every rank follows.
-        let decision = match &mut control {
+        // (The strategy stays in `shared`: `fit` gives it back whether or not this rank fails.)
+        let mut control = match rank {
+            0 => Some(shared.components.lock().unwrap_or_else(|e| e.into_inner())),
+            _ => None,
+        };
+        let decision = match control.as_deref_mut().and_then(Option::as_mut) {
             Some(control) => {
                 shared.process(|p| p.process_valid(LearnerEvent::EndSplit(epoch)));
                 shared.process(|p| p.process_train(LearnerEvent::EndEpoch(epoch)));
@@ -443,6 +673,7 @@ where
             }
             None => [0.0, 0.0],
         };
+        drop(control);
         let decision = world.broadcast(decision.to_vec(), 0)?;
         let (save, stop) = (decision[0] > 0.5, decision[1] > 0.5);
         if save && let Some(dir) = &shared.checkpoints {
@@ -456,16 +687,12 @@ where
             break;
         }
     }
-    // Give the checkpointing strategy back for the caller to keep.
-    if let Some(control) = control
-        && let Ok(mut slot) = shared.components.lock()
-    {
-        *slot = Some(control);
-    }
-    // The trained model at tp 1 (replica 0's tp ranks gather it), for LearningResult.
-    if replica == 0 {
+    // The trained model at tp 1, for LearningResult: replica 0's tp ranks gather it; with
+    // processes every replica gathers its own (the replicas hold the same weights), so every
+    // process returns it.
+    if replica == 0 || shared.processes {
         let full = model.to_full_module()?;
-        return Ok((rank == 0).then_some(full));
+        return Ok((rank == 0 || shared.processes).then_some(full));
     }
     Ok(None)
 }
@@ -513,6 +740,110 @@ type Inbox<M> = Option<Receiver<Message<M>>>;
 /// A leader's senders to its tp peers (none on a peer).
 type Outbox<M> = Vec<Sender<Message<M>>>;
 
+/// How this rank gets its replica's batches: the leader reads them and hands each to its tp
+/// peers (cloned into their channels with threads, its tensors broadcast over the tp group with
+/// processes).
+struct Feed<'a, M: LearnerModel> {
+    shared: &'a Shared<M>,
+    tp_group: ProcessGroup,
+    leader: bool,
+    /// This rank reports its items to the Learner.
+    reports: bool,
+    inbox: Inbox<M>,
+    outbox: Outbox<M>,
+}
+
+impl<M: LearnerModel> Feed<'_, M> {
+    /// The leader's `next` batch (`None`: the split ended), handed to its tp peers; on a peer,
+    /// the leader's. `wrap` / `unwrap` put a batch in a thread message and take it out.
+    fn hand<T>(
+        &self,
+        next: Option<T>,
+        codec: &Codec<T>,
+        wrap: fn(T) -> Message<M>,
+        unwrap: fn(Message<M>) -> Option<T>,
+    ) -> Result<Option<T>> {
+        match codec {
+            Codec::Clone(clone) if self.leader => {
+                for peer in &self.outbox {
+                    let message = next.as_ref().map_or(Handoff::End, |b| wrap(clone(b)));
+                    peer.send(message).map_err(|_| peer_gone())?;
+                }
+                Ok(next)
+            }
+            Codec::Clone(_) => match self.inbox.as_ref().map(Receiver::recv) {
+                Some(Ok(message)) => Ok(unwrap(message)),
+                Some(Err(_)) | None => Err(peer_gone()),
+            },
+            Codec::Data { .. } if self.tp_group.world_size() == 1 => Ok(next),
+            Codec::Data { to, from } => {
+                let words = match (&next, self.leader) {
+                    (Some(batch), true) => Some(encode_batch(&to(batch))?),
+                    _ => None,
+                };
+                let len = words.as_ref().map_or(-1, |w| w.len() as i64);
+                let len = self.tp_group.broadcast(vec![len], 0)?[0];
+                let Ok(len) = usize::try_from(len) else {
+                    return Ok(None);
+                };
+                let words = words.unwrap_or_else(|| vec![0; len]);
+                let words = self.tp_group.broadcast(words, 0)?;
+                match self.leader {
+                    true => Ok(next),
+                    false => Ok(Some(from(decode_batch(&words)?, &self.shared.device))),
+                }
+            }
+        }
+    }
+}
+
+/// A batch's tensors as words to broadcast: a JSON header (each tensor's dtype, shape and
+/// byte length), then the bytes, padded to 8.
+fn encode_batch(data: &[TensorData]) -> Result<Vec<i64>> {
+    let header: Vec<(DType, Vec<usize>, usize)> = data
+        .iter()
+        .map(|d| (d.dtype(), d.shape().to_vec(), d.as_bytes().len()))
+        .collect();
+    let header = serde_json::to_vec(&header)
+        .map_err(|e| TpError::Config(format!("train: a batch's header: {e}")))?;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&header);
+    for d in data {
+        bytes.resize(bytes.len().next_multiple_of(8), 0);
+        bytes.extend_from_slice(d.as_bytes());
+    }
+    bytes.resize(bytes.len().next_multiple_of(8), 0);
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// [`encode_batch`]'s tensors back.
+fn decode_batch(words: &[i64]) -> Result<Vec<TensorData>> {
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let bad =
+        |what: &str| TpError::Config(format!("train: a broadcast batch is malformed: {what}"));
+    let header_len = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+        .ok_or_else(|| bad("no header"))?;
+    let header = bytes
+        .get(8..8 + header_len)
+        .ok_or_else(|| bad("short header"))?;
+    let header: Vec<(DType, Vec<usize>, usize)> =
+        serde_json::from_slice(header).map_err(|e| bad(&e.to_string()))?;
+    let mut at = 8 + header_len;
+    let mut out = Vec::with_capacity(header.len());
+    for (dtype, shape, len) in header {
+        at = at.next_multiple_of(8);
+        let chunk = bytes.get(at..at + len).ok_or_else(|| bad("short data"))?;
+        out.push(TensorData::from_bytes_vec(chunk.to_vec(), shape, dtype));
+        at += len;
+    }
+    Ok(out)
+}
+
 /// One training epoch on this rank: its replica's batches (its leader reads them and hands them
 /// to the tp peers), each the user's `TrainStep`, the gradients averaged over dp, the step. The
 /// leaders report each step's item. Every replica runs as many steps as the shortest split.
@@ -522,18 +853,17 @@ fn train_epoch<M>(
     model: &mut M,
     optim: &mut RankOptim,
     schedule: &mut Learner<M>,
-    (dp_group, replica, leader): (&ProcessGroup, usize, bool),
-    (inbox, outbox): (&Inbox<M>, &Outbox<M>),
+    (dp_group, replica): (&ProcessGroup, usize),
+    feed: &Feed<'_, M>,
 ) -> Result<u64>
 where
     M: LearnerModel + Reshard + Send + Sync,
-    TrainInput<M>: Clone,
 {
     let dp = shared.dp;
-    let mut iterator = leader.then(|| shared.train[replica].iter());
+    let mut iterator = feed.leader.then(|| shared.train[replica].iter());
     let mut steps = 0u64;
     loop {
-        let item = match iterator.as_mut() {
+        let next = match iterator.as_mut() {
             // The leaders agree (over their dp group) whether every replica has a batch, and
             // the run has not been stopped.
             Some(it) => {
@@ -551,30 +881,23 @@ where
                 };
                 let all = dp_group
                     .all_reduce(vec![f32::from(u8::from(next.is_some()))], ReduceOp::Min)?;
-                let next = next.filter(|_| all[0] > 0.5);
-                for peer in outbox {
-                    let message = match &next {
-                        Some(item) => Handoff::Train(item.clone()),
-                        None => Handoff::End,
-                    };
-                    peer.send(message).map_err(|_| peer_gone())?;
-                }
-                next.map(|item| (item, Some(it.progress())))
+                next.filter(|_| all[0] > 0.5)
             }
-            None => match inbox.as_ref().map(Receiver::recv) {
-                Some(Ok(Handoff::Train(item))) => Some((item, None)),
-                Some(Ok(_)) => None,
-                Some(Err(_)) | None => return Err(peer_gone()),
-            },
+            None => None,
         };
-        let Some((item, progress)) = item else {
+        let unwrap = |m| match m {
+            Handoff::Train(item) => Some(item),
+            _ => None,
+        };
+        let Some(item) = feed.hand(next, &shared.codecs.0, Handoff::Train, unwrap)? else {
             break;
         };
+        let progress = iterator.as_ref().map(|it| it.progress());
         steps += 1;
         schedule.lr_step();
         let lr = schedule.lr_current();
         let out = optim.step(model, item, lr.clone(), dp_group)?;
-        if let Some(mut progress) = progress {
+        if let Some(mut progress) = progress.filter(|_| feed.reports) {
             // As Burn's DDP counts: every replica's items.
             progress.items_processed *= dp;
             progress.items_total *= dp;
@@ -587,50 +910,32 @@ where
 
 /// Replica 0's validation: its leader reads the valid loader and hands each batch to the tp
 /// peers; every rank runs the user's `InferenceStep` on its shard; the leader reports.
-fn valid_epoch<M>(
-    shared: &Shared<M>,
-    model: &M,
-    leader: bool,
-    (inbox, outbox): (&Inbox<M>, &Outbox<M>),
-) -> Result<()>
+fn valid_epoch<M>(shared: &Shared<M>, model: &M, feed: &Feed<'_, M>) -> Result<()>
 where
     M: LearnerModel + Reshard + Send + Sync,
-    ValidInput<M>: Clone,
 {
     let model = model.valid();
-    let mut iterator = leader.then(|| shared.valid.iter());
+    let mut iterator = feed.leader.then(|| shared.valid.iter());
     let mut iteration = 0;
     loop {
-        let item = match iterator.as_mut() {
-            Some(it) => {
-                let next = match it.next() {
-                    Some(Ok(item)) => Some(item),
-                    Some(Err(e)) => {
-                        return Err(TpError::Config(format!("the valid loader failed: {e}")));
-                    }
-                    None => None,
-                };
-                for peer in outbox {
-                    let message = match &next {
-                        Some(item) => Handoff::Valid(item.clone()),
-                        None => Handoff::End,
-                    };
-                    peer.send(message).map_err(|_| peer_gone())?;
-                }
-                next.map(|item| (item, Some(it.progress())))
+        let next = match iterator.as_mut().and_then(Iterator::next) {
+            Some(Ok(item)) => Some(item),
+            Some(Err(e)) => {
+                return Err(TpError::Config(format!("the valid loader failed: {e}")));
             }
-            None => match inbox.as_ref().map(Receiver::recv) {
-                Some(Ok(Handoff::Valid(item))) => Some((item, None)),
-                Some(Ok(_)) => None,
-                Some(Err(_)) | None => return Err(peer_gone()),
-            },
+            None => None,
         };
-        let Some((item, progress)) = item else {
+        let unwrap = |m| match m {
+            Handoff::Valid(item) => Some(item),
+            _ => None,
+        };
+        let Some(item) = feed.hand(next, &shared.codecs.1, Handoff::Valid, unwrap)? else {
             break;
         };
+        let progress = iterator.as_ref().map(|it| it.progress());
         iteration += 1;
         let out = InferenceStep::step(&model, item);
-        if let Some(progress) = progress {
+        if let Some(progress) = progress.filter(|_| feed.reports) {
             let item = TrainingItem::new(out, progress, Some(iteration), None);
             shared.process(|p| p.process_valid(LearnerEvent::ProcessedItem(item)));
         }
@@ -721,6 +1026,13 @@ impl RankOptim {
         }
         Ok(self.optim.clone())
     }
+}
+
+/// What `slots[rank]` holds, taken (none with processes: no slots).
+fn take_slot<T>(slots: &[Mutex<Option<T>>], rank: usize) -> Option<Option<T>> {
+    slots
+        .get(rank)
+        .map(|s| s.lock().ok().and_then(|mut s| s.take()))
 }
 
 fn peer_gone() -> TpError {
