@@ -13,7 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::model::LanguageModel;
 use burn_tp::reshard::{ParamLayout, Reshard};
-use burn_tp::train::ProcessBatch;
+use burn_tp::train::{DpItem, ProcessBatch, mean_over};
 use burn_train::metric::state::{FormatOptions, NumericMetricState};
 use burn_train::metric::{
     Adaptor, ItemLazy, LossInput, Metric, MetricAttributes, MetricMetadata, MetricName, Numeric,
@@ -86,6 +86,17 @@ pub struct LmOutput {
     pub loss: Tensor<1>,
     /// Tokens in the batch.
     pub tokens: usize,
+}
+
+/// The step's item over every replica: the mean loss (the replicas' batches have the same
+/// tokens), the tokens summed.
+impl DpItem for LmOutput {
+    fn dp_merge(self, dp_group: &burn_tp::comm::ProcessGroup) -> burn_tp::Result<Self> {
+        Ok(Self {
+            loss: mean_over(self.loss, dp_group)?,
+            tokens: self.tokens * dp_group.world_size(),
+        })
+    }
 }
 
 impl ItemLazy for LmOutput {

@@ -135,13 +135,10 @@ fn launch(
     ))
 }
 
-/// The per-step losses logged for `epoch` (the dp replicas' items averaged, as a step's loss is
-/// their mean).
-fn step_losses(dir: &Path, epoch: usize, dp: usize) -> Vec<f64> {
+/// The per-step losses logged for `epoch`: one item per step, the replicas' losses averaged
+/// (`DpItem`).
+fn step_losses(dir: &Path, epoch: usize) -> Vec<f64> {
     logged(dir, "train", epoch, "Loss")
-        .chunks(dp)
-        .map(|c| c.iter().sum::<f64>() / c.len() as f64)
-        .collect()
 }
 
 /// The Learner at tp x dp for one epoch: its logged per-step losses and the trained model it
@@ -157,7 +154,7 @@ fn learner_run(
     let train = Windows::new(text(), SEQ, SEQ);
     let result = launch(full, strategy, dir, train, |t| t.num_epochs(1));
     assert!(result.error.is_none(), "{:?}", result.error);
-    (step_losses(dir, 1, dp), result.model.model)
+    (step_losses(dir, 1), result.model.model)
 }
 
 /// At tp 1, tp 2 and tp 2 x dp 2 (the dp average after the backward, overlapped in buckets, or
@@ -235,9 +232,9 @@ fn a_learner_checkpoint_written_at_tp_2_resumes_at_tp_4_on_the_curve() {
         t.num_epochs(3).checkpoint(2)
     });
     assert!(resumed.error.is_none(), "{:?}", resumed.error);
-    let want = step_losses(&first, 3, 1);
+    let want = step_losses(&first, 3);
     assert!(want.len() >= 8);
-    assert_close(&step_losses(&second, 3, 1), &want, 1e-5, "resumed at tp 4");
+    assert_close(&step_losses(&second, 3), &want, 1e-5, "resumed at tp 4");
     assert!(!second.join("train").join("epoch-2").exists());
     std::fs::remove_dir_all(&root).ok();
 }
@@ -393,4 +390,46 @@ fn learner_llama_runs_to_completion_and_resumes_at_another_tp() {
         "{e}"
     );
     std::fs::remove_dir_all(&out).ok();
+}
+
+/// `DpItem` on burn-train's outputs at dp 3: the loss is the replicas' mean, the predictions
+/// and targets every replica's batch in rank order (what the metrics would see without data
+/// parallelism).
+#[test]
+fn dp_items_are_the_whole_steps() {
+    use burn::tensor::TensorData;
+    use burn_tp::train::DpItem;
+    use burn_train::{ClassificationOutput, RegressionOutput};
+    let results = burn_tp::local::run_ranks(LocalGroup::new(3).unwrap(), |g| {
+        let r = g.rank() as f32;
+        let dev = device();
+        let loss = Tensor::<1>::from_data(TensorData::new(vec![r + 1.0], [1]), &dev);
+        let output = Tensor::<2>::from_data(TensorData::new(vec![r, 10.0 + r], [1, 2]), &dev);
+        let targets =
+            Tensor::<1, Int>::from_data(TensorData::new(vec![7 * g.rank() as i64, 1], [2]), &dev);
+        let class = ClassificationOutput::new(loss.clone(), output.clone(), targets)
+            .dp_merge(&g)
+            .unwrap();
+        let regression = RegressionOutput::new(loss, output.clone(), output.clone() * 2.0)
+            .dp_merge(&g)
+            .unwrap();
+        (
+            f64s(class.loss),
+            f64s(class.output),
+            class.targets.into_data().iter::<i64>().collect::<Vec<_>>(),
+            f64s(regression.targets),
+        )
+    })
+    .unwrap();
+    for (loss, output, targets, regression_targets) in results {
+        assert_close(&loss, &[2.0], 1e-6, "the mean loss");
+        assert_close(&output, &[0.0, 10.0, 1.0, 11.0, 2.0, 12.0], 0.0, "outputs");
+        assert_eq!(targets, vec![0, 1, 7, 1, 14, 1]);
+        assert_close(
+            &regression_targets,
+            &[0.0, 20.0, 2.0, 22.0, 4.0, 24.0],
+            0.0,
+            "regression targets",
+        );
+    }
 }

@@ -11,8 +11,8 @@
 //!         │    replica r's tp rank 0 (its leader) reads replica r's part of the train loader
 //!         │    (split as Burn's DDP splits it) and hands each batch to its tp peers; every rank
 //!         │    runs the user's TrainStep on its shard, gradients averaged over dp, the step
-//!         │    └─ leaders: each step's item -> the Learner's event processor (as Burn's DDP:
-//!         │       every replica reports, so an epoch's loss is the mean over dp)
+//!         │    └─ leaders: each step's item made the whole step's over dp (DpItem: the loss
+//!         │       averaged, the batch gathered); world rank 0 -> the Learner's event processor
 //!         ├─ replica 0 validates (its tp ranks together), its leader reporting
 //!         ├─ world rank 0, after each epoch: the checkpointing strategy's actions
 //!         │    (each rank writes its shard: burn-tp's sharded checkpoint, any tp / dp resumes
@@ -23,8 +23,7 @@
 //! Ranks as processes ([`TensorParallel::on_processes`]: MPI under `mpirun`, or one GPU per
 //! process over NCCL) run the same code, one rank per process: each process launches its own
 //! Learner, the replica leaders send each batch's tensors to their tp peers over the tp group
-//! ([`ProcessBatch`]), and world rank 0's Learner reports (its replica's items: the other
-//! replicas' live in other processes).
+//! ([`ProcessBatch`]), and world rank 0's Learner reports.
 //!
 //! The learner handed to `launch` gives the starting weights (its model, built as without
 //! tensor parallelism, sharded to each rank) and the learning-rate schedule; its optimizer is
@@ -39,7 +38,7 @@ use std::time::Duration;
 use burn::data::dataloader::split::split_dataloader;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer};
-use burn::tensor::{DType, Device, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_tp_comm::{CommError, LocalGroup, ProcessGroup, ReduceOp};
 use burn_train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
 use burn_train::train::WorkerFailure;
@@ -54,12 +53,14 @@ use crate::dp::{DistributedAdamW, GradReducer, average_gradients};
 use crate::local::{RunOptions, run_ranks_with};
 use crate::mesh::DeviceMesh;
 use crate::reshard::Reshard;
-use crate::{Result, TpError};
+use crate::{Result, TpError, ops};
 
 /// A training batch of model `M`.
 type TrainInput<M> = <M as TrainStep>::Input;
 /// A validation batch of model `M`.
 type ValidInput<M> = <M as InferenceStep>::Input;
+/// A training step's output item of model `M`.
+type TrainItem<M> = <M as TrainStep>::Output;
 
 /// A checkpointing strategy, lent to world rank 0 during `fit`.
 type Lent = Mutex<Option<Box<dyn CheckpointingStrategy>>>;
@@ -88,6 +89,93 @@ pub trait ProcessBatch: Sized {
     fn to_data(&self) -> Vec<TensorData>;
     /// The batch from what [`ProcessBatch::to_data`] gave, on `device`.
     fn from_data(data: Vec<TensorData>, device: &Device) -> Self;
+}
+
+/// A training step's output item made the item of the whole step, over every replica's batch:
+/// the loss averaged over dp, the predictions and targets gathered, so the Learner's metrics,
+/// dashboard and logs show what they would without data parallelism. Each replica's leader
+/// calls it on its item (collective over the leaders' `dp_group`: every leader calls it once
+/// per step); world rank 0 reports the result. burn-train's classification, multi-label and
+/// regression outputs have it; a custom output averages its loss with
+/// [`crate::ops::all_reduce`] (`ReduceOp::Avg`) and gathers its batch tensors with
+/// [`crate::ops::all_gather`] on dim 0 (or [`gather_int`] for integer ones).
+pub trait DpItem: Sized {
+    /// This replica's item as the whole step's (itself when `dp_group` has one rank).
+    ///
+    /// # Errors
+    /// A collective's error.
+    fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self>;
+}
+
+/// `x` (detached) averaged over `group`: a replica's loss as the step's.
+///
+/// # Errors
+/// The collective's.
+pub fn mean_over(x: Tensor<1>, group: &ProcessGroup) -> Result<Tensor<1>> {
+    match group.world_size() {
+        1 => Ok(x),
+        _ => ops::all_reduce(x.detach(), ReduceOp::Avg, group),
+    }
+}
+
+/// `x` (detached) of every rank of `group`, concatenated on dim 0 in rank order: a replica's
+/// predictions as the step's.
+///
+/// # Errors
+/// The collective's.
+pub fn gather_float<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Result<Tensor<D>> {
+    match group.world_size() {
+        1 => Ok(x),
+        _ => ops::all_gather(x.detach(), 0, group),
+    }
+}
+
+/// [`gather_float`] for integer tensors (targets, class indices): their values as i64.
+///
+/// # Errors
+/// The collective's, or ranks whose tensors differ in shape past dim 0.
+pub fn gather_int<const D: usize>(
+    x: Tensor<D, Int>,
+    group: &ProcessGroup,
+) -> Result<Tensor<D, Int>> {
+    if group.world_size() == 1 {
+        return Ok(x);
+    }
+    let (device, mut dims) = (x.device(), x.dims());
+    let values: Vec<i64> = x.into_data().iter::<i64>().collect();
+    let all = group.all_gather(values)?;
+    dims[0] = all.len() / dims[1..].iter().product::<usize>().max(1);
+    Ok(Tensor::from_data(TensorData::new(all, dims), &device))
+}
+
+impl DpItem for burn_train::ClassificationOutput {
+    fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self> {
+        Ok(Self {
+            loss: mean_over(self.loss, dp_group)?,
+            output: gather_float(self.output, dp_group)?,
+            targets: gather_int(self.targets, dp_group)?,
+        })
+    }
+}
+
+impl DpItem for burn_train::MultiLabelClassificationOutput {
+    fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self> {
+        Ok(Self {
+            loss: mean_over(self.loss, dp_group)?,
+            output: gather_float(self.output, dp_group)?,
+            targets: gather_int(self.targets, dp_group)?,
+        })
+    }
+}
+
+impl DpItem for burn_train::RegressionOutput {
+    fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self> {
+        Ok(Self {
+            loss: mean_over(self.loss, dp_group)?,
+            output: gather_float(self.output, dp_group)?,
+            targets: gather_float(self.targets, dp_group)?,
+        })
+    }
 }
 
 /// How a batch reaches a replica's tp peers: cloned (threads) or as its tensors' data over the
@@ -246,6 +334,7 @@ impl TensorParallel {
         M: LearnerModel + Reshard + Send + Sync,
         TrainInput<M>: Clone,
         ValidInput<M>: Clone,
+        TrainItem<M>: DpItem,
     {
         TrainingStrategy::Custom(Arc::new(self))
     }
@@ -285,9 +374,8 @@ impl TensorParallel {
     /// Every process runs the same program and launches its own Learner with the same model,
     /// loaders and epochs; give each its own artifact folder (the checkpoints' folder is shared).
     /// Each replica's leader reads its split of the train loader and sends each batch's tensors
-    /// to its tp peers ([`ProcessBatch`]); world rank 0's Learner reports its replica's items
-    /// (the epoch's loss is replica 0's, not the mean over dp as with threads), decides the
-    /// checkpoints and early stopping. Every process's `LearningResult::model` is the trained
+    /// to its tp peers ([`ProcessBatch`]); world rank 0's Learner reports each step's item
+    /// (made the whole step's, [`DpItem`]), decides the checkpoints and early stopping. Every process's `LearningResult::model` is the trained
     /// model (each replica gathers its own to tp 1). A rank's error aborts the world (on MPI,
     /// the whole job), so no peer waits for it.
     pub fn on_processes(self, world: ProcessGroup, device: Device) -> ProcessRanks {
@@ -306,6 +394,7 @@ impl ProcessRanks {
         M: LearnerModel + Reshard + Send + Sync,
         TrainInput<M>: ProcessBatch,
         ValidInput<M>: ProcessBatch,
+        TrainItem<M>: DpItem,
     {
         TrainingStrategy::Custom(Arc::new(self))
     }
@@ -359,6 +448,7 @@ where
     M: LearnerModel + Reshard + Send + Sync,
     TrainInput<M>: Clone,
     ValidInput<M>: Clone,
+    TrainItem<M>: DpItem,
 {
     fn fit(
         &self,
@@ -387,6 +477,7 @@ where
     M: LearnerModel + Reshard + Send + Sync,
     TrainInput<M>: ProcessBatch,
     ValidInput<M>: ProcessBatch,
+    TrainItem<M>: DpItem,
 {
     fn fit(
         &self,
@@ -426,6 +517,7 @@ fn fit<M>(
 ) -> (M, SupervisedTrainingEventProcessor<M>)
 where
     M: LearnerModel + Reshard + Send + Sync,
+    TrainItem<M>: DpItem,
 {
     let (tp, dp) = (strategy.tp, strategy.dp);
     let world_size = match &ranks {
@@ -581,6 +673,7 @@ where
 fn rank_main<M>(shared: &Shared<M>, world: ProcessGroup) -> Result<Option<M>>
 where
     M: LearnerModel + Reshard + Send + Sync,
+    TrainItem<M>: DpItem,
 {
     if let Some(t) = shared.timeout {
         world.set_timeout(t);
@@ -594,8 +687,8 @@ where
         shared,
         tp_group: tp_group.clone(),
         leader,
-        // With processes, only world rank 0's Learner shows anything.
-        reports: leader && (!shared.processes || rank == 0),
+        // World rank 0 reports (with processes, the only Learner showing anything).
+        reports: rank == 0,
         inbox: take_slot(&shared.inbox, rank).flatten(),
         outbox: take_slot(&shared.outbox, rank)
             .flatten()
@@ -858,6 +951,7 @@ fn train_epoch<M>(
 ) -> Result<u64>
 where
     M: LearnerModel + Reshard + Send + Sync,
+    TrainItem<M>: DpItem,
 {
     let dp = shared.dp;
     let mut iterator = feed.leader.then(|| shared.train[replica].iter());
@@ -897,11 +991,16 @@ where
         schedule.lr_step();
         let lr = schedule.lr_current();
         let out = optim.step(model, item, lr.clone(), dp_group)?;
-        if let Some(mut progress) = progress.filter(|_| feed.reports) {
-            // As Burn's DDP counts: every replica's items.
+        // The leaders make their items the step's (over the leaders' dp group); world rank 0
+        // reports it, counting every replica's batch.
+        let out = match feed.leader {
+            true => Some(out.dp_merge(dp_group)?),
+            false => None,
+        };
+        if let (Some(out), Some(mut progress)) = (out, progress.filter(|_| feed.reports)) {
             progress.items_processed *= dp;
             progress.items_total *= dp;
-            let item = TrainingItem::new(out, progress, Some(steps as usize * dp), Some(lr));
+            let item = TrainingItem::new(out, progress, Some(steps as usize), Some(lr));
             shared.process(|p| p.process_train(LearnerEvent::ProcessedItem(item)));
         }
     }
