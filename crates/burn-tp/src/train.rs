@@ -49,7 +49,7 @@ use burn_train::{
 };
 
 use crate::checkpoint::{self, CheckpointInfo};
-use crate::dp::{DistributedAdamW, GradReducer, average_gradients};
+use crate::dp::{DistributedAdamW, GradReducer, average_gradients, broadcast_parameters};
 use crate::local::{RunOptions, run_ranks_with};
 use crate::mesh::DeviceMesh;
 use crate::reshard::Reshard;
@@ -210,6 +210,12 @@ impl<T> Codec<T> {
 /// The factory of each rank's optimizer.
 type OptimizerFactory = Arc<dyn Fn() -> ModuleOptimizer + Send + Sync>;
 
+/// What builds a rank's shard of a model `M`: (its tp group, its device) -> its shard.
+type ShardBuilder<M> = Arc<dyn Fn(&ProcessGroup, &Device) -> Result<M> + Send + Sync>;
+
+/// A [`ShardBuilder`] of some model type, and that type's name.
+type AnyShardBuilder = (Arc<dyn std::any::Any + Send + Sync>, &'static str);
+
 /// Tensor (and data) parallel training through Burn's `SupervisedTraining`: a
 /// `SupervisedLearningStrategy` running `tp x dp` rank threads (see the module's diagram).
 ///
@@ -235,6 +241,10 @@ pub struct TensorParallel {
     checkpoints: Option<(PathBuf, Lent)>,
     timeout: Option<Duration>,
     sync: GradSync,
+    /// Each rank builds its shard (else it shards the Learner's model).
+    shards: Option<AnyShardBuilder>,
+    /// The trained model gathered to tp 1 for `LearningResult::model`.
+    gather: bool,
 }
 
 /// How the gradients meet over dp.
@@ -286,6 +296,8 @@ impl TensorParallel {
             checkpoints: None,
             timeout: None,
             sync: GradSync::AfterBackward,
+            shards: None,
+            gather: true,
         }
     }
 
@@ -318,6 +330,33 @@ impl TensorParallel {
         strategy: impl CheckpointingStrategy + 'static,
     ) -> Self {
         self.checkpoints = Some((dir.into(), Mutex::new(Some(Box::new(strategy)))));
+        self
+    }
+
+    /// Each rank builds its own shard with `build(tp_group, device)` (say, `config.init(tp_group,
+    /// device)`, then `hf::load(model, dir, tp_group)`), instead of sharding the Learner's
+    /// model: no rank ever holds the whole model, so a model too big for one device trains. The
+    /// Learner's model is then not read: give `Learner::new` a small one of the same type (a
+    /// config with one small block). A replica's tp ranks must build one model's shards
+    /// (burn-tp's models draw each parameter on tp rank 0 and broadcast it); replica 0's weights
+    /// are then copied to the other replicas, as DDP starts. `M` must be the Learner's
+    /// model type (`fit` fails naming both otherwise). With [`TensorParallel::without_gathered_model`]
+    /// the trained model stays sharded.
+    pub fn with_shards<M: 'static>(
+        mut self,
+        build: impl Fn(&ProcessGroup, &Device) -> Result<M> + Send + Sync + 'static,
+    ) -> Self {
+        let build: ShardBuilder<M> = Arc::new(build);
+        self.shards = Some((Arc::new(build), std::any::type_name::<M>()));
+        self
+    }
+
+    /// Do not gather the trained model to tp 1 at the end (for a model too big for one
+    /// device): `LearningResult::model` is then the Learner's own model, untrained, and the
+    /// trained weights are in the checkpoints ([`TensorParallel::with_checkpoints`]: the last
+    /// epoch's is saved when the strategy says so; `KeepLastNCheckpoints` always saves).
+    pub fn without_gathered_model(mut self) -> Self {
+        self.gather = false;
         self
     }
 
@@ -420,6 +459,8 @@ struct Shared<M: LearnerModel> {
     optimizer: OptimizerFactory,
     timeout: Option<Duration>,
     sync: GradSync,
+    shards: Option<ShardBuilder<M>>,
+    gather: bool,
     train: Vec<TrainLoader<M>>,
     valid: ValidLoader<M>,
     train_items: usize,
@@ -524,10 +565,22 @@ where
         Ranks::Threads => None,
         Ranks::Process { world, .. } => Some(world.world_size()),
     };
+    let shards = match &strategy.shards {
+        Some((any, name)) => match any.downcast_ref::<ShardBuilder<M>>() {
+            Some(build) => Ok(Some(build.clone())),
+            None => Err(format!(
+                "TensorParallel::with_shards builds {name}, but the Learner's model is {}",
+                std::any::type_name::<M>()
+            )),
+        },
+        None => Ok(None),
+    };
     let problem = if tp == 0 || dp == 0 {
         Some(format!(
             "TensorParallel: tp ({tp}) and dp ({dp}) must be at least 1"
         ))
+    } else if let Err(message) = &shards {
+        Some(message.clone())
     } else {
         world_size.filter(|&n| n != tp * dp).map(|n| {
             format!(
@@ -587,6 +640,8 @@ where
         optimizer: strategy.optimizer.clone(),
         timeout: strategy.timeout,
         sync: strategy.sync.clone(),
+        shards: shards.ok().flatten(),
+        gather: strategy.gather,
         train,
         valid,
         train_items,
@@ -695,7 +750,23 @@ where
             .unwrap_or_default(),
     };
     // The Learner's model is the full one: each rank takes its shard of it.
-    let mut model = M::shard_module(&shared.learner.model(), &tp_group)?;
+    let mut model = match &shared.shards {
+        // Replica 0 builds first, alone on the device's RNG (rank threads share Flex's one):
+        // its draws are those of the model built whole from the same seed. The others build
+        // after it and take its weights, as DDP starts.
+        Some(build) => {
+            let first = (replica == 0)
+                .then(|| build(&tp_group, &shared.device))
+                .transpose()?;
+            world.barrier()?;
+            let model = match first {
+                Some(model) => model,
+                None => build(&tp_group, &shared.device)?,
+            };
+            broadcast_parameters(model, &dp_group)?
+        }
+        None => M::shard_module(&shared.learner.model(), &tp_group)?,
+    };
     let mut optim = (shared.optimizer)();
     let mut schedule = shared.learner.clone();
     let (first_epoch, last_epoch) = shared.epochs;
@@ -783,7 +854,7 @@ where
     // The trained model at tp 1, for LearningResult: replica 0's tp ranks gather it; with
     // processes every replica gathers its own (the replicas hold the same weights), so every
     // process returns it.
-    if replica == 0 || shared.processes {
+    if shared.gather && (replica == 0 || shared.processes) {
         let full = model.to_full_module()?;
         return Ok((rank == 0 || shared.processes).then_some(full));
     }
