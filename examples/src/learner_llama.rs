@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
-use burn_tp::comm::LocalGroup;
+use burn_tp::comm::{LocalGroup, ProcessGroup};
 use burn_tp::hf::HfConfig;
 use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::llama::LlamaConfig;
@@ -171,17 +171,27 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
             None,
         ),
     };
-    // The whole model, as a Burn user builds it; the strategy shards it over each replica's tp.
+    // Each rank builds its own shard (no rank holds the whole model); the Learner's model is
+    // only a tiny placeholder of the same type.
     let device = Device::flex().autodiff();
     device.seed(args.seed);
     let solo = LocalGroup::new(1).map_err(|e| e.to_string())?.remove(0);
-    let model = config.init(&solo, &device).map_err(|e| e.to_string())?;
-    let model = match init_from {
-        Some(dir) => burn_tp::hf::load(model, dir, &solo).map_err(|e| e.to_string())?,
-        None => model,
+    let placeholder = LlamaConfig::new(2, 2, 8, 1, 1, 1, 8)
+        .init(&solo, &device)
+        .map_err(|e| e.to_string())?;
+    device.seed(args.seed);
+    let init_from = init_from.map(Path::to_path_buf);
+    let build = move |tp_group: &ProcessGroup, device: &Device| {
+        let model = config.init(tp_group, device)?;
+        let model = match &init_from {
+            Some(dir) => burn_tp::hf::load(model, dir, tp_group)?,
+            None => model,
+        };
+        Ok(LmLearner::new(model))
     };
     let checkpoints = args.out.join("checkpoints");
     let tensor_parallel = TensorParallel::new(args.tp, args.dp, || AdamWConfig::new().init())
+        .with_shards(build)
         .with_checkpoints(
             &checkpoints,
             KeepLastNCheckpoints::new(args.keep_checkpoints),
@@ -222,7 +232,7 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
         training = training.checkpoint(epoch);
     }
     let result = training.launch(Learner::new(
-        LmLearner::new(model),
+        LmLearner::new(placeholder),
         AdamWConfig::new().init(),
         args.lr,
     ));

@@ -441,8 +441,8 @@ fn dp_items_are_the_whole_steps() {
 /// both types.
 #[test]
 fn the_ranks_build_their_own_shards() {
-    use burn_tp::comm::ProcessGroup;
     use burn::tensor::Device;
+    use burn_tp::comm::ProcessGroup;
     let _rng = rng_lock();
     let solo = LocalGroup::new(1).unwrap().remove(0);
     let root = std::env::temp_dir().join(format!("burn-tp-learner-build-{}", std::process::id()));
@@ -463,7 +463,12 @@ fn the_ranks_build_their_own_shards() {
     assert!(result.error.is_none(), "{:?}", result.error);
     assert_close(&step_losses(&dir, 1), &want, 1e-5, "built shards: losses");
     let trained = values(&result.model.model);
-    assert_close(&trained, &values(&want_model), 1e-5, "built shards: the model");
+    assert_close(
+        &trained,
+        &values(&want_model),
+        1e-5,
+        "built shards: the model",
+    );
 
     device().seed(6);
     let ckpt = root.join("checkpoints");
@@ -471,14 +476,23 @@ fn the_ranks_build_their_own_shards() {
         .with_shards(build)
         .without_gathered_model()
         .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(1));
-    let result = launch(&placeholder, strategy, &root.join("sharded"), train(), |t| {
-        t.num_epochs(1)
-    });
+    let result = launch(
+        &placeholder,
+        strategy,
+        &root.join("sharded"),
+        train(),
+        |t| t.num_epochs(1),
+    );
     assert!(result.error.is_none(), "{:?}", result.error);
     assert_eq!(values(&result.model.model), values(&placeholder));
     let dir = TensorParallel::checkpoint_dir(&ckpt, 1);
     let (loaded, _) = checkpoint::load(full.clone(), &dir, None::<&()>, &solo).unwrap();
-    assert_close(&values(&loaded), &values(&want_model), 1e-5, "the checkpoint");
+    assert_close(
+        &values(&loaded),
+        &values(&want_model),
+        1e-5,
+        "the checkpoint",
+    );
 
     let strategy = TensorParallel::new(2, 1, || AdamWConfig::new().init())
         .with_shards(|g: &ProcessGroup, d: &Device| config().init(g, d));
