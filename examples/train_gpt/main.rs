@@ -43,6 +43,20 @@ fn main() {
                     String::new()
                 },
             );
+            if !report.stage_idle.is_empty() {
+                let each: Vec<String> = report
+                    .stage_idle
+                    .iter()
+                    .enumerate()
+                    .map(|(s, (idle, step))| {
+                        format!("stage {s} {:.0}%", 100.0 * idle / step.max(1e-12))
+                    })
+                    .collect();
+                println!(
+                    "pipeline: idle waiting for activations or gradients: {} (pipeline.csv)",
+                    each.join(", ")
+                );
+            }
             if let Some(profile) = &report.profile {
                 println!("communication of rank 0 (also in comm.csv):\n{profile}");
             }

@@ -525,7 +525,15 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
     assert!(base.losses[3] < base.losses[0], "{:?}", base.losses);
     for (i, extra) in [
         &["--tp", "1", "--pp", "2", "--micro-batches", "4"][..],
-        &["--tp", "1", "--pp", "4", "--micro-batches", "8"],
+        &[
+            "--tp",
+            "1",
+            "--pp",
+            "4",
+            "--micro-batches",
+            "8",
+            "--profile",
+        ],
         &[
             "--tp",
             "2",
@@ -609,6 +617,32 @@ fn train_gpt_pipelined_gives_the_unpipelined_curve() {
             1e-5,
             &format!("{tag}: held-out"),
         );
+        // Each stage's idle time: some (the fill or the drain), less than its steps; in
+        // pipeline.csv; with --profile each stage's transfers in its own profile.
+        let pp: usize = extra[extra.iter().position(|a| *a == "--pp").unwrap() + 1]
+            .parse()
+            .unwrap();
+        assert_eq!(r.stage_idle.len(), pp, "{tag}");
+        for (s, (idle, step)) in r.stage_idle.iter().enumerate() {
+            assert!(
+                *idle > 0.0 && idle < step,
+                "{tag}: stage {s}: {idle} of {step} s"
+            );
+        }
+        let out = root.join(format!("pp{i}"));
+        let csv = std::fs::read_to_string(out.join("pipeline.csv")).unwrap();
+        assert_eq!(csv.lines().count(), pp + 1, "{csv}");
+        if extra.contains(&"--profile") {
+            let stage_3 = std::fs::read_to_string(out.join("comm-stage-3.csv")).unwrap();
+            let transfers = stage_3
+                .lines()
+                .find(|l| l.starts_with("pipeline transfers"))
+                .unwrap_or_else(|| panic!("{stage_3}"));
+            // Per step the last stage receives 8 activations and sends 8 gradients (a 2-rank
+            // broadcast each): 4 steps, and the held-out evaluations' activations.
+            let calls: usize = transfers.split(',').nth(2).unwrap().parse().unwrap();
+            assert!(calls >= 4 * 16, "{transfers}");
+        }
     }
     // A checkpoint written at pp 2 after 2 steps resumes at pp 1 and at pp 4 on the curve.
     let first = run(&args(

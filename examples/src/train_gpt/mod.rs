@@ -75,6 +75,9 @@ pub struct Report {
     pub checkpoint_times: CheckpointTimes,
     /// This process's rank (0 when the ranks are threads): only rank 0 writes the files.
     pub rank: usize,
+    /// With `--pp`: per stage, the seconds it waited for an activation or a gradient and the
+    /// seconds of its pipelined steps (rank 0's pipeline; also in `OUT/pipeline.csv`).
+    pub stage_idle: Vec<(f64, f64)>,
 }
 
 /// Runs the training; the same arguments give the same losses at every tp.
@@ -166,6 +169,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         sample,
         profile,
         step_s,
+        stage_idle,
     } = out;
     let sample = codec.decode(&sample)?;
     let elapsed = start.elapsed().as_secs_f64();
@@ -186,6 +190,14 @@ pub fn run(args: &Args) -> Result<Report, String> {
             reference: unigram_entropy,
         };
         crate::plot::loss_png(&args.out.join("loss.png"), &curves)?;
+        if !stage_idle.is_empty() {
+            let path = args.out.join("pipeline.csv");
+            let mut csv = String::from("stage,idle_s,step_s,idle_fraction\n");
+            for (s, (idle, step)) in stage_idle.iter().enumerate() {
+                csv += &format!("{s},{idle:.6},{step:.6},{:.4}\n", idle / step.max(1e-12));
+            }
+            std::fs::write(&path, csv).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        }
         if let Some(profile) = &profile {
             let path = args.out.join("comm.csv");
             std::fs::write(&path, profile.to_csv())
@@ -219,6 +231,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         overlap: overlap_path(args),
         checkpoint_times: timings,
         rank,
+        stage_idle,
     })
 }
 

@@ -106,6 +106,9 @@ pub(super) struct RankOut {
     /// Seconds of each optimizer step (forward, backward, reductions, update; no evaluation or
     /// checkpoint).
     pub(super) step_s: Vec<f64>,
+    /// With `--pp`: per stage (of this rank's pipeline), the seconds it waited for an activation
+    /// or a gradient and the seconds of its pipelined steps, summed over the run.
+    pub(super) stage_idle: Vec<(f64, f64)>,
 }
 
 /// This rank's place in the run: the world, the tp x dp mesh's groups, the device.
@@ -123,6 +126,8 @@ struct Rank<'a, M: LanguageModel> {
     /// where this stage's parameters sit in the whole model (set once the model is built).
     replica: ProcessGroup,
     stage_map: std::cell::OnceCell<checkpoint::StageMap>,
+    /// With `--pp`: this stage's idle and pipelined seconds so far.
+    pp_seconds: std::cell::Cell<(f64, f64)>,
     device: Device,
     checkpoint: &'a Path,
 }
@@ -163,6 +168,7 @@ pub(super) fn train_rank<M: Trainable>(
         pipe,
         replica: mesh.replica_group().clone(),
         stage_map: std::cell::OnceCell::new(),
+        pp_seconds: std::cell::Cell::new((0.0, 0.0)),
         world,
         device: device.clone(),
         checkpoint,
@@ -190,6 +196,26 @@ pub(super) fn train_rank<M: Trainable>(
     if let (Some(dir), Some(_)) = (&args.export_hf, &r.pipe) {
         r.export_from_checkpoint(dir)?;
     }
+    // Each stage's idle time, for rank 0 to report; with --profile each stage's first rank
+    // writes its own profile (rank 0's is comm.csv).
+    let stage_idle = match &r.pipe {
+        Some(pipe) => {
+            let (idle, busy) = r.pp_seconds.get();
+            let all = pipe.group().all_gather(vec![idle, busy])?;
+            if args.profile
+                && pipe.stage() > 0
+                && r.tp_group.rank() == 0
+                && r.dp_rank == 0
+                && let Some(profile) = r.world.profile()
+            {
+                let path = args.out.join(format!("comm-stage-{}.csv", pipe.stage()));
+                std::fs::create_dir_all(&args.out)?;
+                std::fs::write(&path, profile.to_csv())?;
+            }
+            all.chunks(2).map(|c| (c[0], c[1])).collect()
+        }
+        None => Vec::new(),
+    };
     // The profile covers training only (not the sample below).
     let profile = r.world.profile();
     let sample = match &r.pipe {
@@ -208,6 +234,7 @@ pub(super) fn train_rank<M: Trainable>(
         timings,
         profile,
         sample,
+        stage_idle,
         ..out
     })
 }
@@ -469,6 +496,7 @@ impl<M: Trainable> Rank<'_, M> {
             held_out,
             sample: Vec::new(),
             step_s,
+            stage_idle: Vec::new(),
         };
         Ok((model, out))
     }
@@ -570,6 +598,8 @@ impl<M: Trainable> Rank<'_, M> {
             Some(r) => r.scope(run)?,
             None => run()?,
         };
+        let (idle, busy) = self.pp_seconds.get();
+        self.pp_seconds.set((idle + out.idle_s, busy + out.step_s));
         let loss = pipe.from_last(out.loss)?;
         let value = self.dp_group.all_reduce(vec![loss], ReduceOp::Avg)?[0] as f64;
         if !value.is_finite() && !args.keep_going {
