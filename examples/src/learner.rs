@@ -13,6 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::model::LanguageModel;
 use burn_tp::reshard::{ParamLayout, Reshard};
+use burn_tp::comm::ReduceOp;
 use burn_tp::train::{DpItem, ProcessBatch, mean_over};
 use burn_train::metric::state::{FormatOptions, NumericMetricState};
 use burn_train::metric::{
@@ -88,13 +89,17 @@ pub struct LmOutput {
     pub tokens: usize,
 }
 
-/// The step's item over every replica: the mean loss (the replicas' batches have the same
-/// tokens), the tokens summed.
+/// The step's item over every replica: the mean of the replicas' losses (as the gradients
+/// are averaged), the tokens summed.
 impl DpItem for LmOutput {
     fn dp_merge(self, dp_group: &burn_tp::comm::ProcessGroup) -> burn_tp::Result<Self> {
+        if dp_group.world_size() == 1 {
+            return Ok(self);
+        }
+        let tokens = dp_group.all_reduce(vec![self.tokens as i64], ReduceOp::Sum)?[0];
         Ok(Self {
             loss: mean_over(self.loss, dp_group)?,
-            tokens: self.tokens * dp_group.world_size(),
+            tokens: tokens as usize,
         })
     }
 }

@@ -394,7 +394,7 @@ fn learner_llama_runs_to_completion_and_resumes_at_another_tp() {
 
 /// `DpItem` on burn-train's outputs at dp 3: the loss is the replicas' mean, the predictions
 /// and targets every replica's batch in rank order (what the metrics would see without data
-/// parallelism).
+/// parallelism), also when the replicas' batches differ in size.
 #[test]
 fn dp_items_are_the_whole_steps() {
     use burn::tensor::TensorData;
@@ -405,6 +405,11 @@ fn dp_items_are_the_whole_steps() {
         let dev = device();
         let loss = Tensor::<1>::from_data(TensorData::new(vec![r + 1.0], [1]), &dev);
         let output = Tensor::<2>::from_data(TensorData::new(vec![r, 10.0 + r], [1, 2]), &dev);
+        // A split's last batch: rank r has r + 1 rows.
+        let rows = g.rank() + 1;
+        let ragged: Vec<f32> = (0..rows).flat_map(|i| [r, i as f32]).collect();
+        let ragged = Tensor::<2>::from_data(TensorData::new(ragged, [rows, 2]), &dev);
+        let ragged = burn_tp::train::gather_float(ragged, &g).unwrap();
         let targets =
             Tensor::<1, Int>::from_data(TensorData::new(vec![7 * g.rank() as i64, 1], [2]), &dev);
         let class = ClassificationOutput::new(loss.clone(), output.clone(), targets)
@@ -418,10 +423,11 @@ fn dp_items_are_the_whole_steps() {
             f64s(class.output),
             class.targets.into_data().iter::<i64>().collect::<Vec<_>>(),
             f64s(regression.targets),
+            f64s(ragged),
         )
     })
     .unwrap();
-    for (loss, output, targets, regression_targets) in results {
+    for (loss, output, targets, regression_targets, ragged) in results {
         assert_close(&loss, &[2.0], 1e-6, "the mean loss");
         assert_close(&output, &[0.0, 10.0, 1.0, 11.0, 2.0, 12.0], 0.0, "outputs");
         assert_eq!(targets, vec![0, 1, 7, 1, 14, 1]);
@@ -431,6 +437,8 @@ fn dp_items_are_the_whole_steps() {
             0.0,
             "regression targets",
         );
+        let want = [0., 0., 1., 0., 1., 1., 2., 0., 2., 1., 2., 2.];
+        assert_close(&ragged, &want, 0.0, "ragged rows");
     }
 }
 

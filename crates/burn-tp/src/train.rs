@@ -96,9 +96,9 @@ pub trait ProcessBatch: Sized {
 /// dashboard and logs show what they would without data parallelism. Each replica's leader
 /// calls it on its item (collective over the leaders' `dp_group`: every leader calls it once
 /// per step); world rank 0 reports the result. burn-train's classification, multi-label and
-/// regression outputs have it; a custom output averages its loss with
-/// [`crate::ops::all_reduce`] (`ReduceOp::Avg`) and gathers its batch tensors with
-/// [`crate::ops::all_gather`] on dim 0 (or [`gather_int`] for integer ones).
+/// regression outputs have it; a custom output averages its loss with [`mean_over`] and
+/// gathers its batch tensors with [`gather_float`] / [`gather_int`] (the replicas' batches may
+/// differ in size: a split's last batch).
 pub trait DpItem: Sized {
     /// This replica's item as the whole step's (itself when `dp_group` has one rank).
     ///
@@ -119,21 +119,25 @@ pub fn mean_over(x: Tensor<1>, group: &ProcessGroup) -> Result<Tensor<1>> {
 }
 
 /// `x` (detached) of every rank of `group`, concatenated on dim 0 in rank order: a replica's
-/// predictions as the step's.
+/// predictions as the step's. The ranks' dim 0 may differ (a split's last batch); the values
+/// travel as f32.
 ///
 /// # Errors
-/// The collective's.
+/// The collectives', or ranks whose tensors differ past dim 0.
 pub fn gather_float<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Result<Tensor<D>> {
-    match group.world_size() {
-        1 => Ok(x),
-        _ => ops::all_gather(x.detach(), 0, group),
+    if group.world_size() == 1 {
+        return Ok(x);
     }
+    let (device, dims) = (x.device(), x.dims());
+    let values: Vec<f32> = x.detach().into_data().iter::<f32>().collect();
+    let (all, dims) = gather_rows(values, dims, group)?;
+    Ok(Tensor::from_data(TensorData::new(all, dims), &device))
 }
 
 /// [`gather_float`] for integer tensors (targets, class indices): their values as i64.
 ///
 /// # Errors
-/// The collective's, or ranks whose tensors differ in shape past dim 0.
+/// As [`gather_float`].
 pub fn gather_int<const D: usize>(
     x: Tensor<D, Int>,
     group: &ProcessGroup,
@@ -141,11 +145,39 @@ pub fn gather_int<const D: usize>(
     if group.world_size() == 1 {
         return Ok(x);
     }
-    let (device, mut dims) = (x.device(), x.dims());
+    let (device, dims) = (x.device(), x.dims());
     let values: Vec<i64> = x.into_data().iter::<i64>().collect();
-    let all = group.all_gather(values)?;
-    dims[0] = all.len() / dims[1..].iter().product::<usize>().max(1);
+    let (all, dims) = gather_rows(values, dims, group)?;
     Ok(Tensor::from_data(TensorData::new(all, dims), &device))
+}
+
+/// Every rank's rows (`values`, row-major of `dims`) in rank order, and their dims: each rank's
+/// row count first, then the rows padded to the most rows, the padding dropped.
+fn gather_rows<E: burn_tp_comm::CommElement + Default, const D: usize>(
+    mut values: Vec<E>,
+    mut dims: [usize; D],
+    group: &ProcessGroup,
+) -> Result<(Vec<E>, [usize; D])> {
+    let row: usize = dims[1..].iter().product();
+    let mine = [dims[0] as i64, row as i64];
+    let all = group.all_gather(mine.to_vec())?;
+    if let Some(other) = all.chunks(2).find(|c| c[1] != mine[1]) {
+        return Err(TpError::Config(format!(
+            "DpItem: the replicas' tensors differ past dim 0 ({} values per row here, {} on \
+             another)",
+            row, other[1]
+        )));
+    }
+    let rows: Vec<usize> = all.chunks(2).map(|c| c[0] as usize).collect();
+    let most = rows.iter().copied().max().unwrap_or(0);
+    values.resize(most * row, E::default());
+    let padded = group.all_gather(values)?;
+    let mut out = Vec::with_capacity(rows.iter().sum::<usize>() * row);
+    for (r, &n) in rows.iter().enumerate() {
+        out.extend_from_slice(&padded[r * most * row..(r * most + n) * row]);
+    }
+    dims[0] = rows.iter().sum();
+    Ok((out, dims))
 }
 
 impl DpItem for burn_train::ClassificationOutput {
