@@ -16,6 +16,9 @@
 //!    value heads, f32 and bf16: outputs and dq / dk / dv; forward + backward times of both.
 //! 5. `train_gpt`: `train_gpt --device cuda --tp 1` for 30 steps, 60 s group timeout: the loss
 //!    falls; tokens/s.
+//! 6. `llama_step`: the issue's Llama (d 2048, 8 blocks, seq 2048, bf16) trained at tp 1 by
+//!    `train_gpt`: tokens/s, model TFLOP/s. `llama_step_tp2`: the same model at tp 1 and at
+//!    tp 2 with ranks as threads sharing the GPU (`checks::llama_steps_on_threads`).
 //!
 //! Usage: `gpu_check OUT_DIR [SCRATCH_DIR]`. Prints a log; `OUT_DIR/figures.json` is rewritten
 //! after every figure (a run killed by its bound still reports what it did); everything else
@@ -80,7 +83,7 @@ fn main() {
     // SAFETY: set before any thread of this program starts.
     unsafe { std::env::set_var("GPU_CHECK_SCRATCH", &scratch) };
     let mut failed = false;
-    let checks: [(&str, Check); 7] = [
+    let checks: [(&str, Check); 8] = [
         ("device_path", device_path),
         ("gemm_hook", gemm_hook),
         ("layers_tp2", layers_tp2),
@@ -88,6 +91,7 @@ fn main() {
         ("attention", attention_check),
         ("train_gpt", train_gpt),
         ("llama_step", llama_step),
+        ("llama_step_tp2", llama_step_tp2),
     ];
     for (name, check) in checks {
         println!("== {name}");
@@ -915,6 +919,42 @@ fn llama_step(f: &mut Figures) -> Result<(), String> {
     );
     if !report.losses.iter().all(|l| l.is_finite()) {
         return Err(format!("losses {:?}", report.losses));
+    }
+    Ok(())
+}
+
+/// The issue's Llama step at tp 2, ranks as threads sharing the GPU (the collectives through
+/// the host: what one GPU can show of tp), and at tp 1 by the same code, bf16: tokens/s and
+/// model TFLOP/s of each (`checks::llama_steps_on_threads`, 3 steps, the first a warm-up).
+fn llama_step_tp2(f: &mut Figures) -> Result<(), String> {
+    use burn_tp::llama::LlamaConfig;
+    use burn_tp_examples::checks::llama_steps_on_threads;
+    let (vocab, d, layers, seq, d_ff, batch) = (128usize, 2048usize, 8usize, 2048, 5632, 2);
+    let config = LlamaConfig::new(vocab, seq, d, 16, 8, layers, d_ff);
+    let n = layers as f64 * (4.0 * (d * d) as f64 * 0.75 + 3.0 * (d * d_ff) as f64)
+        + 2.0 * vocab as f64 * d as f64;
+    let flops = 6.0 * n + 6.0 * (layers * seq * d) as f64;
+    let device = Device::cuda(0);
+    for tp in [1, 2] {
+        let out = llama_steps_on_threads(&config, tp, &device, (batch, 3), FloatDType::BF16)?;
+        if !out.losses.iter().all(|l| l.is_finite()) {
+            return Err(format!("tp {tp}: losses {:?}", out.losses));
+        }
+        let tokens = (batch * seq) as f64 / out.step_s;
+        println!(
+            "  tp {tp} (threads on one GPU): {tokens:.0} tokens/s, {:.1} model TFLOP/s, \
+             losses {:?}",
+            tokens * flops / 1e12,
+            out.losses
+        );
+        f.num(
+            format!("llama_step_threads.tp{tp}.tokens_per_s"),
+            tokens.round(),
+        );
+        f.num(
+            format!("llama_step_threads.tp{tp}.model_tflops"),
+            (tokens * flops / 1e10).round() / 100.0,
+        );
     }
     Ok(())
 }

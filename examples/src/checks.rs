@@ -190,3 +190,79 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// What [`llama_steps_on_threads`] measured: rank 0's loss of each step, and the mean seconds
+/// of the steps after the first (a warm-up).
+#[derive(Clone, Debug)]
+pub struct StepTimes {
+    /// The loss of each step.
+    pub losses: Vec<f64>,
+    /// Mean seconds per step, the first left out (its own when there is one step).
+    pub step_s: f64,
+}
+
+/// `steps` training steps of the Llama of `config` at `tp`, ranks as threads sharing `device`
+/// (one GPU: the collectives go through the host), each step a batch of `batch` sequences of
+/// the config's context drawn from a fixed seed: its forward and backward with the parameters
+/// in `dtype` (f32 master weights, as `train_gpt --dtype`), AdamW. The GPU check's tp = 2 step;
+/// on the CPU the tests check it gives the tp = 1 losses.
+///
+/// # Errors
+/// A rank's error, as text.
+pub fn llama_steps_on_threads(
+    config: &burn_tp::llama::LlamaConfig,
+    tp: usize,
+    device: &burn::tensor::Device,
+    (batch, steps): (usize, usize),
+    dtype: burn::tensor::FloatDType,
+) -> Result<StepTimes, String> {
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn::tensor::{Int, Tensor, TensorData};
+    use burn_tp::model::LanguageModel;
+    use burn_tp::precision::{cast_grads, cast_params};
+    let device = device.clone().inner().autodiff();
+    device.seed(0);
+    let (config, seq, vocab) = (config.clone(), config.max_seq, config.n_vocab);
+    let groups = burn_tp::comm::LocalGroup::new(tp).map_err(|e| e.to_string())?;
+    let results = burn_tp::local::run_ranks(groups, move |group| {
+        let run = || -> burn_tp::Result<StepTimes> {
+            let mut model = config.init(&group, &device)?;
+            let mut optim = AdamWConfig::new().init();
+            let (mut losses, mut times) = (Vec::new(), Vec::new());
+            for step in 0..steps {
+                // A fixed text per step (the same on every rank): ids and next ids.
+                let ids: Vec<i64> = (0..(seq + 1) * batch)
+                    .map(|i| ((i * 7919 + step * 104_729) % vocab) as i64)
+                    .collect();
+                let window = |from: usize| {
+                    let v: Vec<i64> = (0..seq * batch)
+                        .map(|i| ids[(i % batch) * (seq + 1) + i / batch + from])
+                        .collect();
+                    Tensor::<2, Int>::from_data(TensorData::new(v, [seq, batch]), &device)
+                };
+                let started = std::time::Instant::now();
+                let working = cast_params(model.clone(), dtype);
+                let loss = LanguageModel::loss(&working, window(0), window(1), None)?;
+                let value: f32 = loss.clone().into_scalar();
+                let mut grads = GradientsParams::from_grads(loss.backward(), &working);
+                cast_grads(&working, &mut grads, burn::tensor::FloatDType::F32);
+                model = optim.step(1e-4, model, grads);
+                // The step's end: its last value read back.
+                let _ = model.embedding_weight().val().sum().into_scalar::<f32>();
+                times.push(started.elapsed().as_secs_f64());
+                losses.push(f64::from(value));
+            }
+            let warm = if times.len() > 1 {
+                &times[1..]
+            } else {
+                &times[..]
+            };
+            Ok(StepTimes {
+                losses,
+                step_s: warm.iter().sum::<f64>() / warm.len() as f64,
+            })
+        };
+        run().map_err(|e| e.to_string())
+    })?;
+    results.into_iter().next().ok_or("no rank")?
+}

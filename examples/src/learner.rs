@@ -10,10 +10,10 @@ use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::{Module, ModuleDisplay};
 use burn::tensor::TensorReadError;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_tp::comm::ReduceOp;
 use burn_tp::dropout::DropoutStep;
 use burn_tp::model::LanguageModel;
 use burn_tp::reshard::{ParamLayout, Reshard};
-use burn_tp::comm::ReduceOp;
 use burn_tp::train::{DpItem, ProcessBatch, mean_over};
 use burn_train::metric::state::{FormatOptions, NumericMetricState};
 use burn_train::metric::{

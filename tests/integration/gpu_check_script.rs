@@ -184,3 +184,25 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     files
 }
+
+/// The GPU check's tp = 2 step (`checks::llama_steps_on_threads`) on the CPU: ranks as threads
+/// sharing one device give the tp = 1 losses (f32, 1e-4), and a bf16 run stays finite and near
+/// them.
+#[test]
+fn the_gpu_checks_threaded_llama_step_gives_the_tp_1_losses() {
+    use burn::tensor::{Device, FloatDType};
+    use burn_tp::llama::LlamaConfig;
+    use burn_tp_examples::checks::llama_steps_on_threads;
+    let _rng = crate::common::rng_lock();
+    let config = LlamaConfig::new(64, 16, 32, 4, 2, 2, 64);
+    let device = Device::flex();
+    let run = |tp, dtype| llama_steps_on_threads(&config, tp, &device, (2, 3), dtype).unwrap();
+    let one = run(1, FloatDType::F32);
+    let two = run(2, FloatDType::F32);
+    assert_eq!(one.losses.len(), 3);
+    assert!(one.losses[2] < one.losses[0], "{:?}", one.losses);
+    crate::common::assert_close(&two.losses, &one.losses, 1e-4, "tp 2 on threads vs tp 1");
+    assert!(two.step_s > 0.0 && one.step_s > 0.0);
+    let half = run(2, FloatDType::BF16);
+    crate::common::assert_close(&half.losses, &one.losses, 3e-2, "bf16 at tp 2");
+}
