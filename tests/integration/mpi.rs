@@ -20,9 +20,16 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// `base`, then `extra`, then `--out out`.
+fn command_line(base: &[&str], extra: &[&str], out: &Path) -> Vec<String> {
+    let mut v: Vec<String> = base.iter().chain(extra).map(|s| s.to_string()).collect();
+    v.extend(["--out".to_string(), out.display().to_string()]);
+    v
+}
+
 /// The tiny run of the other train_gpt tests, with `extra` and `--out out`.
 fn argv(extra: &[&str], out: &Path) -> Vec<String> {
-    let mut v: Vec<String> = [
+    let base = [
         "train_gpt",
         "--quiet",
         "--batch",
@@ -39,38 +46,38 @@ fn argv(extra: &[&str], out: &Path) -> Vec<String> {
         "1e-2",
         "--sample-len",
         "8",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    v.extend(extra.iter().map(|s| s.to_string()));
-    v.extend(["--out".to_string(), out.display().to_string()]);
-    v
+    ];
+    command_line(&base, extra, out)
 }
 
-/// `mpirun -n n` of this binary running train_gpt with `argv`, its output. `overlap` sets
-/// `BURN_TP_MPI_OVERLAP` (the overlap schedules on or off; unset: by the node's cores).
-fn mpirun_output(n: usize, argv: &[String], overlap: Option<bool>) -> std::process::Output {
+/// `mpirun -n n` of this binary running only `test` (one rank), `argv` handed over in `var`;
+/// its output. `overlap` sets `BURN_TP_MPI_OVERLAP` (the overlap schedules on or off; unset: by
+/// the node's cores).
+fn mpirun_test(
+    n: usize,
+    (test, var): (&str, &str),
+    argv: &[String],
+    overlap: Option<bool>,
+) -> std::process::Output {
     let mut cmd = Command::new("mpirun");
     if let Some(on) = overlap {
         cmd.env("BURN_TP_MPI_OVERLAP", if on { "1" } else { "0" });
     }
     cmd.args(["--oversubscribe", "-n", &n.to_string()])
         .arg(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "mpi::mpi_train_gpt_rank",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(ARGS_VAR, argv.join("\u{1f}"))
+        .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+        .env(var, argv.join("\u{1f}"))
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_btl", "self,vader,tcp")
         .env("OMPI_MCA_pml", "ob1")
         .output()
         .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see README")
+}
+
+/// `mpirun -n n` of this binary running train_gpt with `argv`, its output.
+fn mpirun_output(n: usize, argv: &[String], overlap: Option<bool>) -> std::process::Output {
+    mpirun_test(n, ("mpi::mpi_train_gpt_rank", ARGS_VAR), argv, overlap)
 }
 
 /// `mpirun -n n` of this binary running train_gpt with `argv` (and `--transport mpi`); the
@@ -207,7 +214,7 @@ const LEARNER_VAR: &str = "BURN_TP_TEST_MPI_LEARNER_ARGS";
 
 /// `learner_llama`'s tiny run (2 epochs) with `extra`, into `out`.
 fn learner_argv(extra: &[&str], out: &Path) -> Vec<String> {
-    let mut v: Vec<String> = [
+    let base = [
         "learner_llama",
         "--plain",
         "--max-sequences",
@@ -222,34 +229,13 @@ fn learner_argv(extra: &[&str], out: &Path) -> Vec<String> {
         "2",
         "--epochs",
         "2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    v.extend(extra.iter().map(|s| s.to_string()));
-    v.extend(["--out".to_string(), out.display().to_string()]);
-    v
+    ];
+    command_line(&base, extra, out)
 }
 
 /// `mpirun -n n` of this binary running `learner_llama --transport mpi` with `argv`.
 fn mpirun_learner(n: usize, argv: &[String]) -> std::process::Output {
-    Command::new("mpirun")
-        .args(["--oversubscribe", "-n", &n.to_string()])
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "mpi::mpi_learner_rank",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(LEARNER_VAR, argv.join("\u{1f}"))
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_btl", "self,vader,tcp")
-        .env("OMPI_MCA_pml", "ob1")
-        .output()
-        .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see README")
+    mpirun_test(n, ("mpi::mpi_learner_rank", LEARNER_VAR), argv, None)
 }
 
 /// Burn's Learner with ranks as MPI processes (`TensorParallel::on_processes`): 2 processes at

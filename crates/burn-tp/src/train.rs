@@ -180,35 +180,25 @@ fn gather_rows<E: burn_tp_comm::CommElement + Default, const D: usize>(
     Ok((out, dims))
 }
 
-impl DpItem for burn_train::ClassificationOutput {
-    fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self> {
-        Ok(Self {
-            loss: mean_over(self.loss, dp_group)?,
-            output: gather_float(self.output, dp_group)?,
-            targets: gather_int(self.targets, dp_group)?,
-        })
-    }
+/// [`DpItem`] for burn-train's outputs (`loss`, `output`, `targets`; the targets gathered by
+/// `$targets`).
+macro_rules! dp_item {
+    ($output:ty, $targets:ident) => {
+        impl DpItem for $output {
+            fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self> {
+                Ok(Self {
+                    loss: mean_over(self.loss, dp_group)?,
+                    output: gather_float(self.output, dp_group)?,
+                    targets: $targets(self.targets, dp_group)?,
+                })
+            }
+        }
+    };
 }
 
-impl DpItem for burn_train::MultiLabelClassificationOutput {
-    fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self> {
-        Ok(Self {
-            loss: mean_over(self.loss, dp_group)?,
-            output: gather_float(self.output, dp_group)?,
-            targets: gather_int(self.targets, dp_group)?,
-        })
-    }
-}
-
-impl DpItem for burn_train::RegressionOutput {
-    fn dp_merge(self, dp_group: &ProcessGroup) -> Result<Self> {
-        Ok(Self {
-            loss: mean_over(self.loss, dp_group)?,
-            output: gather_float(self.output, dp_group)?,
-            targets: gather_float(self.targets, dp_group)?,
-        })
-    }
-}
+dp_item!(burn_train::ClassificationOutput, gather_int);
+dp_item!(burn_train::MultiLabelClassificationOutput, gather_int);
+dp_item!(burn_train::RegressionOutput, gather_float);
 
 /// How a batch reaches a replica's tp peers: cloned (threads) or as its tensors' data over the
 /// tp group (processes).
