@@ -26,7 +26,8 @@
 //! ([`ProcessBatch`]), and world rank 0's Learner reports.
 //!
 //! The learner handed to `launch` gives the starting weights (its model, built as without
-//! tensor parallelism, sharded to each rank) and the learning-rate schedule; its optimizer is
+//! tensor parallelism, sharded to each rank; or, with [`TensorParallel::with_shards`], each rank
+//! builds its own shard and the Learner's model is a placeholder) and the learning-rate schedule; its optimizer is
 //! replaced by one per rank from [`TensorParallel::new`]'s factory (Burn's `Learner` does not
 //! hand its optimizer out), whose state is then per shard, as in burn-tp's own loop.
 
@@ -254,7 +255,8 @@ type AnyShardBuilder = (Arc<dyn std::any::Any + Send + Sync>, &'static str);
 /// The model type is the user's: it implements `TrainStep` and `InferenceStep` as without
 /// tensor parallelism (its layers being burn-tp's, built on a tp group) and [`Reshard`] (how its
 /// full weights split over tp). A training batch must be `Clone` (a replica's tp ranks each take
-/// the same one).
+/// the same one), and the training step's output item [`DpItem`] (the Learner sees one item per
+/// step, over every replica's batch).
 pub struct TensorParallel {
     tp: usize,
     dp: usize,
