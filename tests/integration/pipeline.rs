@@ -129,7 +129,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         let model = M::shard_module(&full, mesh.tp_group())
             .unwrap()
             .keep_layers(&ranges[stage]);
-        let model = drop_unused_ends(model, stage, pp);
+        let model = drop_unused_ends(model, stage, pp).unwrap();
         let pipe = Pipeline::new(mesh.pp_group()).unwrap();
         let micro = micro_batches(&x, &y, replica * rows, m);
         // Evaluation: the forwards only, no dropout.
@@ -223,7 +223,8 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
             peak, want_peak,
             "{tag}: stage {stage}: micro-batches held at once"
         );
-        let want_model = drop_unused_ends(want_full.clone().keep_layers(&layers[stage]), stage, pp);
+        let want_model =
+            drop_unused_ends(want_full.clone().keep_layers(&layers[stage]), stage, pp).unwrap();
         let want = values(&want_model);
         assert_eq!(got.len(), want.len(), "{tag}");
         if stage == pp - 1 {
@@ -329,7 +330,7 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
             let model = M::shard_module(&full, mesh.tp_group())
                 .unwrap()
                 .keep_layers(&layers);
-            let model = drop_unused_ends(model, stage, pp);
+            let model = drop_unused_ends(model, stage, pp).unwrap();
             let pipe = Pipeline::new(mesh.pp_group()).unwrap();
             let micro = micro_batches(&x, &y, replica * rows, m);
             let step = step.map(|s| s.with_batch(replica * rows, dp * rows));
@@ -477,6 +478,15 @@ fn a_failing_stage_or_mismatched_micro_batches_end_every_stage_with_an_error() {
             "stage {stage}: {e}"
         );
     }
+    // A stage that is not one of the pipeline's is an error naming both.
+    let e = drop_unused_ends(full.clone(), 3, 3)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("stage 3 of 3 stages"), "{e}");
+    let e = burn_tp::pipeline::stage_map(&full, 3, 4, 3)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("stage_map: stage 4 of 3 stages"), "{e}");
 }
 
 /// `train_gpt --pp` (the Llama with dropout 0.1, 4 blocks) gives the loss curve and held-out

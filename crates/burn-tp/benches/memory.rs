@@ -424,7 +424,7 @@ fn pipeline_memory(quick: bool) {
                     .flatten()
                     .collect();
                 let model = config.init_layers(&solo, &device, &held).unwrap();
-                let model = drop_unused_ends(model, stage, pp);
+                let model = drop_unused_ends(model, stage, pp).unwrap();
                 let pipe = Pipeline::new(&g).unwrap();
                 let ids = |i: usize| {
                     let v: Vec<i64> = (0..seq * micro)

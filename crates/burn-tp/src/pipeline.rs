@@ -200,12 +200,16 @@ pub fn stage_layers(
 /// under their own indices, the embedding (and the GPT's positions) written by the first stage,
 /// the final norm and the head by the last. Parameters the stage does not use
 /// ([`drop_unused_ends`]) are neither read nor written.
+///
+/// # Errors
+/// [`TpError::Config`] naming both if `stage >= stages`.
 pub fn stage_map<M: LanguageModel>(
     model: &M,
     n_layers: usize,
     stage: usize,
     stages: usize,
-) -> crate::checkpoint::StageMap {
+) -> Result<crate::checkpoint::StageMap> {
+    check_stage("stage_map", stage, stages)?;
     let [pre, per, post] = model.param_sections();
     let held = model.held_layers();
     let mut global = Vec::new();
@@ -219,12 +223,12 @@ pub fn stage_map<M: LanguageModel>(
     let after = pre + n_layers * per;
     global.extend(after..after + post);
     writes.extend(std::iter::repeat_n(stage + 1 == stages, post));
-    crate::checkpoint::StageMap {
+    Ok(crate::checkpoint::StageMap {
         global,
         writes,
         held: used_params(model, stage, stages),
         total: after + post,
-    }
+    })
 }
 
 /// Stage `stage`'s model (of `stages`) without the parameters the stage never uses: the
@@ -233,7 +237,11 @@ pub fn stage_map<M: LanguageModel>(
 /// empty (its first dimension 0) and frozen, so a middle stage holds its blocks only (Megatron's
 /// stages do not build them), and no optimizer state or gradient bucket waits for them.
 /// [`stage_map`] neither reads nor writes them. A model with one stage is returned as it is.
-pub fn drop_unused_ends<M: LanguageModel>(model: M, stage: usize, stages: usize) -> M {
+///
+/// # Errors
+/// [`TpError::Config`] naming both if `stage >= stages`.
+pub fn drop_unused_ends<M: LanguageModel>(model: M, stage: usize, stages: usize) -> Result<M> {
+    check_stage("drop_unused_ends", stage, stages)?;
     struct Emptier {
         used: Vec<bool>,
         slot: usize,
@@ -255,7 +263,17 @@ pub fn drop_unused_ends<M: LanguageModel>(model: M, stage: usize, stages: usize)
         }
     }
     let used = used_params(&model, stage, stages);
-    model.map(&mut Emptier { used, slot: 0 })
+    Ok(model.map(&mut Emptier { used, slot: 0 }))
+}
+
+/// `stage` of `stages` names a stage.
+fn check_stage(what: &str, stage: usize, stages: usize) -> Result<()> {
+    match stage < stages {
+        true => Ok(()),
+        false => Err(TpError::Config(format!(
+            "{what}: stage {stage} of {stages} stages (stages count from 0)"
+        ))),
+    }
 }
 
 /// Per parameter (visiting order): whether stage `stage` of `stages` uses it.

@@ -288,11 +288,11 @@ impl<M: Trainable> Rank<'_, M> {
         };
         // A stage keeps the embedding and the head only where it uses them.
         let fresh = match &self.pipe {
-            Some(pipe) => pipeline::drop_unused_ends(fresh, pipe.stage(), pipe.stages()),
+            Some(pipe) => pipeline::drop_unused_ends(fresh, pipe.stage(), pipe.stages())?,
             None => fresh,
         };
         if let Some(pipe) = &self.pipe {
-            let map = pipeline::stage_map(&fresh, n_layers, pipe.stage(), pipe.stages());
+            let map = pipeline::stage_map(&fresh, n_layers, pipe.stage(), pipe.stages())?;
             self.stage_map.set(map).expect("the model is built once");
         }
         let (model, first_step) = match &args.resume {
