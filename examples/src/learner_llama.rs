@@ -23,7 +23,7 @@ use clap::Parser;
 
 use crate::corpus::{self, Codec, Vocab};
 use crate::learner::{LmBatcher, LmLearner, PerplexityMetric, TokensPerSecond, Windows};
-pub use crate::train_gpt::Transport;
+pub use crate::train_gpt::{DeviceKind, Transport};
 
 /// `learner_llama`'s command line.
 #[derive(Parser, Debug, Clone)]
@@ -40,6 +40,10 @@ pub struct LearnerArgs {
     /// shows its replica's items), rank N's to `OUT/rank-N`; the checkpoints are shared.
     #[arg(long, value_enum, default_value_t = Transport::Threads)]
     pub transport: Transport,
+    /// Where the ranks compute: the CPU, or one GPU per process started by `burn-tp-launch`
+    /// over NCCL (feature `cuda`; rank N's Learner writes to `OUT/rank-N` as with MPI).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// The seed of the model's initial weights (every process draws the same).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -196,14 +200,31 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
             &checkpoints,
             KeepLastNCheckpoints::new(args.keep_checkpoints),
         );
-    // With MPI, this process is one rank (the runtime lives until the training ends).
-    let (strategy, rank, _mpi) = match args.transport {
-        Transport::Threads => (tensor_parallel.into_strategy(), 0, None),
-        Transport::Mpi => {
+    // With MPI or NCCL, this process is one rank (what its world needs lives until the
+    // training ends).
+    let (world, rank_device, _keep) = match (args.device, args.transport) {
+        (DeviceKind::Cpu, Transport::Threads) => (None, device.clone(), None),
+        (DeviceKind::Cpu, Transport::Mpi) => {
             let (world, runtime) = mpi_world(args)?;
+            let keep: Box<dyn std::any::Any> = Box::new(runtime);
+            (Some(world), device.clone(), Some(keep))
+        }
+        (DeviceKind::Cuda, Transport::Threads) => {
+            let (world, device, keep) = nccl_world(args)?;
+            (Some(world), device, Some(keep))
+        }
+        (DeviceKind::Cuda, Transport::Mpi) => {
+            return Err(
+                "--transport mpi runs CPU ranks; --device cuda ranks talk over NCCL".into(),
+            );
+        }
+    };
+    let (strategy, rank) = match world {
+        None => (tensor_parallel.into_strategy(), 0),
+        Some(world) => {
             let rank = world.rank();
-            let strategy = tensor_parallel.on_processes(world, device.clone());
-            (strategy.into_strategy(), rank, Some(runtime))
+            let strategy = tensor_parallel.on_processes(world, rank_device);
+            (strategy.into_strategy(), rank)
         }
     };
     let out = match rank {
@@ -283,6 +304,50 @@ fn mpi_world(
         ));
     }
     Ok((burn_tp::comm::ProcessGroup::from_mpi(&runtime), runtime))
+}
+
+/// This process's GPU and its NCCL world, under `burn-tp-launch` (one process per GPU), checked
+/// to hold `--tp x --dp` processes; and what must live while it trains (the launch's store).
+#[cfg(feature = "cuda")]
+fn nccl_world(
+    args: &LearnerArgs,
+) -> Result<(burn_tp::comm::ProcessGroup, Device, Box<dyn std::any::Any>), String> {
+    use burn_tp::comm::nccl::NcclGroup;
+    use burn_tp::comm::store::LaunchEnv;
+    let env = LaunchEnv::from_env().map_err(|e| {
+        format!("--device cuda runs one process per GPU: start it with burn-tp-launch ({e})")
+    })?;
+    if env.world_size != args.tp * args.dp {
+        return Err(format!(
+            "--device cuda: the launch has WORLD_SIZE {} but --tp {} x --dp {} = {}",
+            env.world_size,
+            args.tp,
+            args.dp,
+            args.tp * args.dp
+        ));
+    }
+    let probe = burn_tp::comm::nccl::probe().map_err(|e| e.to_string())?;
+    if let Some(problem) = probe.kernel_problem() {
+        return Err(format!("--device cuda: {problem}"));
+    }
+    let timeout = burn_tp::comm::LocalGroupOptions::default().timeout;
+    let (server, store) = env.rendezvous(timeout).map_err(|e| e.to_string())?;
+    let nccl = NcclGroup::new(&env, &store, timeout).map_err(|e| e.to_string())?;
+    let device = Device::cuda(env.local_rank);
+    device.seed(args.seed);
+    let keep: Box<dyn std::any::Any> = Box::new((server, store));
+    Ok((burn_tp::comm::ProcessGroup::from_nccl(nccl), device, keep))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_world(
+    _: &LearnerArgs,
+) -> Result<(burn_tp::comm::ProcessGroup, Device, Box<dyn std::any::Any>), String> {
+    Err(
+        "--device cuda needs the `cuda` feature: cargo build --release -p burn-tp-examples \
+         --features train,cuda --example learner_llama, then burn-tp-launch (see README)"
+            .into(),
+    )
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -389,6 +389,13 @@ fn learner_llama_runs_to_completion_and_resumes_at_another_tp() {
         e.contains("32 training sequences") && e.contains("--batch 64"),
         "{e}"
     );
+    let e = run(&args(&["--device", "cuda", "--transport", "mpi"])).unwrap_err();
+    assert!(e.contains("--transport mpi runs CPU ranks"), "{e}");
+    #[cfg(not(feature = "cuda"))]
+    {
+        let e = run(&args(&["--device", "cuda"])).unwrap_err();
+        assert!(e.contains("needs the `cuda` feature"), "{e}");
+    }
     std::fs::remove_dir_all(&out).ok();
 }
 
