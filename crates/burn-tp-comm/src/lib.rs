@@ -68,5 +68,5 @@ pub use group::ProcessGroup;
 pub use link::LinkModel;
 pub use local::{DEFAULT_TIMEOUT, LocalGroup, LocalGroupOptions};
 pub use op::{OpDesc, OpKind};
-pub use p2p::{RingLinks, Transfer};
+pub use p2p::{Neighbour, RingLinks, Transfer};
 pub use work::Work;

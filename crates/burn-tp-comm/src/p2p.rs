@@ -30,6 +30,15 @@ struct Link {
     peer: usize,
 }
 
+/// One of a rank's two neighbours in a ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Neighbour {
+    /// Rank `rank + 1` (the next stage: activations go there, gradients come from there).
+    Next,
+    /// Rank `rank - 1` (the previous stage).
+    Prev,
+}
+
 /// This rank's links to its two neighbours in a ring of ranks (pipeline stages), each direction
 /// its own.
 #[derive(Clone, Debug)]
@@ -202,5 +211,30 @@ impl RingLinks {
     /// As [`send_next`](Self::send_next).
     pub fn recv_next<T: CommElement + Default>(&self, len: usize) -> Result<Transfer<T>> {
         self.recv(3, len)
+    }
+
+    /// Starts sending `data` to neighbour `to` and receiving `len` elements from neighbour
+    /// `from` together: the paired transfer of Megatron's `send_forward_recv_backward` (1F1B's
+    /// steady state: this stage's activation out, the next stage's gradient in) and its
+    /// mirror images. Both are posted before either is waited on, so two neighbours exchanging
+    /// never wait on each other. Returns (the send, the receive).
+    ///
+    /// # Errors
+    /// As [`send_next`](Self::send_next); nothing is posted if the ring has one rank.
+    pub fn send_recv<T: CommElement + Default>(
+        &self,
+        (to, data): (Neighbour, Vec<T>),
+        (from, len): (Neighbour, usize),
+    ) -> Result<(Transfer<T>, Transfer<T>)> {
+        self.link(0)?;
+        let send = match to {
+            Neighbour::Next => self.send_next(data)?,
+            Neighbour::Prev => self.send_prev(data)?,
+        };
+        let recv = match from {
+            Neighbour::Next => self.recv_next(len)?,
+            Neighbour::Prev => self.recv_prev(len)?,
+        };
+        Ok((send, recv))
     }
 }

@@ -554,6 +554,34 @@ fn ring_transfers_reach_both_neighbours() {
     assert!(alone[0].contains("no neighbour"), "{}", alone[0]);
 }
 
+/// The paired transfer: at 2, 3 and 4 ranks each rank sends to its next neighbour and receives
+/// from it in one call (1F1B's steady state: an activation out, a gradient in; both posted
+/// before either is waited on, every rank at once), then the mirror image with the previous
+/// neighbour; each receives what its neighbour sent.
+#[test]
+fn paired_transfers_exchange_with_either_neighbour() {
+    use burn_tp_comm::Neighbour::{Next, Prev};
+    for world in 2..=4 {
+        let got = run_ok(world, move |pg| {
+            let links = pg.ring_links().unwrap();
+            let r = pg.rank() as f32;
+            // Activations forward, gradients back: from the next rank.
+            let (s1, from_next) = links.send_recv((Next, vec![r; 2]), (Next, 3)).unwrap();
+            // Gradients back, activations forward: from the previous rank.
+            let (s2, from_prev) = links.send_recv((Prev, vec![-r; 3]), (Prev, 2)).unwrap();
+            let out = (from_next.wait().unwrap(), from_prev.wait().unwrap());
+            s1.wait().unwrap();
+            s2.wait().unwrap();
+            out
+        });
+        for (r, (from_next, from_prev)) in got.into_iter().enumerate() {
+            let (p, n) = ((r + world - 1) % world, (r + 1) % world);
+            assert_eq!(from_next, vec![-(n as f32); 3], "world {world} rank {r}");
+            assert_eq!(from_prev, vec![p as f32; 2], "world {world} rank {r}");
+        }
+    }
+}
+
 /// A transfer that cannot complete fails on both sides, naming it: lengths that differ, a
 /// receiver that left, one that never comes (the timeout).
 #[test]

@@ -254,6 +254,23 @@ fn ops(pg: &ProcessGroup) {
     assert_eq!(r_next.wait().unwrap(), sent(next, rank));
     s_next.wait().unwrap();
     s_prev.wait().unwrap();
+    // The paired transfer (1F1B's steady state): out to the next rank and in from it.
+    let (s, r) = links
+        .send_recv(
+            (burn_tp_comm::Neighbour::Next, sent(rank, next)),
+            (burn_tp_comm::Neighbour::Next, 2),
+        )
+        .unwrap();
+    let (s2, r2) = links
+        .send_recv(
+            (burn_tp_comm::Neighbour::Prev, vec![rank as f32; 2]),
+            (burn_tp_comm::Neighbour::Prev, 3),
+        )
+        .unwrap();
+    assert_eq!(r.wait().unwrap(), vec![next as f32; 2]);
+    assert_eq!(r2.wait().unwrap(), sent(prev, rank));
+    s.wait().unwrap();
+    s2.wait().unwrap();
     pg.barrier().unwrap();
     println!("\nrank {rank} of {n}: ops ok");
 }
