@@ -23,6 +23,7 @@ use burn_train::metric::store::{Aggregate, Direction, Split};
 use burn_train::renderer::CliMetricsRenderer;
 use burn_train::{
     Learner, LearningResult, MetricEarlyStoppingStrategy, StoppingCondition, SupervisedTraining,
+    TrainingStrategy,
 };
 
 use crate::common::{assert_close, device, f64s, rng_lock};
@@ -111,6 +112,17 @@ fn launch(
     train: impl Dataset<Vec<i64>> + 'static,
     setup: impl FnOnce(Training) -> Training,
 ) -> LearningResult<LmLearner<Llama>> {
+    launch_with(full, strategy.into_strategy(), dir, train, setup)
+}
+
+/// [`launch`] with a training strategy made by the caller.
+fn launch_with(
+    full: &Llama,
+    strategy: TrainingStrategy<LmLearner<Llama>>,
+    dir: &Path,
+    train: impl Dataset<Vec<i64>> + 'static,
+    setup: impl FnOnce(Training) -> Training,
+) -> LearningResult<LmLearner<Llama>> {
     // Another text: memorizing the training text stops helping on it at some epoch.
     let other = (0..(SEQ * 6 + 1) as i64)
         .map(|i| (i * 5 + i * i % 7) % 23)
@@ -127,7 +139,7 @@ fn launch(
     )
     .metrics((LossMetric::new(),))
     .renderer(Box::new(CliMetricsRenderer::new()))
-    .with_training_strategy(strategy.into_strategy());
+    .with_training_strategy(strategy);
     setup(training).launch(Learner::new(
         LmLearner::new(full.clone()),
         AdamWConfig::new().init(),
@@ -307,7 +319,8 @@ impl Dataset<Vec<i64>> for Failing {
 }
 
 /// A rank that fails (its replica's loader errs, at tp 2 x dp 2) ends `fit` with the error in
-/// `LearningResult::error`, within the timeout, not a hang.
+/// `LearningResult::error`, within the timeout, not a hang; the strategy keeps its checkpointing
+/// strategy for a later `fit`.
 #[test]
 fn a_failing_rank_ends_the_learner_with_its_error() {
     let _rng = rng_lock();
@@ -338,6 +351,26 @@ fn a_failing_rank_ends_the_learner_with_its_error() {
     });
     let e = result.error.expect("tp 0 is an error").to_string();
     assert!(e.contains("tp (0)") && e.contains("dp (2)"), "{e}");
+    // The checkpointing strategy survives a failed fit: the same strategy, run again on a good
+    // loader, still saves.
+    let ckpt = dir.join("checkpoints");
+    let shared = std::sync::Arc::new(
+        TensorParallel::new(2, 1, || AdamWConfig::new().init())
+            .with_timeout(std::time::Duration::from_secs(20))
+            .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(3)),
+    );
+    let bad = Failing {
+        windows: Windows::new(text(), SEQ, SEQ),
+        bad: 3,
+    };
+    let custom = || TrainingStrategy::Custom(shared.clone());
+    let failed = launch_with(&full, custom(), &dir.join("a"), bad, |t| t.num_epochs(1));
+    assert!(failed.error.is_some());
+    let good = Windows::new(text(), SEQ, SEQ);
+    let again = launch_with(&full, custom(), &dir.join("b"), good, |t| t.num_epochs(1));
+    assert!(again.error.is_none(), "{:?}", again.error);
+    let saved = TensorParallel::checkpoint_dir(&ckpt, 1).join(checkpoint::INDEX);
+    assert!(saved.exists(), "{saved:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
