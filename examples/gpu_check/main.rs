@@ -902,10 +902,8 @@ fn llama_step(f: &mut Figures) -> Result<(), String> {
     ])
     .map_err(|e| e.to_string())?;
     let report = run(&args)?;
-    let vocab = 128.0; // about the corpus's characters, padded: a rounding of N here
-    let n = layers as f64 * (4.0 * (d * d) as f64 * 0.75 + 3.0 * (d * d_ff) as f64)
-        + 2.0 * vocab * d as f64;
-    let flops = 6.0 * n + 6.0 * (layers * seq * d) as f64;
+    // The vocabulary: about the corpus's characters, padded (a rounding of N here).
+    let (n, flops) = llama_flops(128, d, layers, seq, d_ff);
     let tokens = report.step_tokens_per_s;
     println!(
         "  {tokens:.0} tokens/s, {:.1} model TFLOP/s (N about {:.0}M)",
@@ -923,6 +921,15 @@ fn llama_step(f: &mut Figures) -> Result<(), String> {
     Ok(())
 }
 
+/// The check's Llama (8 kv heads of 16: k and v a quarter of q's width each): its parameters
+/// N and its training FLOPs per token (Megatron's count: 6 N plus the causal attention's
+/// 6 L s d).
+fn llama_flops(vocab: usize, d: usize, layers: usize, seq: usize, d_ff: usize) -> (f64, f64) {
+    let n = layers as f64 * (4.0 * (d * d) as f64 * 0.75 + 3.0 * (d * d_ff) as f64)
+        + 2.0 * vocab as f64 * d as f64;
+    (n, 6.0 * n + 6.0 * (layers * seq * d) as f64)
+}
+
 /// The Llama step at tp 2, ranks as threads sharing the GPU (the collectives through
 /// the host: what one GPU can show of tp), and at tp 1 by the same code, bf16: tokens/s and
 /// model TFLOP/s of each (`checks::llama_steps_on_threads`, 3 steps, the first a warm-up).
@@ -931,9 +938,7 @@ fn llama_step_tp2(f: &mut Figures) -> Result<(), String> {
     use burn_tp_examples::checks::llama_steps_on_threads;
     let (vocab, d, layers, seq, d_ff, batch) = (128usize, 2048usize, 8usize, 2048, 5632, 2);
     let config = LlamaConfig::new(vocab, seq, d, 16, 8, layers, d_ff);
-    let n = layers as f64 * (4.0 * (d * d) as f64 * 0.75 + 3.0 * (d * d_ff) as f64)
-        + 2.0 * vocab as f64 * d as f64;
-    let flops = 6.0 * n + 6.0 * (layers * seq * d) as f64;
+    let (_, flops) = llama_flops(vocab, d, layers, seq, d_ff);
     let device = Device::cuda(0);
     for tp in [1, 2] {
         let out = llama_steps_on_threads(&config, tp, &device, (batch, 3), FloatDType::BF16)?;

@@ -312,31 +312,11 @@ fn mpi_world(
 fn nccl_world(
     args: &LearnerArgs,
 ) -> Result<(burn_tp::comm::ProcessGroup, Device, Box<dyn std::any::Any>), String> {
-    use burn_tp::comm::nccl::NcclGroup;
-    use burn_tp::comm::store::LaunchEnv;
-    let env = LaunchEnv::from_env().map_err(|e| {
-        format!("--device cuda runs one process per GPU: start it with burn-tp-launch ({e})")
-    })?;
-    if env.world_size != args.tp * args.dp {
-        return Err(format!(
-            "--device cuda: the launch has WORLD_SIZE {} but --tp {} x --dp {} = {}",
-            env.world_size,
-            args.tp,
-            args.dp,
-            args.tp * args.dp
-        ));
-    }
-    let probe = burn_tp::comm::nccl::probe().map_err(|e| e.to_string())?;
-    if let Some(problem) = probe.kernel_problem() {
-        return Err(format!("--device cuda: {problem}"));
-    }
     let timeout = burn_tp::comm::LocalGroupOptions::default().timeout;
-    let (server, store) = env.rendezvous(timeout).map_err(|e| e.to_string())?;
-    let nccl = NcclGroup::new(&env, &store, timeout).map_err(|e| e.to_string())?;
-    let device = Device::cuda(env.local_rank);
+    let (world, local_rank, keep) = crate::train_gpt::nccl_world((args.tp, args.dp), timeout)?;
+    let device = Device::cuda(local_rank);
     device.seed(args.seed);
-    let keep: Box<dyn std::any::Any> = Box::new((server, store));
-    Ok((burn_tp::comm::ProcessGroup::from_nccl(nccl), device, keep))
+    Ok((world, device, keep))
 }
 
 #[cfg(not(feature = "cuda"))]

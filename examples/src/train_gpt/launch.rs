@@ -69,18 +69,33 @@ fn cuda_rank<M: Trainable>(
     data: &Data,
     checkpoint: &Path,
 ) -> Result<(usize, RankOut), String> {
+    let (world, local_rank, _keep) = nccl_world((args.tp, args.dp), group_timeout(args))?;
+    let rank = world.rank();
+    let device = Device::cuda(local_rank).autodiff();
+    device.seed(args.seed);
+    let out = train_rank::<M>(args, config, data, world, &device, checkpoint)
+        .map_err(|e| format!("rank {rank}: {e}"))?;
+    Ok((rank, out))
+}
+
+/// This process's NCCL world under `burn-tp-launch` (one process per GPU), checked to hold
+/// `tp x dp` processes and burn's kernels to be compilable; its GPU (`LOCAL_RANK`), and what
+/// must live while it trains (the launch's store). `train_gpt` and `learner_llama` share it.
+#[cfg(feature = "cuda")]
+pub(crate) fn nccl_world(
+    (tp, dp): (usize, usize),
+    timeout: std::time::Duration,
+) -> Result<(burn_tp::comm::ProcessGroup, usize, Box<dyn std::any::Any>), String> {
     use burn_tp::comm::nccl::NcclGroup;
     use burn_tp::comm::store::LaunchEnv;
     let env = LaunchEnv::from_env().map_err(|e| {
         format!("--device cuda runs one process per GPU: start it with burn-tp-launch ({e})")
     })?;
-    if env.world_size != args.tp * args.dp {
+    if env.world_size != tp * dp {
         return Err(format!(
-            "--device cuda: the launch has WORLD_SIZE {} but --tp {} x --dp {} = {}",
+            "--device cuda: the launch has WORLD_SIZE {} but --tp {tp} x --dp {dp} = {}",
             env.world_size,
-            args.tp,
-            args.dp,
-            args.tp * args.dp
+            tp * dp
         ));
     }
     // burn's kernels need NVRTC, no newer than the driver: say so now, not from deep in cubecl.
@@ -88,15 +103,14 @@ fn cuda_rank<M: Trainable>(
     if let Some(problem) = probe.kernel_problem() {
         return Err(format!("--device cuda: {problem}"));
     }
-    let timeout = group_timeout(args);
-    let (_server, store) = env.rendezvous(timeout).map_err(|e| e.to_string())?;
+    let (server, store) = env.rendezvous(timeout).map_err(|e| e.to_string())?;
     let nccl = NcclGroup::new(&env, &store, timeout).map_err(|e| e.to_string())?;
-    let world = burn_tp::comm::ProcessGroup::from_nccl(nccl);
-    let device = Device::cuda(env.local_rank).autodiff();
-    device.seed(args.seed);
-    let out = train_rank::<M>(args, config, data, world, &device, checkpoint)
-        .map_err(|e| format!("rank {}: {e}", env.rank))?;
-    Ok((env.rank, out))
+    let keep: Box<dyn std::any::Any> = Box::new((server, store));
+    Ok((
+        burn_tp::comm::ProcessGroup::from_nccl(nccl),
+        env.local_rank,
+        keep,
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -32,6 +32,8 @@ pub use train::Trainable;
 use crate::corpus::{self, Codec, TOKENIZER_FILE, Vocab};
 use crate::eval::Data;
 use launch::launch;
+#[cfg(feature = "cuda")]
+pub(crate) use launch::nccl_world;
 use train::RankOut;
 
 /// Seconds this rank spent on checkpoints (rank 0's are reported).
