@@ -4,25 +4,26 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::attention::DecodeCache;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
+use burn_tp::generate::{GenerateOptions, sample_token};
 use burn_tp::linear::TpMode;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::{all_reduce, gather_from_tp_region};
 use burn_tp::pipeline::{self, Pipeline, PipelineSchedule};
+use burn_tp::rng::{SplitMix64, splitmix64};
 
 use crate::train_gpt::Args;
 
-/// Batch `step` of the run: `[seq, batch]` ids and next-token targets, the same on every rank.
-pub(crate) fn batch(tokens: &[i64], args: &Args, step: usize) -> (Vec<i64>, Vec<i64>) {
+/// Batch `step` of the run: `[seq, batch]` ids and next-token targets (row-major, sequence
+/// first), the same on every rank. `tokens`: the training part of the text (its first nine
+/// tenths).
+pub fn batch(tokens: &[i64], args: &Args, step: usize) -> (Vec<i64>, Vec<i64>) {
     let span = tokens.len() - args.seq - 1;
     let mut ids = vec![0; args.seq * args.batch];
     let mut targets = ids.clone();
     for b in 0..args.batch {
-        // SplitMix64 of (seed, step, b): any rank computes any batch without shared state.
-        let mut z = args.seed ^ ((step as u64) << 20) ^ b as u64;
-        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        let start = ((z ^ (z >> 31)) % span as u64) as usize;
+        // A hash of (seed, step, b): any rank computes any batch without shared state.
+        let z = splitmix64(args.seed ^ ((step as u64) << 20) ^ b as u64);
+        let start = (z % span as u64) as usize;
         for s in 0..args.seq {
             ids[s * args.batch + b] = tokens[start + s];
             targets[s * args.batch + b] = tokens[start + s + 1];
@@ -92,7 +93,7 @@ pub(crate) fn generate<M: LanguageModel>(
     let device = &device.clone().without_autodiff();
     let window = args.seq;
     let mut context = data.held_out[..window].to_vec();
-    let mut uniform = draws(args.seed);
+    let mut rng = draws(args.seed);
     let mut cache = DecodeCache::default();
     let mut feed = context.clone();
     let mut out = Vec::with_capacity(args.sample_len);
@@ -105,7 +106,7 @@ pub(crate) fn generate<M: LanguageModel>(
         let s = feed.len();
         let ids = Tensor::<2, Int>::from_data(TensorData::new(feed.clone(), [s, 1]), device);
         let logits = model.logits_cached(ids, &mut cache)?.detach(); // [s, 1, vocab / tp]
-        let next = choose(logits, data, args, tp_group, &mut uniform)?;
+        let next = choose(logits, data, args, tp_group, &mut rng)?;
         context.push(next);
         feed = vec![next];
         out.push(next);
@@ -129,7 +130,7 @@ pub(crate) fn generate_pipelined<M: LanguageModel>(
     let device = &device.clone().without_autodiff();
     let window = args.seq;
     let mut context = data.held_out[..window].to_vec();
-    let mut uniform = draws(args.seed);
+    let mut rng = draws(args.seed);
     let mut start = 0;
     let mut out = Vec::with_capacity(args.sample_len);
     for _ in 0..args.sample_len {
@@ -141,7 +142,7 @@ pub(crate) fn generate_pipelined<M: LanguageModel>(
         let ids = Tensor::<2, Int>::from_data(TensorData::new(visible, [s, 1]), device);
         let logits = pipeline::forward_logits(&model, pipe, ids, schedule)?;
         let next = match logits {
-            Some(logits) => Some(choose(logits, data, args, tp_group, &mut uniform)? as f32),
+            Some(logits) => Some(choose(logits, data, args, tp_group, &mut rng)? as f32),
             None => None,
         };
         // Token ids are exact in f32 (a vocabulary under 2^24).
@@ -152,16 +153,9 @@ pub(crate) fn generate_pipelined<M: LanguageModel>(
     Ok(out)
 }
 
-/// SplitMix64 uniform draws in [0, 1) from `seed`: the same draws on every rank.
-fn draws(seed: u64) -> impl FnMut() -> f64 {
-    let mut state = seed ^ 0x5eed_5a3b_1e00_0000;
-    move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
+/// The sampling stream of `seed`: the same draws on every rank.
+fn draws(seed: u64) -> SplitMix64 {
+    SplitMix64::new(seed ^ 0x5eed_5a3b_1e00_0000)
 }
 
 /// The next token from `logits` (`[s, 1, vocab / tp]`, the last position's gathered over tp):
@@ -171,31 +165,17 @@ fn choose(
     data: &Data,
     args: &Args,
     tp_group: &ProcessGroup,
-    uniform: &mut impl FnMut() -> f64,
+    rng: &mut SplitMix64,
 ) -> Result<i64, Box<dyn std::error::Error>> {
     let [s, _, v] = logits.dims();
     let last = gather_from_tp_region(logits.slice([s - 1..s, 0..1, 0..v]), 2, tp_group)?;
     let logits: Vec<f32> = last.into_data().convert::<f32>().try_to_vec::<f32>()?;
-    // Only real characters (the padded vocabulary's extra ids are never drawn).
-    let logits = &logits[..data.vocab];
-    let next = if args.temperature == 0.0 {
-        (0..logits.len())
-            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
-            .unwrap_or(0)
-    } else {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let weights: Vec<f64> = logits
-            .iter()
-            .map(|&l| ((l as f64 - max) / args.temperature).exp())
-            .collect();
-        let mut u = uniform() * weights.iter().sum::<f64>();
-        weights
-            .iter()
-            .position(|&w| {
-                u -= w;
-                u <= 0.0
-            })
-            .unwrap_or(weights.len() - 1)
+    // Only real tokens (the padded vocabulary's extra ids are never drawn).
+    let logits: Vec<f64> = logits[..data.vocab].iter().map(|&l| f64::from(l)).collect();
+    let options = GenerateOptions {
+        temperature: args.temperature,
+        ..GenerateOptions::default()
     };
+    let next = sample_token(&logits, &options, rng);
     Ok(next as i64)
 }

@@ -56,25 +56,30 @@ pub struct LearnerArgs {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 64)]
     pub seq: usize,
-    /// Model width (without `--init-from`).
-    #[arg(long, default_value_t = 128)]
-    pub d_model: usize,
-    /// Attention heads.
-    #[arg(long, default_value_t = 4)]
-    pub heads: usize,
-    /// Key / value heads.
-    #[arg(long, default_value_t = 2)]
-    pub kv_heads: usize,
-    /// Blocks.
-    #[arg(long, default_value_t = 2)]
-    pub layers: usize,
+    /// Model width (default 128; with `--init-from` the model's own: an error).
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// Attention heads (default 4; with `--init-from` an error).
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Key / value heads (default 2; with `--init-from` an error).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Blocks (default 2; with `--init-from` an error).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Dropout of the attention probabilities and residual branches: default 0 from scratch;
+    /// with `--init-from` the model's config's, which this overrides.
+    #[arg(long)]
+    pub dropout: Option<f64>,
     /// Learning rate (AdamW).
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
     /// A text file to train on (default: the built-in corpus); its last tenth validates.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Start from this Hugging Face Llama-family folder (its config, weights and tokenizer).
+    /// Start from this Hugging Face Llama-family folder (its config, with its sizes and dropout,
+    /// its weights and tokenizer).
     #[arg(long)]
     pub init_from: Option<PathBuf>,
     /// At most this many training sequences per epoch (a short run).
@@ -147,6 +152,25 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
         ));
     }
     let settings = TpSettings::new().with_mode(TpMode::ReduceScatter);
+    let sizes = [
+        ("--d-model", args.d_model),
+        ("--heads", args.heads),
+        ("--kv-heads", args.kv_heads),
+        ("--layers", args.layers),
+    ];
+    if let (Some(dir), Some((flag, value))) = (
+        &args.init_from,
+        sizes.iter().find_map(|(f, v)| v.map(|v| (f, v))),
+    ) {
+        return Err(format!(
+            "{flag} {value} with --init-from {}: the model's sizes come from its config.json \
+             (drop {flag})",
+            dir.display()
+        ));
+    }
+    if let Some(p) = args.dropout.filter(|p| !(0.0..1.0).contains(p)) {
+        return Err(format!("--dropout must be in [0, 1) (got {p})"));
+    }
     let (config, init_from) = match &args.init_from {
         Some(dir) => {
             let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
@@ -159,21 +183,28 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
                     hf.vocab_size
                 ));
             }
-            (hf.llama_config(settings), Some(dir.as_path()))
+            let config = hf.llama_config(settings);
+            let config = match args.dropout {
+                Some(p) => config.with_dropout(p).with_attention_dropout(None),
+                None => config,
+            };
+            (config, Some(dir.as_path()))
         }
-        None => (
-            LlamaConfig::new(
+        None => {
+            let d_model = args.d_model.unwrap_or(128);
+            let config = LlamaConfig::new(
                 codec.len(),
                 args.seq,
-                args.d_model,
-                args.heads,
-                args.kv_heads,
-                args.layers,
-                (8 * args.d_model / 3).next_multiple_of(32),
+                d_model,
+                args.heads.unwrap_or(4),
+                args.kv_heads.unwrap_or(2),
+                args.layers.unwrap_or(2),
+                (8 * d_model / 3).next_multiple_of(32),
             )
-            .with_settings(settings),
-            None,
-        ),
+            .with_dropout(args.dropout.unwrap_or(0.0))
+            .with_settings(settings);
+            (config, None)
+        }
     };
     // Each rank builds its own shard (no rank holds the whole model); the Learner's model is
     // only a tiny placeholder of the same type.

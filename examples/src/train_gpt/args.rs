@@ -1,9 +1,10 @@
 //! The command line of `train_gpt`, its checks, and the configurations it describes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use burn::tensor::FloatDType;
 use burn_tp::gpt::GptConfig;
+use burn_tp::hf::HfConfig;
 use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
 use burn_tp::llama::LlamaConfig;
 use clap::{Parser, ValueEnum};
@@ -180,23 +181,25 @@ pub struct Args {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 64)]
     pub seq: usize,
-    /// Model width.
-    #[arg(long, default_value_t = 128)]
-    pub d_model: usize,
-    /// Attention heads.
-    #[arg(long, default_value_t = 4)]
-    pub heads: usize,
-    /// Transformer blocks.
-    #[arg(long, default_value_t = 2)]
-    pub layers: usize,
-    /// Llama: key / value heads (default: half the heads).
+    /// Model width (default 128; with `--init-from` the model's own: an error).
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// Attention heads (default 4; with `--init-from` the model's own: an error).
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Transformer blocks (default 2; with `--init-from` the model's own: an error).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Llama: key / value heads (default: half the heads; with `--init-from` an error).
     #[arg(long)]
     pub kv_heads: Option<usize>,
-    /// Llama: SwiGLU hidden width (default: 8/3 d_model rounded up to a multiple of 32).
+    /// Llama: SwiGLU hidden width (default: 8/3 d_model rounded up to a multiple of 32; with
+    /// `--init-from` an error).
     #[arg(long)]
     pub d_ff: Option<usize>,
-    /// Llama: dropout of the attention probabilities and residual branches (default 0.1); the
-    /// masks are the same at every tp.
+    /// Llama: dropout of the attention probabilities and residual branches; the masks are the
+    /// same at every tp. Default 0.1 from scratch; with `--init-from` the model's config's
+    /// (`attention_dropout`, Phi-3's `resid_pdrop`; 0 where absent), which this overrides.
     #[arg(long)]
     pub dropout: Option<f64>,
     /// AdamW learning rate.
@@ -221,8 +224,9 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub save_every: Option<usize>,
     /// Start the Llama from a Hugging Face model folder (LlamaForCausalLM, MistralForCausalLM,
-    /// Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM): its architecture and sizes come from
-    /// DIR's config.json (the size flags are not used), its weights from DIR's safetensors. The
+    /// Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM): its architecture, sizes and dropout
+    /// come from DIR's config.json (a size flag beside it is an error; `--dropout` overrides
+    /// the config's dropout), its weights from DIR's safetensors. The
     /// text is tokenized by DIR's `tokenizer.json` when it has one (which must fit in the model's
     /// vocabulary; `--export-hf` copies it); otherwise its characters are token ids 0..n (in
     /// sorted order), which must fit. Implies `--arch llama`.
@@ -269,10 +273,59 @@ pub struct Args {
     pub link_gb_s: f64,
 }
 
+/// The sizes a model from scratch takes when their flags are not given.
+const DEFAULT_D_MODEL: usize = 128;
+const DEFAULT_HEADS: usize = 4;
+const DEFAULT_LAYERS: usize = 2;
+/// The Llama's dropout from scratch when `--dropout` is not given.
+const DEFAULT_DROPOUT: f64 = 0.1;
+
+impl Args {
+    /// `--d-model`, or its default.
+    pub fn d_model(&self) -> usize {
+        self.d_model.unwrap_or(DEFAULT_D_MODEL)
+    }
+
+    /// `--heads`, or its default.
+    pub fn heads(&self) -> usize {
+        self.heads.unwrap_or(DEFAULT_HEADS)
+    }
+
+    /// `--layers`, or its default.
+    pub fn layers(&self) -> usize {
+        self.layers.unwrap_or(DEFAULT_LAYERS)
+    }
+
+    /// `--kv-heads`, or half the heads.
+    fn kv_heads(&self) -> usize {
+        self.kv_heads.unwrap_or((self.heads() / 2).max(1))
+    }
+
+    /// The size flags given, as `(flag, value)`: the ones `--init-from` refuses.
+    pub(crate) fn size_flags(&self) -> Vec<(&'static str, usize)> {
+        [
+            ("--d-model", self.d_model),
+            ("--heads", self.heads),
+            ("--layers", self.layers),
+            ("--kv-heads", self.kv_heads),
+            ("--d-ff", self.d_ff),
+        ]
+        .into_iter()
+        .filter_map(|(flag, v)| v.map(|v| (flag, v)))
+        .collect()
+    }
+}
+
 /// The model configuration the arguments describe.
 pub fn model_config(args: &Args, n_vocab: usize) -> GptConfig {
-    GptConfig::new(n_vocab, args.seq, args.d_model, args.heads, args.layers)
-        .with_settings(settings(args))
+    GptConfig::new(
+        n_vocab,
+        args.seq,
+        args.d_model(),
+        args.heads(),
+        args.layers(),
+    )
+    .with_settings(settings(args))
 }
 
 /// The tensor-parallel settings the arguments describe (both architectures).
@@ -303,29 +356,41 @@ fn schedule(args: &Args) -> OverlapSchedule {
 pub fn llama_config(args: &Args, n_vocab: usize) -> LlamaConfig {
     let d_ff = args
         .d_ff
-        .unwrap_or_else(|| (8 * args.d_model / 3).next_multiple_of(32));
+        .unwrap_or_else(|| (8 * args.d_model() / 3).next_multiple_of(32));
     LlamaConfig::new(
         n_vocab,
         args.seq,
-        args.d_model,
-        args.heads,
-        args.kv_heads.unwrap_or((args.heads / 2).max(1)),
-        args.layers,
+        args.d_model(),
+        args.heads(),
+        args.kv_heads(),
+        args.layers(),
         d_ff,
     )
-    .with_dropout(args.dropout.unwrap_or(0.1))
+    .with_dropout(args.dropout.unwrap_or(DEFAULT_DROPOUT))
     .with_dropout_seed(args.seed)
     .with_settings(settings(args))
 }
 
-/// A one-line description of the run, for the plot's title.
+/// The Llama of an imported model's configuration `hf` (`--init-from`): its sizes and dropout
+/// the config's, `--dropout` (when given) replacing both of its dropout rates.
+pub fn imported_llama_config(args: &Args, hf: &HfConfig) -> LlamaConfig {
+    let config = hf.llama_config(settings(args)).with_dropout_seed(args.seed);
+    match args.dropout {
+        Some(p) => config.with_dropout(p).with_attention_dropout(None),
+        None => config,
+    }
+}
+
+/// A one-line description of the run, for the banner and the plot's title: with `--init-from`,
+/// the imported model's own architecture, sizes and dropout, and the folder it came from.
 pub fn describe(args: &Args) -> String {
-    let arch = match args.arch {
-        Arch::Gpt => "tiny GPT".to_string(),
-        Arch::Llama => format!(
+    let arch = match (&args.init_from, args.arch) {
+        (Some(dir), _) => describe_imported(args, dir),
+        (None, Arch::Gpt) => "tiny GPT".to_string(),
+        (None, Arch::Llama) => format!(
             "Llama (kv heads {}, dropout {})",
-            args.kv_heads.unwrap_or((args.heads / 2).max(1)),
-            args.dropout.unwrap_or(0.1)
+            args.kv_heads(),
+            args.dropout.unwrap_or(DEFAULT_DROPOUT)
         ),
     };
     let pp = match args.pp {
@@ -345,6 +410,51 @@ pub fn describe(args: &Args) -> String {
         args.dtype.dtype(),
         args.steps
     )
+}
+
+/// The model of `--init-from DIR` as it will train: architecture, layers, width, heads / kv
+/// heads, d_ff, vocabulary, dropout (and where it comes from), the weights' dtype, the folder.
+fn describe_imported(args: &Args, dir: &Path) -> String {
+    let hf = match HfConfig::from_dir(dir) {
+        Ok(hf) => hf,
+        Err(e) => return format!("the model of {}: {e}", dir.display()),
+    };
+    let c = imported_llama_config(args, &hf);
+    let attention = c.attention_dropout.unwrap_or(c.dropout);
+    let dropout = match args.dropout {
+        Some(p) => format!(
+            "dropout {p} (--dropout, over the config's attention {} / residual {})",
+            hf.attention_dropout, hf.residual_dropout
+        ),
+        None if attention == c.dropout => format!("dropout {attention} (its config)"),
+        None => format!(
+            "dropout: attention {attention}, residual {} (its config)",
+            c.dropout
+        ),
+    };
+    let weights = weights_dtype(dir).map_or(String::new(), |d| format!(", {d} weights"));
+    format!(
+        "{} from {}: {} layers, d {}, {} heads / {} kv heads of {}, d_ff {}, vocabulary {}, \
+         {dropout}{weights}",
+        hf.architecture.names().0,
+        dir.display(),
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        hf.head_size(),
+        hf.intermediate_size,
+        hf.vocab_size,
+    )
+}
+
+/// The dtype config.json says the weights are stored in (`dtype`, or the older `torch_dtype`).
+fn weights_dtype(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    ["dtype", "torch_dtype"]
+        .iter()
+        .find_map(|k| v.get(*k)?.as_str().map(str::to_string))
 }
 
 /// Which path the parallel layers take in this run: whether their overlap schedules run block
@@ -416,7 +526,7 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         ));
     }
     if args.pp > 1 {
-        let layers = args.layers;
+        let layers = args.layers();
         let v = match args.pp_schedule {
             PpSchedule::Interleaved => args.virtual_stages,
             _ => 1,
@@ -471,6 +581,13 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
                     models: use --arch llama"
                 .into(),
         );
+    }
+    if let (Some(dir), Some((flag, value))) = (&args.init_from, args.size_flags().first()) {
+        return Err(format!(
+            "{flag} {value} with --init-from {}: the model's sizes come from its config.json \
+             (drop {flag})",
+            dir.display()
+        ));
     }
     if args.recompute_layers && (args.overlap_grad_reduce || args.distributed_optimizer) {
         return Err(

@@ -26,6 +26,7 @@ use burn_tp::gpt::Gpt;
 use burn_tp::hf::HfConfig;
 use burn_tp::llama::Llama;
 
+pub use crate::eval::batch;
 pub use args::*;
 pub use train::Trainable;
 
@@ -153,9 +154,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
                             hf.vocab_size
                         ));
                     }
-                    hf.llama_config(settings(args))
-                        .with_dropout(args.dropout.unwrap_or(0.1))
-                        .with_dropout_seed(args.seed)
+                    imported_llama_config(args, &hf)
                 }
                 None => llama_config(args, codec.len()),
             };

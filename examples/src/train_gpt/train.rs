@@ -14,11 +14,11 @@ use burn_tp::gpt::Gpt;
 use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
+use burn_tp::norm::ReplicatedGrads;
 use burn_tp::ops::all_reduce;
 use burn_tp::pipeline::{self, MicroBatch, Pipeline, PipelineSchedule, chunk_layers};
 use burn_tp::precision::{cast_grads, cast_params};
 use burn_tp::recompute;
-use burn_tp::transformer::ReplicatedGrads;
 
 use super::{Args, CheckpointTimes, PpSchedule};
 use crate::eval::{

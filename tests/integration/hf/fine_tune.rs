@@ -235,3 +235,134 @@ fn train_gpt_fine_tunes_through_the_model_tokenizer() {
     );
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// Issue 51: `train_gpt --init-from` trains the model as its config describes it, not with the
+/// from-scratch defaults. A Qwen2 whose config has no dropout trains without any: its first
+/// training loss is the loss of the same batch through the evaluation path (the imported model
+/// at tp 1, no dropout). `--dropout 0.2` is applied (the first loss moves) and the banner says it
+/// came from the flag; a size flag beside `--init-from` is an error naming it (the Learner's
+/// too); the banner names the imported model (its kv heads, width, vocabulary, dropout, dtype,
+/// folder), not the command line's defaults.
+#[test]
+fn train_gpt_fine_tunes_with_the_imported_models_settings() {
+    use burn_tp_examples::corpus::{Codec, Vocab};
+    use burn_tp_examples::train_gpt::{Args, batch, describe, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let root = std::env::temp_dir().join(format!("burn-tp-settings-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let text = "hello tensor parallel world. ".repeat(40);
+    let data = root.join("text.txt");
+    std::fs::write(&data, &text).unwrap();
+    let qwen = fixture("qwen2_bias");
+    let args = |model: &Path, extra: &[&str], out: &str| {
+        let mut argv: Vec<String> = [
+            "train_gpt",
+            "--quiet",
+            "--tp",
+            "2",
+            "--batch",
+            "4",
+            "--seq",
+            "8",
+            "--steps",
+            "1",
+            "--sample-len",
+            "0",
+            "--data",
+            data.to_str().unwrap(),
+            "--init-from",
+            model.to_str().unwrap(),
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        argv.extend(extra.iter().map(|s| s.to_string()));
+        argv.extend(["--out".into(), root.join(out).to_str().unwrap().into()]);
+        Args::try_parse_from(argv).unwrap()
+    };
+
+    // Step 0's batch through the evaluation path: the imported model at tp 1, off autodiff.
+    let plain = args(&qwen, &[], "plain");
+    let tokens = Codec::Chars(Vocab::new(&text))
+        .encode(&text, false)
+        .unwrap();
+    let (ids, targets) = batch(&tokens[..tokens.len() * 9 / 10], &plain, 0);
+    let (seq, rows) = (plain.seq, plain.batch);
+    let dir = qwen.clone();
+    let eval_loss = run_local(1, move |g| {
+        let device = device().without_autodiff();
+        let (model, _) = init_llama(&dir, TpSettings::new(), &g, &device).unwrap();
+        let to =
+            |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [seq, rows]), &device);
+        let loss = model.loss(to(ids.clone()), to(targets.clone()));
+        loss.into_scalar::<f32>() as f64
+    })
+    .unwrap()
+    .remove(0);
+
+    let tuned = run(&plain).unwrap();
+    assert_close(
+        &[tuned.losses[0]],
+        &[eval_loss],
+        1e-5,
+        "no dropout in the config: the first training loss is the evaluation loss of its batch",
+    );
+    let banner = describe(&plain);
+    for part in [
+        "Qwen2ForCausalLM from ",
+        qwen.to_str().unwrap(),
+        "2 layers, d 32, 4 heads / 2 kv heads of 8, d_ff 48, vocabulary 53",
+        "dropout 0 (its config)",
+        "bfloat16 weights",
+    ] {
+        assert!(banner.contains(part), "{part:?} in the banner: {banner}");
+    }
+    // One kv head, where the command line's default would be 2.
+    let gqa = describe(&args(&fixture("llama_gqa"), &[], "gqa"));
+    assert!(gqa.contains("4 heads / 1 kv heads"), "{gqa}");
+
+    // --dropout overrides the config's, and says so.
+    let dropped = args(&qwen, &["--dropout", "0.2"], "dropped");
+    let banner = describe(&dropped);
+    assert!(
+        banner.contains("dropout 0.2 (--dropout, over the config's attention 0 / residual 0)"),
+        "{banner}"
+    );
+    let with_dropout = run(&dropped).unwrap();
+    assert!(
+        (with_dropout.losses[0] - eval_loss).abs() > 1e-3,
+        "--dropout 0.2 is applied: {} vs the evaluation loss {eval_loss}",
+        with_dropout.losses[0]
+    );
+
+    // A size flag beside --init-from is an error naming it.
+    for (flag, value) in [
+        ("--d-model", "64"),
+        ("--heads", "8"),
+        ("--layers", "3"),
+        ("--kv-heads", "1"),
+        ("--d-ff", "96"),
+    ] {
+        let e = run(&args(&qwen, &[flag, value], "sized")).unwrap_err();
+        assert!(
+            e.contains(&format!("{flag} {value} with --init-from")) && e.contains("config.json"),
+            "{e}"
+        );
+    }
+    use burn_tp_examples::learner_llama::{LearnerArgs, run as learner};
+    let learner_out = root.join("learner");
+    let argv = [
+        "learner_llama",
+        "--init-from",
+        qwen.to_str().unwrap(),
+        "--heads",
+        "8",
+        "--out",
+        learner_out.to_str().unwrap(),
+    ];
+    let e = learner(&LearnerArgs::try_parse_from(argv).unwrap()).unwrap_err();
+    assert!(e.contains("--heads 8 with --init-from"), "{e}");
+    std::fs::remove_dir_all(&root).unwrap();
+}

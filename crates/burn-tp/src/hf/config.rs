@@ -84,6 +84,12 @@ pub struct HfConfig {
     pub qk_norm: bool,
     /// The sliding window of every layer (`sliding_window` where in use), if below the context.
     pub sliding_window: Option<usize>,
+    /// `attention_dropout` (every family; 0 when absent): dropout of the attention
+    /// probabilities while training.
+    pub attention_dropout: f64,
+    /// Dropout of each residual branch while training: Phi-3's `resid_pdrop`, else
+    /// `hidden_dropout` where a config has it, else 0 (Llama, Mistral and Qwen have none).
+    pub residual_dropout: f64,
 }
 
 impl HfConfig {
@@ -213,6 +219,21 @@ impl HfConfig {
             }
         }
         let attention_bias = bool_field("attention_bias");
+        let dropout = |names: &[&str]| -> Result<f64> {
+            let Some(name) = names
+                .iter()
+                .find(|n| v.get(**n).is_some_and(|x| !x.is_null()))
+            else {
+                return Ok(0.0);
+            };
+            let p = f64_field(name, 0.0)?;
+            if !(0.0..1.0).contains(&p) {
+                return Err(hf_err(path, format!("`{name}` must be in [0, 1), got {p}")));
+            }
+            Ok(p)
+        };
+        let attention_dropout = dropout(&["attention_dropout"])?;
+        let residual_dropout = dropout(&["resid_pdrop", "hidden_dropout"])?;
         Ok(Self {
             architecture,
             vocab_size: usize_field("vocab_size")?,
@@ -234,6 +255,8 @@ impl HfConfig {
             out_bias: attention_bias,
             qk_norm: architecture == HfArchitecture::Qwen3,
             sliding_window,
+            attention_dropout,
+            residual_dropout,
         })
     }
 
@@ -268,10 +291,13 @@ impl HfConfig {
             out_bias: c.out_bias,
             qk_norm: c.qk_norm,
             sliding_window: c.sliding_window,
+            attention_dropout: c.attention_dropout.unwrap_or(c.dropout),
+            residual_dropout: c.dropout,
         }
     }
 
-    /// The burn-tp Llama of this configuration.
+    /// The burn-tp Llama of this configuration, its dropout the config's own
+    /// ([`attention_dropout`](Self::attention_dropout), [`residual_dropout`](Self::residual_dropout)).
     pub fn llama_config(&self, settings: TpSettings) -> LlamaConfig {
         LlamaConfig::new(
             self.vocab_size,
@@ -291,6 +317,8 @@ impl HfConfig {
         .with_out_bias(self.out_bias)
         .with_qk_norm(self.qk_norm)
         .with_sliding_window(self.sliding_window)
+        .with_dropout(self.residual_dropout)
+        .with_attention_dropout(Some(self.attention_dropout))
         .with_settings(settings)
     }
 }

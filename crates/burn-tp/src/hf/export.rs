@@ -168,6 +168,7 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
         "tie_word_embeddings": config.tie_word_embeddings,
         "hidden_act": "silu",
         "torch_dtype": dtype_name,
+        "attention_dropout": config.attention_dropout,
     });
     // Always: Qwen3's default (128) is not hidden_size / num_attention_heads.
     json["head_dim"] = serde_json::json!(config.head_size());
@@ -196,6 +197,9 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
             json["sliding_window"] = window;
             // Phi3Config's default pad id (32000) would be past a smaller vocabulary.
             json["pad_token_id"] = serde_json::Value::Null;
+            if config.architecture == HfArchitecture::Phi3 {
+                json["resid_pdrop"] = serde_json::json!(config.residual_dropout);
+            }
         }
         HfArchitecture::Llama => json["attention_bias"] = serde_json::json!(config.out_bias),
     }

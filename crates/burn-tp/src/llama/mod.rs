@@ -11,15 +11,13 @@
 //! |----------------|------------------------------------------------------------------|
 //! | `mod.rs`       | [`LlamaConfig`], [`Llama`], [`LlamaBlock`]                       |
 //! | `mlp.rs`       | [`ParallelSwiGlu`]: fused gate / up, down                        |
-//! | `norm.rs`      | [`TpRmsNorm`]: replicated weight                                 |
 //!
 //! Dropout (both models' attention, this one's residuals) is [`crate::dropout`].
 
 mod mlp;
-mod norm;
 
+use crate::norm::TpRmsNorm;
 pub use mlp::{ParallelSwiGlu, ParallelSwiGluConfig};
-pub use norm::TpRmsNorm;
 
 use burn::config::Config;
 use burn::module::Module;
@@ -65,9 +63,14 @@ pub struct LlamaConfig {
     /// RMSNorm epsilon.
     #[config(default = 1e-5)]
     pub norm_eps: f64,
-    /// Dropout of the attention probabilities and of each residual branch (0: none).
+    /// Dropout of each residual branch, and of the attention probabilities unless
+    /// `attention_dropout` says otherwise (0: none).
     #[config(default = 0.0)]
     pub dropout: f64,
+    /// Dropout of the attention probabilities where it differs from `dropout` (a Hugging Face
+    /// config's `attention_dropout`; those models have no residual dropout); `None`: `dropout`.
+    #[config(default = "None")]
+    pub attention_dropout: Option<f64>,
     /// Seed of the dropout masks.
     #[config(default = 0)]
     pub dropout_seed: u64,
@@ -203,11 +206,15 @@ impl LlamaConfig {
         let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
         // at once instead of leaving its peers waiting.
-        if !(0.0..1.0).contains(&self.dropout) {
-            return Err(TpError::Config(format!(
-                "Llama: dropout must be in [0, 1), got {}",
-                self.dropout
-            )));
+        for (name, p) in [
+            ("dropout", Some(self.dropout)),
+            ("attention_dropout", self.attention_dropout),
+        ] {
+            if let Some(p) = p.filter(|p| !(0.0..1.0).contains(p)) {
+                return Err(TpError::Config(format!(
+                    "Llama: {name} must be in [0, 1), got {p}"
+                )));
+            }
         }
         let tp = group.world_size();
         let attn = ParallelAttentionConfig::new(d, self.n_heads)
@@ -216,7 +223,7 @@ impl LlamaConfig {
             .with_rope_theta(Some(self.rope_theta))
             .with_rope_scaling(self.rope_scaling)
             .with_max_seq(self.max_seq)
-            .with_dropout(self.dropout)
+            .with_dropout(self.attention_dropout.unwrap_or(self.dropout))
             .with_qkv_bias(self.qkv_bias)
             .with_out_bias(self.out_bias)
             .with_qk_norm(self.qk_norm.then_some(self.norm_eps))
