@@ -368,62 +368,101 @@ fn ids(values: Vec<i64>, s: usize, b: usize) -> Tensor<2, Int> {
     Tensor::from_data(TensorData::new(values, [s, b]), &device())
 }
 
-/// The GPT and the Llama (dropout on, grouped-query) at sequences of several blocks (260
-/// positions: a full block of 256 and a part), tp 1 and 2, both modes: the fused attention gives the
-/// materialized path's loss and gradients.
+/// The GPT and the Llama (dropout on, grouped-query) at sequences of several tiles (260
+/// positions: a full tile of 256 and a part; and 14 positions in tiles of 4, so the last rows'
+/// online softmax rescales its running sums up to three times), tp 1 and 2, both modes, in f32
+/// (the CPU kernel): the fused attention gives the materialized path's loss and gradients.
 #[test]
 fn the_models_fused_equal_the_materialized_path_over_several_blocks() {
     let _rng = rng_lock();
-    let (s, b, v) = (260usize, 1usize, 13usize);
-    let x = crate::common::token_ids(s * b, v, 7, 3);
-    let y = crate::common::token_ids(s * b, v, 5, 1);
-    for llama in [false, true] {
-        for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
-            for tp in [1usize, 2] {
-                let run = |fused: bool| {
-                    device().seed(31);
-                    let (x, y) = (x.clone(), y.clone());
-                    run_local(tp, move |g| {
-                        let settings = TpSettings::new()
-                            .with_mode(mode)
-                            .with_fused_attention(fused);
-                        let (loss, grads) = if llama {
-                            let model = LlamaConfig::new(v, s, 16, 4, 2, 1, 16)
-                                .with_dropout(0.2)
-                                .with_settings(settings)
-                                .init(&g, &device())
-                                .unwrap();
-                            let step = Some(DropoutStep::new(2));
-                            let loss = model
-                                .try_loss(ids(x.clone(), s, b), ids(y.clone(), s, b), None, step)
-                                .unwrap()
-                                .mean;
-                            let grads = loss.backward();
-                            let full = full_grads(&model, &grads);
-                            (f64s(loss), crate::common::param_values(&full))
-                        } else {
-                            let model = GptConfig::new(v, s, 16, 4, 1)
-                                .with_settings(settings)
-                                .init(&g, &device())
-                                .unwrap();
-                            let loss = model.loss(ids(x.clone(), s, b), ids(y.clone(), s, b));
-                            let grads = loss.backward();
-                            let full = full_grads(&model, &grads);
-                            (f64s(loss), crate::common::param_values(&full))
-                        };
-                        (loss, grads)
-                    })
-                    .unwrap()
-                    .remove(0)
-                };
-                let (loss, grads) = run(true);
-                let (want_loss, want_grads) = run(false);
-                let tag = format!("llama {llama} {mode:?} tp {tp}");
-                assert_close(&loss, &want_loss, 1e-5, &format!("{tag}: loss"));
-                for (i, (g, w)) in grads.iter().zip(&want_grads).enumerate() {
-                    assert_close(g, w, 1e-4, &format!("{tag}: gradient {i}"));
+    for (s, tile) in [(260usize, 256usize), (14, 4)] {
+        let (b, v) = (1usize, 13usize);
+        let x = crate::common::token_ids(s * b, v, 7, 3);
+        let y = crate::common::token_ids(s * b, v, 5, 1);
+        for llama in [false, true] {
+            for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+                for tp in [1usize, 2] {
+                    let run = |fused: bool| {
+                        device().seed(31);
+                        let (x, y) = (x.clone(), y.clone());
+                        run_local(tp, move |g| {
+                            let settings = TpSettings::new()
+                                .with_mode(mode)
+                                .with_fused_attention(fused)
+                                .with_attention_tile(tile);
+                            let (loss, grads) = if llama {
+                                let model = LlamaConfig::new(v, s, 16, 4, 2, 1, 16)
+                                    .with_dropout(0.2)
+                                    .with_settings(settings)
+                                    .init(&g, &device())
+                                    .unwrap();
+                                let step = Some(DropoutStep::new(2));
+                                let loss = model
+                                    .try_loss(
+                                        ids(x.clone(), s, b),
+                                        ids(y.clone(), s, b),
+                                        None,
+                                        step,
+                                    )
+                                    .unwrap()
+                                    .mean;
+                                let grads = loss.backward();
+                                let full = full_grads(&model, &grads);
+                                (f64s(loss), crate::common::param_values(&full))
+                            } else {
+                                let model = GptConfig::new(v, s, 16, 4, 1)
+                                    .with_settings(settings)
+                                    .init(&g, &device())
+                                    .unwrap();
+                                let loss = model.loss(ids(x.clone(), s, b), ids(y.clone(), s, b));
+                                let grads = loss.backward();
+                                let full = full_grads(&model, &grads);
+                                (f64s(loss), crate::common::param_values(&full))
+                            };
+                            (loss, grads)
+                        })
+                        .unwrap()
+                        .remove(0)
+                    };
+                    let (loss, grads) = run(true);
+                    let (want_loss, want_grads) = run(false);
+                    let tag = format!("s {s} tile {tile} llama {llama} {mode:?} tp {tp}");
+                    assert_close(&loss, &want_loss, 1e-5, &format!("{tag}: loss"));
+                    for (i, (g, w)) in grads.iter().zip(&want_grads).enumerate() {
+                        assert_close(g, w, 1e-4, &format!("{tag}: gradient {i}"));
+                    }
                 }
             }
         }
     }
+}
+
+/// `Llama3RopeScaling::apply` against transformers' `_compute_llama3_parameters`, worked by hand
+/// at Llama 3.1's settings (factor 8, low / high frequency factors 1 / 4, original context
+/// 8192: wavelengths below 2048 kept, above 8192 divided by 8, between them blended): a
+/// wavelength of 2 pi (kept), 16384 (divided), 4096 (smooth 1/3: 5/12 of it), and the two edges
+/// 2048 (smooth 1: kept) and 8192 (smooth 0: divided), where the blend meets each branch.
+#[test]
+fn llama3_rope_scaling_scales_each_band_as_transformers() {
+    use burn_tp::attention::Llama3RopeScaling;
+    let scaling = Llama3RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let tau = 2.0 * std::f64::consts::PI;
+    let cases = [
+        (1.0, 1.0),
+        (tau / 16384.0, tau / 16384.0 / 8.0),
+        (tau / 4096.0, tau / 4096.0 * 5.0 / 12.0),
+        (tau / 2048.0, tau / 2048.0),
+        (tau / 8192.0, tau / 8192.0 / 8.0),
+    ];
+    let freqs: Vec<f32> = cases.iter().map(|c| c.0 as f32).collect();
+    let n = freqs.len();
+    let device = burn::tensor::Device::flex();
+    let got = scaling.apply(Tensor::<1>::from_data(TensorData::new(freqs, [n]), &device));
+    let want: Vec<f64> = cases.iter().map(|c| c.1).collect();
+    assert_close(&f64s(got), &want, 1e-6, "llama3-scaled inverse frequencies");
 }

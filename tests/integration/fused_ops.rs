@@ -10,10 +10,10 @@ use burn::nn::RmsNormConfig;
 use burn::tensor::{DType, Tensor};
 use burn_tp::comm::ProcessGroup;
 use burn_tp::linear::TpMode;
-use burn_tp::llama::TpRmsNorm;
 use burn_tp::local::run_local;
+use burn_tp::norm::TpLayerNorm;
+use burn_tp::norm::TpRmsNorm;
 use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
-use burn_tp::transformer::TpLayerNorm;
 
 use crate::common::{assert_close, f64s, rng_lock, tensor, uniform};
 

@@ -115,7 +115,7 @@ fn coalesced_replicated_gradients_equal_the_per_use_all_reduces() {
     use burn::optim::GradientsParams;
     use burn_tp::comm::LocalGroupOptions;
     use burn_tp::local::run_ranks;
-    use burn_tp::transformer::ReplicatedGrads;
+    use burn_tp::norm::ReplicatedGrads;
     let _rng = rng_lock();
     for tp in [2usize, 4] {
         device().seed(11);

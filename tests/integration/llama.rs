@@ -310,8 +310,14 @@ fn llama_equals_a_burn_nn_reference_at_every_tp_mode_and_kv_heads() {
                     let (ids, targets, mask) = (ids.clone(), targets.clone(), mask.clone());
                     let out = path
                         .run(tp, move |g| {
+                            // Tiles of 4 over the 8 positions: the CPU kernel's online
+                            // softmax rescales across tiles.
+                            let settings = TpSettings::new()
+                                .with_mode(mode)
+                                .with_schedule(path.schedule())
+                                .with_attention_tile(4);
                             let model = config(n_kv, mode, dropout, tied)
-                                .with_settings(TpSettings::new().with_schedule(path.schedule()))
+                                .with_settings(settings)
                                 .init(&g, &device())
                                 .unwrap();
                             let step = dropout.then_some(DropoutStep::new(3));

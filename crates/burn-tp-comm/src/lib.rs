@@ -45,6 +45,8 @@
 mod buffer;
 mod collectives;
 mod communicator;
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+mod descriptor;
 mod element;
 mod error;
 mod group;

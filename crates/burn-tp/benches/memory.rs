@@ -32,14 +32,15 @@ use burn_tp::comm::{LocalGroup, ProcessGroup};
 use burn_tp::dropout::{DropoutKey, DropoutStep};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{TpMode, TpSettings};
-use burn_tp::llama::{Llama, LlamaConfig, ParallelSwiGluConfig, TpRmsNorm};
+use burn_tp::llama::{Llama, LlamaConfig, ParallelSwiGluConfig};
 use burn_tp::local::{RunOptions, run_ranks_with};
 use burn_tp::model::LanguageModel;
+use burn_tp::norm::{TpLayerNorm, TpRmsNorm};
 use burn_tp::pipeline::{
     Pipeline, PipelineSchedule, chunk_layers, drop_unused_ends, loss_and_grads,
 };
 use burn_tp::precision::cast_params;
-use burn_tp::transformer::{ParallelMlpConfig, TpLayerNorm};
+use burn_tp::transformer::ParallelMlpConfig;
 
 /// Bytes the process holds (all threads).
 static LIVE: AtomicI64 = AtomicI64::new(0);

@@ -18,7 +18,7 @@ use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
     RowParallelLinearConfig, TpMode, TpSettings,
 };
-use crate::llama::TpRmsNorm;
+use crate::norm::TpRmsNorm;
 use crate::reshard::{ParamLayout, Reshard};
 use crate::{Result as TpResult, TpError};
 
@@ -446,8 +446,9 @@ impl ParallelAttention {
         let hkv = self.local_kv_heads(tp);
         let [b, _, s, _] = q.dims();
         let t = k.dims()[2];
-        if self.out.spec().settings.fused_attention {
-            let dropout = dropout.filter(|_| self.dropout > 0.0).map(|key| {
+        // Which keys each query sees, for either path: one rule (`AttentionSpec::sees`).
+        let spec = AttentionSpec {
+            dropout: dropout.filter(|_| self.dropout > 0.0).map(|key| {
                 let (batch_total, batch) = key.batch(b);
                 AttentionDropout {
                     p: self.dropout,
@@ -458,19 +459,19 @@ impl ParallelAttention {
                     heads_total: self.n_heads,
                     heads: rank * hq..(rank + 1) * hq,
                 }
-            });
-            let spec = AttentionSpec {
-                dropout,
-                window: self.window,
-                // Relative to the first key kept.
-                padding: padding.map_or_else(Vec::new, |p| {
-                    p.rows
-                        .iter()
-                        .map(|&r| r.saturating_sub(p.first_key))
-                        .collect()
-                }),
-                ..AttentionSpec::causal(start)
-            };
+            }),
+            window: self.window,
+            block: self.out.spec().settings.attention_tile,
+            // Relative to the first key kept.
+            padding: padding.map_or_else(Vec::new, |p| {
+                p.rows
+                    .iter()
+                    .map(|&r| r.saturating_sub(p.first_key))
+                    .collect()
+            }),
+            ..AttentionSpec::causal(start)
+        };
+        if self.out.spec().settings.fused_attention {
             let ctx = fused_attention(q, k, v, spec)?;
             let ctx = ctx.permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
             return self.out.try_forward(ctx);
@@ -487,35 +488,16 @@ impl ParallelAttention {
         };
         let (k, v) = (expand(k), expand(v));
         let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
-        // Query `i` (position `start + i`) sees keys `0..=start + i`, or only the last `w` of
-        // them in a window of `w`: key `j` is hidden where `j - i < start + 1 - w`.
-        let device = scores.device();
-        let hidden = match padding {
-            // Sequence r's keys before position padding[r] are hidden too, from every query
-            // but their own (a padding query then sees itself: no row of -inf, no NaN).
-            Some(p) => {
-                let window = self.window;
-                let values: Vec<bool> = (0..b)
-                    .flat_map(|r| (0..s).flat_map(move |i| (0..t).map(move |j| (r, i, j))))
-                    .map(|(r, i, j)| {
-                        let q = start + i;
-                        j > q
-                            || window.is_some_and(|w| j + w <= q)
-                            || (p.first_key + j < p.rows[r] && j != q)
-                    })
-                    .collect();
-                Tensor::<4, Bool>::from_data(TensorData::new(values, [b, 1, s, t]), &device)
-            }
-            None => {
-                let mut hidden = Tensor::<2, Bool>::tril_mask([s, t], start as i64, &device);
-                if let Some(w) = self.window {
-                    let before =
-                        Tensor::<2, Bool>::triu_mask([s, t], start as i64 + 1 - w as i64, &device);
-                    hidden = hidden.bool_or(before);
-                }
-                hidden.unsqueeze::<4>()
-            }
-        };
+        // One mask per sequence with padding, else one for all.
+        let masks = if spec.padding.is_empty() { 1 } else { b };
+        let spec = &spec;
+        let hidden: Vec<bool> = (0..masks)
+            .flat_map(|r| (0..s).flat_map(move |i| (0..t).map(move |j| !spec.sees(r, i, j))))
+            .collect();
+        let hidden = Tensor::<4, Bool>::from_data(
+            TensorData::new(hidden, [masks, 1, s, t]),
+            &scores.device(),
+        );
         let att = softmax(scores.mask_fill(hidden, f32::NEG_INFINITY), 3);
         let (b_total, batch) = dropout.map_or((b, 0..b), |k| k.batch(b));
         let att = tp_dropout(

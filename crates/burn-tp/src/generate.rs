@@ -9,6 +9,7 @@ use burn_tp_comm::ProcessGroup;
 use crate::attention::DecodeCache;
 use crate::model::LanguageModel;
 use crate::ops::gather_from_tp_region;
+use crate::rng::SplitMix64;
 use crate::{Result, TpError};
 
 /// How [`generate`] picks tokens and when it stops.
@@ -45,21 +46,11 @@ impl Default for GenerateOptions {
     }
 }
 
-/// SplitMix64: a seeded generator, the same on every rank.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// The next token from the full vocabulary's `logits`.
-fn pick(logits: &[f64], options: &GenerateOptions, rng: &mut SplitMix) -> usize {
+/// The next token from the full vocabulary's `logits` under `options` (greedy at temperature 0;
+/// else softmax at the temperature over the `top_k` most likely, cut to the `top_p` nucleus, one
+/// draw of `rng`): the one sampler of burn-tp and its examples. Every rank draws the same token
+/// from the same logits and stream.
+pub fn sample_token(logits: &[f64], options: &GenerateOptions, rng: &mut SplitMix64) -> usize {
     let argmax = || {
         (0..logits.len())
             .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
@@ -189,7 +180,7 @@ pub fn generate_batch_with<M: LanguageModel>(
         Tensor::from_data(TensorData::new(ids, [s, rows.len()]), device)
     };
     let mut cache = DecodeCache::with_padding(padding.clone());
-    let mut rngs: Vec<SplitMix> = (0..b).map(|_| SplitMix(options.seed)).collect();
+    let mut rngs: Vec<SplitMix64> = (0..b).map(|_| SplitMix64::new(options.seed)).collect();
     // Each row's sequence so far (a finished row repeats its last id: never read).
     let mut seqs = padded.clone();
     let mut out: Vec<Vec<i64>> = vec![Vec::new(); b];
@@ -213,7 +204,7 @@ pub fn generate_batch_with<M: LanguageModel>(
         for (r, seq) in seqs.iter_mut().enumerate() {
             let mut id = *seq.last().expect("a prompt is not empty");
             if !done[r] {
-                id = pick(&last[r * vocab..(r + 1) * vocab], options, &mut rngs[r]) as i64;
+                id = sample_token(&last[r * vocab..(r + 1) * vocab], options, &mut rngs[r]) as i64;
                 out[r].push(id);
                 on_token(r, id);
                 done[r] = options.eos == Some(id);
@@ -235,7 +226,7 @@ mod tests {
     fn picks_follow_temperature_top_k_and_top_p() {
         let logits = [0.0, 3.0, 1.0, 2.9];
         let greedy = GenerateOptions::default();
-        assert_eq!(pick(&logits, &greedy, &mut SplitMix(1)), 1);
+        assert_eq!(sample_token(&logits, &greedy, &mut SplitMix64::new(1)), 1);
         // top-k 1 is greedy at any temperature.
         let k1 = GenerateOptions {
             temperature: 5.0,
@@ -243,7 +234,7 @@ mod tests {
             ..greedy
         };
         for seed in 0..20 {
-            assert_eq!(pick(&logits, &k1, &mut SplitMix(seed)), 1);
+            assert_eq!(sample_token(&logits, &k1, &mut SplitMix64::new(seed)), 1);
         }
         // top-k 2 draws only the two best, both over many seeds.
         let k2 = GenerateOptions {
@@ -252,7 +243,7 @@ mod tests {
             ..greedy
         };
         let drawn: std::collections::BTreeSet<usize> = (0..200)
-            .map(|s| pick(&logits, &k2, &mut SplitMix(s)))
+            .map(|s| sample_token(&logits, &k2, &mut SplitMix64::new(s)))
             .collect();
         assert_eq!(drawn, [1, 3].into());
         // A small nucleus keeps the best token only (its probability alone passes p).
@@ -262,7 +253,7 @@ mod tests {
             ..greedy
         };
         for seed in 0..20 {
-            assert_eq!(pick(&logits, &p, &mut SplitMix(seed)), 1);
+            assert_eq!(sample_token(&logits, &p, &mut SplitMix64::new(seed)), 1);
         }
         // Seeded: the same seed, the same draws.
         let t = GenerateOptions {
@@ -270,8 +261,10 @@ mod tests {
             ..greedy
         };
         let draws = |seed| -> Vec<usize> {
-            let mut rng = SplitMix(seed);
-            (0..10).map(|_| pick(&logits, &t, &mut rng)).collect()
+            let mut rng = SplitMix64::new(seed);
+            (0..10)
+                .map(|_| sample_token(&logits, &t, &mut rng))
+                .collect()
         };
         assert_eq!(draws(7), draws(7));
         assert_ne!(draws(7), draws(8));

@@ -18,7 +18,8 @@ use crate::error::check_divisible;
 use crate::init::init_replicated;
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
-use crate::transformer::{ParallelMlp, ParallelMlpConfig, TpLayerNorm, replicated_param};
+use crate::norm::{TpLayerNorm, replicated_param};
+use crate::transformer::{ParallelMlp, ParallelMlpConfig};
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`Gpt`].

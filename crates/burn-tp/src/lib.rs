@@ -1,19 +1,19 @@
 #![warn(missing_docs)]
 //! burn-tp: tensor parallelism (Megatron / nanotron style) for Burn.
 //!
-//! Dependencies run one way, each floor using only those below it:
+//! Dependencies run one way, each floor using only those below it (`.ci/imports.py` checks it
+//! in CI: no import circle, no module importing one above its floor):
 //!
 //! | floor | modules |
 //! |---|---|
 //! | transport | `burn-tp-comm` ([`comm`]): process groups, no autodiff, no Burn |
-//! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards; the attention, norms, SwiGLU gate and dropout as ops whose backward keeps only what Megatron keeps |
+//! | base | `error` ([`TpError`]), [`rng`] (SplitMix64: dropout's hash, sampling's draws), [`local`] (the runner of ranks as threads) |
+//! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards; the attention kernels (`flash.rs`, `flash_cpu.rs`, the visibility rule `mask.rs`), norms, SwiGLU gate and dropout (`dropout.rs`: the masks) as ops whose backward keeps only what Megatron keeps; the GEMM hook (`gemm.rs`, `cublas.rs`) |
 //! | ops | [`ops`]: differentiable collectives on `Tensor<D>`, each with an async form |
-//! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`attention`] (both models' attention, by blocks without the `[s, s]` scores, with the KV cache), [`transformer`] (the GPT's MLP, a replicated layer norm, replicated gradients) |
+//! | shards | `init` (initialisation identical at every tp, internal), [`reshard`] (between tp sizes) |
+//! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`norm`] (layer norm, RMSNorm, replicated weights), [`attention`] (both models' attention, by blocks without the `[s, s]` scores, with the KV cache), [`transformer`] (the GPT's MLP) |
 //! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary), sharing `decoder` (logits and the decode loop); [`model`]: [`LanguageModel`](model::LanguageModel), both behind one trait for a training loop |
-//! | use | [`generate`] (sampling with the KV cache), [`reshard`] (between tp sizes), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies), [`recompute`] (full activation recompute: one tensor kept per block) |
-//!
-//! Beside them: `init` (initialisation identical at every tp, internal), [`local`] (the runner of
-//! ranks as threads), [`testing`] (a gradient checker by finite differences).
+//! | use | [`generate`] (sampling with the KV cache), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies), [`recompute`] (full activation recompute: one tensor kept per block), [`pipeline`] (stages, GPipe / 1F1B / interleaved), `train` (feature `train`: Burn's Learner at tp x dp), [`testing`] (a gradient checker by finite differences) |
 //!
 //! Ranks are [`comm::ProcessGroup`] handles; on the CPU every rank is a thread
 //! ([`comm::LocalGroup`]), all on the one Flex device. Each rank must build (or fork) its own module in
@@ -90,11 +90,13 @@ pub mod local;
 pub mod loss;
 pub mod mesh;
 pub mod model;
+pub mod norm;
 pub mod ops;
 pub mod pipeline;
 pub mod precision;
 pub mod recompute;
 pub mod reshard;
+pub mod rng;
 pub mod testing;
 #[cfg(feature = "train")]
 pub mod train;

@@ -12,8 +12,8 @@ use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator as _, SimpleCommunicator};
 
-use super::descriptor::{HEADER, encode, mismatch};
 use super::ops::UserOps;
+use crate::descriptor::{HEADER, encode, mismatch};
 use crate::{CommError, DType, OpDesc, OpKind, Result};
 
 /// The handle every group of the process shares on the MPI thread.
@@ -364,7 +364,7 @@ fn step_comm(
         }
         let (_, _, all, job) = comm.checking.take().expect("checking");
         progressed = true;
-        if let Some(e) = mismatch(&all, &job) {
+        if let Some(e) = mismatch(&all, job.rank, job.seq, &job.desc) {
             // Ranks disagree on the sequence: nothing later on this process can be matched.
             fail(failed, format!("rank {}: {e}", job.rank));
             job.fail(e);

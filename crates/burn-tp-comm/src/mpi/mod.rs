@@ -49,10 +49,9 @@
 //! | `mod.rs`        | [`MpiRuntime`]: MPI started on its own thread, the world, abort, overlap   |
 //! | `group.rs`      | a communicator seen from the callers: posting jobs, waiting, scratch buffers |
 //! | `engine.rs`     | the MPI thread: the job queue per communicator, posting and polling requests |
-//! | `descriptor.rs` | the 11-word call descriptor every rank exchanges before a collective        |
+//! | `../descriptor.rs` | the 11-word call descriptor every rank exchanges (transport-free: tested without MPI) |
 //! | `ops.rs`        | bf16 / f16 reductions as MPI user operations, in the element's own arithmetic |
 
-mod descriptor;
 mod engine;
 mod group;
 mod ops;

@@ -19,8 +19,9 @@ use burn_tp::linear::{
     RowParallelLinearConfig, TpMode, TpSettings,
 };
 use burn_tp::local::{RunOptions, run_ranks_with};
+use burn_tp::norm::TpLayerNorm;
 use burn_tp::ops::all_gather;
-use burn_tp::transformer::{ParallelMlpConfig, TpLayerNorm};
+use burn_tp::transformer::ParallelMlpConfig;
 
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

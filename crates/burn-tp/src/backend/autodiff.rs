@@ -8,8 +8,10 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, tensor::FloatTensor};
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 
-use super::flash::{self, AttentionSpec};
+use super::dropout::{DropoutSpec, apply_mask};
+use super::flash;
 use super::host::local_chunk;
+use super::mask::AttentionSpec;
 use super::norm::{self, NormSpec};
 use super::overlap::{
     ColumnSaved, LinearGrads, Needs, column_backward, column_forward, row_backward, row_forward,
@@ -19,7 +21,6 @@ use super::{
     Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective, TpBackend,
     collective_blocking,
 };
-use crate::dropout::{DropoutSpec, apply_mask};
 
 #[derive(Debug)]
 struct CollectiveBackward;

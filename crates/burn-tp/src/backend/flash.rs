@@ -34,91 +34,9 @@ use burn::tensor::{Shape, TensorData};
 use burn_std::Scalar;
 
 use super::TpBackend;
+use super::dropout::dropout_mask_values;
 use super::host::{slice_dim, widen};
-use crate::dropout::{DropoutKey, dropout_mask_values};
-
-/// Rows of a query block and columns of a key block.
-pub const BLOCK: usize = 256;
-
-/// What one attention call needs besides q, k and v.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttentionSpec {
-    /// Position of the first query (the keys before it are a KV cache): query `i` sees keys
-    /// `0 ..= start + i`.
-    pub start: usize,
-    /// Dropout of the probabilities, if any.
-    pub dropout: Option<AttentionDropout>,
-    /// Query rows (and key columns) per block.
-    pub block: usize,
-    /// A sliding window (Mistral's, Phi-3's): query `i` sees only the `window` keys
-    /// `start + i + 1 - window ..= start + i` (transformers' `kv_idx > q_idx - sliding_window`),
-    /// and the key blocks wholly before its window are skipped; `None` for every key before it.
-    pub window: Option<usize>,
-    /// Left padding per sequence (empty: none): sequence `b`'s keys before `padding[b]` are
-    /// hidden from every query but the one at their own position (batched generation's
-    /// prompts of different lengths; a padding query then sees itself, not an empty row).
-    pub padding: Vec<usize>,
-}
-
-/// The dropout of one attention call: this rank's region of the logical mask of site `site`
-/// (`[batch_total, heads_total, s, t]`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttentionDropout {
-    /// Probability of dropping.
-    pub p: f64,
-    /// The step's key.
-    pub key: DropoutKey,
-    /// The dropout site.
-    pub site: u64,
-    /// Sequences in the global batch.
-    pub batch_total: usize,
-    /// This rank's sequences in it.
-    pub batch: Range<usize>,
-    /// Query heads over all ranks.
-    pub heads_total: usize,
-    /// This rank's query heads among them.
-    pub heads: Range<usize>,
-}
-
-impl AttentionSpec {
-    /// Causal attention from position `start`, no dropout, blocks of 256 rows.
-    pub fn causal(start: usize) -> Self {
-        Self {
-            start,
-            dropout: None,
-            block: BLOCK,
-            window: None,
-            padding: Vec::new(),
-        }
-    }
-
-    /// Sequence `b`'s left padding.
-    pub(crate) fn pad(&self, b: usize) -> usize {
-        self.padding.get(b).copied().unwrap_or(0)
-    }
-
-    /// Whether query `i` of sequence `b` sees key `j` (in its causal past, its window, and not
-    /// another position's padding).
-    pub(crate) fn sees(&self, b: usize, i: usize, j: usize) -> bool {
-        let q = self.start + i;
-        j <= q && j >= self.first_key(i) && (j >= self.pad(b) || j == q)
-    }
-
-    /// The first key query `i` sees (the last is `start + i`).
-    pub(crate) fn first_key(&self, i: usize) -> usize {
-        self.window
-            .map_or(0, |w| (self.start + i + 1).saturating_sub(w))
-    }
-
-    /// Whether some query of block `rows` sees some key of block `cols` (else the block is
-    /// skipped), and whether some key of it is hidden from some query (then it is masked).
-    pub(crate) fn visible(&self, rows: &Range<usize>, cols: &Range<usize>) -> (bool, bool) {
-        let (first_query, last_query) = (self.start + rows.start, self.start + rows.end - 1);
-        let seen = cols.start <= last_query && cols.end > self.first_key(rows.start);
-        let masked = cols.end - 1 > first_query || cols.start < self.first_key(rows.end - 1);
-        (seen, masked)
-    }
-}
+use super::mask::{AttentionDropout, AttentionSpec};
 
 /// What the forward keeps for the backward besides q, k, v and the output: each row's
 /// log-sum-exp.

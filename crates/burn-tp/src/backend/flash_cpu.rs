@@ -15,8 +15,8 @@ use burn::tensor::{DType, FloatDType, Shape, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::flash::AttentionSpec;
-use crate::dropout::dropout_mask_values;
+use super::dropout::dropout_mask_values;
+use super::mask::AttentionSpec;
 
 /// `t` as a Flex tensor, if `B` is Flex.
 fn to_flex<B: Backend>(t: FloatTensor<B>) -> Result<FlexTensor, FloatTensor<B>> {
@@ -249,10 +249,10 @@ fn mask_hidden(
     for (r, row) in s.chunks_mut(m).enumerate().take(g * rows.len()) {
         let i = rows.start + r % rows.len();
         let query = spec.start + i;
-        let first_future = (query + 1).saturating_sub(cols.start).min(m);
-        row[first_future..].fill(f32::NEG_INFINITY);
-        let first_seen = spec.first_key(i).saturating_sub(cols.start).min(m);
-        row[..first_seen].fill(f32::NEG_INFINITY);
+        // `spec.sees`, a row at a time: outside the query's keys, then the padding.
+        let keys = spec.keys(i);
+        row[keys.end.saturating_sub(cols.start).min(m)..].fill(f32::NEG_INFINITY);
+        row[..keys.start.saturating_sub(cols.start).min(m)].fill(f32::NEG_INFINITY);
         // The sequence's padding, but for the query's own position.
         for (c, x) in row
             .iter_mut()

@@ -16,6 +16,7 @@
 //! | `overlap.rs`  | the parallel-linear math and its overlap schedules (with diagram) |
 //! | `flash.rs`    | causal attention by blocks: no `[s, t]` scores (with diagram)     |
 //! | `flash_cpu.rs`| its blocks as one CPU kernel on Flex's storage (GEMM calls)       |
+//! | `mask.rs`     | which keys a query sees: the one visibility rule of every path    |
 //! | `norm.rs`     | layer norm and RMSNorm whose backward keeps only the input        |
 //! | `swiglu.rs`   | `silu(gate) * up` whose backward keeps only the input             |
 //! | `gemm.rs`     | [`gemm`]: a row-major strided product as a column-major BLAS call |
@@ -42,12 +43,14 @@ mod autodiff;
 mod cublas;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub(crate) mod dropout;
 pub(crate) mod flash;
 mod flash_cpu;
 mod flex;
 pub mod gemm;
 pub(crate) mod grad_tap;
 pub(crate) mod host;
+pub(crate) mod mask;
 mod norm;
 pub(crate) mod overlap;
 mod pool;
@@ -61,9 +64,9 @@ pub use pool::{pool_free_bytes, pool_stats};
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
 use burn_tp_comm::ProcessGroup;
 
-use crate::dropout::DropoutSpec;
+use dropout::DropoutSpec;
 
-pub use flash::{AttentionDropout, AttentionSpec};
+pub use mask::{AttentionDropout, AttentionSpec};
 pub use norm::NormSpec;
 pub use types::Collective;
 pub(crate) use types::{LinearSpec, OverlapSchedule, TpMode};
@@ -168,7 +171,7 @@ pub trait TpBackend: Backend {
     /// Dropout of `x` with the logical mask of `spec` (`crate::dropout`): `x` times the scaled
     /// keep mask. On `Autodiff` its backward regenerates the mask (nothing kept).
     fn tp_dropout(x: FloatTensor<Self>, spec: DropoutSpec) -> FloatTensor<Self> {
-        crate::dropout::apply_mask::<Self>(x, &spec)
+        dropout::apply_mask::<Self>(x, &spec)
     }
 
     /// SwiGLU's gate: `silu(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`, in y's

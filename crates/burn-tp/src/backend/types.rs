@@ -260,6 +260,11 @@ pub struct TpSettings {
     /// probabilities as separate tracked ops, each kept for the backward.
     #[config(default = true)]
     pub fused_attention: bool,
+    /// Query rows (and key columns) of one tile of the fused attention: its scores are
+    /// `[tile, tile]` per head at a time, the online softmax rescaling across a row's tiles.
+    /// 256 by default; tests take smaller ones to run the rescale on short sequences.
+    #[config(default = 256)]
+    pub attention_tile: usize,
 }
 
 /// What one parallel linear runs with: the model's [`TpSettings`] and its own output layout.

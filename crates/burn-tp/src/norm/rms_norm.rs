@@ -5,17 +5,17 @@ use burn::nn::{RmsNorm, RmsNormConfig};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use super::{norm, replicated_param};
 use crate::Result as TpResult;
 use crate::backend::NormSpec;
 use crate::init::owned;
 use crate::linear::TpMode;
 use crate::reshard::{ParamLayout, Reshard, solo};
-use crate::transformer::{norm, replicated_param};
 
 /// RMSNorm over the last dim, as Burn's `RmsNorm` (half inputs computed in f32), one op whose
 /// backward keeps only the input and the weight ([`TpBackend::tp_norm`](crate::backend::TpBackend::tp_norm)), with a replicated
 /// `gamma` whose gradient is summed over the group in REDUCE_SCATTER mode, where each rank
-/// normalizes its own sequence shard (like [`TpLayerNorm`](crate::transformer::TpLayerNorm)).
+/// normalizes its own sequence shard (like [`TpLayerNorm`](super::TpLayerNorm)).
 #[derive(Module, Debug)]
 pub struct TpRmsNorm {
     /// `[d_model]`.
