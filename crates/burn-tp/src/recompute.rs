@@ -60,18 +60,19 @@ pub fn loss_and_grads<M: LanguageModel>(
     for i in model.held_layers().into_iter().rev() {
         let x = leaf(inputs.pop().expect("one input per block"));
         let y = model.layer(i, x.clone(), step)?;
-        let mut grads = seeded_backward(y, dy);
+        let mut grads = seeded_backward(y, Tensor::from_inner(dy));
         dy = take_grad(&x, &mut grads);
         merge(&mut total, grads, model);
     }
-    let grads = seeded_backward(model.embed(ids)?, dy);
+    let grads = seeded_backward(model.embed(ids)?, Tensor::from_inner(dy));
     merge(&mut total, grads, model);
     Ok((loss.detach(), total))
 }
 
-/// The backward of `y` with upstream gradient `dy` (inner): `sum(y * dy)`'s.
-fn seeded_backward(y: Tensor<3>, dy: Tensor<3>) -> Gradients {
-    (y * Tensor::from_inner(dy)).sum().backward()
+/// The backward of `y` with upstream gradient `dy` (cast to `y`'s dtype): `sum(y * dy)`'s.
+pub(crate) fn seeded_backward(y: Tensor<3>, dy: Tensor<3>) -> Gradients {
+    let dy = dy.cast(y.dtype());
+    (y * dy).sum().backward()
 }
 
 fn take_grad(x: &Tensor<3>, grads: &mut Gradients) -> Tensor<3> {

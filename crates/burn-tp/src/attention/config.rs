@@ -1,0 +1,181 @@
+//! [`ParallelAttentionConfig`]: the attention's sizes, checked against tp, and its
+//! initialisation.
+
+use burn::config::Config;
+use burn::tensor::Device;
+use burn_tp_comm::ProcessGroup;
+
+use super::ParallelAttention;
+use super::rotary::{Llama3RopeScaling, rotary};
+use crate::error::check_divisible;
+use crate::linear::{
+    ColumnChunk, ColumnParallelLinearConfig, RowParallelLinearConfig, TpMode, TpSettings,
+};
+use crate::norm::TpRmsNorm;
+use crate::{Result as TpResult, TpError};
+
+/// Configuration of a [`ParallelAttention`].
+#[derive(Config, Debug)]
+pub struct ParallelAttentionConfig {
+    /// Model width.
+    pub d_model: usize,
+    /// Query heads (a multiple of tp); each rank computes `n_heads / tp` of them.
+    pub n_heads: usize,
+    /// Key / value heads: `None` for as many as query heads (multi-head attention); else a
+    /// divisor of `n_heads` that is a multiple of tp (sharded) or a divisor of tp (replicated:
+    /// each rank keeps the one its query heads use, the gradients summed over those ranks).
+    #[config(default = "None")]
+    pub n_kv_heads: Option<usize>,
+    /// Size of each head: `None` for `d_model / n_heads`; else any (Qwen3, Mistral NeMo: the
+    /// projections are `d_model -> n_heads head_dim` and back).
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
+    /// Rotary positions with this base (Burn's `RotaryEncoding`, over `max_seq` positions); `None`
+    /// for none (positions added to the embeddings instead).
+    #[config(default = "None")]
+    pub rope_theta: Option<f32>,
+    /// Longest sequence: the rotary table's length (only with `rope_theta`).
+    #[config(default = 0)]
+    pub max_seq: usize,
+    /// Llama 3's scaling of the rotary frequencies (only with `rope_theta`).
+    #[config(default = "None")]
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Biases on the q, k and v projections (the GPT's, Qwen2's).
+    #[config(default = false)]
+    pub qkv_bias: bool,
+    /// RMSNorm, with this epsilon, on each head's queries and keys before the rotation (Qwen3's
+    /// `q_norm` and `k_norm`: one `[head_dim]` weight each, shared by every head); `None` for none.
+    #[config(default = "None")]
+    pub qk_norm: Option<f64>,
+    /// A sliding window (Mistral's, Phi-3's): each query sees itself and the `window - 1` keys
+    /// before it, and the KV cache keeps only those; `None` for the whole causal past.
+    #[config(default = "None")]
+    pub sliding_window: Option<usize>,
+    /// A bias on the output projection (the GPT's).
+    #[config(default = false)]
+    pub out_bias: bool,
+    /// One fused QKV projection (full columns `[q: n_heads | k: n_kv_heads | v: n_kv_heads] x
+    /// head_dim`, contiguous chunks each sharded on its own) instead of three.
+    #[config(default = true)]
+    pub fused_qkv: bool,
+    /// Dropout of the attention probabilities (with the dropout key of a training step).
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    /// How the parallel layers run (mode, async communication, schedule).
+    #[config(default = "TpSettings::new()")]
+    pub settings: TpSettings,
+}
+
+impl ParallelAttentionConfig {
+    fn n_kv(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// `head_dim`, or `d_model / n_heads`.
+    fn head_size(&self) -> usize {
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// Checks the head counts and widths against `tp` (before any communication).
+    ///
+    /// # Errors
+    /// [`TpError::NotDivisible`] / [`TpError::Config`] naming the values.
+    pub(crate) fn validate(&self, tp: usize) -> TpResult<()> {
+        check_divisible("ParallelAttention n_heads", self.n_heads, tp)?;
+        let (h, kv, d) = (self.n_heads, self.n_kv(), self.d_model);
+        if kv == 0 || !h.is_multiple_of(kv) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: n_kv_heads = {kv} must divide n_heads = {h}"
+            )));
+        }
+        if !(kv.is_multiple_of(tp) || tp.is_multiple_of(kv)) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: n_kv_heads = {kv} at tp = {tp}: one must divide the other"
+            )));
+        }
+        if self.head_dim.is_none() && !d.is_multiple_of(h) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: d_model = {d} is not divisible by n_heads = {h} (or give \
+                 head_dim)"
+            )));
+        }
+        let hd = self.head_size();
+        if hd == 0 {
+            return Err(TpError::Config("ParallelAttention: head_dim = 0".into()));
+        }
+        if let Some(r) = self.rope_scaling
+            && !(r.factor > 0.0
+                && r.low_freq_factor > 0.0
+                && r.high_freq_factor > r.low_freq_factor
+                && r.original_max_position_embeddings > 0)
+        {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: rope_scaling needs factor > 0, 0 < low_freq_factor < \
+                 high_freq_factor and original_max_position_embeddings > 0 (got {r:?})"
+            )));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(TpError::Config(
+                "ParallelAttention: sliding_window = 0 (each query must see itself)".into(),
+            ));
+        }
+        if self.rope_theta.is_some() && (!hd.is_multiple_of(2) || self.max_seq == 0) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: rotary positions need an even head_dim (got {hd}) and \
+                 max_seq > 0 (got {})",
+                self.max_seq
+            )));
+        }
+        Ok(())
+    }
+
+    /// Initializes this rank's heads (the full projections Burn's `LinearConfig` gives at
+    /// tp = 1, sharded). Collective.
+    ///
+    /// # Errors
+    /// [`TpError::NotDivisible`] / [`TpError::Config`] for head counts that do not fit tp; a
+    /// communication error.
+    pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<ParallelAttention> {
+        self.validate(group.world_size())?;
+        let (h, kv) = (self.n_heads, self.n_kv());
+        let hd = self.head_size();
+        let chunk = |heads: usize| ColumnChunk::new(heads * hd).with_blocks(Some(heads));
+        let column = |chunks: Vec<ColumnChunk>| {
+            let width = chunks.iter().map(|c| c.width).sum();
+            ColumnParallelLinearConfig::new(self.d_model, width)
+                .with_bias(self.qkv_bias)
+                .with_chunks(chunks)
+                .with_settings(self.settings)
+                .init(group, device)
+        };
+        let qkv = if self.fused_qkv {
+            vec![column(vec![chunk(h), chunk(kv), chunk(kv)])?]
+        } else {
+            vec![
+                column(vec![chunk(h)])?,
+                column(vec![chunk(kv)])?,
+                column(vec![chunk(kv)])?,
+            ]
+        };
+        let out = RowParallelLinearConfig::new(h * hd, self.d_model)
+            .with_bias(self.out_bias)
+            .with_settings(self.settings)
+            .init(group, device)?;
+        // Partial gradients in either mode (see the field): the REDUCE_SCATTER norm's rule.
+        let head_norm = |eps: f64| TpRmsNorm::new(hd, eps, TpMode::ReduceScatter, group, device);
+        Ok(ParallelAttention {
+            qkv,
+            out,
+            q_norm: self.qk_norm.map(head_norm),
+            k_norm: self.qk_norm.map(head_norm),
+            rope: self
+                .rope_theta
+                .map(|theta| rotary(self.max_seq, hd, theta, self.rope_scaling, device)),
+            n_heads: h,
+            n_kv_heads: kv,
+            head_dim: hd,
+            dropout: self.dropout,
+            window: self.sliding_window,
+        })
+    }
+}

@@ -1,0 +1,448 @@
+//! One training step of a stage: [`loss_and_grads`] and its overlapped and recomputed forms.
+//! The loop walks the schedule's [`actions`]; each action is one step function of
+//! `StageStep` (a tracked forward or backward, or, recomputing, a forward that keeps only the
+//! blocks' inputs and a backward that reruns them), the transfers all through
+//! [`Transfers`](super::transfer::Transfers).
+
+use std::time::Instant;
+
+use burn::module::Param;
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_tp_comm::ReduceOp;
+
+use super::Pipeline;
+use super::schedule::{Action, PipelineSchedule, actions};
+use super::stages::chunk_runs;
+use super::transfer::{Side, Transfers};
+use crate::dp::GradReducer;
+use crate::dropout::DropoutStep;
+use crate::model::LanguageModel;
+use crate::recompute::{merge, seeded_backward};
+use crate::{Result, TpError};
+
+/// One micro-batch's ids and targets, `[seq, batch]` each.
+pub type MicroBatch = (Tensor<2, Int>, Tensor<2, Int>);
+
+/// What one step of a stage gives.
+#[derive(Debug)]
+pub struct PipelineStep {
+    /// The mean loss over the micro-batches, on the last stage (`None` on the others).
+    pub loss: Option<f32>,
+    /// The gradients of this stage's parameters: those of the batch's mean loss.
+    pub grads: GradientsParams,
+    /// The most micro-batches whose activations this stage held at once (forward run, backward
+    /// not yet): `stages - stage` at most with 1F1B, every micro-batch with GPipe.
+    pub peak_in_flight: usize,
+    /// Seconds this stage waited for an activation or a gradient (the bubble, and transfers
+    /// not hidden), of [`step_s`](Self::step_s).
+    pub idle_s: f64,
+    /// Seconds of the whole call.
+    pub step_s: f64,
+}
+
+/// The forward and backward of one step over `micro_batches` on this rank's stage `model` (a
+/// [`LanguageModel::into_stage`] of the whole model), in `schedule`'s order: the mean loss over
+/// the micro-batches (on the last stage) and the gradients of this stage's parameters, those of
+/// the batch's mean loss ([`PipelineStep`]). Every stage passes the same
+/// micro-batches (the first reads the ids, the last the targets, every stage their shapes).
+/// `step`: dropout with that step's masks (the micro-batches being the batch's consecutive
+/// rows). Collective over the pipeline.
+///
+/// # Errors
+/// [`TpError::Config`] for no micro-batch, micro-batches of different shapes, or stages with
+/// different micro-batches (naming each stage's count and shape); the model's
+/// errors; a transfer that fails (a stage that errs or leaves makes every stage fail within the
+/// timeout).
+pub fn loss_and_grads<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+) -> Result<PipelineStep> {
+    let mut out = run_step(model, pipe, micro_batches, schedule, step, None, false)?;
+    sum_embedding_grad(model, pipe, &mut out.grads)?;
+    Ok(out)
+}
+
+/// [`loss_and_grads`] with the data-parallel reduction overlapped with the backwards (Megatron's
+/// `overlap_grad_reduce` under a pipeline): each forward runs on a view of `model` with
+/// `reducer`'s taps ([`GradReducer`], or [`crate::dp::DistributedAdamW::reducer`]), and before
+/// each backward the reducer is told whether it is the last micro-batch through its chunk, so a
+/// bucket starts once its parameters' gradients are complete, while the other micro-batches and
+/// chunks are still running. Finish with [`GradReducer::finish`] or
+/// [`crate::dp::DistributedAdamW::step`]: the gradients returned are this rank's own until
+/// then. A tied embedding's sum over the first and last stages is the reducer's: build it with
+/// [`Pipeline::tied_embedding`] ([`GradReducer::new_summed`]). Collective over the pipeline.
+///
+/// # Errors
+/// As [`loss_and_grads`].
+pub fn loss_and_grads_overlapped<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+    reducer: &GradReducer,
+) -> Result<PipelineStep> {
+    reducer.begin(false);
+    run_step(
+        model,
+        pipe,
+        micro_batches,
+        schedule,
+        step,
+        Some(reducer),
+        false,
+    )
+}
+
+/// [`loss_and_grads`] with every block recomputed in its backward ([`crate::recompute`] under
+/// a pipeline): a forward keeps only its blocks' inputs (and, on the last stage, the head's),
+/// untracked, so each micro-batch in flight holds one `[s(/tp), batch, d_model]` tensor per
+/// block; a backward reruns each block tracked, from the last, just before its own backward
+/// (and the head and loss on the last stage). The same values, at the cost of one more forward
+/// of the blocks. Collective over the pipeline.
+///
+/// # Errors
+/// As [`loss_and_grads`].
+pub fn loss_and_grads_recomputed<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+) -> Result<PipelineStep> {
+    let mut out = run_step(model, pipe, micro_batches, schedule, step, None, true)?;
+    sum_embedding_grad(model, pipe, &mut out.grads)?;
+    Ok(out)
+}
+
+/// The schedule's forwards and backwards (the embedding's sum over the ends left out);
+/// `recompute`: each block rerun in the backward.
+fn run_step<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+    reducer: Option<&GradReducer>,
+    recompute: bool,
+) -> Result<PipelineStep> {
+    let started = Instant::now();
+    let mut stage = StageStep::new(model, pipe, micro_batches, schedule, step, reducer)?;
+    let inner = recompute.then(|| model.valid());
+    for action in actions(schedule, pipe.stage(), pipe.stages(), micro_batches.len()) {
+        match (action, &inner) {
+            (Action::Forward { chunk, micro }, None) => stage.forward(chunk, micro)?,
+            (Action::Backward { chunk, micro }, None) => stage.backward(chunk, micro)?,
+            (Action::Forward { chunk, micro }, Some(inner)) => {
+                stage.forward_kept(inner, chunk, micro)?
+            }
+            (Action::Backward { chunk, micro }, Some(_)) => {
+                stage.backward_recomputed(chunk, micro)?
+            }
+        }
+    }
+    let StageStep {
+        io,
+        total,
+        loss_sum,
+        peak_in_flight,
+        ..
+    } = stage;
+    let idle = io.finish()?;
+    Ok(PipelineStep {
+        loss: pipe.is_last().then_some(loss_sum),
+        grads: total,
+        peak_in_flight,
+        idle_s: idle.as_secs_f64(),
+        step_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// Checks the micro-batches: at least one, all of one shape, and the same on every stage
+/// (one small all-gather, so a mismatch is an error naming every stage's, not a transfer that
+/// never comes). Returns their `[seq, batch]`.
+fn check_micro_batches(pipe: &Pipeline, micro_batches: &[MicroBatch]) -> Result<[usize; 2]> {
+    let m = micro_batches.len();
+    let Some(first) = micro_batches.first() else {
+        return Err(TpError::Config("pipeline: no micro-batch".into()));
+    };
+    let dims = first.0.dims();
+    if let Some(i) = micro_batches
+        .iter()
+        .position(|(ids, t)| ids.dims() != dims || t.dims() != dims)
+    {
+        return Err(TpError::Config(format!(
+            "pipeline: micro-batch {i} is {:?} / {:?}, micro-batch 0 {dims:?}",
+            micro_batches[i].0.dims(),
+            micro_batches[i].1.dims()
+        )));
+    }
+    let mine = [m as i64, dims[0] as i64, dims[1] as i64];
+    let all = pipe.group.all_gather(mine.to_vec())?;
+    if all.chunks(3).any(|c| c != mine) {
+        let each: Vec<String> = all
+            .chunks(3)
+            .enumerate()
+            .map(|(s, c)| format!("stage {s}: {} of [{}, {}]", c[0], c[1], c[2]))
+            .collect();
+        return Err(TpError::Config(format!(
+            "pipeline: the stages' micro-batches differ ({})",
+            each.join("; ")
+        )));
+    }
+    Ok(dims)
+}
+
+/// One stage's step in progress: what each (chunk, micro-batch) keeps from its forward to its
+/// backward, the gradients and loss summed so far, and the stage's transfers.
+struct StageStep<'a, M: LanguageModel> {
+    model: &'a M,
+    micro_batches: &'a [MicroBatch],
+    reducer: Option<&'a GradReducer>,
+    step: Option<DropoutStep>,
+    /// `[seq, batch]` of each micro-batch.
+    dims: [usize; 2],
+    /// The blocks of each chunk this stage holds.
+    chunks: Vec<Vec<usize>>,
+    /// Whether this stage's chunk `c` is the whole model's first (it embeds) or last (head).
+    first_chunk: Option<usize>,
+    last_chunk: Option<usize>,
+    io: Transfers<'a>,
+    device: Device,
+    /// Per (chunk, micro-batch), `c * m + i`: the chunk's input (a leaf, but on the first
+    /// chunk) and its output (or, on the last chunk, its loss); recomputing, its blocks'
+    /// inputs (untracked) and on the last chunk the head's.
+    inputs: Vec<Option<Tensor<3>>>,
+    outputs: Vec<Option<Tensor<3>>>,
+    losses: Vec<Option<Tensor<1>>>,
+    kept: Vec<Vec<Tensor<3>>>,
+    total: GradientsParams,
+    loss_sum: f32,
+    held: usize,
+    peak_in_flight: usize,
+}
+
+impl<'a, M: LanguageModel> StageStep<'a, M> {
+    fn new(
+        model: &'a M,
+        pipe: &'a Pipeline,
+        micro_batches: &'a [MicroBatch],
+        schedule: PipelineSchedule,
+        step: Option<DropoutStep>,
+        reducer: Option<&'a GradReducer>,
+    ) -> Result<Self> {
+        let dims = check_micro_batches(pipe, micro_batches)?;
+        let m = micro_batches.len();
+        let v = schedule.chunks();
+        let (p, stage) = (pipe.stages(), pipe.stage());
+        if v > 1 && !m.is_multiple_of(p) {
+            return Err(TpError::Config(format!(
+                "pipeline: the interleaved schedule needs the micro-batches ({m}) to be a \
+                 multiple of the stages ({p})"
+            )));
+        }
+        // Activations travel as f32; a half-precision model gets them back in its dtype.
+        let dtype = model.embedding_weight().val().dtype();
+        Ok(Self {
+            model,
+            micro_batches,
+            reducer,
+            step,
+            dims,
+            chunks: chunk_runs(model, v)?,
+            first_chunk: (stage == 0).then_some(0),
+            last_chunk: (stage == p - 1).then_some(v - 1),
+            io: Transfers::new(pipe, model.activation_shape(dims), dtype),
+            device: micro_batches[0].0.device(),
+            inputs: vec![None; v * m],
+            outputs: vec![None; v * m],
+            losses: vec![None; v * m],
+            kept: vec![Vec::new(); v * m],
+            total: GradientsParams::new(),
+            loss_sum: 0.0,
+            held: 0,
+            peak_in_flight: 0,
+        })
+    }
+
+    fn at(&self, c: usize, i: usize) -> usize {
+        c * self.micro_batches.len() + i
+    }
+
+    /// Micro-batch `i`'s dropout: rows `i * batch..` of the batch's masks.
+    fn micro_step(&self, i: usize) -> Option<DropoutStep> {
+        let (m, b) = (self.micro_batches.len(), self.dims[1]);
+        self.step.map(|s| DropoutStep {
+            batch_offset: s.batch_offset + i * b,
+            batch_total: Some(s.batch_total.unwrap_or(m * b)),
+            ..s
+        })
+    }
+
+    /// The micro-batches' share of the batch's mean loss.
+    fn share(&self, loss: Tensor<1>) -> Tensor<1> {
+        loss / self.micro_batches.len() as f64
+    }
+
+    fn in_flight(&mut self, delta: isize) {
+        self.held = self.held.saturating_add_signed(delta);
+        self.peak_in_flight = self.peak_in_flight.max(self.held);
+    }
+
+    /// Forward of chunk `c` on micro-batch `i`, tracked: its input (received, a leaf) and its
+    /// output or loss kept for the backward.
+    fn forward(&mut self, c: usize, i: usize) -> Result<()> {
+        self.in_flight(1);
+        let (ids, targets) = &self.micro_batches[i];
+        // A tap is one node of one graph: a view per forward.
+        let tapped = self.reducer.map(|r| r.view(self.model.clone()));
+        let model = tapped.as_ref().unwrap_or(self.model);
+        let at = self.at(c, i);
+        let mut x = if self.first_chunk == Some(c) {
+            model.embed(ids.clone())?
+        } else {
+            let x = self.io.recv(Side::Prev, &self.device)?.require_grad();
+            self.inputs[at] = Some(x.clone());
+            x
+        };
+        for l in self.chunks[c].clone() {
+            x = model.layer(l, x, self.micro_step(i))?;
+        }
+        if self.last_chunk == Some(c) {
+            self.losses[at] = Some(self.share(model.head_loss(x, targets.clone())?));
+        } else {
+            self.io.send(Side::Next, x.clone().detach())?;
+            self.outputs[at] = Some(x);
+        }
+        Ok(())
+    }
+
+    /// Backward of chunk `c` on micro-batch `i`: from its loss, or its output seeded with the
+    /// gradient the next stage sends; its input's gradient sent back.
+    fn backward(&mut self, c: usize, i: usize) -> Result<()> {
+        self.in_flight(-1);
+        // A chunk's parameters are complete after its last micro-batch's backward.
+        if let Some(r) = self.reducer {
+            r.set_last_micro_batch(i + 1 == self.micro_batches.len());
+        }
+        let at = self.at(c, i);
+        let mut grads = match self.losses[at].take() {
+            Some(loss) => {
+                self.loss_sum += loss.clone().into_scalar::<f32>();
+                loss.backward()
+            }
+            None => {
+                let dy = self.io.recv(Side::Next, &self.device)?;
+                let y = self.outputs[at].take().expect("the forward ran first");
+                seeded_backward(y, dy)
+            }
+        };
+        if let Some(x) = self.inputs[at].take() {
+            let dx = x
+                .grad_remove(&mut grads)
+                .expect("a stage's input takes part in its output");
+            self.io.send(Side::Prev, Tensor::from_inner(dx))?;
+        }
+        merge(&mut self.total, grads, self.model);
+        Ok(())
+    }
+
+    /// Forward of chunk `c` on micro-batch `i` off the tape (`inner`: the model's inner
+    /// module), keeping only each block's input (and the head's, on the last chunk).
+    fn forward_kept(&mut self, inner: &M, c: usize, i: usize) -> Result<()> {
+        self.in_flight(1);
+        let at = self.at(c, i);
+        let mut x = if self.first_chunk == Some(c) {
+            inner.embed(self.micro_batches[i].0.clone().inner())?
+        } else {
+            self.io
+                .recv(Side::Prev, &self.device.clone().without_autodiff())?
+        };
+        for l in self.chunks[c].clone() {
+            let next = inner.layer(l, x.clone(), self.micro_step(i))?;
+            self.kept[at].push(x);
+            x = next;
+        }
+        if self.last_chunk == Some(c) {
+            self.kept[at].push(x);
+        } else {
+            self.io.send(Side::Next, x)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of chunk `c` on micro-batch `i`, each block rerun tracked from its kept input
+    /// just before its own backward, from the last.
+    fn backward_recomputed(&mut self, c: usize, i: usize) -> Result<()> {
+        self.in_flight(-1);
+        let at = self.at(c, i);
+        let model = self.model;
+        let mut inputs = std::mem::take(&mut self.kept[at]);
+        let leaf = |x: Tensor<3>| Tensor::<3>::from_inner(x).require_grad();
+        let mut dy = if self.last_chunk == Some(c) {
+            let h = leaf(inputs.pop().expect("the head's input"));
+            let loss = model.head_loss(h.clone(), self.micro_batches[i].1.clone())?;
+            let loss = self.share(loss);
+            self.loss_sum += loss.clone().into_scalar::<f32>();
+            let mut grads = loss.backward();
+            let dy = h.grad_remove(&mut grads).expect("the head uses its input");
+            merge(&mut self.total, grads, model);
+            Tensor::from_inner(dy)
+        } else {
+            self.io.recv(Side::Next, &self.device)?
+        };
+        for l in self.chunks[c].clone().into_iter().rev() {
+            let x = leaf(inputs.pop().expect("one input per block"));
+            let y = model.layer(l, x.clone(), self.micro_step(i))?;
+            let mut grads = seeded_backward(y, dy);
+            dy = Tensor::from_inner(
+                x.grad_remove(&mut grads)
+                    .expect("a block's input takes part in its output"),
+            );
+            merge(&mut self.total, grads, model);
+        }
+        if self.first_chunk == Some(c) {
+            let ids = self.micro_batches[i].0.clone();
+            let grads = seeded_backward(model.embed(ids)?, dy);
+            merge(&mut self.total, grads, model);
+        } else {
+            self.io.send(Side::Prev, dy)?;
+        }
+        Ok(())
+    }
+}
+
+/// The embedding's gradient summed over the first and last stages (zeros where a stage has
+/// none), so both copies of the table take the same update.
+fn sum_embedding_grad<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    total: &mut GradientsParams,
+) -> Result<()> {
+    let Some(ends) = &pipe.ends else {
+        return Ok(());
+    };
+    // Untied, the last stage does not use the table.
+    if !model.tied_head() {
+        return Ok(());
+    }
+    let weight: &Param<Tensor<2>> = model.embedding_weight();
+    let w = weight.val();
+    let (dims, device) = (w.dims(), w.device());
+    let g = total
+        .remove::<2>(weight.id)
+        .unwrap_or_else(|| Tensor::<2>::zeros(dims, &device).inner());
+    let values: Vec<f32> = g
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| TpError::Config(format!("pipeline: reading a gradient: {e:?}")))?;
+    let summed = ends.all_reduce(values, ReduceOp::Sum)?;
+    let g = Tensor::<2>::from_data(TensorData::new(summed, dims), &device);
+    total.register(weight.id, g.inner());
+    Ok(())
+}
