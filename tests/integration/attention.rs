@@ -466,3 +466,15 @@ fn llama3_rope_scaling_scales_each_band_as_transformers() {
     let want: Vec<f64> = cases.iter().map(|c| c.1).collect();
     assert_close(&f64s(got), &want, 1e-6, "llama3-scaled inverse frequencies");
 }
+
+/// `DecodeCache::positions` counts each sequence's positions from its own first token (its left
+/// padding at 0): a batch padded by 0, 2 and 3 positions, its first 4 positions.
+#[test]
+fn decode_positions_count_from_each_sequences_first_token() {
+    use burn_tp::attention::DecodeCache;
+    let cache = DecodeCache::with_padding(vec![0, 2, 3]);
+    // Rows are positions, columns sequences.
+    let want = vec![0, 0, 0, 1, 0, 0, 2, 0, 0, 3, 1, 0];
+    assert_eq!(cache.positions(4, 3), want);
+    assert_eq!(DecodeCache::default().positions(2, 2), vec![0, 0, 1, 1]);
+}

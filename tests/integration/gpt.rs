@@ -194,3 +194,44 @@ fn coalesced_replicated_gradients_equal_the_per_use_all_reduces() {
         }
     }
 }
+
+/// The GPT's learned positions in a left-padded batch: `generate_batch` gives each prompt the
+/// tokens it gives alone (greedy), at tp 1 and 4, the model built in either mode and decoding
+/// in ALL_REDUCE mode (each row's positions counted from its own first token, as
+/// `DecodeCache::positions` says).
+#[test]
+fn batched_generation_counts_each_rows_positions_from_its_first_token() {
+    use burn_tp::generate::{GenerateOptions, generate, generate_batch};
+    use burn_tp::model::LanguageModel;
+    let _rng = rng_lock();
+    let prompts = vec![vec![3, 1, 4, 1, 5, 9], vec![2, 6], vec![5, 3, 5]];
+    let options = GenerateOptions {
+        max_new_tokens: 5,
+        ..Default::default()
+    };
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        for tp in [1usize, 4] {
+            device().seed(17);
+            let ps = prompts.clone();
+            let out = run_local(tp, move |g| {
+                let model = GptConfig::new(11, 16, 16, 4, 2)
+                    .with_settings(TpSettings::new().with_mode(mode))
+                    .init(&g, &device())
+                    .unwrap()
+                    .with_mode(TpMode::AllReduce);
+                let batch = generate_batch(&model, &ps, &options, &g, &device()).unwrap();
+                let alone: Vec<Vec<i64>> = ps
+                    .iter()
+                    .map(|p| generate(&model, p, &options, &g, &device()).unwrap())
+                    .collect();
+                (batch, alone)
+            })
+            .unwrap();
+            for (r, (batch, alone)) in out.into_iter().enumerate() {
+                assert_eq!(batch, alone, "{mode:?} tp {tp} rank {r}");
+                // Some row must differ from another, or the check would be empty.
+                assert!(alone.iter().any(|a| a != &alone[0]), "{alone:?}");
+            }
+        }
+    }
+}

@@ -35,6 +35,7 @@ const WINDOW: usize = 3;
 
 fn config(n_kv: usize, mode: TpMode, dropout: bool, tied: bool) -> LlamaConfig {
     LlamaConfig::new(V, S, D, H, n_kv, 2, FF)
+        .with_norm_eps(norm_eps(n_kv))
         .with_qk_norm(qk_norm(n_kv))
         .with_sliding_window(window(dropout))
         .with_settings(TpSettings::new().with_mode(mode))
@@ -48,6 +49,12 @@ fn config(n_kv: usize, mode: TpMode, dropout: bool, tied: bool) -> LlamaConfig {
 /// and 4) and with four (sharded at every tp).
 fn qk_norm(n_kv: usize) -> bool {
     n_kv != 2
+}
+
+/// A large epsilon in the cases with four key / value heads (the block norms' and the q / k
+/// norms'), so every RMSNorm's values and gradients depend on it in f32 too.
+fn norm_eps(n_kv: usize) -> f64 {
+    if n_kv == 4 { 0.25 } else { 1e-5 }
 }
 
 /// A sliding window in the cases with dropout.
