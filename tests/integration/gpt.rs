@@ -195,16 +195,22 @@ fn coalesced_replicated_gradients_equal_the_per_use_all_reduces() {
     }
 }
 
-/// The GPT's learned positions in a left-padded batch: `generate_batch` gives each prompt the
-/// tokens it gives alone (greedy), at tp 1 and 4, the model built in either mode and decoding
-/// in ALL_REDUCE mode (each row's positions counted from its own first token, as
-/// `DecodeCache::positions` says).
+/// The GPT's learned positions in a left-padded batch: at tp 1 and 4, the model built in either
+/// mode and decoding in ALL_REDUCE mode, each prompt's logits at every one of its positions in
+/// the padded prefill equal its logits alone (each row's positions counted from its own first
+/// token, as `DecodeCache::positions` says), and `generate_batch` gives each prompt the tokens
+/// it gives alone.
 #[test]
 fn batched_generation_counts_each_rows_positions_from_its_first_token() {
+    use burn::module::Module;
+    use burn::tensor::{Int, TensorData};
+    use burn_tp::attention::DecodeCache;
     use burn_tp::generate::{GenerateOptions, generate, generate_batch};
     use burn_tp::model::LanguageModel;
+    use burn_tp::ops::gather_from_tp_region;
     let _rng = rng_lock();
     let prompts = vec![vec![3, 1, 4, 1, 5, 9], vec![2, 6], vec![5, 3, 5]];
+    let longest = 6;
     let options = GenerateOptions {
         max_new_tokens: 5,
         ..Default::default()
@@ -218,19 +224,55 @@ fn batched_generation_counts_each_rows_positions_from_its_first_token() {
                     .with_settings(TpSettings::new().with_mode(mode))
                     .init(&g, &device())
                     .unwrap()
-                    .with_mode(TpMode::AllReduce);
+                    .with_mode(TpMode::AllReduce)
+                    .valid();
+                // `[s, b, vocab]` logits of `ids` (`[s, b]` row-major) through `cache`.
+                let logits = |ids: Vec<i64>, b: usize, cache: &mut DecodeCache| -> Vec<f64> {
+                    let s = ids.len() / b;
+                    let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [s, b]), &device());
+                    let l = model.logits_cached(ids, cache).unwrap();
+                    f64s(gather_from_tp_region(l, 2, &g).unwrap().narrow(2, 0, 11))
+                };
+                let padding: Vec<usize> = ps.iter().map(|p| longest - p.len()).collect();
+                let ids: Vec<i64> = (0..longest)
+                    .flat_map(|i| {
+                        ps.iter().zip(&padding).map(
+                            move |(p, &pad)| {
+                                if i < pad { 7 } else { p[i - pad] }
+                            },
+                        )
+                    })
+                    .collect();
+                let batched = logits(
+                    ids,
+                    ps.len(),
+                    &mut DecodeCache::with_padding(padding.clone()),
+                );
+                let mut pairs = Vec::new();
+                for (r, p) in ps.iter().enumerate() {
+                    let alone = logits(p.clone(), 1, &mut DecodeCache::default());
+                    for i in 0..p.len() {
+                        let at = ((padding[r] + i) * ps.len() + r) * 11;
+                        pairs.push((
+                            batched[at..at + 11].to_vec(),
+                            alone[i * 11..(i + 1) * 11].to_vec(),
+                        ));
+                    }
+                }
                 let batch = generate_batch(&model, &ps, &options, &g, &device()).unwrap();
                 let alone: Vec<Vec<i64>> = ps
                     .iter()
                     .map(|p| generate(&model, p, &options, &g, &device()).unwrap())
                     .collect();
-                (batch, alone)
+                (pairs, batch, alone)
             })
             .unwrap();
-            for (r, (batch, alone)) in out.into_iter().enumerate() {
-                assert_eq!(batch, alone, "{mode:?} tp {tp} rank {r}");
-                // Some row must differ from another, or the check would be empty.
-                assert!(alone.iter().any(|a| a != &alone[0]), "{alone:?}");
+            for (r, (pairs, batch, alone)) in out.into_iter().enumerate() {
+                let tag = format!("{mode:?} tp {tp} rank {r}");
+                for (k, (b, a)) in pairs.iter().enumerate() {
+                    assert_close(b, a, 1e-5, &format!("{tag}: logits {k}"));
+                }
+                assert_eq!(batch, alone, "{tag}");
             }
         }
     }

@@ -366,3 +366,66 @@ fn train_gpt_fine_tunes_with_the_imported_models_settings() {
     assert!(e.contains("--heads 8 with --init-from"), "{e}");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// Fine-tuning an imported model gives the same losses at every tp, step after step: Qwen3
+/// (its per-head q / k norms, replicated weights whose gradients must be summed over tp, or the
+/// ranks' copies drift apart), Phi-3 (the fused `qkv_proj` / `gate_up_proj` split over tp, a
+/// window of 5 under 8 positions) and the windowed Mistral (a window of 4), in both modes.
+#[test]
+fn train_gpt_fine_tunes_imported_models_the_same_at_every_tp() {
+    use burn_tp_examples::train_gpt::{Args, run};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let root = std::env::temp_dir().join(format!("burn-tp-fine-tp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let data = root.join("text.txt");
+    std::fs::write(&data, "hello tensor parallel world. ".repeat(40)).unwrap();
+    for name in ["qwen3", "phi3", "mistral_window"] {
+        for mode in ["all-reduce", "reduce-scatter"] {
+            let losses = |tp: &str| {
+                let model = fixture(name);
+                let out = root.join(format!("{name}-{mode}-{tp}"));
+                let argv = [
+                    "train_gpt",
+                    "--quiet",
+                    "--tp",
+                    tp,
+                    "--mode",
+                    mode,
+                    "--batch",
+                    "4",
+                    "--seq",
+                    "8",
+                    "--steps",
+                    "4",
+                    "--lr",
+                    "2e-2",
+                    "--sample-len",
+                    "0",
+                    "--data",
+                    data.to_str().unwrap(),
+                    "--init-from",
+                    model.to_str().unwrap(),
+                    "--out",
+                    out.to_str().unwrap(),
+                ];
+                run(&Args::try_parse_from(argv).unwrap()).unwrap().losses
+            };
+            let want = losses("1");
+            assert!(
+                want[3] < want[0] - 0.05,
+                "{name} {mode}: the loss falls: {want:?}"
+            );
+            for tp in ["2", "4"] {
+                assert_close(
+                    &losses(tp),
+                    &want,
+                    1e-4,
+                    &format!("{name} {mode}: the losses at tp {tp} and tp 1"),
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
