@@ -1,3 +1,7 @@
+//! Over 600 lines on purpose, for now: it builds only with `cuda` and runs only on a lent GPU,
+//! and no GPU was lent to the session that split the rest of the code, so a split of it would
+//! have shipped unrun; each check is a function of its own, in the order the script runs them.
+//!
 //! The GPU checks of `.ci/gpu-check run`, in one binary so the bundle stays small (it carries
 //! `train_gpt` as a library call). Needs the `cuda` feature and a GPU:
 //!

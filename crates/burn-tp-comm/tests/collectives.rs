@@ -1,4 +1,7 @@
 //! burn-tp-comm against single-thread references, misuse, and a soak.
+//!
+//! Over 600 lines in one file on purpose: each file of `tests/` is a test binary of its own,
+//! and this crate's collective checks share one (CI links few binaries).
 
 mod common;
 

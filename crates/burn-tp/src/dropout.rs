@@ -14,8 +14,9 @@ use std::ops::Range;
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Tensor, TensorData};
 
-pub use crate::backend::dropout::{DropoutKey, DropoutSpec, DropoutStep};
-use crate::backend::{TpBackend, dropout::dropout_mask_values};
+use crate::backend::TpBackend;
+use crate::backend::fused::dropout::dropout_mask_values;
+pub use crate::backend::fused::dropout::{DropoutKey, DropoutSpec, DropoutStep};
 
 /// The scaled keep mask (`0` or `1 / (1 - p)`) of `region` of a logical tensor of shape `full`,
 /// in the region's shape, on `device` in the device's default float type.

@@ -14,7 +14,7 @@ use burn::backend::{Dispatch, DispatchTensor};
 use burn::tensor::{Shape, Tensor, TensorData};
 use burn_tp_comm::{ProcessGroup, ReduceOp, SendBuf};
 
-use crate::backend::host::{DataRead, HostCall, HostElement, with_host_values};
+use crate::backend::collective::host::{DataRead, HostCall, HostElement, with_host_values};
 use crate::backend::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 use crate::error::check_divisible;
 use crate::{Result, TpError};

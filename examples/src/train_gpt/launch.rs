@@ -7,7 +7,8 @@ use burn::tensor::Device;
 use burn_tp::comm::{LocalGroup, LocalGroupOptions};
 use burn_tp::local::run_ranks;
 
-use super::train::{RankOut, Trainable, train_rank};
+use super::train::{RankOut, train_rank};
+use super::trainable::Trainable;
 use super::{Args, DeviceKind, Transport};
 use crate::eval::Data;
 

@@ -11,12 +11,18 @@
 //! |-------------|------------------------------------------------------------------------|
 //! | `mod.rs`    | [`run`]: the data, the model's configuration, the files rank 0 writes  |
 //! | `args.rs`   | [`Args`]: the command line, its checks, the configurations it describes |
+//! | `banner.rs` | [`describe`], [`overlap_path`]: what the run says of itself              |
 //! | `launch.rs` | the ranks as threads, MPI processes or CUDA processes                   |
 //! | `train.rs`  | one rank's training: start or resume, the steps, the checkpoint         |
+//! | `pipelined.rs` | its pipeline pieces: micro-batches, the held-out loss through the stages |
+//! | `trainable.rs` | [`Trainable`]: a model's Hugging Face form                          |
 
 mod args;
+mod banner;
 mod launch;
+mod pipelined;
 mod train;
+mod trainable;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -28,7 +34,8 @@ use burn_tp::llama::Llama;
 
 pub use crate::eval::batch;
 pub use args::*;
-pub use train::Trainable;
+pub use banner::{describe, overlap_path};
+pub use trainable::Trainable;
 
 use crate::corpus::{self, Codec, TOKENIZER_FILE, Vocab};
 use crate::eval::Data;

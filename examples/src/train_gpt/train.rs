@@ -10,88 +10,20 @@ use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::dp::{DistributedAdamW, GradReducer, average_gradients, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
-use burn_tp::gpt::Gpt;
-use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::norm::ReplicatedGrads;
 use burn_tp::ops::all_reduce;
-use burn_tp::pipeline::{self, MicroBatch, Pipeline, PipelineSchedule, chunk_layers};
+use burn_tp::pipeline::{self, Pipeline, chunk_layers};
 use burn_tp::precision::{cast_grads, cast_params};
 use burn_tp::recompute;
 
-use super::{Args, CheckpointTimes, PpSchedule};
-use crate::eval::{
-    Data, EVAL_BATCHES, batch, dp_slice, generate, generate_pipelined, held_out_loss,
-};
+use super::pipelined::{held_out_pipelined, micro_batches, pp_schedule};
+use super::trainable::Trainable;
+use super::{Args, CheckpointTimes};
+use crate::eval::{Data, batch, dp_slice, generate, generate_pipelined, held_out_loss};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
-
-/// What `train_gpt` needs of a model beyond [`LanguageModel`]: its Hugging Face form, where it
-/// has one (`--init-from`, `--export-hf`; the arguments refuse them for the GPT first).
-pub trait Trainable: LanguageModel {
-    /// This model with the weights of the Hugging Face model in `dir`.
-    ///
-    /// # Errors
-    /// The import's errors.
-    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self>;
-
-    /// Writes the model in Hugging Face's format into `dir`, as the architecture of the model
-    /// in `from` (the folder it was imported from) if any, else the one `config` implies.
-    /// Collective.
-    ///
-    /// # Errors
-    /// The export's errors.
-    fn save_hf(
-        &self,
-        config: &Self::Config,
-        from: Option<&Path>,
-        dir: &Path,
-        group: &ProcessGroup,
-    ) -> burn_tp::Result<()>;
-}
-
-impl Trainable for Gpt {
-    fn load_hf(self, _: &Path, _: &ProcessGroup) -> burn_tp::Result<Self> {
-        Err(no_hf_form())
-    }
-
-    fn save_hf(
-        &self,
-        _: &Self::Config,
-        _: Option<&Path>,
-        _: &Path,
-        _: &ProcessGroup,
-    ) -> burn_tp::Result<()> {
-        Err(no_hf_form())
-    }
-}
-
-fn no_hf_form() -> burn_tp::TpError {
-    burn_tp::TpError::Config("the GPT has no Hugging Face form (the Llama has)".into())
-}
-
-impl Trainable for Llama {
-    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self> {
-        burn_tp::hf::load(self, dir, group)
-    }
-
-    fn save_hf(
-        &self,
-        config: &LlamaConfig,
-        from: Option<&Path>,
-        dir: &Path,
-        group: &ProcessGroup,
-    ) -> burn_tp::Result<()> {
-        use burn_tp::hf::HfConfig;
-        // A fine-tuned Phi-3 is written back as a Phi-3 (its fused tensors), and so on.
-        let hf = match from {
-            Some(from) => HfConfig::from_dir(from)?,
-            None => HfConfig::from_llama(config),
-        };
-        burn_tp::hf::save(self, &hf, dir, group)
-    }
-}
 
 /// What a rank brings back.
 pub(super) struct RankOut {
@@ -630,57 +562,5 @@ impl<M: Trainable> Rank<'_, M> {
             dp_slice(&ids, self.args, self.dp_rank, &self.device),
             dp_slice(&targets, self.args, self.dp_rank, &self.device),
         )
-    }
-}
-
-/// `ids`, `targets` (`[seq, batch]`) cut into `n` micro-batches of consecutive sequences.
-fn micro_batches(ids: Tensor<2, Int>, targets: Tensor<2, Int>, n: usize) -> Vec<MicroBatch> {
-    let per = ids.dims()[1] / n;
-    (0..n)
-        .map(|i| {
-            (
-                ids.clone().narrow(1, i * per, per),
-                targets.clone().narrow(1, i * per, per),
-            )
-        })
-        .collect()
-}
-
-/// [`held_out_loss`] through the pipeline: the same held-out batches, each this replica's
-/// rows cut into micro-batches, the loss the last stage's, averaged over dp.
-fn held_out_pipelined<M: LanguageModel>(
-    model: &M,
-    pipe: &Pipeline,
-    args: &Args,
-    data: &Data,
-    dp_rank: usize,
-    dp_group: &ProcessGroup,
-    device: &Device,
-) -> BoxResult<f64> {
-    let mut sum = 0.0;
-    for k in 0..EVAL_BATCHES {
-        let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
-        let ids = dp_slice(&ids, args, dp_rank, device);
-        let targets = dp_slice(&targets, args, dp_rank, device);
-        let micro = micro_batches(ids, targets, args.micro_batches);
-        let loss = pipe.from_last(pipeline::forward_loss(
-            model,
-            pipe,
-            &micro,
-            pp_schedule(args),
-        )?)?;
-        sum += dp_group.all_reduce(vec![loss], ReduceOp::Avg)?[0] as f64;
-    }
-    Ok(sum / EVAL_BATCHES as f64)
-}
-
-/// The library's schedule of `--pp-schedule` (and `--virtual-stages`).
-fn pp_schedule(args: &Args) -> PipelineSchedule {
-    match args.pp_schedule {
-        PpSchedule::Gpipe => PipelineSchedule::GPipe,
-        PpSchedule::OneFOneB => PipelineSchedule::OneFOneB,
-        PpSchedule::Interleaved => PipelineSchedule::Interleaved {
-            virtual_stages: args.virtual_stages,
-        },
     }
 }

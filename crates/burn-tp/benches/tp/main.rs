@@ -1,3 +1,6 @@
+//! Just over 600 lines: the suite's driver (its options, each group's table of ratios and their
+//! floors) reads as one list; each group's measurements are in the files beside it.
+//!
 //! burn-tp benchmarks: every figure is a ratio of two timings taken side by side in this run (the
 //! machine is shared and noisy; absolute times drift). `-- --quick` is the CI smoke test.
 //!

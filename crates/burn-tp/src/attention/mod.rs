@@ -12,7 +12,7 @@
 //! | `kernel.rs`  | [`fused_attention`]: the tiled kernel on `Tensor`s                         |
 //!
 //! Which keys a query sees (causal, window, padding) is one rule,
-//! [`AttentionSpec`](crate::backend::AttentionSpec)'s, used by both kernels and by the
+//! [`AttentionSpec`]'s, used by both kernels and by the
 //! materialized path here.
 
 mod cache;

@@ -42,29 +42,29 @@ use burn_tp_comm::nccl::{self, NcclGroup, RawOp};
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 use cubecl_runtime::runtime::Runtime;
 
-use super::host::{
+use super::types::TransportWork;
+use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
+use crate::backend::collective::host::{
     chunk_rows, comm_dtype, dense_layout, dim_first, host_resolve, host_resolve_part, host_start,
     part_unsupported, rows,
 };
-use super::types::TransportWork;
-use super::{Collective, CollectiveOutput, PendingCollective, TpBackend};
 
 type Server = <CudaRuntime as Runtime>::Server;
 
 impl TpBackend for CubeBackend {
     // The GEMM hook: cuBLAS (`cublas.rs`), burn's matmul where cuBLAS cannot read the layout.
     fn tp_matmul(a: CubeTensor, b: CubeTensor) -> CubeTensor {
-        match super::cublas::matmul(&a, &b, None) {
+        match crate::backend::matmul::cublas::matmul(&a, &b, None) {
             Ok(out) => out,
             Err(reason) => {
-                super::cublas::note_fallback(&reason);
+                crate::backend::matmul::cublas::note_fallback(&reason);
                 Self::float_matmul(a, b)
             }
         }
     }
 
     fn tp_matmul_acc(acc: CubeTensor, a: CubeTensor, b: CubeTensor) -> CubeTensor {
-        match super::cublas::matmul(&a, &b, Some(&acc)) {
+        match crate::backend::matmul::cublas::matmul(&a, &b, Some(&acc)) {
             Ok(out) => out,
             // A shared accumulator: the product, then the add.
             Err(_) => Self::float_add(acc, Self::tp_matmul(a, b)),

@@ -1,13 +1,13 @@
 //! `TpBackend` for Flex, Burn's CPU backend: the trait's defaults (the host transport and the
-//! overlapped linears of [`super::overlap`]), with the inputs of a collective read in place from
+//! overlapped linears of [`crate::backend::matmul::overlap`]), with the inputs of a collective read in place from
 //! the tensor's storage instead of copied out of it. Every rank is a thread on the one Flex device.
 
 use burn::backend::{Flex, tensor::FloatTensor};
 use burn_flex::FlexTensor;
 use burn_tp_comm::{CommError, ProcessGroup, SendBuf};
 
-use super::host::{DataRead, HostElement, HostRead, host_start_with};
 use super::{Collective, PendingCollective, TpBackend};
+use crate::backend::collective::host::{DataRead, HostElement, HostRead, host_start_with};
 
 impl TpBackend for Flex {
     fn tp_start(

@@ -3,27 +3,23 @@
 //!
 //! Two backend ops carry every collective: [`TpBackend::tp_start`] posts it and returns a
 //! [`PendingCollective`]; [`TpBackend::tp_resolve`] waits and returns the tensor. The blocking
-//! form is start + resolve; the parallel layers put compute in between (`overlap.rs`: the
-//! overlapped forward and backward). The default bodies move data through the host (`host.rs`: right for the CPU
+//! form is start + resolve; the parallel layers put compute in between (`matmul/overlap.rs`: the
+//! overlapped forward and backward). The default bodies move data through the host (`collective/host.rs`: right for the CPU
 //! backends, where a rank is a thread); a device backend overrides them with its own transport
 //! (`cuda.rs`, feature `cuda`).
 //!
-//! | file          | what                                                              |
-//! |---------------|-------------------------------------------------------------------|
-//! | `mod.rs`      | the `#[backend_extension]` trait and its default bodies           |
-//! | `types.rs`    | [`Collective`], [`PendingCollective`], [`CollectiveOutput`], [`LinearSpec`] |
-//! | `host.rs`     | the host transport: one dtype switch, dim-first moves, slicing    |
-//! | `overlap.rs`  | the parallel-linear math and its overlap schedules (with diagram) |
-//! | `flash.rs`    | causal attention by blocks: no `[s, t]` scores (with diagram)     |
-//! | `flash_cpu.rs`| its blocks as one CPU kernel on Flex's storage (GEMM calls)       |
-//! | `mask.rs`     | which keys a query sees: the one visibility rule of every path    |
-//! | `norm.rs`     | layer norm and RMSNorm whose backward keeps only the input        |
-//! | `swiglu.rs`   | `silu(gate) * up` whose backward keeps only the input             |
-//! | `gemm.rs`     | [`gemm`]: a row-major strided product as a column-major BLAS call |
-//! | `flex.rs`     | `TpBackend` for Flex (the defaults)                               |
-//! | `autodiff.rs` | `TpBackend` for `Autodiff<B>`: the backward nodes                 |
-//! | `cuda.rs`     | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
-//! | `cublas.rs`   | the GEMM hook ([`TpBackend::tp_matmul`]) on CUDA: cuBLAS          |
+//! | file           | what                                                              |
+//! |----------------|-------------------------------------------------------------------|
+//! | `mod.rs`       | the `#[backend_extension]` trait and its default bodies           |
+//! | `types.rs`     | [`Collective`], [`PendingCollective`], [`CollectiveOutput`], [`LinearSpec`] |
+//! | `collective/`  | the host transport (`host.rs`: one dtype switch, dim-first moves, slicing; `pool.rs`: pooled output buffers) |
+//! | `matmul/`      | the parallel-linear math and its overlap schedules (`overlap.rs`, with diagram), [`gemm`] (a row-major strided product as a column-major BLAS call), the GEMM hook on CUDA (`cublas.rs`) |
+//! | `attention/`   | causal attention by tiles (`flash.rs`, with diagram), its CPU kernel on Flex's storage (`flash_cpu.rs`), which keys a query sees (`mask.rs`) |
+//! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `silu(gate) * up` (`swiglu.rs`), dropout (`dropout.rs`) |
+//! | `grad_tap.rs`  | the data-parallel gradient tap                                     |
+//! | `flex.rs`      | `TpBackend` for Flex (the defaults)                               |
+//! | `autodiff/`    | `TpBackend` for `Autodiff<B>`: each op's forward, its backward node |
+//! | `cuda.rs`      | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
 //!
 //! Adjoints (backward of each forward, per rank):
 //!
@@ -38,36 +34,30 @@
 //! | gather-from-region(dim) | split(dim): keep own chunk       |
 //! | scatter-to-region(dim)  | all-gather(dim)                  |
 
+pub(crate) mod attention;
 mod autodiff;
-#[cfg(feature = "cuda")]
-mod cublas;
+pub(crate) mod collective;
 #[cfg(feature = "cuda")]
 mod cuda;
-pub(crate) mod dropout;
-pub(crate) mod flash;
-mod flash_cpu;
 mod flex;
-pub mod gemm;
+pub(crate) mod fused;
 pub(crate) mod grad_tap;
-pub(crate) mod host;
-pub(crate) mod mask;
-mod norm;
-pub(crate) mod overlap;
-mod pool;
-mod swiglu;
+pub(crate) mod matmul;
 pub(crate) mod types;
+
+pub use matmul::gemm;
 
 // Public for the pool's own test in tests/ and the memory bench (no user needs them).
 #[doc(hidden)]
-pub use pool::{pool_free_bytes, pool_stats};
+pub use collective::pool::{pool_free_bytes, pool_stats};
 
 use burn::backend::{Backend, backend_extension, tensor::FloatTensor};
 use burn_tp_comm::ProcessGroup;
 
-use dropout::DropoutSpec;
+use fused::dropout::DropoutSpec;
 
-pub use mask::{AttentionDropout, AttentionSpec};
-pub use norm::NormSpec;
+pub use attention::mask::{AttentionDropout, AttentionSpec};
+pub use fused::norm::NormSpec;
 pub use types::Collective;
 pub(crate) use types::{LinearSpec, OverlapSchedule, TpMode};
 // The types `TpBackend`'s ops cross the dispatch boundary in: public because the trait's
@@ -88,12 +78,12 @@ pub trait TpBackend: Backend {
         op: Collective,
         group: ProcessGroup,
     ) -> PendingCollective<Self> {
-        host::host_start::<Self>(x, op, group)
+        collective::host::host_start::<Self>(x, op, group)
     }
 
     /// Waits for a started collective and returns its output.
     fn tp_resolve(#[extension_type] pending: PendingCollective<Self>) -> CollectiveOutput<Self> {
-        host::host_resolve::<Self>(pending)
+        collective::host::host_resolve::<Self>(pending)
     }
 
     /// For a started all-gather along dim 0: chunk `chunk` of `chunks` (rows) of rank `part`'s
@@ -106,7 +96,7 @@ pub trait TpBackend: Backend {
         chunk: usize,
         chunks: usize,
     ) -> CollectiveOutput<Self> {
-        host::host_resolve_part::<Self>(pending, part, chunk, chunks)
+        collective::host::host_resolve_part::<Self>(pending, part, chunk, chunks)
     }
 
     /// A row-wise loss with a precomputed gradient: returns `value` (`[n]`); its backward
@@ -153,7 +143,7 @@ pub trait TpBackend: Backend {
         v: FloatTensor<Self>,
         spec: AttentionSpec,
     ) -> FloatTensor<Self> {
-        flash::forward::<Self>(q, k, v, &spec).0
+        attention::flash::forward::<Self>(q, k, v, &spec).0
     }
 
     /// Layer norm or RMSNorm (`spec`) of `x` (`[.., d]`) over the last dim, with `gamma` (and
@@ -165,19 +155,19 @@ pub trait TpBackend: Backend {
         #[extension_type] beta: Bias<Self>,
         spec: NormSpec,
     ) -> FloatTensor<Self> {
-        norm::forward::<Self>(x, gamma, beta.into_option(), &spec)
+        fused::norm::forward::<Self>(x, gamma, beta.into_option(), &spec)
     }
 
     /// Dropout of `x` with the logical mask of `spec` (`crate::dropout`): `x` times the scaled
     /// keep mask. On `Autodiff` its backward regenerates the mask (nothing kept).
     fn tp_dropout(x: FloatTensor<Self>, spec: DropoutSpec) -> FloatTensor<Self> {
-        dropout::apply_mask::<Self>(x, &spec)
+        fused::dropout::apply_mask::<Self>(x, &spec)
     }
 
     /// SwiGLU's gate: `silu(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`, in y's
     /// dtype; `swiglu.rs`). On `Autodiff` its backward keeps only `y`.
     fn tp_swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
-        swiglu::forward::<Self>(y)
+        fused::swiglu::forward::<Self>(y)
     }
 
     /// One GEMM of the parallel layers (forward, dgrad, wgrad, each block of the split / ring
@@ -208,7 +198,7 @@ pub trait TpBackend: Backend {
         spec: LinearSpec,
         group: ProcessGroup,
     ) -> CollectiveOutput<Self> {
-        overlap::column_forward::<Self>(x, weight, bias.into_option(), spec, &group)
+        matmul::overlap::column_forward::<Self>(x, weight, bias.into_option(), spec, &group)
             .map(|(y, _)| y)
             .into()
     }
@@ -223,7 +213,7 @@ pub trait TpBackend: Backend {
         spec: LinearSpec,
         group: ProcessGroup,
     ) -> CollectiveOutput<Self> {
-        overlap::row_forward::<Self>(x, weight, bias.into_option(), spec, &group).into()
+        matmul::overlap::row_forward::<Self>(x, weight, bias.into_option(), spec, &group).into()
     }
 }
 

@@ -8,8 +8,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use super::ckpt_err;
 use crate::Result;
+use crate::error::file_error;
 use crate::reshard::ParamLayout;
 
 /// The index's file name.
@@ -243,12 +243,12 @@ pub(super) fn dim_first(data: TensorData, dim: usize) -> TensorData {
 
 pub(super) fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(value)
-        .map_err(|e| ckpt_err(path, format!("encoding: {e}")))?;
-    std::fs::write(path, text).map_err(|e| ckpt_err(path, format!("writing: {e}")))
+        .map_err(|e| file_error(path, format!("encoding: {e}")))?;
+    std::fs::write(path, text).map_err(|e| file_error(path, format!("writing: {e}")))
 }
 
 pub(super) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     let text =
-        std::fs::read_to_string(path).map_err(|e| ckpt_err(path, format!("reading: {e}")))?;
-    serde_json::from_str(&text).map_err(|e| ckpt_err(path, format!("not a valid index: {e}")))
+        std::fs::read_to_string(path).map_err(|e| file_error(path, format!("reading: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| file_error(path, format!("not a valid index: {e}")))
 }

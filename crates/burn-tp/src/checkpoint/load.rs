@@ -11,7 +11,7 @@ use burn_tp_comm::ProcessGroup;
 use serde::Serialize;
 
 use super::format::*;
-use super::{CheckpointInfo, INDEX, StageMap, ckpt_err};
+use super::{CheckpointInfo, INDEX, StageMap, file_error};
 use crate::Result;
 use crate::reshard::{IndexedState, ParamLayout, Reshard};
 
@@ -25,12 +25,12 @@ impl Files {
     fn bytes(&mut self, file: &str) -> Result<&[u8]> {
         if !self.maps.contains_key(file) {
             let path = self.dir.join(file);
-            let f =
-                std::fs::File::open(&path).map_err(|e| ckpt_err(&path, format!("opening: {e}")))?;
+            let f = std::fs::File::open(&path)
+                .map_err(|e| file_error(&path, format!("opening: {e}")))?;
             // Safety: the checkpoint's files are not written while it is loaded (a save writes a
             // new shard folder and renames it into place).
             let map = unsafe { memmap2::Mmap::map(&f) }
-                .map_err(|e| ckpt_err(&path, format!("mapping: {e}")))?;
+                .map_err(|e| file_error(&path, format!("mapping: {e}")))?;
             self.maps.insert(file.to_string(), map);
         }
         Ok(&self.maps[file])
@@ -41,14 +41,14 @@ impl Files {
         let path = self.dir.join(file);
         let bytes = self.bytes(file)?;
         let st = safetensors::SafeTensors::deserialize(bytes)
-            .map_err(|e| ckpt_err(&path, format!("a truncated or damaged shard: {e}")))?;
+            .map_err(|e| file_error(&path, format!("a truncated or damaged shard: {e}")))?;
         let view = st
             .tensor(name)
-            .map_err(|e| ckpt_err(&path, format!("{name}: {e}")))?;
+            .map_err(|e| file_error(&path, format!("{name}: {e}")))?;
         let n0 = view.shape().first().copied().unwrap_or(1).max(1);
         let row = view.data().len() / n0;
         if rows.end > n0 {
-            return Err(ckpt_err(&path, format!("{name}: rows {rows:?} of {n0}")));
+            return Err(file_error(&path, format!("{name}: rows {rows:?} of {n0}")));
         }
         Ok(view.data()[rows.start * row..rows.end * row].to_vec())
     }
@@ -79,7 +79,7 @@ fn assemble(
             let src = s.offset + (a - s.start)..s.offset + (b - s.start);
             let bytes = files.rows(&s.file, name, src)?;
             if bytes.len() != (b - a) * row_bytes {
-                return Err(ckpt_err(
+                return Err(file_error(
                     &files.dir.join(&s.file),
                     format!(
                         "{name}: a row of {} bytes, the model needs {row_bytes}",
@@ -92,7 +92,7 @@ fn assemble(
             covered += b - a;
         }
         if covered != piece.global.len() {
-            return Err(ckpt_err(
+            return Err(file_error(
                 &files.dir,
                 format!(
                     "{name}: indices {:?} of dim {} are in no shard",
@@ -136,14 +136,14 @@ fn open_index<M: Module + Reshard>(
 ) -> Result<Opened> {
     let index_path = dir.join(INDEX);
     if !index_path.exists() {
-        return Err(ckpt_err(
+        return Err(file_error(
             &index_path,
             "no index: not a checkpoint, or one whose save did not complete",
         ));
     }
     let index: Index = read_json(&index_path)?;
     if index.format != FORMAT {
-        return Err(ckpt_err(
+        return Err(file_error(
             &index_path,
             format!("format {:?}, not {FORMAT:?}", index.format),
         ));
@@ -151,7 +151,7 @@ fn open_index<M: Module + Reshard>(
     if let Some(want) = config
         && *want != index.info.config
     {
-        return Err(ckpt_err(
+        return Err(file_error(
             &index_path,
             format!(
                 "saved for another configuration: {} (this model: {want})",
@@ -161,7 +161,7 @@ fn open_index<M: Module + Reshard>(
     }
     let layouts = model.layout(tp_rank);
     if index.params != map.total || map.global.len() != layouts.len() {
-        return Err(ckpt_err(
+        return Err(file_error(
             &index_path,
             format!(
                 "{} parameters, this model has {}: another model",
@@ -183,9 +183,9 @@ fn entry_for(
     let entry = index
         .tensors
         .get(name)
-        .ok_or_else(|| ckpt_err(index_path, format!("{name} is missing")))?;
+        .ok_or_else(|| file_error(index_path, format!("{name} is missing")))?;
     if entry.shape != layout.global_shape || entry.dim != layout.dim {
-        return Err(ckpt_err(
+        return Err(file_error(
             index_path,
             format!(
                 "{name}: saved with shape {:?} cut along dim {}, this model's is {:?} along dim {}",
@@ -194,7 +194,7 @@ fn entry_for(
         ));
     }
     if Some(entry.dtype.as_str()) != dtype_name(dtype) {
-        return Err(ckpt_err(
+        return Err(file_error(
             index_path,
             format!(
                 "{name}: saved in {}, this model holds {dtype:?}",
@@ -319,7 +319,7 @@ pub fn load_optimizer_stage<M: Module + Reshard>(
             continue;
         };
         let (Some(layout), Some((shape, _))) = (layouts.get(k), shapes.get(k)) else {
-            return Err(ckpt_err(
+            return Err(file_error(
                 &index_path,
                 format!("{name}: a parameter past the model's"),
             ));
@@ -354,13 +354,13 @@ pub fn load_optimizer_stage<M: Module + Reshard>(
     for (g, path) in &index.paths {
         let g = g
             .parse::<usize>()
-            .map_err(|e| ckpt_err(&index_path, format!("optimizer path key {g}: {e}")))?;
+            .map_err(|e| file_error(&index_path, format!("optimizer path key {g}: {e}")))?;
         if let Some(&k) = local.get(&g) {
             state.paths.insert(k, path.clone());
         }
     }
     let record = state
         .record(model)
-        .map_err(|e| ckpt_err(&index_path, format!("optimizer state: {e}")))?;
+        .map_err(|e| file_error(&index_path, format!("optimizer state: {e}")))?;
     Ok(optim.load_record(record))
 }

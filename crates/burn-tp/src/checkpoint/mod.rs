@@ -76,7 +76,7 @@ impl StageMap {
     }
 }
 
-use crate::error::file_error as ckpt_err;
+use crate::error::file_error;
 
 pub use format::{CheckpointInfo, INDEX};
 pub(crate) use load::param_shapes;

@@ -9,7 +9,7 @@ use burn::tensor::TensorData;
 use burn_tp_comm::ProcessGroup;
 
 use super::format::*;
-use super::{CheckpointInfo, INDEX, StageMap, ckpt_err};
+use super::{CheckpointInfo, INDEX, StageMap, file_error};
 use crate::Result;
 use crate::reshard::{IndexedState, ParamLayout, Reshard};
 
@@ -60,9 +60,9 @@ pub fn save_stage<M: Module + Reshard>(
     let shards = format!("step-{}", info.step);
     let tmp = dir.join(format!("{shards}.tmp"));
     if rank == 0 {
-        std::fs::create_dir_all(dir).map_err(|e| ckpt_err(dir, format!("creating: {e}")))?;
+        std::fs::create_dir_all(dir).map_err(|e| file_error(dir, format!("creating: {e}")))?;
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(|e| ckpt_err(&tmp, format!("creating: {e}")))?;
+        std::fs::create_dir_all(&tmp).map_err(|e| file_error(&tmp, format!("creating: {e}")))?;
     }
     group.barrier()?;
 
@@ -86,7 +86,7 @@ pub fn save_stage<M: Module + Reshard>(
             return Ok(());
         }
         let dtype = dtype_name(data.dtype()).ok_or_else(|| {
-            ckpt_err(
+            file_error(
                 dir,
                 format!("{name}: dtype {:?} cannot be saved", data.dtype()),
             )
@@ -142,7 +142,7 @@ pub fn save_stage<M: Module + Reshard>(
     }
     let path = tmp.join(&file);
     safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
-        .map_err(|e| ckpt_err(&path, format!("writing: {e}")))?;
+        .map_err(|e| file_error(&path, format!("writing: {e}")))?;
     let part_path = tmp.join(format!("rank-{rank:05}.json"));
     write_json(&part_path, &part)?;
     group.barrier()?;
@@ -176,12 +176,12 @@ pub fn save_stage<M: Module + Reshard>(
         let final_dir = dir.join(&shards);
         let _ = std::fs::remove_dir_all(&final_dir);
         std::fs::rename(&tmp, &final_dir)
-            .map_err(|e| ckpt_err(&final_dir, format!("renaming into place: {e}")))?;
+            .map_err(|e| file_error(&final_dir, format!("renaming into place: {e}")))?;
         let index_tmp = dir.join(format!("{INDEX}.tmp"));
         write_json(&index_tmp, &index)?;
         let index_path = dir.join(INDEX);
         std::fs::rename(&index_tmp, &index_path)
-            .map_err(|e| ckpt_err(&index_path, format!("renaming into place: {e}")))?;
+            .map_err(|e| file_error(&index_path, format!("renaming into place: {e}")))?;
         // The shards of older saves: nothing points at them any more.
         if let Ok(entries) = std::fs::read_dir(dir) {
             for e in entries.flatten() {

@@ -5,9 +5,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::hf_err;
 use crate::Result;
 use crate::attention::Llama3RopeScaling;
+use crate::error::file_error;
 use crate::linear::TpSettings;
 use crate::llama::LlamaConfig;
 
@@ -100,10 +100,10 @@ impl HfConfig {
     /// architecture or a feature the import does not support.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| hf_err(&path, format!("reading: {e}")))?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| file_error(&path, format!("reading: {e}")))?;
         let v: Value =
-            serde_json::from_str(&text).map_err(|e| hf_err(&path, format!("not JSON: {e}")))?;
+            serde_json::from_str(&text).map_err(|e| file_error(&path, format!("not JSON: {e}")))?;
         Self::from_json(&v, &path)
     }
 
@@ -112,14 +112,14 @@ impl HfConfig {
             v.get(name)
                 .and_then(Value::as_u64)
                 .map(|n| n as usize)
-                .ok_or_else(|| hf_err(path, format!("`{name}` is missing or not an integer")))
+                .ok_or_else(|| file_error(path, format!("`{name}` is missing or not an integer")))
         };
         let f64_field = |name: &str, default: f64| -> Result<f64> {
             match v.get(name) {
                 None | Some(Value::Null) => Ok(default),
                 Some(x) => x
                     .as_f64()
-                    .ok_or_else(|| hf_err(path, format!("`{name}` is not a number: {x}"))),
+                    .ok_or_else(|| file_error(path, format!("`{name}` is not a number: {x}"))),
             }
         };
         let bool_field = |name: &str| v.get(name).and_then(Value::as_bool).unwrap_or(false);
@@ -127,13 +127,13 @@ impl HfConfig {
             .get("architectures")
             .and_then(|a| a.get(0))
             .and_then(Value::as_str)
-            .ok_or_else(|| hf_err(path, "`architectures` is missing"))?;
+            .ok_or_else(|| file_error(path, "`architectures` is missing"))?;
         let Some(architecture) = HfArchitecture::ALL
             .into_iter()
             .find(|a| a.names().0 == arch)
         else {
             let known: Vec<&str> = HfArchitecture::ALL.iter().map(|a| a.names().0).collect();
-            return Err(hf_err(
+            return Err(file_error(
                 path,
                 format!(
                     "architecture {arch:?} is not supported ({} are)",
@@ -164,7 +164,7 @@ impl HfConfig {
                 "default" => {}
                 "llama3" => rope_scaling = Some(llama3_scaling(params, field, path)?),
                 _ => {
-                    return Err(hf_err(
+                    return Err(file_error(
                         path,
                         format!(
                             "`{field}` of type {kind:?} is not supported (rope scaling: default \
@@ -189,18 +189,18 @@ impl HfConfig {
             .map(|hd| hd as usize)
             .filter(|&hd| hd * heads != hidden);
         if bool_field("mlp_bias") {
-            return Err(hf_err(path, "`mlp_bias` = true is not supported"));
+            return Err(file_error(path, "`mlp_bias` = true is not supported"));
         }
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
             && act != "silu"
         {
-            return Err(hf_err(
+            return Err(file_error(
                 path,
                 format!("`hidden_act` = {act:?} is not supported (silu is)"),
             ));
         }
         let sliding_window = sliding_window(v, architecture, usize_field("num_hidden_layers")?)
-            .map_err(|what| hf_err(path, what))?
+            .map_err(|what| file_error(path, what))?
             .filter(|&w| w < max_pos);
         // Phi-3's (and Phi-4's) rotation of part of each head only.
         for partial in [
@@ -212,7 +212,7 @@ impl HfConfig {
         .filter_map(Value::as_f64)
         {
             if partial != 1.0 {
-                return Err(hf_err(
+                return Err(file_error(
                     path,
                     format!("`partial_rotary_factor` = {partial} is not supported (1.0 is)"),
                 ));
@@ -228,7 +228,10 @@ impl HfConfig {
             };
             let p = f64_field(name, 0.0)?;
             if !(0.0..1.0).contains(&p) {
-                return Err(hf_err(path, format!("`{name}` must be in [0, 1), got {p}")));
+                return Err(file_error(
+                    path,
+                    format!("`{name}` must be in [0, 1), got {p}"),
+                ));
             }
             Ok(p)
         };
@@ -327,7 +330,7 @@ impl HfConfig {
 fn llama3_scaling(params: &Value, field: &str, path: &Path) -> Result<Llama3RopeScaling> {
     let number = |name: &str| {
         params.get(name).and_then(Value::as_f64).ok_or_else(|| {
-            hf_err(
+            file_error(
                 path,
                 format!("`{field}` of type \"llama3\" needs a number `{name}`: {params}"),
             )
@@ -340,7 +343,7 @@ fn llama3_scaling(params: &Value, field: &str, path: &Path) -> Result<Llama3Rope
         original_max_position_embeddings: number("original_max_position_embeddings")? as usize,
     };
     if !(scaling.factor > 0.0 && scaling.high_freq_factor > scaling.low_freq_factor) {
-        return Err(hf_err(
+        return Err(file_error(
             path,
             format!(
                 "`{field}` of type \"llama3\": factor must be > 0 and high_freq_factor > \

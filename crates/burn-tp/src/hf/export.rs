@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 use burn_tp_comm::ProcessGroup;
 
 use super::mapping::{Source, rope_row, sources};
-use super::{HfArchitecture, HfConfig, hf_err};
+use super::{HfArchitecture, HfConfig, file_error};
 use crate::Result;
 use crate::llama::Llama;
 use crate::reshard::Reshard;
@@ -34,7 +34,7 @@ pub fn save(model: &Llama, config: &HfConfig, dir: &Path, group: &ProcessGroup) 
 }
 
 fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| hf_err(dir, format!("creating: {e}")))?;
+    std::fs::create_dir_all(dir).map_err(|e| file_error(dir, format!("creating: {e}")))?;
     struct Collect(Vec<(Vec<usize>, Vec<f32>, burn::tensor::DType)>);
     impl burn::module::ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -140,13 +140,13 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
         .map(|(name, shape, b)| {
             safetensors::tensor::TensorView::new(st_dtype, shape.clone(), b)
                 .map(|v| (name.clone(), v))
-                .map_err(|e| hf_err(dir, format!("{name}: {e}")))
+                .map_err(|e| file_error(dir, format!("{name}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
     let path = dir.join("model.safetensors");
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(metadata.into_iter().collect()), &path)
-        .map_err(|e| hf_err(&path, format!("writing: {e}")))?;
+        .map_err(|e| file_error(&path, format!("writing: {e}")))?;
     let (arch, model_type) = config.architecture.names();
     let dtype_name = match st_dtype {
         safetensors::Dtype::BF16 => "bfloat16",
@@ -204,6 +204,6 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
         HfArchitecture::Llama => json["attention_bias"] = serde_json::json!(config.out_bias),
     }
     let path = dir.join("config.json");
-    let text = serde_json::to_string_pretty(&json).map_err(|e| hf_err(&path, e.to_string()))?;
-    std::fs::write(&path, text).map_err(|e| hf_err(&path, format!("writing: {e}")))
+    let text = serde_json::to_string_pretty(&json).map_err(|e| file_error(&path, e.to_string()))?;
+    std::fs::write(&path, text).map_err(|e| file_error(&path, format!("writing: {e}")))
 }

@@ -10,7 +10,7 @@ use burn_tp_comm::ProcessGroup;
 use serde_json::Value;
 
 use super::mapping::{Part, Source, expected_shapes, rope_row, sources};
-use super::{HfConfig, hf_err};
+use super::{HfConfig, file_error};
 use crate::Result;
 use crate::linear::TpSettings;
 use crate::llama::Llama;
@@ -30,17 +30,17 @@ impl Weights {
         let mut file_of = BTreeMap::new();
         if index.exists() {
             let text = std::fs::read_to_string(&index)
-                .map_err(|e| hf_err(&index, format!("reading: {e}")))?;
+                .map_err(|e| file_error(&index, format!("reading: {e}")))?;
             let v: Value = serde_json::from_str(&text)
-                .map_err(|e| hf_err(&index, format!("not JSON: {e}")))?;
+                .map_err(|e| file_error(&index, format!("not JSON: {e}")))?;
             let map = v
                 .get("weight_map")
                 .and_then(Value::as_object)
-                .ok_or_else(|| hf_err(&index, "`weight_map` is missing"))?;
+                .ok_or_else(|| file_error(&index, "`weight_map` is missing"))?;
             for (name, file) in map {
                 let file = file
                     .as_str()
-                    .ok_or_else(|| hf_err(&index, format!("{name}: not a file name")))?;
+                    .ok_or_else(|| file_error(&index, format!("{name}: not a file name")))?;
                 file_of.insert(name.clone(), file.to_string());
             }
         } else {
@@ -68,15 +68,15 @@ impl Weights {
     fn tensors(&mut self, file: &str) -> Result<safetensors::SafeTensors<'_>> {
         let path = self.dir.join(file);
         if !self.maps.contains_key(file) {
-            let f =
-                std::fs::File::open(&path).map_err(|e| hf_err(&path, format!("opening: {e}")))?;
+            let f = std::fs::File::open(&path)
+                .map_err(|e| file_error(&path, format!("opening: {e}")))?;
             // Safety: the model's files are not written while they are read.
             let map = unsafe { memmap2::Mmap::map(&f) }
-                .map_err(|e| hf_err(&path, format!("mapping: {e}")))?;
+                .map_err(|e| file_error(&path, format!("mapping: {e}")))?;
             self.maps.insert(file.to_string(), map);
         }
         safetensors::SafeTensors::deserialize(&self.maps[file])
-            .map_err(|e| hf_err(&path, format!("a truncated or damaged file: {e}")))
+            .map_err(|e| file_error(&path, format!("a truncated or damaged file: {e}")))
     }
 
     /// `name`'s shape, from its file's header.
@@ -85,12 +85,12 @@ impl Weights {
             .file_of
             .get(name)
             .cloned()
-            .ok_or_else(|| hf_err(&self.dir, format!("tensor {name} is missing")))?;
+            .ok_or_else(|| file_error(&self.dir, format!("tensor {name} is missing")))?;
         let path = self.dir.join(&file);
         let st = self.tensors(&file)?;
         let view = st
             .tensor(name)
-            .map_err(|e| hf_err(&path, format!("{name}: {e}")))?;
+            .map_err(|e| file_error(&path, format!("{name}: {e}")))?;
         Ok(view.shape().to_vec())
     }
 
@@ -100,18 +100,18 @@ impl Weights {
             .file_of
             .get(name)
             .cloned()
-            .ok_or_else(|| hf_err(&self.dir, format!("tensor {name} is missing")))?;
+            .ok_or_else(|| file_error(&self.dir, format!("tensor {name} is missing")))?;
         let path = self.dir.join(&file);
         let st = self.tensors(&file)?;
         let view = st
             .tensor(name)
-            .map_err(|e| hf_err(&path, format!("{name}: {e}")))?;
+            .map_err(|e| file_error(&path, format!("{name}: {e}")))?;
         let shape = view.shape().to_vec();
         let n0 = shape.first().copied().unwrap_or(1);
         let row: usize = shape[1..].iter().product();
         let rows = rows.unwrap_or(0..n0);
         if rows.end > n0 {
-            return Err(hf_err(&path, format!("{name}: rows {rows:?} of {n0}")));
+            return Err(file_error(&path, format!("{name}: rows {rows:?} of {n0}")));
         }
         let elem = view.dtype().bitsize() / 8;
         let bytes = &view.data()[rows.start * row * elem..rows.end * row * elem];
@@ -129,7 +129,7 @@ impl Weights {
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             other => {
-                return Err(hf_err(
+                return Err(file_error(
                     &path,
                     format!("{name}: dtype {other:?} is not supported"),
                 ));
@@ -261,7 +261,7 @@ fn load_with(model: Llama, config: &HfConfig, dir: &Path, group: &ProcessGroup) 
     let layouts = model.layout(group.rank());
     let sources = sources(config);
     if sources.len() != layouts.len() {
-        return Err(hf_err(
+        return Err(file_error(
             dir,
             format!(
                 "{} tensors mapped for {} parameters of the model",
@@ -277,7 +277,7 @@ fn load_with(model: Llama, config: &HfConfig, dir: &Path, group: &ProcessGroup) 
         let got = weights.shape(&name)?;
         if got != want {
             let file = weights.file_of.get(&name).cloned().unwrap_or_default();
-            return Err(hf_err(
+            return Err(file_error(
                 &weights.dir.join(file),
                 format!("tensor {name} has shape {got:?}, the config gives {want:?}"),
             ));

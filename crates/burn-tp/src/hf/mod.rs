@@ -37,7 +37,7 @@ mod export;
 mod import;
 mod mapping;
 
-use crate::error::file_error as hf_err;
+use crate::error::file_error;
 
 pub use config::{HfArchitecture, HfConfig};
 pub use export::save;

@@ -37,7 +37,7 @@
 //!
 //! The data-parallel reduction is the caller's: after the step ([`loss_and_grads`], then
 //! [`crate::dp::average_gradients`]), or overlapped with the backwards in buckets
-//! ([`loss_and_grads_overlapped`], with [`GradReducer`] or the distributed optimizer).
+//! ([`loss_and_grads_overlapped`], with [`GradReducer`](crate::dp::GradReducer) or the distributed optimizer).
 //!
 //! Limits of this first cut: activations move as f32 (a bf16 model's widened, then cast back).
 //!

@@ -9,7 +9,7 @@ use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::Shape;
 use burn_std::Scalar;
 
-use super::host::{cast_to, widen};
+use crate::backend::collective::host::{cast_to, widen};
 
 /// Which normalization, and its epsilon.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -11,8 +11,8 @@ use burn_tp_comm::{
 };
 use half::{bf16, f16};
 
-use super::pool::PooledBuf;
-use super::types::{Collective, CollectiveOutput, PendingCollective, TransportWork};
+use crate::backend::collective::pool::PooledBuf;
+use crate::backend::types::{Collective, CollectiveOutput, PendingCollective, TransportWork};
 
 /// A `burn-tp-comm` work handle writing into a pooled buffer, with the shapes of its output
 /// and of one input shard.
@@ -297,7 +297,10 @@ pub(crate) fn host_resolve_part<B: Backend>(
     let rows = chunk_rows(pending.input.shape()[0], chunk, chunks);
     match pending.posted {
         // Nothing in flight: a group of one, whose only part is the input.
-        Ok(None) => CollectiveOutput::Done(super::host::rows::<B>(pending.input, rows)),
+        Ok(None) => CollectiveOutput::Done(crate::backend::collective::host::rows::<B>(
+            pending.input,
+            rows,
+        )),
         Err(e) => CollectiveOutput::Failed(e),
         Ok(Some(inner)) => inner
             .part(part, rows)

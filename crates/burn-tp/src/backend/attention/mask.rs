@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use super::dropout::DropoutKey;
+use crate::backend::fused::dropout::DropoutKey;
 
 /// Rows of a query block and columns of a key block.
 pub const BLOCK: usize = 256;

@@ -2,7 +2,7 @@
 //! in CI; **not yet run on a GPU** (the prepared check, `.ci/gpu-check`, compares it with burn's
 //! matmul on the first GPU at hand). `BURN_TP_CUBLAS=0` turns it off (burn's matmul then).
 //!
-//! - The arguments: [`super::gemm::gemm_args`] maps the row-major product (strides, transposed
+//! - The arguments: [`crate::backend::matmul::gemm::gemm_args`] maps the row-major product (strides, transposed
 //!   views, a batch) onto one column-major `cublasGemmStridedBatchedEx`; a layout it cannot
 //!   express falls back to burn's matmul, the reason printed once per reason.
 //! - Types: bf16 and f16 in, f32 accumulation; f32 under the TF32 policy: TF32 tensor cores by
@@ -33,7 +33,7 @@ use cubecl_runtime::runtime::Runtime;
 use cudarc::cublas::{CudaBlas, result as blas, sys};
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::gemm::{GemmArgs, Layout, Op, gemm_args};
+use crate::backend::matmul::gemm::{GemmArgs, Layout, Op, gemm_args};
 
 type Server = <CudaRuntime as Runtime>::Server;
 

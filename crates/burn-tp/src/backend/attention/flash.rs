@@ -33,10 +33,10 @@ use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{Shape, TensorData};
 use burn_std::Scalar;
 
-use super::TpBackend;
-use super::dropout::dropout_mask_values;
-use super::host::{slice_dim, widen};
-use super::mask::{AttentionDropout, AttentionSpec};
+use crate::backend::TpBackend;
+use crate::backend::attention::mask::{AttentionDropout, AttentionSpec};
+use crate::backend::collective::host::{slice_dim, widen};
+use crate::backend::fused::dropout::dropout_mask_values;
 
 /// What the forward keeps for the backward besides q, k, v and the output: each row's
 /// log-sum-exp.
@@ -169,8 +169,8 @@ pub(crate) fn forward<B: TpBackend>(
     v: FloatTensor<B>,
     spec: &AttentionSpec,
 ) -> (FloatTensor<B>, Lse<B>) {
-    if super::flash_cpu::supports::<B>(&q) {
-        let (out, lse) = super::flash_cpu::forward::<B>(q, k, v, spec);
+    if crate::backend::attention::flash_cpu::supports::<B>(&q) {
+        let (out, lse) = crate::backend::attention::flash_cpu::forward::<B>(q, k, v, spec);
         return (out, Lse::Rows(lse));
     }
     let geo = Geometry::of::<B>(&q, &k);
@@ -267,7 +267,15 @@ pub(crate) fn backward<B: TpBackend>(
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let lse = match lse {
         Lse::Rows(lse) => {
-            return super::flash_cpu::backward::<B>(q, k, v, out, lse.clone(), d_out, spec);
+            return crate::backend::attention::flash_cpu::backward::<B>(
+                q,
+                k,
+                v,
+                out,
+                lse.clone(),
+                d_out,
+                spec,
+            );
         }
         Lse::Blocks(lse) => lse,
     };

@@ -139,7 +139,7 @@ pub struct DropoutSpec {
 }
 
 /// `x` times the scaled keep mask of `spec` (the forward and, for the gradient, the backward of
-/// [`TpBackend::tp_dropout`](super::TpBackend::tp_dropout)).
+/// [`TpBackend::tp_dropout`](crate::backend::TpBackend::tp_dropout)).
 pub(crate) fn apply_mask<B: Backend>(x: FloatTensor<B>, spec: &DropoutSpec) -> FloatTensor<B> {
     let values = dropout_mask_values(spec.key, spec.site, spec.full, spec.region.clone(), spec.p);
     let mask = B::float_from_data(TensorData::new(values, x.shape()), &x.device());

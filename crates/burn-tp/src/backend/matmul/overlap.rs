@@ -55,8 +55,10 @@ use burn::tensor::{Shape, Slice};
 use burn_tp_comm::profile::scope;
 use burn_tp_comm::{CommError, ProcessGroup};
 
-use super::host::rows;
-use super::{Collective, LinearSpec, OverlapSchedule, PendingCollective, TpBackend, TpMode};
+use crate::backend::collective::host::rows;
+use crate::backend::{
+    Collective, LinearSpec, OverlapSchedule, PendingCollective, TpBackend, TpMode,
+};
 
 /// Chunks, over all the peers' shards together, in the ring schedule (at least one a shard):
 /// 4 a shard at tp = 2, 2 at tp = 4. Finer chunks shorten the compute left after the last one
@@ -162,7 +164,7 @@ pub(crate) fn visit_gathered<B: TpBackend>(
             for k in 1..n {
                 let p = (r + n - k) % n;
                 for c in 0..chunks {
-                    let rows = super::host::chunk_rows(m0, c, chunks);
+                    let rows = crate::backend::collective::host::chunk_rows(m0, c, chunks);
                     if rows.is_empty() {
                         continue;
                     }
@@ -351,7 +353,7 @@ pub(crate) fn column_backward<B: TpBackend>(
                 let w_k = if cols.len() == d_in {
                     w_t.clone()
                 } else {
-                    super::host::slice_dim::<B>(w_t.clone(), 1, cols.clone())
+                    crate::backend::collective::host::slice_dim::<B>(w_t.clone(), 1, cols.clone())
                 };
                 let mut dims = gathered_lead.clone();
                 dims.push(cols.len());

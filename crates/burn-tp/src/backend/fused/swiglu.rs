@@ -7,7 +7,7 @@
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn_std::Scalar;
 
-use super::host::{cast_to, slice_dim, widen};
+use crate::backend::collective::host::{cast_to, slice_dim, widen};
 
 /// `(gate, up)`: the two halves of the last dim, widened.
 fn halves<B: Backend>(y: FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {

@@ -1,0 +1,105 @@
+//! The CPU kernel's forward: one task per (batch, key / value head, query tile), its key tiles
+//! walked with an online softmax (the running maximum and sum rescaled as the maximum grows).
+
+use super::*;
+
+/// The forward: the output `[b, hq, s, hd]` laid out as `[s, b, hq, hd]`, in q's dtype, and
+/// each row's log-sum-exp `[b, hq, s]` (f32).
+pub(crate) fn forward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    spec: &AttentionSpec,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let dtype = q.dtype();
+    let (q, k, v) = (View::of::<B>(q), View::of::<B>(k), View::of::<B>(v));
+    let [b, hq, s, hd] = q.dims;
+    let [_, hkv, t, _] = k.dims;
+    let g = hq / hkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let q_blocks = blocks(s, spec.block);
+    let k_blocks = blocks(t, spec.block);
+    let nq = q_blocks.len();
+    let mut out = vec![0.0f32; s * b * hq * hd];
+    let mut lse = vec![0.0f32; b * hq * s];
+    let (out_ptr, lse_ptr) = (Out(out.as_mut_ptr()), Out(lse.as_mut_ptr()));
+    let tasks: Vec<(usize, usize, usize)> = (0..b)
+        .flat_map(|bi| (0..hkv).flat_map(move |kh| (0..nq).map(move |i| (bi, kh, i))))
+        .collect();
+    tasks.into_par_iter().for_each(|(bi, kh, i)| {
+        let rows = q_blocks[i].clone();
+        let n = rows.len();
+        let gn = g * n;
+        let heads = kh * g..(kh + 1) * g;
+        let mut qp = vec![0.0f32; gn * hd];
+        q.pack(bi, heads.clone(), rows.clone(), scale, &mut qp);
+        let mut acc = vec![0.0f32; gn * hd];
+        let mut m = vec![f32::NEG_INFINITY; gn];
+        let mut l = vec![0.0f32; gn];
+        let mut sc = vec![0.0f32; gn * spec.block];
+        let vd = v.data();
+        for cols in &k_blocks {
+            if !spec.visible(&rows, cols).0 {
+                continue;
+            }
+            let mk = cols.len();
+            let tile = &mut sc[..gn * mk];
+            block_scores(tile, &qp, &k, [bi, kh], g, &rows, cols, spec);
+            let keep = keep_block(spec, [s, t], bi, heads.clone(), &rows, cols);
+            for (r, row) in tile.chunks_mut(mk).enumerate() {
+                let new_max = m[r].max(max(row));
+                if new_max == f32::NEG_INFINITY {
+                    // The row's window starts after this block: nothing seen yet.
+                    row.fill(0.0);
+                    continue;
+                }
+                exp_shifted(row, new_max);
+                let sum = sum(row);
+                if let Some(keep) = &keep {
+                    for (x, k) in row.iter_mut().zip(&keep[r * mk..(r + 1) * mk]) {
+                        *x *= k;
+                    }
+                }
+                let alpha = exp(m[r] - new_max);
+                if alpha != 1.0 {
+                    for a in &mut acc[r * hd..(r + 1) * hd] {
+                        *a *= alpha;
+                    }
+                }
+                l[r] = l[r] * alpha + sum;
+                m[r] = new_max;
+            }
+            let vp = v.at(bi, kh, cols.start);
+            gemm(
+                [gn, hd, mk],
+                acc.as_mut_ptr(),
+                hd as isize,
+                true,
+                tile.as_ptr(),
+                [mk as isize, 1],
+                vd[vp..].as_ptr(),
+                [v.strides[2], v.strides[3]],
+                1.0,
+            );
+        }
+        for r in 0..gn {
+            let (h, qi) = (heads.start + r / n, rows.start + r % n);
+            let inv = 1.0 / l[r];
+            // Safety: row (qi, bi, h) of the output and of the lse belong to this task only.
+            unsafe {
+                let o = out_ptr.get().add(((qi * b + bi) * hq + h) * hd);
+                for d in 0..hd {
+                    *o.add(d) = acc[r * hd + d] * inv;
+                }
+                *lse_ptr.get().add((bi * hq + h) * s + qi) = m[r] + l[r].ln();
+            }
+        }
+    });
+    let out = FlexTensor::from_data(TensorData::new(out, [s, b, hq, hd]));
+    let mut out = from_flex::<B>(out);
+    if dtype != DType::F32 {
+        out = B::float_cast(out, dtype.into());
+    }
+    let lse = from_flex::<B>(FlexTensor::from_data(TensorData::new(lse, [b, hq, s])));
+    (B::float_permute(out, &[1, 2, 0, 3]), lse)
+}

@@ -1,0 +1,307 @@
+//! `TpBackend` for `Autodiff<B>`: the inner backend's forward, then one custom backward node
+//! per op. Collectives take their Megatron adjoint (the table in [`super`]); the parallel
+//! linears take `nodes::LinearBackward`, which runs the overlapped backward of
+//! `backend/matmul/overlap.rs`. The nodes are in `nodes.rs`.
+
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, tensor::FloatTensor};
+use burn_tp_comm::{ProcessGroup, ReduceOp};
+
+use crate::backend::attention::flash;
+use crate::backend::attention::mask::AttentionSpec;
+use crate::backend::fused::dropout::{DropoutSpec, apply_mask};
+use crate::backend::fused::norm::{self, NormSpec};
+use crate::backend::fused::swiglu;
+use crate::backend::matmul::overlap::{column_forward, row_forward};
+use crate::backend::{
+    Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective, TpBackend,
+};
+
+mod nodes;
+
+use nodes::{
+    AttentionState, CollectiveBackward, CollectiveState, LinearKind, NormBackward, NormState,
+    TapBackward, adjoint_communicates, linear_op, tracked_if,
+};
+
+impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
+    fn tp_grad_tap(x: FloatTensor<Self>, tap: GradTap) -> FloatTensor<Self> {
+        let out = x.primitive().clone();
+        match TapBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(tap, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn tp_grad_bucket(
+        like: FloatTensor<Self>,
+        tap: GradTap,
+        bucket: usize,
+    ) -> CollectiveOutput<Self> {
+        // The buckets were started by the inner backend's ops inside the backward.
+        match B::tp_grad_bucket(like.primitive().clone(), tap, bucket).into_result() {
+            Ok(t) => CollectiveOutput::Done(<Self as AutodiffBackend>::from_inner(t)),
+            Err(e) => CollectiveOutput::Failed(e),
+        }
+    }
+
+    fn tp_start(
+        x: FloatTensor<Self>,
+        op: Collective,
+        group: ProcessGroup,
+    ) -> PendingCollective<Self> {
+        B::tp_start(x.primitive().clone(), op, group).with_input(x)
+    }
+
+    fn tp_rowwise_loss(
+        input: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        jacobian: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct RowwiseLoss;
+        impl<B: Backend> Backward<B, 1> for RowwiseLoss {
+            type State = FloatTensor<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let jacobian = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+                    let n = grad.shape()[0];
+                    B::float_mul(
+                        jacobian,
+                        B::float_reshape(grad, burn::tensor::Shape::from(vec![n, 1])),
+                    )
+                });
+            }
+        }
+        let value = value.into_primitive();
+        match RowwiseLoss
+            .prepare::<C>([input.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(jacobian.into_primitive(), value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
+
+    fn tp_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct AttentionBackward;
+        impl<B: TpBackend> Backward<B, 3> for AttentionBackward {
+            type State = AttentionState<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 3>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let AttentionState {
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    spec,
+                } = ops.state;
+                let d_out = grads.consume::<B>(&ops.node);
+                let (dq, dk, dv) = flash::backward::<B>(q, k, v, out, &lse, d_out, &spec);
+                for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+                    if let Some(node) = parent {
+                        grads.register::<B>(node.id, grad);
+                    }
+                }
+            }
+        }
+        let (out, lse) = flash::forward::<B>(
+            q.primitive().clone(),
+            k.primitive().clone(),
+            v.primitive().clone(),
+            &spec,
+        );
+        match AttentionBackward
+            .prepare::<C>([q.node(), k.node(), v.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                // What FlashAttention keeps: q, k, v, the output and each row's log-sum-exp.
+                let state = AttentionState {
+                    q: q.into_primitive(),
+                    k: k.into_primitive(),
+                    v: v.into_primitive(),
+                    out: out.clone(),
+                    lse,
+                    spec,
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn tp_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Bias<Self>,
+        spec: NormSpec,
+    ) -> FloatTensor<Self> {
+        let beta = beta.into_option();
+        let y = norm::forward::<B>(
+            x.primitive().clone(),
+            gamma.primitive().clone(),
+            beta.as_ref().map(|b| b.primitive().clone()),
+            &spec,
+        );
+        // What the backward needs: the input and the weight (the statistics are recomputed).
+        let state = NormState {
+            x: x.primitive().clone(),
+            gamma: gamma.primitive().clone(),
+            spec,
+        };
+        match beta {
+            Some(b) => match NormBackward
+                .prepare::<C>([x.node(), gamma.node(), b.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            },
+            None => match NormBackward
+                .prepare::<C>([x.node(), gamma.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, y),
+                OpsKind::UnTracked(prep) => prep.finish(y),
+            },
+        }
+    }
+
+    fn tp_dropout(x: FloatTensor<Self>, spec: DropoutSpec) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct DropoutBackward;
+        impl<B: Backend> Backward<B, 1> for DropoutBackward {
+            type State = DropoutSpec;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let spec = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |dy| {
+                    apply_mask::<B>(dy, &spec)
+                });
+            }
+        }
+        let y = apply_mask::<B>(x.primitive().clone(), &spec);
+        match DropoutBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            // The mask is regenerated from its counters: nothing else is kept.
+            OpsKind::Tracked(prep) => prep.finish(spec, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn tp_swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct SwiGluBackward;
+        impl<B: Backend> Backward<B, 1> for SwiGluBackward {
+            type State = FloatTensor<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let y = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |dz| {
+                    swiglu::backward::<B>(y, dz)
+                });
+            }
+        }
+        let z = swiglu::forward::<B>(y.primitive().clone());
+        match SwiGluBackward
+            .prepare::<C>([y.node()])
+            .compute_bound()
+            .stateful()
+        {
+            // Only the input: the gate's sigmoid is recomputed.
+            OpsKind::Tracked(prep) => prep.finish(y.into_primitive(), z),
+            OpsKind::UnTracked(prep) => prep.finish(z),
+        }
+    }
+
+    fn tp_column_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        linear_op::<B, C>(x, weight, bias, spec, group, |x, w, b, spec, group| {
+            column_forward::<B>(x, w, b, spec, group)
+                .map(|(y, saved)| (y, LinearKind::Column(saved)))
+        })
+    }
+
+    fn tp_row_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Bias<Self>,
+        spec: LinearSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        linear_op::<B, C>(x, weight, bias, spec, group, |x, w, b, spec, group| {
+            // The row layer keeps its input for the wgrad.
+            row_forward::<B>(x.clone(), w, b, spec, group).map(|y| (y, LinearKind::Row(x)))
+        })
+    }
+
+    fn tp_resolve(pending: PendingCollective<Self>) -> CollectiveOutput<Self> {
+        let (op, group) = (pending.op, pending.group.clone());
+        let input = tracked_if::<B, C>(pending.input.clone(), adjoint_communicates(op));
+        let out = match B::tp_resolve(pending.with_input(input.primitive().clone())).into_result() {
+            Ok(out) => out,
+            Err(e) => return CollectiveOutput::Failed(e),
+        };
+        let extremum = matches!(op, Collective::AllReduce(ReduceOp::Max | ReduceOp::Min))
+            .then(|| (input.primitive().clone(), out.clone()));
+        // Graph nodes outlive a panicking rank's stack: they must not keep it in the group.
+        let state = CollectiveState {
+            op,
+            group: group.weak(),
+            extremum,
+        };
+        CollectiveOutput::Done(
+            match CollectiveBackward
+                .prepare::<C>([input.node()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+}

@@ -1,0 +1,7 @@
+//! The fused elementwise ops whose backward keeps only their input: layer norm and RMSNorm
+//! (`norm.rs`), `silu(gate) * up` (`swiglu.rs`), dropout (`dropout.rs`: the masks of the
+//! counter-based RNG, regenerated in the backward).
+
+pub(crate) mod dropout;
+pub(crate) mod norm;
+pub(crate) mod swiglu;

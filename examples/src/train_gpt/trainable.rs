@@ -1,0 +1,74 @@
+//! What `train_gpt` needs of a model beyond `LanguageModel`: its Hugging Face form.
+
+use std::path::Path;
+
+use burn_tp::comm::ProcessGroup;
+use burn_tp::gpt::Gpt;
+use burn_tp::llama::{Llama, LlamaConfig};
+use burn_tp::model::LanguageModel;
+
+/// What `train_gpt` needs of a model beyond [`LanguageModel`]: its Hugging Face form, where it
+/// has one (`--init-from`, `--export-hf`; the arguments refuse them for the GPT first).
+pub trait Trainable: LanguageModel {
+    /// This model with the weights of the Hugging Face model in `dir`.
+    ///
+    /// # Errors
+    /// The import's errors.
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self>;
+
+    /// Writes the model in Hugging Face's format into `dir`, as the architecture of the model
+    /// in `from` (the folder it was imported from) if any, else the one `config` implies.
+    /// Collective.
+    ///
+    /// # Errors
+    /// The export's errors.
+    fn save_hf(
+        &self,
+        config: &Self::Config,
+        from: Option<&Path>,
+        dir: &Path,
+        group: &ProcessGroup,
+    ) -> burn_tp::Result<()>;
+}
+
+impl Trainable for Gpt {
+    fn load_hf(self, _: &Path, _: &ProcessGroup) -> burn_tp::Result<Self> {
+        Err(no_hf_form())
+    }
+
+    fn save_hf(
+        &self,
+        _: &Self::Config,
+        _: Option<&Path>,
+        _: &Path,
+        _: &ProcessGroup,
+    ) -> burn_tp::Result<()> {
+        Err(no_hf_form())
+    }
+}
+
+fn no_hf_form() -> burn_tp::TpError {
+    burn_tp::TpError::Config("the GPT has no Hugging Face form (the Llama has)".into())
+}
+
+impl Trainable for Llama {
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self> {
+        burn_tp::hf::load(self, dir, group)
+    }
+
+    fn save_hf(
+        &self,
+        config: &LlamaConfig,
+        from: Option<&Path>,
+        dir: &Path,
+        group: &ProcessGroup,
+    ) -> burn_tp::Result<()> {
+        use burn_tp::hf::HfConfig;
+        // A fine-tuned Phi-3 is written back as a Phi-3 (its fused tensors), and so on.
+        let hf = match from {
+            Some(from) => HfConfig::from_dir(from)?,
+            None => HfConfig::from_llama(config),
+        };
+        burn_tp::hf::save(self, &hf, dir, group)
+    }
+}
