@@ -158,16 +158,7 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
         ("--kv-heads", args.kv_heads),
         ("--layers", args.layers),
     ];
-    if let (Some(dir), Some((flag, value))) = (
-        &args.init_from,
-        sizes.iter().find_map(|(f, v)| v.map(|v| (f, v))),
-    ) {
-        return Err(format!(
-            "{flag} {value} with --init-from {}: the model's sizes come from its config.json \
-             (drop {flag})",
-            dir.display()
-        ));
-    }
+    crate::train_gpt::refuse_sizes(args.init_from.as_deref(), &sizes)?;
     if let Some(p) = args.dropout.filter(|p| !(0.0..1.0).contains(p)) {
         return Err(format!("--dropout must be in [0, 1) (got {p})"));
     }

@@ -1,9 +1,9 @@
 //! The fused attention (`burn_tp::attention::fused_attention`, FlashAttention-2 on the backend's
 //! ops) against plain f64 loops and against the materialized path (scores, mask, softmax and
 //! probabilities as tracked ops): values and the gradients of q, k and v in f64, f32 and bf16,
-//! causal from a query offset (the KV cache), grouped-query heads, dropout, blocks that do not
+//! causal from a query offset (the KV cache), grouped-query heads, dropout, tiles that do not
 //! divide the lengths; a finite-difference gradcheck in f64; and the models at sequences of
-//! several blocks, fused against materialized.
+//! several tiles, fused against materialized.
 
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
@@ -157,26 +157,26 @@ fn value_and_grads(
     ]
 }
 
-/// A geometry of the grid: `[b, hq, hkv, s, t, hd]`, the query offset, the block size, the
+/// A geometry of the grid: `[b, hq, hkv, s, t, hd]`, the query offset, the tile size, the
 /// sliding window, the left padding per sequence.
 type Case = ([usize; 6], usize, usize, Option<usize>, &'static [usize]);
 
 const CASES: [Case; 15] = [
-    ([2, 4, 4, 7, 7, 8], 0, 3, None, &[]), // multi-head, odd length, blocks of 3
+    ([2, 4, 4, 7, 7, 8], 0, 3, None, &[]), // multi-head, odd length, tiles of 3
     ([1, 4, 2, 9, 9, 4], 0, 4, None, &[]), // grouped-query, 2 heads per key / value head
     ([2, 4, 1, 5, 5, 8], 0, 2, None, &[]), // one key / value head for all
     ([1, 2, 2, 3, 10, 8], 7, 4, None, &[]), // KV cache: 3 new queries after 7 cached positions
     ([1, 4, 2, 1, 6, 8], 5, 128, None, &[]), // one decoding step
-    ([2, 2, 1, 16, 16, 8], 0, 4, None, &[]), // blocks that divide
-    ([1, 2, 2, 11, 11, 4], 0, 1, None, &[]), // blocks of one row
-    // Sliding windows: blocks wholly before a window skipped, the window's edge masked.
-    ([1, 4, 2, 13, 13, 4], 0, 3, Some(4), &[]), // window of 4 over blocks of 3
+    ([2, 2, 1, 16, 16, 8], 0, 4, None, &[]), // tiles that divide
+    ([1, 2, 2, 11, 11, 4], 0, 1, None, &[]), // tiles of one row
+    // Sliding windows: tiles wholly before a window skipped, the window's edge masked.
+    ([1, 4, 2, 13, 13, 4], 0, 3, Some(4), &[]), // window of 4 over tiles of 3
     ([2, 2, 1, 9, 9, 8], 0, 2, Some(2), &[]),   // each query sees itself and one key before
-    // Query 11 sees keys 6..=11: none of block 0..4, which its block's query 8 sees.
+    // Query 11 sees keys 6..=11: none of tile 0..4, which its tile's query 8 sees.
     ([1, 2, 1, 12, 12, 8], 0, 4, Some(6), &[]),
     ([1, 2, 2, 3, 10, 8], 7, 4, Some(5), &[]), // a window after a KV cache
     ([1, 4, 2, 1, 9, 8], 8, 128, Some(3), &[]), // one decoding step in a window
-    // Left padding (batched generation): over blocks, one sequence unpadded, a window too.
+    // Left padding (batched generation): over tiles, one sequence unpadded, a window too.
     ([3, 4, 2, 9, 9, 8], 0, 4, None, &[0, 5, 2]),
     ([2, 2, 1, 2, 12, 8], 10, 4, None, &[7, 0]), // decoding steps after a padded prefill
     ([2, 2, 2, 10, 10, 4], 0, 3, Some(4), &[6, 1]),
@@ -187,22 +187,22 @@ fn fused_attention_equals_f64_loops_and_the_materialized_path() {
     let _rng = rng_lock();
     for dtype in [DType::F64, DType::F32, DType::BF16] {
         // f64: both exact to rounding; f32 and bf16: each path rounds on its own (the fused one
-        // in f32 blocks), so relative norms of differences.
+        // in f32 tiles), so relative norms of differences.
         let (val_tol, grad_tol) = match dtype {
             DType::F64 => (1e-12, 1e-10),
             DType::F32 => (1e-5, 1e-4),
             _ => (2e-2, 4e-2),
         };
-        for (n, &(geo, start, block, window, padding)) in CASES.iter().enumerate() {
+        for (n, &(geo, start, tile, window, padding)) in CASES.iter().enumerate() {
             let [b, hq, hkv, s, t, hd] = geo;
             let tag = format!(
-                "{dtype:?} case {n} (b {b} hq {hq} hkv {hkv} s {s} t {t} start {start} block \
-                 {block} window {window:?} padding {padding:?})"
+                "{dtype:?} case {n} (b {b} hq {hq} hkv {hkv} s {s} t {t} start {start} tile \
+                 {tile} window {window:?} padding {padding:?})"
             );
             let inputs = qkv(geo, 11 + n as u64, dtype);
             let w = tensor(uniform(b * hq * s * hd, 99), [b, hq, s, hd], dtype);
             let spec = AttentionSpec {
-                block,
+                tile,
                 window,
                 padding: padding.to_vec(),
                 ..AttentionSpec::causal(start)
@@ -242,7 +242,7 @@ fn fused_attention_equals_f64_loops_and_the_materialized_path() {
     }
 }
 
-/// Dropout regenerated per block is the materialized path's logical mask: the same values and
+/// Dropout regenerated per tile is the materialized path's logical mask: the same values and
 /// gradients, and both equal to the f64 loops with that mask.
 #[test]
 fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
@@ -255,11 +255,11 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
     // This rank's part of the logical mask: batch rows 2..4 of 6, query heads 4..8 of 8.
     let full = [6, 8, s, s];
     let region = [2..4, 4..8, 0..s, 0..s];
-    for block in [2, 4, 128] {
+    for tile in [2, 4, 128] {
         let inputs = qkv([b, hq, hkv, s, s, hd], 3, DType::F64);
         let w = tensor(uniform(b * hq * s * hd, 98), [b, hq, s, hd], DType::F64);
         let spec = AttentionSpec {
-            block,
+            tile,
             dropout: Some(AttentionDropout {
                 p,
                 key,
@@ -270,8 +270,8 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
                 heads: 4..8,
             }),
             start: 0,
-            // With blocks of 2, a window too: dropout's mask inside the band.
-            window: (block == 2).then_some(3),
+            // With tiles of 2, a window too: dropout's mask inside the band.
+            window: (tile == 2).then_some(3),
             padding: Vec::new(),
         };
         let window = spec.window;
@@ -293,7 +293,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             &[],
             Some(&f64s(keep.clone())),
         );
-        let tag = format!("block {block}");
+        let tag = format!("tile {tile}");
         assert_close(&out, &exact, 1e-12, &format!("{tag}: out vs loops"));
         assert_close(
             &want,
@@ -307,7 +307,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
     }
 }
 
-/// Central differences in f64 through q, k and v at once (blocks of 2 over 5 positions, two
+/// Central differences in f64 through q, k and v at once (tiles of 2 over 5 positions, two
 /// query heads per key / value head, a query offset).
 #[test]
 fn fused_attention_passes_a_finite_difference_gradcheck() {
@@ -316,7 +316,7 @@ fn fused_attention_passes_a_finite_difference_gradcheck() {
         let [q, k, v] = qkv([1, 2, 1, 3, 5, 4], 21, DType::F64);
         let w = tensor(uniform(2 * 3 * 4, 22), [1, 2, 3, 4], DType::F64);
         let spec = AttentionSpec {
-            block: 2,
+            tile: 2,
             ..AttentionSpec::causal(2)
         };
         // One input tensor for the checker: q, k, v stacked along the batch dim of a [3, ..].
@@ -373,7 +373,7 @@ fn ids(values: Vec<i64>, s: usize, b: usize) -> Tensor<2, Int> {
 /// online softmax rescales its running sums up to three times), tp 1 and 2, both modes, in f32
 /// (the CPU kernel): the fused attention gives the materialized path's loss and gradients.
 #[test]
-fn the_models_fused_equal_the_materialized_path_over_several_blocks() {
+fn the_models_fused_equal_the_materialized_path_over_several_tiles() {
     let _rng = rng_lock();
     for (s, tile) in [(260usize, 256usize), (14, 4)] {
         let (b, v) = (1usize, 13usize);

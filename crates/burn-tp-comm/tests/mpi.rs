@@ -75,8 +75,14 @@ fn ranks_that_disagree_get_a_mismatch_naming_both_calls_on_every_rank() {
             "{all}"
         );
     }
-    // Both calls are named: the all-gather of 4 and the one of 6 elements.
+    // Both calls are named: the all-gather of 4 and the one of 6 elements; a typed error.
     assert!(all.contains("all_gather of F32 [4]") && all.contains("all_gather of F32 [6]"));
+    for r in 0..2 {
+        assert!(
+            all.contains(&format!("rank {r}: typed Mismatch: true")),
+            "{all}"
+        );
+    }
     // The group still works for nothing after: the next call fails at once.
     assert!(all.contains("then: the group was aborted earlier"), "{all}");
 }
@@ -291,6 +297,9 @@ fn mpi_rank_program() {
             let len = if rank == 1 { 6 } else { 4 };
             let e = pg.all_gather(vec![0f32; len]).unwrap_err();
             println!("\nrank {rank}: mismatch: {e}");
+            // The typed error, not MPI's own (a truncated receive would be MPI_ERR_TRUNCATE).
+            let typed = matches!(e, burn_tp_comm::CommError::Mismatch { .. });
+            println!("\nrank {rank}: typed Mismatch: {typed}");
             let e = pg.barrier().unwrap_err();
             let e = e.to_string();
             let then = &e[e.find("the group").unwrap_or(0)..];

@@ -1,6 +1,6 @@
 //! The command line of `train_gpt`, its checks, and the configurations it describes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use burn::tensor::FloatDType;
 use burn_tp::gpt::GptConfig;
@@ -301,8 +301,8 @@ impl Args {
         self.kv_heads.unwrap_or((self.heads() / 2).max(1))
     }
 
-    /// The size flags given, as `(flag, value)`: the ones `--init-from` refuses.
-    pub(crate) fn size_flags(&self) -> Vec<(&'static str, usize)> {
+    /// The size flags, as `(flag, value if given)`: the ones `--init-from` refuses.
+    fn size_flags(&self) -> [(&'static str, Option<usize>); 5] {
         [
             ("--d-model", self.d_model),
             ("--heads", self.heads),
@@ -310,9 +310,6 @@ impl Args {
             ("--kv-heads", self.kv_heads),
             ("--d-ff", self.d_ff),
         ]
-        .into_iter()
-        .filter_map(|(flag, v)| v.map(|v| (flag, v)))
-        .collect()
     }
 }
 
@@ -378,6 +375,24 @@ pub fn imported_llama_config(args: &Args, hf: &HfConfig) -> LlamaConfig {
     match args.dropout {
         Some(p) => config.with_dropout(p).with_attention_dropout(None),
         None => config,
+    }
+}
+
+/// With a model imported from `init_from`, the first size flag given among `sizes` (`(flag,
+/// value if given)`) as an error naming it: the sizes are the model's config's (`train_gpt` and
+/// `learner_llama` alike).
+pub(crate) fn refuse_sizes(
+    init_from: Option<&Path>,
+    sizes: &[(&str, Option<usize>)],
+) -> Result<(), String> {
+    let given = sizes.iter().find_map(|(f, v)| v.map(|v| (f, v)));
+    match (init_from, given) {
+        (Some(dir), Some((flag, value))) => Err(format!(
+            "{flag} {value} with --init-from {}: the model's sizes come from its config.json \
+             (drop {flag})",
+            dir.display()
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -477,13 +492,7 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
                 .into(),
         );
     }
-    if let (Some(dir), Some((flag, value))) = (&args.init_from, args.size_flags().first()) {
-        return Err(format!(
-            "{flag} {value} with --init-from {}: the model's sizes come from its config.json \
-             (drop {flag})",
-            dir.display()
-        ));
-    }
+    refuse_sizes(args.init_from.as_deref(), &args.size_flags())?;
     if args.recompute_layers && (args.overlap_grad_reduce || args.distributed_optimizer) {
         return Err(
             "--recompute-layers runs one backward per block: its gradients are averaged over dp \

@@ -2,6 +2,25 @@
 
 use super::*;
 
+/// A fresh scratch folder for test `name`, and in it the small text the fine-tunes train on.
+fn scratch(name: &str) -> (PathBuf, PathBuf) {
+    let root = std::env::temp_dir().join(format!("burn-tp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let data = root.join("text.txt");
+    std::fs::write(&data, "hello tensor parallel world. ".repeat(40)).unwrap();
+    (root, data)
+}
+
+/// `train_gpt` with `flags`, writing to `root/out`.
+fn train_gpt_args(flags: &[&str], root: &Path, out: &str) -> burn_tp_examples::train_gpt::Args {
+    use clap::Parser;
+    let out = root.join(out);
+    let argv = ["train_gpt"].iter().chain(flags).copied();
+    let argv = argv.chain(["--out", out.to_str().unwrap()]);
+    burn_tp_examples::train_gpt::Args::try_parse_from(argv).unwrap()
+}
+
 /// Fine-tuning an imported model: `train_gpt --init-from DIR` (the architecture read from DIR:
 /// a Llama, a Phi-3 with its fused tensors and sliding window, a Qwen3 with its q / k norms)
 /// trains the Hugging Face model at tp 2, and at tp 2 x pp 2 (the loss falls from the imported
@@ -14,11 +33,7 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
     use burn_tp_examples::train_gpt::{Args, run};
     use clap::Parser;
     let _rng = rng_lock();
-    let root = std::env::temp_dir().join(format!("burn-tp-finetune-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    let data = root.join("text.txt");
-    std::fs::write(&data, "hello tensor parallel world. ".repeat(40)).unwrap();
+    let (root, data) = scratch("finetune");
     let args = |extra: &[&str], out: &str| {
         let mut argv = vec![
             "train_gpt",
@@ -246,19 +261,14 @@ fn train_gpt_fine_tunes_through_the_model_tokenizer() {
 #[test]
 fn train_gpt_fine_tunes_with_the_imported_models_settings() {
     use burn_tp_examples::corpus::{Codec, Vocab};
-    use burn_tp_examples::train_gpt::{Args, batch, describe, run};
-    use clap::Parser;
+    use burn_tp_examples::train_gpt::{batch, describe, run};
     let _rng = rng_lock();
-    let root = std::env::temp_dir().join(format!("burn-tp-settings-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    let text = "hello tensor parallel world. ".repeat(40);
-    let data = root.join("text.txt");
-    std::fs::write(&data, &text).unwrap();
+    let (root, data) = scratch("settings");
+    let text = std::fs::read_to_string(&data).unwrap();
     let qwen = fixture("qwen2_bias");
     let args = |model: &Path, extra: &[&str], out: &str| {
-        let mut argv: Vec<String> = [
-            "train_gpt",
+        let (data, model) = (data.to_str().unwrap(), model.to_str().unwrap());
+        let mut flags = vec![
             "--quiet",
             "--tp",
             "2",
@@ -271,16 +281,12 @@ fn train_gpt_fine_tunes_with_the_imported_models_settings() {
             "--sample-len",
             "0",
             "--data",
-            data.to_str().unwrap(),
+            data,
             "--init-from",
-            model.to_str().unwrap(),
-        ]
-        .into_iter()
-        .map(String::from)
-        .collect();
-        argv.extend(extra.iter().map(|s| s.to_string()));
-        argv.extend(["--out".into(), root.join(out).to_str().unwrap().into()]);
-        Args::try_parse_from(argv).unwrap()
+            model,
+        ];
+        flags.extend_from_slice(extra);
+        train_gpt_args(&flags, &root, out)
     };
 
     // Step 0's batch through the evaluation path: the imported model at tp 1, off autodiff.
@@ -352,6 +358,7 @@ fn train_gpt_fine_tunes_with_the_imported_models_settings() {
         );
     }
     use burn_tp_examples::learner_llama::{LearnerArgs, run as learner};
+    use clap::Parser;
     let learner_out = root.join("learner");
     let argv = [
         "learner_llama",
@@ -373,21 +380,15 @@ fn train_gpt_fine_tunes_with_the_imported_models_settings() {
 /// window of 5 under 8 positions) and the windowed Mistral (a window of 4), in both modes.
 #[test]
 fn train_gpt_fine_tunes_imported_models_the_same_at_every_tp() {
-    use burn_tp_examples::train_gpt::{Args, run};
-    use clap::Parser;
+    use burn_tp_examples::train_gpt::run;
     let _rng = rng_lock();
-    let root = std::env::temp_dir().join(format!("burn-tp-fine-tp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    let data = root.join("text.txt");
-    std::fs::write(&data, "hello tensor parallel world. ".repeat(40)).unwrap();
+    let (root, data) = scratch("fine-tp");
     for name in ["qwen3", "phi3", "mistral_window"] {
         for mode in ["all-reduce", "reduce-scatter"] {
             let losses = |tp: &str| {
                 let model = fixture(name);
-                let out = root.join(format!("{name}-{mode}-{tp}"));
-                let argv = [
-                    "train_gpt",
+                let (data, model) = (data.to_str().unwrap(), model.to_str().unwrap());
+                let flags = [
                     "--quiet",
                     "--tp",
                     tp,
@@ -404,13 +405,12 @@ fn train_gpt_fine_tunes_imported_models_the_same_at_every_tp() {
                     "--sample-len",
                     "0",
                     "--data",
-                    data.to_str().unwrap(),
+                    data,
                     "--init-from",
-                    model.to_str().unwrap(),
-                    "--out",
-                    out.to_str().unwrap(),
+                    model,
                 ];
-                run(&Args::try_parse_from(argv).unwrap()).unwrap().losses
+                let args = train_gpt_args(&flags, &root, &format!("{name}-{mode}-{tp}"));
+                run(&args).unwrap().losses
             };
             let want = losses("1");
             assert!(

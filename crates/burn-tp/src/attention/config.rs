@@ -5,8 +5,8 @@ use burn::config::Config;
 use burn::tensor::Device;
 use burn_tp_comm::ProcessGroup;
 
-use super::ParallelAttention;
 use super::rotary::{Llama3RopeScaling, rotary};
+use super::{Kernel, ParallelAttention};
 use crate::error::check_divisible;
 use crate::linear::{
     ColumnChunk, ColumnParallelLinearConfig, RowParallelLinearConfig, TpMode, TpSettings,
@@ -176,6 +176,12 @@ impl ParallelAttentionConfig {
             head_dim: hd,
             dropout: self.dropout,
             window: self.sliding_window,
+            kernel: match self.settings.fused_attention {
+                true => Kernel::Fused {
+                    tile: self.settings.attention_tile,
+                },
+                false => Kernel::Materialized,
+            },
         })
     }
 }

@@ -1,5 +1,5 @@
 //! [`fused_attention`]: the attention kernel on `Tensor`s, checked (the backend's
-//! `tp_attention`: the tensor-op blocks of `backend/flash.rs`, or Flex's CPU kernel).
+//! `tp_attention`: the tensor-op tiles of `backend/attention/flash.rs`, or Flex's CPU kernel).
 
 use burn::backend::Dispatch;
 use burn::tensor::Tensor;
@@ -29,18 +29,18 @@ pub fn fused_attention(
         || hkv == 0
         || !hq.is_multiple_of(hkv)
         || t < spec.start + s
-        || spec.block == 0
+        || spec.tile == 0
         || !(spec.padding.is_empty() || spec.padding.len() == b)
     {
         return Err(TpError::Shape {
             op: "fused_attention",
             expected: format!(
                 "q [b, hq, s, hd], k and v [b, hkv, t, hd] with hkv dividing hq and t >= start \
-                 + s = {}, one padding per sequence or none (k {:?}, v {vd:?}, block {}, padding \
+                 + s = {}, one padding per sequence or none (k {:?}, v {vd:?}, tile {}, padding \
                  {:?})",
                 spec.start + s,
                 k.dims(),
-                spec.block,
+                spec.tile,
                 spec.padding
             ),
             got: q.dims().to_vec(),

@@ -63,6 +63,18 @@ pub struct ParallelAttention {
     head_dim: usize,
     dropout: f64,
     window: Option<usize>,
+    /// How its scores are computed: the attention's own setting, from `TpSettings` at init.
+    #[module(skip)]
+    kernel: Kernel,
+}
+
+/// How an attention layer computes its scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// By tiles of `tile` rows and columns, never the `[s, t]` scores (FlashAttention-2).
+    Fused { tile: usize },
+    /// The scores, mask, softmax and probabilities as tracked ops, each kept for the backward.
+    Materialized,
 }
 
 impl ParallelAttention {
@@ -256,7 +268,10 @@ impl ParallelAttention {
                 }
             }),
             window: self.window,
-            block: self.out.spec().settings.attention_tile,
+            tile: match self.kernel {
+                Kernel::Fused { tile } => tile,
+                Kernel::Materialized => crate::backend::attention::mask::TILE,
+            },
             // Relative to the first key kept.
             padding: padding.map_or_else(Vec::new, |p| {
                 p.rows
@@ -266,7 +281,7 @@ impl ParallelAttention {
             }),
             ..AttentionSpec::causal(start)
         };
-        if self.out.spec().settings.fused_attention {
+        if let Kernel::Fused { .. } = self.kernel {
             let ctx = fused_attention(q, k, v, spec)?;
             let ctx = ctx.permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
             return self.out.try_forward(ctx);

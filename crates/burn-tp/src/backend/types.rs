@@ -216,7 +216,7 @@ pub enum TpMode {
     ReduceScatter,
 }
 
-/// The overlap schedule for a gather feeding a matmul (`backend/overlap.rs`).
+/// The overlap schedule for a gather feeding a matmul (`backend/matmul/overlap.rs`).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum OverlapSchedule {
     /// Own shard during the communication, the rest after it (nanotron).

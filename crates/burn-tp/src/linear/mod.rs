@@ -12,7 +12,7 @@
 //! column layer all-gathers its input, the row layer reduce-scatters its output). The row bias is
 //! added once, after the reduction, by every rank to its own output; its gradient is the sum over
 //! the full batch (in RS mode, over every rank's sequence shard), so it stays identical on every
-//! rank. The overlap schedule and its diagram are in `crates/burn-tp/src/backend/overlap.rs`.
+//! rank. The overlap schedule and its diagram are in `crates/burn-tp/src/backend/matmul/overlap.rs`.
 //!
 //! - `column.rs`, `row.rs`: config, module, its [`Reshard`](crate::reshard::Reshard) impl;
 //! - `chunks.rs`: a column layer's contiguous chunks ([`ColumnChunk`]: fused q / k / v of

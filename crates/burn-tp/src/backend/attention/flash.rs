@@ -1,17 +1,17 @@
 //! Causal attention that never materializes the `[s, t]` score matrix (the FlashAttention-2
-//! algorithm, on the backend's tensor ops): the forward walks query blocks and, for each, the key
-//! blocks it can see, with an online softmax; it keeps only the output and each row's
-//! log-sum-exp. The backward walks the same blocks again and recomputes each block's
+//! algorithm, on the backend's tensor ops): the forward walks query tiles and, for each, the key
+//! tiles it can see, with an online softmax; it keeps only the output and each row's
+//! log-sum-exp. The backward walks the same tiles again and recomputes each tile's
 //! probabilities from the log-sum-exp.
 //!
 //! ```text
-//!  q [b, hq, s, hd] ─ rows of query block i, its group's heads stacked per key / value head:
+//!  q [b, hq, s, hd] ─ rows of query tile i, its group's heads stacked per key / value head:
 //!                     [b, hkv, g * Bq, hd]          (g = hq / hkv; no repeated keys / values)
-//!  k, v [b, hkv, t, hd] ─ key block j: [b, hkv, Bk, hd]
+//!  k, v [b, hkv, t, hd] ─ key tile j: [b, hkv, Bk, hd]
 //!
-//!              key blocks j ->
+//!              key tiles j ->
 //!  query    ┌────┬────┬────┬────┐   ■ computed in full   ◩ the diagonal: masked inside
-//!  blocks i │ ◩  │    │    │    │   (blank) skipped: every key is in the query's future
+//!  tiles i │ ◩  │    │    │    │   (blank) skipped: every key is in the query's future
 //!     |     │ ■  │ ◩  │    │    │
 //!     v     │ ■  │ ■  │ ◩  │    │   query i sits at position start + i (the KV cache's offset),
 //!           │ ■  │ ■  │ ■  │ ◩  │   and sees keys 0 ..= start + i
@@ -19,12 +19,12 @@
 //! ```
 //!
 //! With a sliding window of `w` keys, query `i` sees keys `start + i + 1 - w ..= start + i`: the
-//! blocks left of the band are skipped too, and the band's lower edge is masked like the
+//! tiles left of the band are skipped too, and the band's lower edge is masked like the
 //! diagonal.
 //!
-//! Half inputs are computed in f32 block by block (the output is cast back); f32 and f64 in
+//! Half inputs are computed in f32 tile by tile (the output is cast back); f32 and f64 in
 //! their own precision. Dropout of the
-//! probabilities is the logical mask of [`crate::dropout`], regenerated per block, so it is the
+//! probabilities is the logical mask of [`crate::dropout`], regenerated per tile, so it is the
 //! same mask as the materialized path's at every tp.
 
 use std::ops::Range;
@@ -34,7 +34,7 @@ use burn::tensor::{Shape, TensorData};
 use burn_std::Scalar;
 
 use crate::backend::TpBackend;
-use crate::backend::attention::mask::{AttentionDropout, AttentionSpec};
+use crate::backend::attention::mask::{AttentionDropout, AttentionSpec, tiles};
 use crate::backend::collective::host::{slice_dim, widen};
 use crate::backend::fused::dropout::dropout_mask_values;
 
@@ -42,7 +42,7 @@ use crate::backend::fused::dropout::dropout_mask_values;
 /// log-sum-exp.
 #[derive(Clone, Debug)]
 pub(crate) enum Lse<B: Backend> {
-    /// Per query block, `[b, hkv, g * Bq, 1]` in the compute dtype (the tensor-op path).
+    /// Per query tile, `[b, hkv, g * Bq, 1]` in the compute dtype (the tensor-op path).
     Blocks(Vec<FloatTensor<B>>),
     /// `[b, hq, s]` in f32 (the CPU kernel, `flash_cpu.rs`).
     Rows(FloatTensor<B>),
@@ -83,7 +83,7 @@ impl Geometry {
         self.hq / self.hkv
     }
 
-    /// Query block `rows` of `x` (`[b, hq, s, c]`) as `[b, hkv, g * rows, c]`, widened (see
+    /// Query tile `rows` of `x` (`[b, hq, s, c]`) as `[b, hkv, g * rows, c]`, widened (see
     /// [`widen`]).
     fn stack<B: Backend>(&self, x: FloatTensor<B>, rows: Range<usize>) -> FloatTensor<B> {
         let c = x.shape()[3];
@@ -99,11 +99,7 @@ impl Geometry {
     }
 }
 
-fn blocks(n: usize, block: usize) -> impl Iterator<Item = Range<usize>> {
-    (0..n.div_ceil(block)).map(move |i| i * block..((i + 1) * block).min(n))
-}
-
-/// Scores `[b, hkv, g * Bq, Bk]` of the (pre-scaled) stacked queries against key block `kb`,
+/// Scores `[b, hkv, g * Bq, Bk]` of the (pre-scaled) stacked queries against key tile `kb`,
 /// the keys a query does not see (its future, those before its window) masked to `-inf`.
 fn scores<B: TpBackend>(
     geo: &Geometry,
@@ -136,9 +132,9 @@ fn scores<B: TpBackend>(
     B::float_mask_fill(s, mask, Scalar::Float(f64::NEG_INFINITY))
 }
 
-/// The scaled keep mask (`0` or `1 / (1 - p)`) of block (`rows`, `cols`), stacked as the scores,
+/// The scaled keep mask (`0` or `1 / (1 - p)`) of tile (`rows`, `cols`), stacked as the scores,
 /// in `dtype`.
-fn dropout_block<B: Backend>(
+fn dropout_tile<B: Backend>(
     geo: &Geometry,
     d: &AttentionDropout,
     rows: &Range<usize>,
@@ -159,7 +155,7 @@ fn dropout_block<B: Backend>(
 }
 
 /// The forward: the output `[b, hq, s, hd]` (in q's dtype, laid out as `[s, b, hq, hd]`) and
-/// each query block's log-sum-exp.
+/// each query tile's log-sum-exp.
 ///
 /// Shapes: `q` `[b, hq, s, hd]`, `k`, `v` `[b, hkv, t, hd]` with `hkv` dividing `hq` (each key
 /// / value head serves `hq / hkv` consecutive query heads) and `t >= spec.start + s`.
@@ -179,13 +175,13 @@ pub(crate) fn forward<B: TpBackend>(
     let device = q.device();
     let mut outs = Vec::new();
     let mut lses = Vec::new();
-    for rows in blocks(geo.s, spec.block) {
+    for rows in tiles(geo.s, spec.tile) {
         let qb = B::float_mul_scalar(
             geo.stack::<B>(q.clone(), rows.clone()),
             Scalar::Float(scale),
         );
         let mut state: Option<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> = None;
-        for cols in blocks(geo.t, spec.block) {
+        for cols in tiles(geo.t, spec.tile) {
             let (seen, masked) = spec.visible(&rows, &cols);
             if !seen {
                 continue;
@@ -194,26 +190,26 @@ pub(crate) fn forward<B: TpBackend>(
             let kb = widen::<B>(slice_dim::<B>(k.clone(), 2, cols.clone()));
             let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
             let s = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
-            let block_max = B::float_max_dim(s.clone(), 3);
-            // A row whose window starts after this block, or whose padding covers it, has no
+            let tile_max = B::float_max_dim(s.clone(), 3);
+            // A row whose window starts after this tile, or whose padding covers it, has no
             // key in it: a finite floor keeps `s - max` at `-inf` (probability 0) instead of
             // `-inf - -inf`.
-            let block_max = if spec.window.is_some() || !spec.padding.is_empty() {
-                B::float_clamp_min(block_max, Scalar::Float(-1e30))
+            let tile_max = if spec.window.is_some() || !spec.padding.is_empty() {
+                B::float_clamp_min(tile_max, Scalar::Float(-1e30))
             } else {
-                block_max
+                tile_max
             };
-            // The running max over the blocks seen so far.
+            // The running max over the tiles seen so far.
             let m_new = match &state {
-                None => block_max,
-                Some((m, _, _)) => B::float_max_dim(B::float_cat(vec![m.clone(), block_max], 3), 3),
+                None => tile_max,
+                Some((m, _, _)) => B::float_max_dim(B::float_cat(vec![m.clone(), tile_max], 3), 3),
             };
             let p = B::float_exp(B::float_sub(s, m_new.clone()));
             // The normalizer sums the undropped probabilities; the output the kept ones.
             let row_sum = B::float_sum_dim(p.clone(), 3);
             let p = match &spec.dropout {
                 Some(d) => {
-                    let keep = dropout_block::<B>(&geo, d, &rows, &cols, &device, p.dtype());
+                    let keep = dropout_tile::<B>(&geo, d, &rows, &cols, &device, p.dtype());
                     B::float_mul(p, keep)
                 }
                 None => p,
@@ -222,7 +218,7 @@ pub(crate) fn forward<B: TpBackend>(
             let (l, acc) = match state.take() {
                 None => (row_sum, pv),
                 Some((m, l, acc)) => {
-                    // Earlier blocks' sums and outputs, rescaled to the new max.
+                    // Earlier tiles' sums and outputs, rescaled to the new max.
                     let alpha = B::float_exp(B::float_sub(m, m_new.clone()));
                     (
                         B::float_add(B::float_mul(l, alpha.clone()), row_sum),
@@ -283,9 +279,9 @@ pub(crate) fn backward<B: TpBackend>(
     let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
     let scale = 1.0 / (geo.hd as f64).sqrt();
     let device = q.device();
-    let q_blocks: Vec<Range<usize>> = blocks(geo.s, spec.block).collect();
-    // Per query block: the scaled queries, the upstream gradient, and D = rowsum(dO * O).
-    let prepared: Vec<_> = q_blocks
+    let q_tiles: Vec<Range<usize>> = tiles(geo.s, spec.tile);
+    // Per query tile: the scaled queries, the upstream gradient, and D = rowsum(dO * O).
+    let prepared: Vec<_> = q_tiles
         .iter()
         .map(|rows| {
             let qb = B::float_mul_scalar(
@@ -298,18 +294,18 @@ pub(crate) fn backward<B: TpBackend>(
             (qb, gb, d)
         })
         .collect();
-    let mut dq: Vec<Option<FloatTensor<B>>> = vec![None; q_blocks.len()];
+    let mut dq: Vec<Option<FloatTensor<B>>> = vec![None; q_tiles.len()];
     let mut dks = Vec::new();
     let mut dvs = Vec::new();
     let add = |acc: Option<FloatTensor<B>>, x: FloatTensor<B>| match acc {
         Some(a) => B::float_add(a, x),
         None => x,
     };
-    for cols in blocks(geo.t, spec.block) {
+    for cols in tiles(geo.t, spec.tile) {
         let kb = widen::<B>(slice_dim::<B>(k.clone(), 2, cols.clone()));
         let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
         let (mut dk, mut dv) = (None, None);
-        for (i, rows) in q_blocks.iter().enumerate() {
+        for (i, rows) in q_tiles.iter().enumerate() {
             let (seen, masked) = spec.visible(rows, &cols);
             if !seen {
                 continue;
@@ -321,7 +317,7 @@ pub(crate) fn backward<B: TpBackend>(
             let keep = spec
                 .dropout
                 .as_ref()
-                .map(|dr| dropout_block::<B>(&geo, dr, rows, &cols, &device, p.dtype()));
+                .map(|dr| dropout_tile::<B>(&geo, dr, rows, &cols, &device, p.dtype()));
             let p_kept = match &keep {
                 Some(m) => B::float_mul(p.clone(), m.clone()),
                 None => p.clone(),
@@ -357,7 +353,7 @@ pub(crate) fn backward<B: TpBackend>(
     }
     let dq = dq
         .into_iter()
-        .zip(&q_blocks)
+        .zip(&q_tiles)
         .map(|(g, rows)| {
             let g = g.expect("every query sees its own key");
             B::float_cast(geo.unstack::<B>(g, rows.len()), q_dtype.into())

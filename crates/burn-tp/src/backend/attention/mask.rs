@@ -1,13 +1,13 @@
 //! Which keys a query sees: [`AttentionSpec`], the one visibility rule (causal, sliding window,
-//! left padding) of the attention kernels (`flash.rs`'s tensor-op blocks, `flash_cpu.rs`'s CPU
+//! left padding) of the attention kernels (`flash.rs`'s tensor-op tiles, `flash_cpu.rs`'s CPU
 //! kernel) and of the materialized path (`crate::attention`), and the dropout of one call.
 
 use std::ops::Range;
 
 use crate::backend::fused::dropout::DropoutKey;
 
-/// Rows of a query block and columns of a key block.
-pub const BLOCK: usize = 256;
+/// Rows of a query tile and columns of a key tile (the default of `TpSettings::attention_tile`).
+pub const TILE: usize = 256;
 
 /// What one attention call needs besides q, k and v.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,11 +17,11 @@ pub struct AttentionSpec {
     pub start: usize,
     /// Dropout of the probabilities, if any.
     pub dropout: Option<AttentionDropout>,
-    /// Query rows (and key columns) per block.
-    pub block: usize,
+    /// Query rows (and key columns) per tile.
+    pub tile: usize,
     /// A sliding window (Mistral's, Phi-3's): query `i` sees only the `window` keys
     /// `start + i + 1 - window ..= start + i` (transformers' `kv_idx > q_idx - sliding_window`),
-    /// and the key blocks wholly before its window are skipped; `None` for every key before it.
+    /// and the key tiles wholly before its window are skipped; `None` for every key before it.
     pub window: Option<usize>,
     /// Left padding per sequence (empty: none): sequence `b`'s keys before `padding[b]` are
     /// hidden from every query but the one at their own position (batched generation's
@@ -50,12 +50,12 @@ pub struct AttentionDropout {
 }
 
 impl AttentionSpec {
-    /// Causal attention from position `start`, no dropout, blocks of 256 rows.
+    /// Causal attention from position `start`, no dropout, tiles of 256 rows.
     pub fn causal(start: usize) -> Self {
         Self {
             start,
             dropout: None,
-            block: BLOCK,
+            tile: TILE,
             window: None,
             padding: Vec::new(),
         }
@@ -87,7 +87,7 @@ impl AttentionSpec {
             .map_or(0, |w| (self.start + i + 1).saturating_sub(w))
     }
 
-    /// Whether some query of block `rows` sees some key of block `cols` (else the block is
+    /// Whether some query of tile `rows` sees some key of tile `cols` (else the tile is
     /// skipped), and whether some key of it is hidden from some query (then it is masked).
     pub(crate) fn visible(&self, rows: &Range<usize>, cols: &Range<usize>) -> (bool, bool) {
         let (first_query, last_query) = (self.start + rows.start, self.start + rows.end - 1);
@@ -95,4 +95,11 @@ impl AttentionSpec {
         let masked = cols.end - 1 > first_query || cols.start < self.first_key(rows.end - 1);
         (seen, masked)
     }
+}
+
+/// `0..n` cut into tiles of `tile` (the last one shorter).
+pub(crate) fn tiles(n: usize, tile: usize) -> Vec<Range<usize>> {
+    (0..n.div_ceil(tile))
+        .map(|i| i * tile..((i + 1) * tile).min(n))
+        .collect()
 }

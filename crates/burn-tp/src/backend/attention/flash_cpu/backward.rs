@@ -87,11 +87,11 @@ impl Task<'_> {
         let (g, mk) = (self.heads.len(), cols.len());
         let gn = g * rows.len();
         let p = &mut p[..gn * mk];
-        block_scores(p, &qt.q, k, [self.bi, self.kh], g, rows, cols, spec);
+        tile_scores(p, &qt.q, k, [self.bi, self.kh], g, rows, cols, spec);
         for (row, &l) in p.chunks_mut(mk).zip(&qt.lse) {
             exp_shifted(row, l);
         }
-        let keep = keep_block(spec, self.lengths, self.bi, self.heads.clone(), rows, cols);
+        let keep = keep_tile(spec, self.lengths, self.bi, self.heads.clone(), rows, cols);
         // dV += (P * keep)^T dO.
         let pk: std::borrow::Cow<[f32]> = match &keep {
             Some(keep) => p
@@ -188,8 +188,8 @@ pub(crate) fn backward<B: Backend>(
     let [_, hkv, t, _] = k.dims;
     let g = hq / hkv;
     let scale = 1.0 / (hd as f32).sqrt();
-    let q_blocks = blocks(s, spec.block);
-    let k_blocks = blocks(t, spec.block);
+    let q_tiles = tiles(s, spec.tile);
+    let k_tiles = tiles(t, spec.tile);
     let mut dq = vec![0.0f32; b * hq * s * hd];
     let mut dk = vec![0.0f32; b * hkv * t * hd];
     let mut dv = vec![0.0f32; b * hkv * t * hd];
@@ -213,21 +213,21 @@ pub(crate) fn backward<B: Backend>(
             heads: kh * g..(kh + 1) * g,
             lengths: [s, t],
         };
-        let query_tiles: Vec<QueryTile> = q_blocks
+        let query_tiles: Vec<QueryTile> = q_tiles
             .iter()
             .map(|rows| task.query_tile(&o, &d_o, lse, rows))
             .collect();
-        let mut dqp: Vec<Vec<f32>> = q_blocks
+        let mut dqp: Vec<Vec<f32>> = q_tiles
             .iter()
             .map(|r| vec![0.0f32; g * r.len() * hd])
             .collect();
-        let mut p = vec![0.0f32; g * spec.block * spec.block];
-        let mut dp = vec![0.0f32; g * spec.block * spec.block];
-        for cols in &k_blocks {
+        let mut p = vec![0.0f32; g * spec.tile * spec.tile];
+        let mut dp = vec![0.0f32; g * spec.tile * spec.tile];
+        for cols in &k_tiles {
             let mk = cols.len();
             let mut dkb = vec![0.0f32; mk * hd];
             let mut dvb = vec![0.0f32; mk * hd];
-            for (i, rows) in q_blocks.iter().enumerate() {
+            for (i, rows) in q_tiles.iter().enumerate() {
                 if spec.visible(rows, cols).0 {
                     let scratch = [&mut p[..], &mut dp[..]];
                     task.tile(
@@ -249,8 +249,8 @@ pub(crate) fn backward<B: Backend>(
             }
         }
         let heads = task.heads;
-        for (rows, block) in q_blocks.iter().zip(&dqp) {
-            for (r, row) in block.chunks(hd).enumerate() {
+        for (rows, tile) in q_tiles.iter().zip(&dqp) {
+            for (r, row) in tile.chunks(hd).enumerate() {
                 let (h, qi) = (heads.start + r / rows.len(), rows.start + r % rows.len());
                 // Safety: query heads `heads` of batch bi belong to this task only.
                 unsafe {

@@ -17,9 +17,9 @@ pub(crate) fn forward<B: Backend>(
     let [_, hkv, t, _] = k.dims;
     let g = hq / hkv;
     let scale = 1.0 / (hd as f32).sqrt();
-    let q_blocks = blocks(s, spec.block);
-    let k_blocks = blocks(t, spec.block);
-    let nq = q_blocks.len();
+    let q_tiles = tiles(s, spec.tile);
+    let k_tiles = tiles(t, spec.tile);
+    let nq = q_tiles.len();
     let mut out = vec![0.0f32; s * b * hq * hd];
     let mut lse = vec![0.0f32; b * hq * s];
     let (out_ptr, lse_ptr) = (Out(out.as_mut_ptr()), Out(lse.as_mut_ptr()));
@@ -27,7 +27,7 @@ pub(crate) fn forward<B: Backend>(
         .flat_map(|bi| (0..hkv).flat_map(move |kh| (0..nq).map(move |i| (bi, kh, i))))
         .collect();
     tasks.into_par_iter().for_each(|(bi, kh, i)| {
-        let rows = q_blocks[i].clone();
+        let rows = q_tiles[i].clone();
         let n = rows.len();
         let gn = g * n;
         let heads = kh * g..(kh + 1) * g;
@@ -36,20 +36,20 @@ pub(crate) fn forward<B: Backend>(
         let mut acc = vec![0.0f32; gn * hd];
         let mut m = vec![f32::NEG_INFINITY; gn];
         let mut l = vec![0.0f32; gn];
-        let mut sc = vec![0.0f32; gn * spec.block];
+        let mut sc = vec![0.0f32; gn * spec.tile];
         let vd = v.data();
-        for cols in &k_blocks {
+        for cols in &k_tiles {
             if !spec.visible(&rows, cols).0 {
                 continue;
             }
             let mk = cols.len();
             let tile = &mut sc[..gn * mk];
-            block_scores(tile, &qp, &k, [bi, kh], g, &rows, cols, spec);
-            let keep = keep_block(spec, [s, t], bi, heads.clone(), &rows, cols);
+            tile_scores(tile, &qp, &k, [bi, kh], g, &rows, cols, spec);
+            let keep = keep_tile(spec, [s, t], bi, heads.clone(), &rows, cols);
             for (r, row) in tile.chunks_mut(mk).enumerate() {
                 let new_max = m[r].max(max(row));
                 if new_max == f32::NEG_INFINITY {
-                    // The row's window starts after this block: nothing seen yet.
+                    // The row's window starts after this tile: nothing seen yet.
                     row.fill(0.0);
                     continue;
                 }

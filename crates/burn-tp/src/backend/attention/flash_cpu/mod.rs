@@ -1,8 +1,8 @@
-//! The fused attention's blocks as one CPU kernel on Flex's storage (f32; half inputs widened to
-//! f32): the same algorithm as [`crate::backend::attention::flash`] (the diagram there), with each block's scores in
+//! The fused attention's tiles as one CPU kernel on Flex's storage (f32; half inputs widened to
+//! f32): the same algorithm as [`crate::backend::attention::flash`] (the diagram there), with each tile's scores in
 //! a scratch tile between two GEMM calls (the `gemm` crate Flex's matmul runs on) instead of a
 //! chain of tensor ops, each a pass over memory. Work is split over (batch, key / value head,
-//! query block) in the forward and over (batch, key / value head) in the backward (each task
+//! query tile) in the forward and over (batch, key / value head) in the backward (each task
 //! owns its heads' `dq` rows: no two tasks write one element), on the calling rank's rayon pool.
 //!
 //! q, k, v and `dO` are read in place through their strides; the output is written as
@@ -21,7 +21,7 @@ use burn::tensor::{DType, FloatDType, Shape, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
-use crate::backend::attention::mask::AttentionSpec;
+use crate::backend::attention::mask::{AttentionSpec, tiles};
 use crate::backend::fused::dropout::dropout_mask_values;
 
 /// `t` as a Flex tensor, if `B` is Flex.
@@ -235,13 +235,7 @@ impl Out {
     }
 }
 
-fn blocks(n: usize, block: usize) -> Vec<std::ops::Range<usize>> {
-    (0..n.div_ceil(block))
-        .map(|i| i * block..((i + 1) * block).min(n))
-        .collect()
-}
-
-/// The scores of one block with the keys a query does not see (its future, those before its
+/// The scores of one tile with the keys a query does not see (its future, those before its
 /// window) set to `-inf`.
 fn mask_hidden(
     s: &mut [f32],
@@ -272,11 +266,11 @@ fn mask_hidden(
     }
 }
 
-/// The scores of block (`rows`, `cols`) of key / value head `kh` of batch `bi` into `tile`
-/// (`[g * rows, cols]`): the packed, scaled queries `qp` times the block's keys, with the keys
+/// The scores of tile (`rows`, `cols`) of key / value head `kh` of batch `bi` into `tile`
+/// (`[g * rows, cols]`): the packed, scaled queries `qp` times the tile's keys, with the keys
 /// a query does not see at `-inf`.
 #[allow(clippy::too_many_arguments)]
-fn block_scores(
+fn tile_scores(
     tile: &mut [f32],
     qp: &[f32],
     k: &View,
@@ -304,8 +298,8 @@ fn block_scores(
     }
 }
 
-/// The keep mask (scaled) of block (`rows`, `cols`) for batch `bi`'s heads `heads` (local).
-fn keep_block(
+/// The keep mask (scaled) of tile (`rows`, `cols`) for batch `bi`'s heads `heads` (local).
+fn keep_tile(
     spec: &AttentionSpec,
     [s, t]: [usize; 2],
     bi: usize,
