@@ -53,8 +53,20 @@ pub fn loss_png(path: &Path, curves: &LossCurves) -> Result<(), String> {
         .filter(|l| l.is_finite())
         .fold(curves.reference, f64::max)
         * 1.05;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(curves.title, ("sans-serif", 22))
+    // The title wrapped at word boundaries (an imported model's description is long), one line
+    // per 24 pixels above the chart.
+    let lines = wrap(curves.title, 84);
+    let (top, area) = root.split_vertically(16 + 24 * lines.len() as u32);
+    for (i, line) in lines.iter().enumerate() {
+        let at = (20, 12 + 24 * i as i32);
+        top.draw(&Text::new(
+            line.as_str(),
+            at,
+            ("sans-serif", 19).into_font(),
+        ))
+        .map_err(|e| err(&e))?;
+    }
+    let mut chart = ChartBuilder::on(&area)
         .margin(20)
         .x_label_area_size(50)
         .y_label_area_size(70)
@@ -119,4 +131,31 @@ pub fn loss_png(path: &Path, curves: &LossCurves) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// `text` cut at spaces into lines of at most `width` characters (a longer word alone).
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for word in text.split(' ') {
+        match lines.last_mut() {
+            Some(line) if line.chars().count() + 1 + word.chars().count() <= width => {
+                line.push(' ');
+                line.push_str(word);
+            }
+            _ => lines.push(word.to_string()),
+        }
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wrap;
+
+    #[test]
+    fn a_title_wraps_at_spaces_within_the_width() {
+        assert_eq!(wrap("ab cd ef", 5), vec!["ab cd", "ef"]);
+        assert_eq!(wrap("abcdefgh ij", 4), vec!["abcdefgh", "ij"]);
+        assert_eq!(wrap("short", 80), vec!["short"]);
+    }
 }
