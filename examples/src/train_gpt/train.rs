@@ -76,6 +76,39 @@ struct Optimizer {
     replicated: Option<ReplicatedGrads>,
 }
 
+impl Optimizer {
+    /// The step after a backward: `grads` (of `working`, the model the forward ran: `model`
+    /// itself, or its bf16 copy whose parameters have the master's ids) reduced over dp in f32
+    /// (the buckets finished, or averaged now; the replicated parameters' tp sum, which
+    /// commutes with it), then AdamW on `model`; or the distributed optimizer's step (this
+    /// rank's chunks of the f32 average, stepped, gathered).
+    fn step<M: LanguageModel>(
+        &mut self,
+        lr: f64,
+        model: M,
+        working: &M,
+        mut grads: GradientsParams,
+        dp_group: &ProcessGroup,
+    ) -> BoxResult<M> {
+        if let Some(z) = &mut self.zero {
+            cast_grads(working, &mut grads, FloatDType::F32);
+            return Ok(z.step(lr, model, grads)?);
+        }
+        // Half-precision gradients accumulate in f32 in the reducer.
+        if let Some(r) = &self.reducer {
+            r.finish(working, &mut grads)?;
+        }
+        cast_grads(working, &mut grads, FloatDType::F32);
+        if let Some(r) = &self.replicated {
+            r.finish(working, &mut grads)?;
+        }
+        if self.reducer.is_none() {
+            average_gradients(&model, &mut grads, dp_group)?;
+        }
+        Ok(self.adamw.step(lr, model, grads))
+    }
+}
+
 pub(super) fn train_rank<M: Trainable>(
     args: &Args,
     config: &M::Config,
@@ -472,28 +505,12 @@ impl<M: Trainable> Rank<'_, M> {
             return Ok((model, value));
         }
         // The copy's parameters have the master's ids: its gradients, in f32, step the master.
-        let mut grads = match recomputed {
+        let grads = match recomputed {
             Some(grads) => grads,
             None => GradientsParams::from_grads(loss.backward(), &working),
         };
-        if let Some(z) = &mut optim.zero {
-            // This rank's chunks of the f32 average, stepped, gathered.
-            cast_grads(&working, &mut grads, FloatDType::F32);
-            return Ok((z.step(args.lr, model, grads)?, value));
-        }
-        // Averaged in f32 (half-precision gradients accumulate in f32 in the reducer); the tp
-        // sum of the replicated parameters' gradients and the dp average commute.
-        if let Some(r) = &optim.reducer {
-            r.finish(&working, &mut grads)?;
-        }
-        cast_grads(&working, &mut grads, FloatDType::F32);
-        if let Some(r) = &optim.replicated {
-            r.finish(&working, &mut grads)?;
-        }
-        if optim.reducer.is_none() {
-            average_gradients(&model, &mut grads, &self.dp_group)?;
-        }
-        Ok((optim.adamw.step(args.lr, model, grads), value))
+        let model = optim.step(args.lr, model, &working, grads, &self.dp_group)?;
+        Ok((model, value))
     }
 
     /// A step through the pipeline: the micro-batches' forwards and backwards in the schedule's
@@ -537,22 +554,8 @@ impl<M: Trainable> Rank<'_, M> {
         if !value.is_finite() && !args.keep_going {
             return Ok((model, value));
         }
-        let mut grads = out.grads;
-        if let Some(z) = &mut optim.zero {
-            cast_grads(&working, &mut grads, FloatDType::F32);
-            return Ok((z.step(args.lr, model, grads)?, value));
-        }
-        if let Some(r) = &optim.reducer {
-            r.finish(&working, &mut grads)?;
-        }
-        cast_grads(&working, &mut grads, FloatDType::F32);
-        if let Some(r) = &optim.replicated {
-            r.finish(&working, &mut grads)?;
-        }
-        if optim.reducer.is_none() {
-            average_gradients(&model, &mut grads, &self.dp_group)?;
-        }
-        Ok((optim.adamw.step(args.lr, model, grads), value))
+        let model = optim.step(args.lr, model, &working, out.grads, &self.dp_group)?;
+        Ok((model, value))
     }
 
     /// This dp rank's part of step `step`'s batch: ids and targets `[seq, batch / dp]`.
