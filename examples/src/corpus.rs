@@ -215,3 +215,51 @@ pub fn unigram_entropy(tokens: &[i64], vocab: usize) -> f64 {
         .map(|p| -p * p.ln())
         .sum()
 }
+
+/// The text `train_gpt` and `learner_llama` train on (`data`, or the built-in corpus) as tokens:
+/// through the imported model's `tokenizer.json` when `init_from` has one, else its characters
+/// (in sorted order). Returns the codec (to decode samples) and the tokens.
+///
+/// # Errors
+/// An unreadable file or tokenizer, as text.
+pub fn load_tokens(
+    data: Option<&Path>,
+    init_from: Option<&Path>,
+) -> Result<(Codec, Vec<i64>), String> {
+    let text = match data {
+        Some(path) => {
+            std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?
+        }
+        None => builtin(200_000),
+    };
+    let hf_codec = match init_from {
+        Some(dir) => Codec::from_model_dir(dir)?,
+        None => None,
+    };
+    let codec = hf_codec.unwrap_or_else(|| Codec::Chars(Vocab::new(&text)));
+    let tokens = codec.encode(&text, false)?;
+    Ok((codec, tokens))
+}
+
+/// Whether `codec`'s tokens fit the vocabulary (`vocab_size`) of the model imported from `dir`:
+/// an error naming both where they do not (the text's characters, or its tokenizer's size).
+///
+/// # Errors
+/// As said.
+pub fn check_fits(codec: &Codec, dir: &Path, vocab_size: usize) -> Result<(), String> {
+    if codec.len() <= vocab_size {
+        return Ok(());
+    }
+    let what = match codec {
+        Codec::Chars(_) => format!("the text has {} distinct characters", codec.len()),
+        Codec::Hf(_) => format!(
+            "{} has {} tokens",
+            dir.join(TOKENIZER_FILE).display(),
+            codec.len()
+        ),
+    };
+    Err(format!(
+        "--init-from {}: {what}, more than the model's vocabulary of {vocab_size}",
+        dir.display()
+    ))
+}

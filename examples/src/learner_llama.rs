@@ -21,7 +21,7 @@ use burn_train::renderer::CliMetricsRenderer;
 use burn_train::{Learner, SupervisedTraining};
 use clap::Parser;
 
-use crate::corpus::{self, Codec, Vocab};
+use crate::corpus;
 use crate::learner::{LmBatcher, LmLearner, PerplexityMetric, TokensPerSecond, Windows};
 pub use crate::train_gpt::{DeviceKind, Transport};
 
@@ -124,18 +124,7 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
             args.tp, args.dp, args.epochs, args.batch
         ));
     }
-    let text = match &args.data {
-        Some(path) => {
-            std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?
-        }
-        None => corpus::builtin(200_000),
-    };
-    let hf_codec = match &args.init_from {
-        Some(dir) => Codec::from_model_dir(dir)?,
-        None => None,
-    };
-    let codec = hf_codec.unwrap_or_else(|| Codec::Chars(Vocab::new(&text)));
-    let tokens = codec.encode(&text, false)?;
+    let (codec, tokens) = corpus::load_tokens(args.data.as_deref(), args.init_from.as_deref())?;
     let split = tokens.len() * 9 / 10;
     let mut train = tokens[..split].to_vec();
     if let Some(n) = args.max_sequences {
@@ -165,15 +154,7 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
     let (config, init_from) = match &args.init_from {
         Some(dir) => {
             let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
-            if codec.len() > hf.vocab_size {
-                return Err(format!(
-                    "--init-from {}: the data has {} distinct tokens, more than the model's \
-                     vocabulary of {}",
-                    dir.display(),
-                    codec.len(),
-                    hf.vocab_size
-                ));
-            }
+            corpus::check_fits(&codec, dir, hf.vocab_size)?;
             let config = hf.llama_config(settings);
             let config = match args.dropout {
                 Some(p) => config.with_dropout(p).with_attention_dropout(None),

@@ -37,7 +37,7 @@ pub use args::*;
 pub use banner::{describe, overlap_path};
 pub use trainable::Trainable;
 
-use crate::corpus::{self, Codec, TOKENIZER_FILE, Vocab};
+use crate::corpus::{self, Codec};
 use crate::eval::Data;
 use launch::launch;
 #[cfg(feature = "cuda")]
@@ -96,19 +96,8 @@ pub struct Report {
 /// Bad arguments, unreadable data, or a failure on any rank, as text.
 pub fn run(args: &Args) -> Result<Report, String> {
     check(args)?;
-    let text = match &args.data {
-        Some(path) => {
-            std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?
-        }
-        None => corpus::builtin(200_000),
-    };
     // The imported model's own tokenizer when its folder has one; characters otherwise.
-    let hf_codec = match &args.init_from {
-        Some(dir) => Codec::from_model_dir(dir)?,
-        None => None,
-    };
-    let codec = hf_codec.unwrap_or_else(|| Codec::Chars(Vocab::new(&text)));
-    let tokens = codec.encode(&text, false)?;
+    let (codec, tokens) = corpus::load_tokens(args.data.as_deref(), args.init_from.as_deref())?;
     let unit = match &codec {
         Codec::Chars(_) => "characters",
         Codec::Hf(_) => "tokens",
@@ -144,23 +133,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
             let config = match &args.init_from {
                 Some(dir) => {
                     let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
-                    if codec.len() > hf.vocab_size {
-                        let what = match &codec {
-                            Codec::Chars(_) => {
-                                format!("the text has {} distinct characters", codec.len())
-                            }
-                            Codec::Hf(_) => format!(
-                                "{} has {} tokens",
-                                dir.join(TOKENIZER_FILE).display(),
-                                codec.len()
-                            ),
-                        };
-                        return Err(format!(
-                            "--init-from {}: {what}, more than the model's vocabulary of {}",
-                            dir.display(),
-                            hf.vocab_size
-                        ));
-                    }
+                    corpus::check_fits(&codec, dir, hf.vocab_size)?;
                     imported_llama_config(args, &hf)
                 }
                 None => llama_config(args, codec.len()),
