@@ -35,8 +35,7 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
     let _rng = rng_lock();
     let (root, data) = scratch("finetune");
     let args = |extra: &[&str], out: &str| {
-        let mut argv = vec![
-            "train_gpt",
+        let mut flags = vec![
             "--quiet",
             "--tp",
             "2",
@@ -55,11 +54,8 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
             "--data",
             data.to_str().unwrap(),
         ];
-        argv.extend_from_slice(extra);
-        let out = root.join(out);
-        let mut argv: Vec<String> = argv.into_iter().map(String::from).collect();
-        argv.extend(["--out".to_string(), out.to_str().unwrap().to_string()]);
-        Args::try_parse_from(argv).unwrap()
+        flags.extend_from_slice(extra);
+        train_gpt_args(&flags, &root, out)
     };
     // The tied Llama also through a pipeline of 2 stages (each stage's blocks, the export read
     // back from the whole checkpoint).
