@@ -12,12 +12,14 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::attention::{DecodeCache, ParallelAttention, ParallelAttentionConfig};
-use crate::decoder::{Decoder, DecoderBlock};
+use crate::decoder::DecoderBlock;
+use crate::dropout::DropoutStep;
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::error::check_divisible;
 use crate::init::init_replicated;
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
+use crate::model::{LanguageModel, count_params};
 use crate::norm::{TpLayerNorm, replicated_param};
 use crate::transformer::{ParallelMlp, ParallelMlpConfig};
 use crate::{Result as TpResult, TpError};
@@ -204,32 +206,9 @@ impl GptConfig {
 }
 
 impl Gpt {
-    /// The tensor-parallel group.
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
     /// Run-time options.
     pub fn options(&self) -> GptOptions {
         self.options
-    }
-
-    /// The whole model's index of each block held, in order (all of them, but on a pipeline
-    /// stage: [`LanguageModel::keep_layers`](crate::model::LanguageModel::keep_layers)).
-    pub fn block_ids(&self) -> &[usize] {
-        &self.block_ids
-    }
-
-    pub(crate) fn keep_blocks(&mut self, layers: &[usize]) {
-        crate::decoder::keep_blocks("Gpt", &mut self.blocks, &mut self.block_ids, layers);
-    }
-
-    /// Block `index` of the whole model, if held.
-    pub(crate) fn block_at(
-        &self,
-        index: usize,
-    ) -> TpResult<&<Self as crate::decoder::Decoder>::Block> {
-        crate::decoder::block_at("Gpt", &self.blocks, &self.block_ids, index)
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
@@ -278,41 +257,7 @@ impl Gpt {
     /// # Errors
     /// As [`forward`](Self::forward)'s panics.
     pub fn try_forward(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
-        let mut x = self.embed(ids)?;
-        for block in &self.blocks {
-            x = block.try_forward(x)?;
-        }
-        self.logits(x)
-    }
-
-    /// The first block's input: token embeddings plus positions, `[seq, batch] -> [s(/tp),
-    /// batch, d_model]` (this rank's sequence shard in REDUCE_SCATTER mode).
-    ///
-    /// # Errors
-    /// As [`forward`](Self::forward)'s panics.
-    pub(crate) fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
-        let [s, _] = ids.dims();
-        let pos = self.pos.val();
-        let [max_seq, d] = pos.dims();
-        if s > max_seq {
-            return Err(TpError::Shape {
-                op: "Gpt",
-                expected: format!("[seq <= {max_seq}, batch]"),
-                got: ids.dims().to_vec(),
-            });
-        }
-        let (mode, group) = (self.options.settings.mode, &self.group);
-        let x = self.tok.try_forward(ids)?;
-        // Positions of this rank's rows: all of them, or its sequence shard.
-        let rows = match mode {
-            TpMode::AllReduce => 0..s,
-            TpMode::ReduceScatter => {
-                let chunk = s / group.world_size();
-                group.rank() * chunk..(group.rank() + 1) * chunk
-            }
-        };
-        let pos = replicated_param(&self.pos, mode, group).slice([rows, 0..d]);
-        Ok(x + pos.unsqueeze_dim::<3>(1))
+        crate::model::forward(self, ids, None)
     }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
@@ -326,46 +271,7 @@ impl Gpt {
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
     ) -> TpResult<Tensor<3>> {
-        self.forward_cached(ids, cache, false)
-    }
-
-    /// [`try_forward_cached`](Self::try_forward_cached), of the last position only with
-    /// `last_only` (`[1, batch, V_p / tp]`: the head skips the others).
-    pub(crate) fn forward_cached(
-        &self,
-        ids: Tensor<2, Int>,
-        cache: &mut DecodeCache,
-        last_only: bool,
-    ) -> TpResult<Tensor<3>> {
-        let [s, b] = ids.dims();
-        let start = self.cached_positions(cache);
-        let pos = self.pos.val();
-        let [max_seq, d] = pos.dims();
-        if start + s > max_seq {
-            return Err(TpError::Shape {
-                op: "Gpt",
-                expected: format!("positions below max_seq = {max_seq} (cached {start})"),
-                got: ids.dims().to_vec(),
-            });
-        }
-        let x = self.tok.try_forward(ids)?;
-        let table = replicated_param(&self.pos, self.options.settings.mode, &self.group);
-        let pos = if cache.padding.iter().any(|&p| p > 0) {
-            // Each sequence's own positions, counted from its first token.
-            let ids: Vec<i64> = cache
-                .positions(s, b)
-                .into_iter()
-                .map(|p| p as i64)
-                .collect();
-            let ids = Tensor::<1, Int>::from_data(
-                burn::tensor::TensorData::new(ids, [s * b]),
-                &x.device(),
-            );
-            table.select(0, ids).reshape([s, b, d])
-        } else {
-            table.slice([start..start + s, 0..d]).unsqueeze_dim::<3>(1)
-        };
-        self.decode(x + pos, cache, last_only)
+        crate::model::decode(self, ids, cache, false)
     }
 
     /// Mean next-token cross-entropy (replicated on every rank).
@@ -431,8 +337,31 @@ impl DecoderBlock for Block {
     }
 }
 
-impl Decoder for Gpt {
+impl LanguageModel for Gpt {
+    type Config = GptConfig;
     type Block = Block;
+    const NAME: &'static str = "Gpt";
+
+    fn config_layers(config: &GptConfig) -> usize {
+        config.n_layers
+    }
+
+    fn init_stage(
+        config: &GptConfig,
+        group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> TpResult<Self> {
+        config.init_layers(group, device, layers)
+    }
+
+    fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    fn settings(&self) -> TpSettings {
+        self.options.settings
+    }
 
     fn embedding(&self) -> &VocabParallelEmbedding {
         &self.tok
@@ -446,12 +375,96 @@ impl Decoder for Gpt {
         &self.blocks
     }
 
+    fn block_ids(&self) -> &[usize] {
+        &self.block_ids
+    }
+
+    fn blocks_mut(&mut self) -> (&mut Vec<Block>, &mut Vec<usize>) {
+        (&mut self.blocks, &mut self.block_ids)
+    }
+
     fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.ln_f.forward(x)
     }
 
-    fn settings(&self) -> TpSettings {
-        self.options.settings
+    fn with_mode(self, mode: TpMode) -> Self {
+        Gpt::with_mode(self, mode)
+    }
+
+    /// Token embeddings plus positions (this rank's sequence shard of them in REDUCE_SCATTER
+    /// mode).
+    fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
+        let [s, _] = ids.dims();
+        let pos = self.pos.val();
+        let [max_seq, d] = pos.dims();
+        if s > max_seq {
+            return Err(TpError::Shape {
+                op: "Gpt",
+                expected: format!("[seq <= {max_seq}, batch]"),
+                got: ids.dims().to_vec(),
+            });
+        }
+        let (mode, group) = (self.options.settings.mode, &self.group);
+        let x = self.tok.try_forward(ids)?;
+        // Positions of this rank's rows: all of them, or its sequence shard.
+        let rows = match mode {
+            TpMode::AllReduce => 0..s,
+            TpMode::ReduceScatter => {
+                let shard = s / group.world_size();
+                group.rank() * shard..(group.rank() + 1) * shard
+            }
+        };
+        let pos = replicated_param(&self.pos, mode, group).slice([rows, 0..d]);
+        Ok(x + pos.unsqueeze_dim::<3>(1))
+    }
+
+    /// Token embeddings plus the positions after those cached (each sequence's own, counted
+    /// from its first token, when the prompts are left-padded).
+    fn embed_new(&self, ids: Tensor<2, Int>, cache: &DecodeCache) -> TpResult<Tensor<3>> {
+        let [s, b] = ids.dims();
+        let start = cache.len();
+        let pos = self.pos.val();
+        let [max_seq, d] = pos.dims();
+        if start + s > max_seq {
+            return Err(TpError::Shape {
+                op: "Gpt",
+                expected: format!("positions below max_seq = {max_seq} (cached {start})"),
+                got: ids.dims().to_vec(),
+            });
+        }
+        let x = self.tok.try_forward(ids)?;
+        let table = replicated_param(&self.pos, self.options.settings.mode, &self.group);
+        let pos = if cache.padding.iter().any(|&p| p > 0) {
+            let ids: Vec<i64> = cache
+                .positions(s, b)
+                .into_iter()
+                .map(|p| p as i64)
+                .collect();
+            let ids = Tensor::<1, Int>::from_data(
+                burn::tensor::TensorData::new(ids, [s * b]),
+                &x.device(),
+            );
+            table.select(0, ids).reshape([s, b, d])
+        } else {
+            table.slice([start..start + s, 0..d]).unsqueeze_dim::<3>(1)
+        };
+        Ok(x + pos)
+    }
+
+    fn layer(&self, index: usize, x: Tensor<3>, _step: Option<DropoutStep>) -> TpResult<Tensor<3>> {
+        crate::model::block_at(self, index)?.try_forward(x)
+    }
+
+    fn logits_loss(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        self.loss_of_logits(logits, targets)
+    }
+
+    fn param_sections(&self) -> [usize; 3] {
+        [
+            count_params(&self.tok) + 1,
+            self.blocks.first().map_or(0, count_params),
+            count_params(&self.ln_f) + self.head.as_ref().map_or(0, count_params),
+        ]
     }
 }
 

@@ -12,7 +12,7 @@
 //! | ops | [`ops`]: differentiable collectives on `Tensor<D>`, each with an async form |
 //! | shards | `init` (initialisation identical at every tp, internal), [`reshard`] (between tp sizes) |
 //! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`norm`] (layer norm, RMSNorm, replicated weights), [`attention`] (both models' attention, by blocks without the `[s, s]` scores, with the KV cache), [`transformer`] (the GPT's MLP) |
-//! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary), sharing `decoder` (logits and the decode loop); [`model`]: [`LanguageModel`](model::LanguageModel), both behind one trait for a training loop |
+//! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU, padded vocabulary), [`model`]: [`LanguageModel`](model::LanguageModel), the one implementation of the forward, the loss, decoding and pipeline stages every family shares (a family implements its parts), with [`decoder`] (a block as the decode loop sees it, the blocks a stage holds) |
 //! | use | [`generate`] (sampling with the KV cache), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies), [`recompute`] (full activation recompute: one tensor kept per block), [`pipeline`] (stages, GPipe / 1F1B / interleaved), `train` (feature `train`: Burn's Learner at tp x dp), [`testing`] (a gradient checker by finite differences) |
 //!
 //! Ranks are [`comm::ProcessGroup`] handles; on the CPU every rank is a thread
@@ -75,7 +75,7 @@
 pub mod attention;
 pub mod backend;
 pub mod checkpoint;
-pub(crate) mod decoder;
+pub mod decoder;
 pub mod dp;
 pub mod dropout;
 pub mod embedding;

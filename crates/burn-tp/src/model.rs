@@ -1,40 +1,43 @@
-//! [`LanguageModel`]: the GPT and the Llama behind one trait, so a training loop, its
-//! checkpoints and its evaluation are written once for both (the example's `train_gpt` is one).
-//! It knows no file format: the sharded checkpoints go through [`Reshard`], Hugging Face's
-//! through [`crate::hf`].
+//! [`LanguageModel`]: every decoder-only model behind one trait, so a training loop, its
+//! checkpoints, its evaluation and generation are written once for all of them (the example's
+//! `train_gpt` is one). A model family implements the few parts that differ (its embedding, a
+//! block, its loss of the logits); everything else is written here once. It knows no file
+//! format: the sharded checkpoints go through [`Reshard`], Hugging Face's through [`crate::hf`].
 
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::attention::DecodeCache;
-use crate::decoder::Decoder;
-
+use crate::decoder::DecoderBlock;
 use crate::dropout::DropoutStep;
-use crate::gpt::{Gpt, GptConfig};
-use crate::llama::{Llama, LlamaConfig};
+use crate::embedding::{VocabParallelEmbedding, VocabParallelHead};
+use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::reshard::Reshard;
 
-/// A sharded language model a training loop can train, evaluate and checkpoint (through
-/// [`Reshard`]) without knowing which one it is.
+/// A sharded decoder-only language model a training loop can train, evaluate and checkpoint
+/// (through [`Reshard`]) without knowing which one it is.
+///
+/// A model family implements the required methods (its parts: the embedding, the blocks, the
+/// final norm, the loss of the logits); the provided ones (the forward, the loss, incremental
+/// decoding, pipeline stages) are written once for every family.
 pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// Its configuration (serializable: a sharded checkpoint records it).
     type Config: Clone + Send + Sync + serde::Serialize + 'static;
-
-    /// This rank's shards (the same model at every tp for one seed). Collective.
-    ///
-    /// # Errors
-    /// Sizes that do not fit tp; a communication error.
-    fn init(config: &Self::Config, group: &ProcessGroup, device: &Device) -> crate::Result<Self>;
+    /// Its block (one transformer layer).
+    type Block: DecoderBlock;
+    /// The family's name, in errors.
+    const NAME: &'static str;
 
     /// The number of blocks of the model `config` describes.
     fn config_layers(config: &Self::Config) -> usize;
 
-    /// [`init`](Self::init) keeping only blocks `layers` (a pipeline stage's, in order), with the
-    /// whole model's weights for them, never holding the other blocks at once.
+    /// This rank's shards keeping only blocks `layers` (a pipeline stage's, in order), with the
+    /// whole model's weights for them, never holding the other blocks at once (the same model
+    /// at every tp for one seed). Collective.
     ///
     /// # Errors
-    /// As [`init`](Self::init); a block the model does not have.
+    /// Sizes that do not fit tp; a block the model does not have; a communication error.
     fn init_stage(
         config: &Self::Config,
         group: &ProcessGroup,
@@ -42,35 +45,118 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         layers: &[usize],
     ) -> crate::Result<Self>;
 
+    /// The tensor-parallel group.
+    fn group(&self) -> &ProcessGroup;
+
+    /// How the parallel layers run.
+    fn settings(&self) -> TpSettings;
+
+    /// The vocabulary-parallel embedding (the head's weight when tied).
+    fn embedding(&self) -> &VocabParallelEmbedding;
+
+    /// The lm-head; `None` when tied to the embedding.
+    fn head(&self) -> Option<&VocabParallelHead>;
+
+    /// The blocks held, in order.
+    fn blocks(&self) -> &[Self::Block];
+
+    /// The whole model's index of each block held, in order: all of them, but on a pipeline
+    /// stage.
+    fn block_ids(&self) -> &[usize];
+
+    /// The blocks held and their whole-model indices, to keep some of them.
+    fn blocks_mut(&mut self) -> (&mut Vec<Self::Block>, &mut Vec<usize>);
+
+    /// The norm after the last block, `[s(/tp), batch, d_model]`.
+    fn final_norm(&self, x: Tensor<3>) -> Tensor<3>;
+
+    /// The same model (weights shared) run in `mode` (ALL_REDUCE to decode incrementally).
+    fn with_mode(self, mode: TpMode) -> Self;
+
+    /// The first block's input, `[seq, batch]` ids -> `[s(/tp), batch, d_model]` (this rank's
+    /// sequence shard in REDUCE_SCATTER mode). With [`layer`](Self::layer) and
+    /// [`head_loss`](Self::head_loss), the parts [`loss`](Self::loss) composes, which
+    /// [`crate::recompute`] runs one at a time.
+    ///
+    /// # Errors
+    /// A sequence longer than the model takes; ids outside the vocabulary.
+    fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>>;
+
+    /// The embeddings `[s_new, batch, d_model]` of new positions `ids` (`[s_new, batch]`) after
+    /// those in `cache` (ALL_REDUCE mode; the cache is already this model's).
+    ///
+    /// # Errors
+    /// As [`embed`](Self::embed).
+    fn embed_new(&self, ids: Tensor<2, Int>, cache: &DecodeCache) -> crate::Result<Tensor<3>>;
+
+    /// Block `index` (the whole model's index) of `x` (`[s(/tp), batch, d_model]`), dropout on
+    /// as in [`loss`](Self::loss) with `step`.
+    ///
+    /// # Errors
+    /// A block not held; as the block's layers.
+    fn layer(
+        &self,
+        index: usize,
+        x: Tensor<3>,
+        step: Option<DropoutStep>,
+    ) -> crate::Result<Tensor<3>>;
+
+    /// The mean next-token loss of vocab-sharded `logits` (`[s, batch, V_p / tp]`; the padding
+    /// columns masked out), replicated on every rank.
+    ///
+    /// # Errors
+    /// Targets outside the vocabulary; a communication error.
+    fn logits_loss(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>>;
+
+    /// How many parameters come before the blocks, in each block, and after them, in visiting
+    /// order (what [`crate::pipeline::stage_map`] places a stage's parameters by).
+    fn param_sections(&self) -> [usize; 3];
+
+    /// This rank's shards (the same model at every tp for one seed). Collective.
+    ///
+    /// # Errors
+    /// Sizes that do not fit tp; a communication error.
+    fn init(config: &Self::Config, group: &ProcessGroup, device: &Device) -> crate::Result<Self> {
+        let all: Vec<usize> = (0..Self::config_layers(config)).collect();
+        Self::init_stage(config, group, device, &all)
+    }
+
     /// Mean next-token loss of `[seq, batch]` ids and targets; `step`: training step (dropout on
     /// with that step's masks, for this dp rank's part of the global batch), `None`:
     /// evaluation.
     ///
     /// # Errors
-    /// As the model's `try_loss`.
+    /// As [`embed`](Self::embed), [`layer`](Self::layer) and [`logits_loss`](Self::logits_loss).
     fn loss(
         &self,
         ids: Tensor<2, Int>,
         targets: Tensor<2, Int>,
         step: Option<DropoutStep>,
-    ) -> crate::Result<Tensor<1>>;
+    ) -> crate::Result<Tensor<1>> {
+        self.logits_loss(forward(self, ids, step)?, targets)
+    }
 
     /// Vocab-sharded logits `[seq, batch, V_p / tp]` (evaluation).
     ///
     /// # Errors
-    /// As the model's `try_forward`.
-    fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>>;
+    /// As [`loss`](Self::loss).
+    fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
+        forward(self, ids, None)
+    }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions after those in `cache`
     /// (incremental decoding, ALL_REDUCE mode).
     ///
     /// # Errors
-    /// As the model's `try_forward_cached`.
+    /// As [`embed_new`](Self::embed_new) and
+    /// [`ParallelAttention::try_forward_cached`](crate::attention::ParallelAttention::try_forward_cached).
     fn logits_cached(
         &self,
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
-    ) -> crate::Result<Tensor<3>>;
+    ) -> crate::Result<Tensor<3>> {
+        decode(self, ids, cache, false)
+    }
 
     /// [`logits_cached`](Self::logits_cached) of the last new position only, `[1, batch,
     /// V_p / tp]` (the head runs on that position alone: what generation reads).
@@ -81,29 +167,24 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         &self,
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
-    ) -> crate::Result<Tensor<3>>;
+    ) -> crate::Result<Tensor<3>> {
+        decode(self, ids, cache, true)
+    }
 
     /// The real vocabulary (the logits' columns past it are padding).
-    fn n_vocab(&self) -> usize;
-
-    /// The same model (weights shared) run in `mode` (ALL_REDUCE to decode incrementally).
-    fn with_mode(self, mode: crate::linear::TpMode) -> Self;
-
-    /// The first block's input, `[seq, batch]` ids -> `[s(/tp), batch, d_model]` (this rank's
-    /// sequence shard in REDUCE_SCATTER mode). With [`layer`](Self::layer) and
-    /// [`head_loss`](Self::head_loss), the parts [`loss`](Self::loss) composes, which
-    /// [`crate::recompute`] runs one at a time.
-    ///
-    /// # Errors
-    /// As [`loss`](Self::loss).
-    fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>>;
+    fn n_vocab(&self) -> usize {
+        self.embedding().n_vocab()
+    }
 
     /// The number of blocks held.
-    fn num_layers(&self) -> usize;
+    fn num_layers(&self) -> usize {
+        self.blocks().len()
+    }
 
-    /// The whole model's index of each block held, in order: all of them, but on a pipeline
-    /// stage.
-    fn held_layers(&self) -> Vec<usize>;
+    /// [`block_ids`](Self::block_ids), owned.
+    fn held_layers(&self) -> Vec<usize> {
+        self.block_ids().to_vec()
+    }
 
     /// This model with blocks `layers` only (the whole model's indices, in order: a pipeline
     /// stage's, or an interleaved stage's several ranges: [`crate::pipeline`]), the others
@@ -114,7 +195,11 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     ///
     /// # Panics
     /// If a block of `layers` is not held.
-    fn keep_layers(self, layers: &[usize]) -> Self;
+    fn keep_layers(mut self, layers: &[usize]) -> Self {
+        let (blocks, ids) = self.blocks_mut();
+        crate::decoder::keep_blocks(Self::NAME, blocks, ids, layers);
+        self
+    }
 
     /// [`keep_layers`](Self::keep_layers) of the range `layers`.
     ///
@@ -127,301 +212,117 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         self.keep_layers(&layers.collect::<Vec<_>>())
     }
 
-    /// Model width.
-    fn d_model(&self) -> usize;
+    /// Model width (the embedding table's: a pipeline stage's empty table keeps it).
+    fn d_model(&self) -> usize {
+        self.embedding_weight().val().dims()[1]
+    }
 
     /// The blocks' activation shape for ids of shape `ids` (`[seq, batch]`): `[seq, batch,
     /// d_model]`, or `[seq / tp, ..]` in REDUCE_SCATTER mode (this rank's sequence shard).
-    fn activation_shape(&self, ids: [usize; 2]) -> [usize; 3];
+    fn activation_shape(&self, [s, b]: [usize; 2]) -> [usize; 3] {
+        let d = self.d_model();
+        match self.settings().mode {
+            TpMode::AllReduce => [s, b, d],
+            TpMode::ReduceScatter => [s / self.group().world_size(), b, d],
+        }
+    }
 
     /// The token embedding's table (`[V_p / tp, d_model]`; the head's weight when tied).
-    fn embedding_weight(&self) -> &Param<Tensor<2>>;
+    fn embedding_weight(&self) -> &Param<Tensor<2>> {
+        &self.embedding().weight
+    }
 
     /// Whether the head is the embedding's table (tied): then the last pipeline stage uses the
     /// table too, and its gradient is summed over the first and last stages.
-    fn tied_head(&self) -> bool;
-
-    /// How many parameters come before the blocks, in each block, and after them, in visiting
-    /// order (what [`crate::pipeline::stage_map`] places a stage's parameters by).
-    fn param_sections(&self) -> [usize; 3];
-
-    /// Block `index` of `x` (`[s(/tp), batch, d_model]`), dropout on as in
-    /// [`loss`](Self::loss) with `step`.
-    ///
-    /// # Errors
-    /// As [`loss`](Self::loss).
-    fn layer(
-        &self,
-        index: usize,
-        x: Tensor<3>,
-        step: Option<DropoutStep>,
-    ) -> crate::Result<Tensor<3>>;
+    fn tied_head(&self) -> bool {
+        self.head().is_none()
+    }
 
     /// The mean next-token loss of the last block's output `x` (`[s(/tp), batch, d_model]`):
     /// the final norm, the head and the cross-entropy.
     ///
     /// # Errors
     /// As [`loss`](Self::loss).
-    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>>;
+    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>> {
+        self.logits_loss(self.head_logits(x)?, targets)
+    }
 
     /// The vocabulary-sharded logits `[s, batch, V_p / tp]` of the last block's output `x`
-    /// (`[s(/tp), batch, d_model]`): the final norm and the head.
+    /// (`[s(/tp), batch, d_model]`): the final norm, then the head (or the embedding's weight,
+    /// tied).
     ///
     /// # Errors
     /// As [`loss`](Self::loss).
-    fn head_logits(&self, x: Tensor<3>) -> crate::Result<Tensor<3>>;
-}
-
-impl LanguageModel for Gpt {
-    type Config = GptConfig;
-
-    fn init(config: &GptConfig, group: &ProcessGroup, device: &Device) -> crate::Result<Self> {
-        config.init(group, device)
-    }
-
-    fn config_layers(config: &GptConfig) -> usize {
-        config.n_layers
-    }
-
-    fn init_stage(
-        config: &GptConfig,
-        group: &ProcessGroup,
-        device: &Device,
-        layers: &[usize],
-    ) -> crate::Result<Self> {
-        config.init_layers(group, device, layers)
-    }
-
-    fn loss(
-        &self,
-        ids: Tensor<2, Int>,
-        targets: Tensor<2, Int>,
-        _step: Option<DropoutStep>,
-    ) -> crate::Result<Tensor<1>> {
-        self.try_loss(ids, targets)
-    }
-
-    fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
-        self.try_forward(ids)
-    }
-
-    fn logits_cached(
-        &self,
-        ids: Tensor<2, Int>,
-        cache: &mut DecodeCache,
-    ) -> crate::Result<Tensor<3>> {
-        self.try_forward_cached(ids, cache)
-    }
-
-    fn last_logits_cached(
-        &self,
-        ids: Tensor<2, Int>,
-        cache: &mut DecodeCache,
-    ) -> crate::Result<Tensor<3>> {
-        self.forward_cached(ids, cache, true)
-    }
-
-    fn n_vocab(&self) -> usize {
-        self.tok.n_vocab()
-    }
-
-    fn with_mode(self, mode: crate::linear::TpMode) -> Self {
-        Gpt::with_mode(self, mode)
-    }
-
-    fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
-        Gpt::embed(self, ids)
-    }
-
-    fn num_layers(&self) -> usize {
-        self.blocks.len()
-    }
-
-    fn held_layers(&self) -> Vec<usize> {
-        self.block_ids().to_vec()
-    }
-
-    fn keep_layers(mut self, layers: &[usize]) -> Self {
-        self.keep_blocks(layers);
-        self
-    }
-
-    fn d_model(&self) -> usize {
-        self.pos.val().dims()[1]
-    }
-
-    fn activation_shape(&self, ids: [usize; 2]) -> [usize; 3] {
-        let tp = self.group().world_size();
-        activation_shape(
-            self.options().settings.mode,
-            tp,
-            ids,
-            LanguageModel::d_model(self),
-        )
-    }
-
-    fn embedding_weight(&self) -> &Param<Tensor<2>> {
-        &self.tok.weight
-    }
-
-    fn tied_head(&self) -> bool {
-        self.head.is_none()
-    }
-
-    fn param_sections(&self) -> [usize; 3] {
-        [
-            count_params(&self.tok) + 1,
-            self.blocks.first().map_or(0, count_params),
-            count_params(&self.ln_f) + self.head.as_ref().map_or(0, count_params),
-        ]
-    }
-
-    fn layer(
-        &self,
-        index: usize,
-        x: Tensor<3>,
-        _step: Option<DropoutStep>,
-    ) -> crate::Result<Tensor<3>> {
-        let block = self.block_at(index)?;
-        block.try_forward(x)
-    }
-
-    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>> {
-        self.loss_of_logits(Decoder::logits(self, x)?, targets)
-    }
-
     fn head_logits(&self, x: Tensor<3>) -> crate::Result<Tensor<3>> {
-        Decoder::logits(self, x)
+        let x = self.final_norm(x);
+        match self.head() {
+            Some(head) => head.try_forward(x),
+            None => self
+                .embedding()
+                .try_tied_logits(x, LinearSpec::new(self.settings())),
+        }
     }
 }
 
-impl LanguageModel for Llama {
-    type Config = LlamaConfig;
-
-    fn init(config: &LlamaConfig, group: &ProcessGroup, device: &Device) -> crate::Result<Self> {
-        config.init(group, device)
+/// Logits `[seq, batch, V_p / tp]` of `ids` through every block held; dropout on with `step`.
+pub(crate) fn forward<M: LanguageModel>(
+    model: &M,
+    ids: Tensor<2, Int>,
+    step: Option<DropoutStep>,
+) -> crate::Result<Tensor<3>> {
+    let mut x = model.embed(ids)?;
+    for &i in model.block_ids() {
+        x = model.layer(i, x, step)?;
     }
-
-    fn config_layers(config: &LlamaConfig) -> usize {
-        config.n_layers
-    }
-
-    fn init_stage(
-        config: &LlamaConfig,
-        group: &ProcessGroup,
-        device: &Device,
-        layers: &[usize],
-    ) -> crate::Result<Self> {
-        config.init_layers(group, device, layers)
-    }
-
-    fn loss(
-        &self,
-        ids: Tensor<2, Int>,
-        targets: Tensor<2, Int>,
-        step: Option<DropoutStep>,
-    ) -> crate::Result<Tensor<1>> {
-        Ok(self.try_loss(ids, targets, None, step)?.mean)
-    }
-
-    fn logits(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
-        self.try_forward(ids, None)
-    }
-
-    fn logits_cached(
-        &self,
-        ids: Tensor<2, Int>,
-        cache: &mut DecodeCache,
-    ) -> crate::Result<Tensor<3>> {
-        self.try_forward_cached(ids, cache)
-    }
-
-    fn last_logits_cached(
-        &self,
-        ids: Tensor<2, Int>,
-        cache: &mut DecodeCache,
-    ) -> crate::Result<Tensor<3>> {
-        self.forward_cached(ids, cache, true)
-    }
-
-    fn n_vocab(&self) -> usize {
-        Llama::n_vocab(self)
-    }
-
-    fn with_mode(self, mode: crate::linear::TpMode) -> Self {
-        Llama::with_mode(self, mode)
-    }
-
-    fn embed(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
-        Llama::embed(self, ids)
-    }
-
-    fn num_layers(&self) -> usize {
-        self.blocks.len()
-    }
-
-    fn held_layers(&self) -> Vec<usize> {
-        self.block_ids().to_vec()
-    }
-
-    fn keep_layers(mut self, layers: &[usize]) -> Self {
-        self.keep_blocks(layers);
-        self
-    }
-
-    fn d_model(&self) -> usize {
-        // The table's width: a pipeline stage's empty table keeps it.
-        self.embedding_weight().val().dims()[1]
-    }
-
-    fn activation_shape(&self, ids: [usize; 2]) -> [usize; 3] {
-        let tp = self.group().world_size();
-        activation_shape(
-            self.options().settings.mode,
-            tp,
-            ids,
-            LanguageModel::d_model(self),
-        )
-    }
-
-    fn embedding_weight(&self) -> &Param<Tensor<2>> {
-        &self.tok.weight
-    }
-
-    fn tied_head(&self) -> bool {
-        self.head.is_none()
-    }
-
-    fn param_sections(&self) -> [usize; 3] {
-        [
-            count_params(&self.tok),
-            self.blocks.first().map_or(0, count_params),
-            count_params(&self.norm) + self.head.as_ref().map_or(0, count_params),
-        ]
-    }
-
-    fn layer(
-        &self,
-        index: usize,
-        x: Tensor<3>,
-        step: Option<DropoutStep>,
-    ) -> crate::Result<Tensor<3>> {
-        Llama::layer(self, index, x, step)
-    }
-
-    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>> {
-        Ok(self
-            .loss_of_logits(Decoder::logits(self, x)?, targets, None)?
-            .mean)
-    }
-
-    fn head_logits(&self, x: Tensor<3>) -> crate::Result<Tensor<3>> {
-        Decoder::logits(self, x)
-    }
+    model.head_logits(x)
 }
 
-/// The float parameters of `module`.
-fn count_params<M: Module>(module: &M) -> usize {
+/// Block `index` (the whole model's) of `model`, if held.
+///
+/// # Errors
+/// [`TpError::Config`](crate::TpError::Config) naming the model, the block and what is held.
+pub(crate) fn block_at<M: LanguageModel>(model: &M, index: usize) -> crate::Result<&M::Block> {
+    crate::decoder::block_at(M::NAME, model.blocks(), model.block_ids(), index)
+}
+
+/// Positions already in `cache`, after making it `model`'s (one cache per block; a cache of
+/// another model is started afresh).
+pub(crate) fn cached_positions<M: LanguageModel>(
+    model: &M,
+    cache: &mut DecodeCache,
+) -> usize {
+    let n = model.blocks().len();
+    if cache.layers.len() != n {
+        let padding = std::mem::take(&mut cache.padding);
+        *cache = DecodeCache::new(n);
+        cache.padding = padding;
+    }
+    cache.len()
+}
+
+/// Logits of new positions `ids` (`[s_new, batch]`) after those in `cache`, which they join;
+/// of the last one only (`[1, batch, V_p / tp]`) with `last_only`, as generation needs.
+pub(crate) fn decode<M: LanguageModel>(
+    model: &M,
+    ids: Tensor<2, Int>,
+    cache: &mut DecodeCache,
+    last_only: bool,
+) -> crate::Result<Tensor<3>> {
+    cached_positions(model, cache);
+    let mut x = model.embed_new(ids, cache)?;
+    for (block, kv) in model.blocks().iter().zip(&mut cache.layers) {
+        kv.padding.clone_from(&cache.padding);
+        x = block.try_forward_cached(x, kv)?;
+    }
+    if last_only {
+        let s = x.dims()[0];
+        x = x.narrow(0, s - 1, 1);
+    }
+    model.head_logits(x)
+}
+
+/// The float parameters of `module` (for [`LanguageModel::param_sections`]).
+pub(crate) fn count_params<M: Module>(module: &M) -> usize {
     struct Count(usize);
     impl burn::module::ModuleVisitor for Count {
         fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
@@ -431,17 +332,4 @@ fn count_params<M: Module>(module: &M) -> usize {
     let mut c = Count(0);
     module.visit(&mut c);
     c.0
-}
-
-/// `[seq, batch, d]`, or `[seq / tp, ..]` in REDUCE_SCATTER mode.
-fn activation_shape(
-    mode: crate::linear::TpMode,
-    tp: usize,
-    [s, b]: [usize; 2],
-    d: usize,
-) -> [usize; 3] {
-    match mode {
-        crate::linear::TpMode::AllReduce => [s, b, d],
-        crate::linear::TpMode::ReduceScatter => [s / tp, b, d],
-    }
 }

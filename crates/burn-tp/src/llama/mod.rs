@@ -27,11 +27,12 @@ use burn_tp_comm::ProcessGroup;
 use crate::attention::{
     DecodeCache, Llama3RopeScaling, ParallelAttention, ParallelAttentionConfig,
 };
-use crate::decoder::{Decoder, DecoderBlock};
+use crate::decoder::DecoderBlock;
 use crate::dropout::{DropoutKey, DropoutStep, tp_dropout};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
+use crate::model::{LanguageModel, count_params};
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`Llama`].
@@ -315,32 +316,9 @@ fn residual_dropout(
 }
 
 impl Llama {
-    /// The tensor-parallel group.
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
     /// Run-time options.
     pub fn options(&self) -> LlamaOptions {
         self.options
-    }
-
-    /// The whole model's index of each block held, in order (all of them, but on a pipeline
-    /// stage: [`LanguageModel::keep_layers`](crate::model::LanguageModel::keep_layers)).
-    pub fn block_ids(&self) -> &[usize] {
-        &self.block_ids
-    }
-
-    pub(crate) fn keep_blocks(&mut self, layers: &[usize]) {
-        crate::decoder::keep_blocks("Llama", &mut self.blocks, &mut self.block_ids, layers);
-    }
-
-    /// Block `index` of the whole model, if held.
-    pub(crate) fn block_at(
-        &self,
-        index: usize,
-    ) -> TpResult<&<Self as crate::decoder::Decoder>::Block> {
-        crate::decoder::block_at("Llama", &self.blocks, &self.block_ids, index)
     }
 
     /// The same model (its weights shared) run in `mode`: e.g. a sequence-parallel model in
@@ -369,11 +347,6 @@ impl Llama {
         }
     }
 
-    /// The real vocabulary.
-    pub fn n_vocab(&self) -> usize {
-        self.tok.n_vocab()
-    }
-
     /// Vocab-sharded logits without dropout (evaluation).
     ///
     /// # Shapes
@@ -399,51 +372,7 @@ impl Llama {
         ids: Tensor<2, Int>,
         step: Option<DropoutStep>,
     ) -> TpResult<Tensor<3>> {
-        let mut x = self.embed(ids)?;
-        for i in 0..self.blocks.len() {
-            x = self.layer(i, x, step)?;
-        }
-        self.logits(x)
-    }
-
-    /// The first block's input, `[seq, batch] -> [s(/tp), batch, d_model]`.
-    ///
-    /// # Errors
-    /// As [`forward`](Self::forward)'s panics.
-    pub(crate) fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
-        let [s, _] = ids.dims();
-        let max_seq = self
-            .blocks
-            .first()
-            .and_then(|b| b.attn.rope.as_ref())
-            .map_or(usize::MAX, |r| r.freq_complex.dims()[0]);
-        if s > max_seq {
-            return Err(TpError::Shape {
-                op: "Llama",
-                expected: format!("[seq <= {max_seq}, batch]"),
-                got: ids.dims().to_vec(),
-            });
-        }
-        self.tok.try_forward(ids)
-    }
-
-    /// Block `index` of `x`; with `step`, dropout on with that step's masks.
-    ///
-    /// # Errors
-    /// As the block's layers.
-    pub(crate) fn layer(
-        &self,
-        index: usize,
-        x: Tensor<3>,
-        step: Option<DropoutStep>,
-    ) -> TpResult<Tensor<3>> {
-        let o = self.options;
-        let key = step.map(|at| DropoutKey {
-            seed: o.dropout_seed,
-            at,
-        });
-        let block = self.block_at(index)?;
-        block.try_forward(x, key, o.dropout, index, &self.group, o.settings.mode)
+        crate::model::forward(self, ids, step)
     }
 
     /// Vocab-sharded logits `[s_new, batch, V_p / tp]` of new positions `ids` (`[s_new, batch]`)
@@ -457,19 +386,7 @@ impl Llama {
         ids: Tensor<2, Int>,
         cache: &mut DecodeCache,
     ) -> TpResult<Tensor<3>> {
-        self.forward_cached(ids, cache, false)
-    }
-
-    /// [`try_forward_cached`](Self::try_forward_cached), of the last position only with
-    /// `last_only` (`[1, batch, V_p / tp]`: the head skips the others).
-    pub(crate) fn forward_cached(
-        &self,
-        ids: Tensor<2, Int>,
-        cache: &mut DecodeCache,
-        last_only: bool,
-    ) -> TpResult<Tensor<3>> {
-        let x = self.tok.try_forward(ids)?;
-        self.decode(x, cache, last_only)
+        crate::model::decode(self, ids, cache, false)
     }
 
     /// Mean next-token cross-entropy over every target (replicated on every rank), no dropout.
@@ -544,8 +461,31 @@ impl DecoderBlock for LlamaBlock {
     }
 }
 
-impl Decoder for Llama {
+impl LanguageModel for Llama {
+    type Config = LlamaConfig;
     type Block = LlamaBlock;
+    const NAME: &'static str = "Llama";
+
+    fn config_layers(config: &LlamaConfig) -> usize {
+        config.n_layers
+    }
+
+    fn init_stage(
+        config: &LlamaConfig,
+        group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> TpResult<Self> {
+        config.init_layers(group, device, layers)
+    }
+
+    fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    fn settings(&self) -> TpSettings {
+        self.options.settings
+    }
 
     fn embedding(&self) -> &VocabParallelEmbedding {
         &self.tok
@@ -559,12 +499,64 @@ impl Decoder for Llama {
         &self.blocks
     }
 
+    fn block_ids(&self) -> &[usize] {
+        &self.block_ids
+    }
+
+    fn blocks_mut(&mut self) -> (&mut Vec<LlamaBlock>, &mut Vec<usize>) {
+        (&mut self.blocks, &mut self.block_ids)
+    }
+
     fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.norm.forward(x)
     }
 
-    fn settings(&self) -> TpSettings {
-        self.options.settings
+    fn with_mode(self, mode: TpMode) -> Self {
+        Llama::with_mode(self, mode)
+    }
+
+    fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
+        let [s, _] = ids.dims();
+        let max_seq = self
+            .blocks
+            .first()
+            .and_then(|b| b.attn.rope.as_ref())
+            .map_or(usize::MAX, |r| r.freq_complex.dims()[0]);
+        if s > max_seq {
+            return Err(TpError::Shape {
+                op: "Llama",
+                expected: format!("[seq <= {max_seq}, batch]"),
+                got: ids.dims().to_vec(),
+            });
+        }
+        self.tok.try_forward(ids)
+    }
+
+    fn embed_new(&self, ids: Tensor<2, Int>, _cache: &DecodeCache) -> TpResult<Tensor<3>> {
+        // Rotary positions are the attention's: the tokens alone here.
+        self.tok.try_forward(ids)
+    }
+
+    fn layer(&self, index: usize, x: Tensor<3>, step: Option<DropoutStep>) -> TpResult<Tensor<3>> {
+        let o = self.options;
+        let key = step.map(|at| DropoutKey {
+            seed: o.dropout_seed,
+            at,
+        });
+        let block = crate::model::block_at(self, index)?;
+        block.try_forward(x, key, o.dropout, index, &self.group, o.settings.mode)
+    }
+
+    fn logits_loss(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        Ok(self.loss_of_logits(logits, targets, None)?.mean)
+    }
+
+    fn param_sections(&self) -> [usize; 3] {
+        [
+            count_params(&self.tok),
+            self.blocks.first().map_or(0, count_params),
+            count_params(&self.norm) + self.head.as_ref().map_or(0, count_params),
+        ]
     }
 }
 
