@@ -273,15 +273,28 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             // With tiles of 2, a window too: dropout's mask inside the band.
             window: (tile == 2).then_some(3),
             padding: Vec::new(),
+            // With tiles of 4, a scale of its own (Gemma's): the references take the queries
+            // scaled by its ratio to 1 / sqrt(hd).
+            scale: (tile == 4).then_some(0.3),
         };
         let window = spec.window;
+        let ratio = spec.scale.map_or(1.0, |s| s * (hd as f64).sqrt());
         let keep = dropout_mask(key, 7, full, region.clone(), p, &device());
         let [out, dq, dk, dv] =
             value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
         let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
-            materialized(q, k, v, 0, window, &[], Some(keep.clone()))
+            materialized(
+                q.mul_scalar(ratio),
+                k,
+                v,
+                0,
+                window,
+                &[],
+                Some(keep.clone()),
+            )
         });
         let [q, k, v] = inputs.map(f64s);
+        let q: Vec<f64> = q.iter().map(|x| x * ratio).collect();
         let exact = loops(
             &q,
             &k,

@@ -7,9 +7,9 @@ use burn::tensor::Tensor;
 use crate::Result as TpResult;
 use crate::attention::{KvCache, ParallelAttention};
 
-/// A pre-norm block, `[s, batch, d_model] -> [s, batch, d_model]`: `x + attn(attn_norm(x))`,
-/// then `x + mlp(mlp_norm(x))` (a family with other residuals overrides
-/// [`try_forward_cached`](Self::try_forward_cached)).
+/// A pre-norm block, `[s, batch, d_model] -> [s, batch, d_model]`: `x +
+/// post_attn(attn(attn_norm(x)))`, then `x + post_mlp(mlp(mlp_norm(x)))` (the post hooks the
+/// identity but for Gemma's "sandwich" norms).
 pub trait DecoderBlock {
     /// The block's attention.
     fn attention(&self) -> &ParallelAttention;
@@ -19,15 +19,25 @@ pub trait DecoderBlock {
     fn mlp_norm(&self, x: Tensor<3>) -> Tensor<3>;
     /// The MLP.
     fn mlp(&self, x: Tensor<3>) -> TpResult<Tensor<3>>;
+    /// The attention's output before it joins the residual: itself, or a norm of it (Gemma's
+    /// `post_attention_layernorm`).
+    fn post_attn(&self, a: Tensor<3>) -> Tensor<3> {
+        a
+    }
+    /// The MLP's output before it joins the residual: itself, or a norm of it (Gemma's
+    /// `post_feedforward_layernorm`).
+    fn post_mlp(&self, m: Tensor<3>) -> Tensor<3> {
+        m
+    }
 
     /// The block over new positions after those in `kv` (which they join).
     fn try_forward_cached(&self, x: Tensor<3>, kv: &mut KvCache) -> TpResult<Tensor<3>> {
         let a = self
             .attention()
             .try_forward_cached(self.attn_norm(x.clone()), kv)?;
-        let x = x + a;
+        let x = x + self.post_attn(a);
         let m = self.mlp(self.mlp_norm(x.clone()))?;
-        Ok(x + m)
+        Ok(x + self.post_mlp(m))
     }
 }
 

@@ -13,6 +13,9 @@ use std::ops::Range;
 
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_tp_comm::ProcessGroup;
+
+use crate::linear::TpMode;
 
 use crate::backend::TpBackend;
 use crate::backend::fused::dropout::dropout_mask_values;
@@ -72,6 +75,29 @@ pub fn tp_dropout<const D: usize>(
         }
         _ => x,
     }
+}
+
+/// Dropout of a residual branch `[s(/tp), b, d]`: replicated in ALL_REDUCE mode (the same mask on
+/// every rank), this rank's sequence shard of the logical mask in REDUCE_SCATTER mode; the
+/// batch dim is this data-parallel rank's part of the global batch.
+pub(crate) fn residual_dropout(
+    x: Tensor<3>,
+    p: f64,
+    key: Option<DropoutKey>,
+    site: u64,
+    group: &ProcessGroup,
+    mode: TpMode,
+) -> Tensor<3> {
+    let [s, b, d] = x.dims();
+    let (full_s, rows) = match mode {
+        TpMode::AllReduce => (s, 0..s),
+        TpMode::ReduceScatter => (
+            s * group.world_size(),
+            group.rank() * s..(group.rank() + 1) * s,
+        ),
+    };
+    let (b_total, batch) = key.map_or((b, 0..b), |k| k.batch(b));
+    tp_dropout(x, p, key, site, [full_s, b_total, d], [rows, batch, 0..d])
 }
 
 #[cfg(test)]

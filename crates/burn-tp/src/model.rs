@@ -254,13 +254,20 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// # Errors
     /// As [`loss`](Self::loss).
     fn head_logits(&self, x: Tensor<3>) -> crate::Result<Tensor<3>> {
-        let x = self.final_norm(x);
-        match self.head() {
-            Some(head) => head.try_forward(x),
-            None => self
-                .embedding()
-                .try_tied_logits(x, LinearSpec::new(self.settings())),
-        }
+        final_logits(self, x)
+    }
+}
+
+/// The final norm of `x` (`[s(/tp), batch, d_model]`), then the head (or the embedding's
+/// weight, tied): `[s, batch, V_p / tp]`. [`LanguageModel::head_logits`] unless a family
+/// changes the logits after (Gemma's soft cap).
+pub(crate) fn final_logits<M: LanguageModel>(model: &M, x: Tensor<3>) -> crate::Result<Tensor<3>> {
+    let x = model.final_norm(x);
+    match model.head() {
+        Some(head) => head.try_forward(x),
+        None => model
+            .embedding()
+            .try_tied_logits(x, LinearSpec::new(model.settings())),
     }
 }
 
@@ -287,10 +294,7 @@ pub(crate) fn block_at<M: LanguageModel>(model: &M, index: usize) -> crate::Resu
 
 /// Positions already in `cache`, after making it `model`'s (one cache per block; a cache of
 /// another model is started afresh).
-pub(crate) fn cached_positions<M: LanguageModel>(
-    model: &M,
-    cache: &mut DecodeCache,
-) -> usize {
+pub(crate) fn cached_positions<M: LanguageModel>(model: &M, cache: &mut DecodeCache) -> usize {
     let n = model.blocks().len();
     if cache.layers.len() != n {
         let padding = std::mem::take(&mut cache.padding);

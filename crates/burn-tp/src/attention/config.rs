@@ -2,6 +2,7 @@
 //! initialisation.
 
 use burn::config::Config;
+use burn::nn::RotaryEncoding;
 use burn::tensor::Device;
 use burn_tp_comm::ProcessGroup;
 
@@ -47,10 +48,17 @@ pub struct ParallelAttentionConfig {
     /// `q_norm` and `k_norm`: one `[head_dim]` weight each, shared by every head); `None` for none.
     #[config(default = "None")]
     pub qk_norm: Option<f64>,
+    /// Added to the q / k norms' weights before they scale (Gemma's `1 + w`: 1); 0 for none.
+    #[config(default = 0.0)]
+    pub norm_offset: f64,
     /// A sliding window (Mistral's, Phi-3's): each query sees itself and the `window - 1` keys
     /// before it, and the KV cache keeps only those; `None` for the whole causal past.
     #[config(default = "None")]
     pub sliding_window: Option<usize>,
+    /// The scores' scale: `None` for `1 / sqrt(head_dim)`; Gemma's `query_pre_attn_scalar **
+    /// -0.5`.
+    #[config(default = "None")]
+    pub scale: Option<f64>,
     /// A bias on the output projection (the GPT's).
     #[config(default = false)]
     pub out_bias: bool,
@@ -114,6 +122,11 @@ impl ParallelAttentionConfig {
                  high_freq_factor and original_max_position_embeddings > 0 (got {r:?})"
             )));
         }
+        if let Some(scale) = self.scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: scale = {scale} (the scores' scale must be finite and > 0)"
+            )));
+        }
         if self.sliding_window == Some(0) {
             return Err(TpError::Config(
                 "ParallelAttention: sliding_window = 0 (each query must see itself)".into(),
@@ -136,6 +149,25 @@ impl ParallelAttentionConfig {
     /// [`TpError::NotDivisible`] / [`TpError::Config`] for head counts that do not fit tp; a
     /// communication error.
     pub fn init(&self, group: &ProcessGroup, device: &Device) -> TpResult<ParallelAttention> {
+        self.init_with_rope(group, device, self.rotary_table(device))
+    }
+
+    /// The rotary table this config gives (`[max_seq, head_dim]`), with rotary positions: one
+    /// a model's layers of the same base can share ([`init_with_rope`](Self::init_with_rope)).
+    pub(crate) fn rotary_table(&self, device: &Device) -> Option<RotaryEncoding> {
+        let hd = self.head_size();
+        self.rope_theta
+            .map(|theta| rotary(self.max_seq, hd, theta, self.rope_scaling, device))
+    }
+
+    /// [`init`](Self::init) with rotary table `rope` (shared: its tensor is not copied), which
+    /// must be [`rotary_table`](Self::rotary_table)'s.
+    pub(crate) fn init_with_rope(
+        &self,
+        group: &ProcessGroup,
+        device: &Device,
+        rope: Option<RotaryEncoding>,
+    ) -> TpResult<ParallelAttention> {
         self.validate(group.world_size())?;
         let (h, kv) = (self.n_heads, self.n_kv());
         let hd = self.head_size();
@@ -162,20 +194,22 @@ impl ParallelAttentionConfig {
             .with_settings(self.settings)
             .init(group, device)?;
         // Partial gradients in either mode (see the field): the REDUCE_SCATTER norm's rule.
-        let head_norm = |eps: f64| TpRmsNorm::new(hd, eps, TpMode::ReduceScatter, group, device);
+        let head_norm = |eps: f64| {
+            TpRmsNorm::new(hd, eps, TpMode::ReduceScatter, group, device)
+                .with_offset(self.norm_offset)
+        };
         Ok(ParallelAttention {
             qkv,
             out,
             q_norm: self.qk_norm.map(head_norm),
             k_norm: self.qk_norm.map(head_norm),
-            rope: self
-                .rope_theta
-                .map(|theta| rotary(self.max_seq, hd, theta, self.rope_scaling, device)),
+            rope,
             n_heads: h,
             n_kv_heads: kv,
             head_dim: hd,
             dropout: self.dropout,
             window: self.sliding_window,
+            scale: self.scale,
             kernel: match self.settings.fused_attention {
                 true => Kernel::Fused {
                     tile: self.settings.attention_tile,

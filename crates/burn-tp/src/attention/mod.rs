@@ -63,6 +63,8 @@ pub struct ParallelAttention {
     head_dim: usize,
     dropout: f64,
     window: Option<usize>,
+    /// The scores' scale (`None`: `1 / sqrt(head_dim)`).
+    scale: Option<f64>,
     /// How its scores are computed: the attention's own setting, from `TpSettings` at init.
     #[module(skip)]
     kernel: Kernel,
@@ -268,6 +270,7 @@ impl ParallelAttention {
                 }
             }),
             window: self.window,
+            scale: self.scale,
             tile: match self.kernel {
                 Kernel::Fused { tile } => tile,
                 Kernel::Materialized => crate::backend::attention::mask::TILE,
@@ -297,7 +300,7 @@ impl ParallelAttention {
                 .reshape([b, hq, t, hd])
         };
         let (k, v) = (expand(k), expand(v));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt();
+        let scores = q.matmul(k.swap_dims(2, 3)) * spec.scale_for(hd);
         // One mask per sequence with padding, else one for all.
         let masks = if spec.padding.is_empty() { 1 } else { b };
         let spec = &spec;

@@ -1,8 +1,10 @@
-//! SwiGLU MLP: gate and up as one fused column-parallel layer of two contiguous chunks.
+//! The gated MLP (SwiGLU; GeGLU for Gemma): gate and up as one fused column-parallel layer of
+//! two contiguous chunks.
 
 use burn::backend::Dispatch;
 use burn::config::Config;
 use burn::module::Module;
+use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
@@ -20,13 +22,26 @@ pub struct ParallelSwiGluConfig {
     pub d_model: usize,
     /// Hidden width over all ranks (a multiple of tp).
     pub d_ff: usize,
+    /// The gate's activation: SiLU (SwiGLU) or the tanh GELU (Gemma's GeGLU).
+    #[config(default = "GluActivation::Silu")]
+    pub activation: GluActivation,
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
 }
 
-/// `down(silu(x W_gate) * (x W_up))` (Burn's `SwiGlu` with `linear_inner` = gate and
-/// `linear_outer` = up, then a down projection; no biases). Gate and up are one column-parallel
+/// The activation of a gated MLP's gate.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum GluActivation {
+    /// `silu(g) * u`: SwiGLU (Llama, Mistral, Qwen, Phi-3; transformers' `silu`).
+    Silu,
+    /// `gelu_tanh(g) * u`: GeGLU with the tanh approximation of GELU (Gemma; transformers'
+    /// `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// `down(act(x W_gate) * (x W_up))`, `act` SiLU (Burn's `SwiGlu` with `linear_inner` = gate and
+/// `linear_outer` = up, then a down projection; no biases) or the tanh GELU. Gate and up are one column-parallel
 /// layer `d_model -> 2 d_ff` with full columns `[gate | up]`, each chunk sharded on its own, so a
 /// rank's shard is `[gate_r | up_r]`; down is row-parallel. One reduction per call.
 #[derive(Module, Debug)]
@@ -35,6 +50,9 @@ pub struct ParallelSwiGlu {
     pub gate_up: ColumnParallelLinear,
     /// `d_ff / tp -> d_model`.
     pub down: RowParallelLinear,
+    /// The gate's activation.
+    #[module(skip)]
+    activation: GluActivation,
 }
 
 impl ParallelSwiGluConfig {
@@ -57,6 +75,7 @@ impl ParallelSwiGluConfig {
                 .with_bias(false)
                 .with_settings(self.settings)
                 .init(group, device)?,
+            activation: self.activation,
         })
     }
 }
@@ -76,19 +95,29 @@ impl ParallelSwiGlu {
     /// As [`forward`](Self::forward)'s panics.
     pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
         let y = self.gate_up.try_forward(x)?;
-        // One op whose backward keeps only `y` (silu and the product recomputed).
-        let z = <Dispatch as TpBackend>::tp_swiglu(y.into_dispatch());
-        self.down.try_forward(Tensor::from_dispatch(z))
+        let z = match self.activation {
+            // One op whose backward keeps only `y` (silu and the product recomputed).
+            GluActivation::Silu => {
+                Tensor::from_dispatch(<Dispatch as TpBackend>::tp_swiglu(y.into_dispatch()))
+            }
+            GluActivation::GeluTanh => {
+                let f = y.dims()[2] / 2;
+                let (gate, up) = (y.clone().narrow(2, 0, f), y.narrow(2, f, f));
+                gelu_approximate(gate) * up
+            }
+        };
+        self.down.try_forward(z)
     }
 }
 
-crate::reshard::reshard_fields!(ParallelSwiGlu { gate_up, down });
+crate::reshard::reshard_fields!(ParallelSwiGlu { gate_up, down }, keep: { activation });
 
 impl crate::linear::InMode for ParallelSwiGlu {
     fn in_mode(self, mode: crate::linear::TpMode) -> Self {
         Self {
             gate_up: self.gate_up.in_mode(mode),
             down: self.down.in_mode(mode),
+            activation: self.activation,
         }
     }
 }

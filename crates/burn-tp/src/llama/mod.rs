@@ -17,7 +17,7 @@
 mod mlp;
 
 use crate::norm::TpRmsNorm;
-pub use mlp::{ParallelSwiGlu, ParallelSwiGluConfig};
+pub use mlp::{GluActivation, ParallelSwiGlu, ParallelSwiGluConfig};
 
 use burn::config::Config;
 use burn::module::Module;
@@ -28,7 +28,7 @@ use crate::attention::{
     DecodeCache, Llama3RopeScaling, ParallelAttention, ParallelAttentionConfig,
 };
 use crate::decoder::DecoderBlock;
-use crate::dropout::{DropoutKey, DropoutStep, tp_dropout};
+use crate::dropout::{DropoutKey, DropoutStep, residual_dropout};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
@@ -237,10 +237,12 @@ impl LlamaConfig {
             .with_vocab_multiple(self.vocab_multiple)
             .init(group, device)?;
         let norm = |g: &ProcessGroup| TpRmsNorm::new(d, self.norm_eps, mode, g, device);
+        // One rotary table for every block (a constant: shared, not copied).
+        let rope = attn.rotary_table(device);
         let blocks = crate::decoder::draw_blocks("Llama", self.n_layers, layers, || {
             Ok(LlamaBlock {
                 attn_norm: norm(group),
-                attn: attn.init(group, device)?,
+                attn: attn.init_with_rope(group, device, rope.clone())?,
                 mlp_norm: norm(group),
                 mlp: ParallelSwiGluConfig::new(d, self.d_ff)
                     .with_settings(settings)
@@ -290,29 +292,6 @@ impl LlamaBlock {
         let m = self.mlp.try_forward(self.mlp_norm.forward(x.clone()))?;
         Ok(x + residual_dropout(m, p, dropout, site + 2, group, mode))
     }
-}
-
-/// Dropout of a residual branch `[s(/tp), b, d]`: replicated in ALL_REDUCE mode (the same mask on
-/// every rank), this rank's sequence shard of the logical mask in REDUCE_SCATTER mode; the
-/// batch dim is this data-parallel rank's part of the global batch.
-fn residual_dropout(
-    x: Tensor<3>,
-    p: f64,
-    key: Option<DropoutKey>,
-    site: u64,
-    group: &ProcessGroup,
-    mode: TpMode,
-) -> Tensor<3> {
-    let [s, b, d] = x.dims();
-    let (full_s, rows) = match mode {
-        TpMode::AllReduce => (s, 0..s),
-        TpMode::ReduceScatter => (
-            s * group.world_size(),
-            group.rank() * s..(group.rank() + 1) * s,
-        ),
-    };
-    let (b_total, batch) = key.map_or((b, 0..b), |k| k.batch(b));
-    tp_dropout(x, p, key, site, [full_s, b_total, d], [rows, batch, 0..d])
 }
 
 impl Llama {

@@ -2,7 +2,7 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{RmsNorm, RmsNormConfig};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use super::{norm, replicated_param};
@@ -16,15 +16,20 @@ use crate::reshard::{ParamLayout, Reshard, solo};
 /// backward keeps only the input and the weight ([`TpBackend::tp_norm`](crate::backend::TpBackend::tp_norm)), with a replicated
 /// `gamma` whose gradient is summed over the group in REDUCE_SCATTER mode, where each rank
 /// normalizes its own sequence shard (like [`TpLayerNorm`](super::TpLayerNorm)).
+///
+/// With an [`offset`](Self::with_offset) of 1 it is Gemma's RMSNorm, `x / rms(x) * (1 + w)`, the
+/// weight stored as `w` (zeros at init) and `1 + w` formed in f32, as transformers does.
 #[derive(Module, Debug)]
 pub struct TpRmsNorm {
-    /// `[d_model]`.
+    /// `[d_model]`: the scale, or the scale less the offset.
     pub gamma: Param<Tensor<1>>,
     #[module(skip)]
     group: ProcessGroup,
     #[module(skip)]
     mode: TpMode,
     epsilon: f64,
+    /// Added to `gamma` before it scales (0, or Gemma's 1).
+    offset: f64,
 }
 
 impl TpRmsNorm {
@@ -41,7 +46,23 @@ impl TpRmsNorm {
             group: group.clone(),
             mode,
             epsilon,
+            offset: 0.0,
         }
+    }
+
+    /// Scales by `gamma + offset` (Gemma's `1 + w`: `offset` 1), `gamma` set to `1 - offset` so
+    /// the scale starts at 1.
+    pub fn with_offset(mut self, offset: f64) -> Self {
+        if offset != 0.0 {
+            self.gamma = self.gamma.map(|g| g.sub_scalar(offset));
+        }
+        self.offset = offset;
+        self
+    }
+
+    /// What is added to `gamma` before it scales.
+    pub fn offset(&self) -> f64 {
+        self.offset
     }
 
     /// From a Burn `RmsNorm`.
@@ -51,10 +72,11 @@ impl TpRmsNorm {
             group: group.clone(),
             mode,
             epsilon: norm.epsilon,
+            offset: 0.0,
         }
     }
 
-    /// As a Burn `RmsNorm` (a detached copy).
+    /// As a Burn `RmsNorm` (a detached copy; its `gamma` this norm's, without the offset).
     pub fn to_full(&self) -> RmsNorm {
         let gamma = self.gamma.val();
         let mut norm = RmsNormConfig::new(gamma.dims()[0])
@@ -66,7 +88,14 @@ impl TpRmsNorm {
 
     /// `[.., d_model] -> [.., d_model]`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let gamma = replicated_param(&self.gamma, self.mode, &self.group);
+        let mut gamma = replicated_param(&self.gamma, self.mode, &self.group);
+        if self.offset != 0.0 {
+            // `1 + w` in f32 for half weights (transformers' Gemma), else in their own dtype.
+            if matches!(gamma.dtype(), DType::BF16 | DType::F16) {
+                gamma = gamma.cast(DType::F32);
+            }
+            gamma = gamma.add_scalar(self.offset);
+        }
         let spec = NormSpec {
             rms: true,
             epsilon: self.epsilon,
@@ -84,10 +113,18 @@ impl crate::linear::InMode for TpRmsNorm {
 
 impl Reshard for TpRmsNorm {
     fn to_full_module(&self) -> TpResult<Self> {
-        Ok(Self::from_full(&self.to_full(), self.mode, &solo()))
+        let full = Self::from_full(&self.to_full(), self.mode, &solo());
+        Ok(Self {
+            offset: self.offset,
+            ..full
+        })
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> TpResult<Self> {
-        Ok(Self::from_full(&full.to_full(), full.mode, group))
+        let shard = Self::from_full(&full.to_full(), full.mode, group);
+        Ok(Self {
+            offset: full.offset,
+            ..shard
+        })
     }
     fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
         let r = self.group.rank();

@@ -100,11 +100,12 @@ macro_rules! reshard_fields {
             }
         }
     };
-    ($ty:ident { $($field:ident),+ $(,)? }) => {
+    ($ty:ident { $($field:ident),+ $(,)? } $(, keep: { $($kept:ident),* $(,)? })?) => {
         impl $crate::reshard::Reshard for $ty {
             fn to_full_module(&self) -> $crate::Result<Self> {
                 Ok(Self {
-                    $($field: $crate::reshard::Reshard::to_full_module(&self.$field)?),+
+                    $($field: $crate::reshard::Reshard::to_full_module(&self.$field)?,)+
+                    $($($kept: self.$kept.clone(),)*)?
                 })
             }
             fn shard_module(
@@ -112,7 +113,8 @@ macro_rules! reshard_fields {
                 group: &burn_tp_comm::ProcessGroup,
             ) -> $crate::Result<Self> {
                 Ok(Self {
-                    $($field: $crate::reshard::Reshard::shard_module(&full.$field, group)?),+
+                    $($field: $crate::reshard::Reshard::shard_module(&full.$field, group)?,)+
+                    $($($kept: full.$kept.clone(),)*)?
                 })
             }
             fn layout(&self, rank: usize) -> Vec<$crate::reshard::ParamLayout> {

@@ -171,7 +171,7 @@ pub(crate) fn forward<B: TpBackend>(
     }
     let geo = Geometry::of::<B>(&q, &k);
     let dtype = q.dtype();
-    let scale = 1.0 / (geo.hd as f64).sqrt();
+    let scale = spec.scale_for(geo.hd);
     let device = q.device();
     let mut outs = Vec::new();
     let mut lses = Vec::new();
@@ -277,7 +277,7 @@ pub(crate) fn backward<B: TpBackend>(
     };
     let geo = Geometry::of::<B>(&q, &k);
     let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
-    let scale = 1.0 / (geo.hd as f64).sqrt();
+    let scale = spec.scale_for(geo.hd);
     let device = q.device();
     let q_tiles: Vec<Range<usize>> = tiles(geo.s, spec.tile);
     // Per query tile: the scaled queries, the upstream gradient, and D = rowsum(dO * O).

@@ -27,6 +27,9 @@ pub struct AttentionSpec {
     /// hidden from every query but the one at their own position (batched generation's
     /// prompts of different lengths; a padding query then sees itself, not an empty row).
     pub padding: Vec<usize>,
+    /// The scores' scale: `None` for `1 / sqrt(head_dim)`; Gemma's
+    /// `query_pre_attn_scalar ** -0.5` where its scalar is not the head size.
+    pub scale: Option<f64>,
 }
 
 /// The dropout of one attention call: this rank's region of the logical mask of site `site`
@@ -58,7 +61,13 @@ impl AttentionSpec {
             tile: TILE,
             window: None,
             padding: Vec::new(),
+            scale: None,
         }
+    }
+
+    /// The scores' scale for heads of `hd`: [`scale`](Self::scale), or `1 / sqrt(hd)`.
+    pub(crate) fn scale_for(&self, hd: usize) -> f64 {
+        self.scale.unwrap_or_else(|| 1.0 / (hd as f64).sqrt())
     }
 
     /// Sequence `b`'s left padding.

@@ -11,7 +11,7 @@ use super::*;
 /// What a query tile brings to every key tile's backward, packed `[g * rows, ..]` (the tile's
 /// rows of the `g` query heads of one key / value head, stacked).
 struct QueryTile {
-    /// The queries, scaled by `1 / sqrt(hd)`.
+    /// The queries, scaled by the scores' scale (`1 / sqrt(hd)` unless the spec says).
     q: Vec<f32>,
     /// The upstream gradient dO.
     d_o: Vec<f32>,
@@ -40,7 +40,7 @@ impl Task<'_> {
     fn query_tile(&self, o: &View, d_o: &View, lse: &[f32], rows: &Range<usize>) -> QueryTile {
         let (hd, hq, s) = (self.q.dims[3], self.q.dims[1], self.lengths[0]);
         let gn = self.heads.len() * rows.len();
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = self.spec.scale_for(hd) as f32;
         let pack = |view: &View, scale: f32| {
             let mut packed = vec![0.0f32; gn * hd];
             view.pack(
@@ -187,7 +187,7 @@ pub(crate) fn backward<B: Backend>(
     let [b, hq, s, hd] = q.dims;
     let [_, hkv, t, _] = k.dims;
     let g = hq / hkv;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = spec.scale_for(hd) as f32;
     let q_tiles = tiles(s, spec.tile);
     let k_tiles = tiles(t, spec.tile);
     let mut dq = vec![0.0f32; b * hq * s * hd];

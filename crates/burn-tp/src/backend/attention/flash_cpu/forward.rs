@@ -16,7 +16,7 @@ pub(crate) fn forward<B: Backend>(
     let [b, hq, s, hd] = q.dims;
     let [_, hkv, t, _] = k.dims;
     let g = hq / hkv;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = spec.scale_for(hd) as f32;
     let q_tiles = tiles(s, spec.tile);
     let k_tiles = tiles(t, spec.tile);
     let nq = q_tiles.len();
