@@ -17,7 +17,7 @@ FLOORS = [
     ["ops"],
     ["init", "reshard"],
     ["linear", "embedding", "loss", "dropout", "norm", "attention", "transformer"],
-    ["decoder", "gpt", "llama", "model"],
+    ["decoder", "gpt", "llama", "gemma", "model"],
     ["generate", "checkpoint", "hf", "dp", "mesh", "precision", "recompute", "pipeline",
      "train", "testing"],
 ]

@@ -80,6 +80,7 @@ pub mod dp;
 pub mod dropout;
 pub mod embedding;
 mod error;
+pub mod gemma;
 pub mod generate;
 pub mod gpt;
 pub mod hf;

@@ -9,8 +9,6 @@ use super::*;
 fn import_export_import_is_bit_exact() {
     use burn::module::{Module, ModuleVisitor, Param};
 
-    use burn_tp::reshard::Reshard;
-
     fn bits<M: Module>(m: &M) -> Vec<Vec<u32>> {
         struct Collect(Vec<Vec<u32>>);
         impl ModuleVisitor for Collect {
@@ -24,24 +22,14 @@ fn import_export_import_is_bit_exact() {
         c.0
     }
     let _rng = rng_lock();
-    for name in [
-        "llama_gqa",
-        "llama_tied",
-        "qwen2_bias",
-        "llama_far",
-        "llama3_scaled",
-        "llama_head_dim",
-        "qwen3",
-        "mistral_window",
-        "phi3",
-    ] {
+    fn round_trip<M: LanguageModel>(init: Init<M>, name: &str) {
         let src = fixture(name);
         let out =
             std::env::temp_dir().join(format!("burn-tp-hf-export-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
         let (s, o) = (src.clone(), out.clone());
         let first = run_local(2, move |g| {
-            let (model, config) = init_llama(&s, TpSettings::new(), &g, &device()).unwrap();
+            let (model, config) = init(&s, TpSettings::new(), &g, &device()).unwrap();
             burn_tp::hf::save(&model, &config, &o, &g).unwrap();
             bits(&model.to_full_module().unwrap())
         })
@@ -50,7 +38,7 @@ fn import_export_import_is_bit_exact() {
         for tp in [1usize, 4] {
             let o = out.clone();
             let again = run_local(tp, move |g| {
-                let (model, _) = init_llama(&o, TpSettings::new(), &g, &device()).unwrap();
+                let (model, _) = init(&o, TpSettings::new(), &g, &device()).unwrap();
                 bits(&model.to_full_module().unwrap())
             })
             .unwrap()
@@ -70,5 +58,21 @@ fn import_export_import_is_bit_exact() {
         );
         assert_eq!(greedy, want.greedy, "{name} exported: greedy");
         std::fs::remove_dir_all(&out).unwrap();
+    }
+    for name in [
+        "llama_gqa",
+        "llama_tied",
+        "qwen2_bias",
+        "llama_far",
+        "llama3_scaled",
+        "llama_head_dim",
+        "qwen3",
+        "mistral_window",
+        "phi3",
+    ] {
+        round_trip(init_llama, name);
+    }
+    for name in ["gemma3", "gemma3_capped"] {
+        round_trip(init_gemma, name);
     }
 }

@@ -46,22 +46,13 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
         }
         out
     }
-    for name in [
-        "llama_gqa",
-        "qwen2_bias",
-        "llama_far",
-        "llama3_scaled",
-        "llama_head_dim",
-        "qwen3",
-        "mistral_window",
-        "phi3",
-    ] {
+    fn check<M: LanguageModel>(init: Init<M>, name: &str) {
         let dir = fixture(name);
         let want = expected(&dir);
         for tp in [1usize, 2, 4] {
             let (d, prompt, n) = (dir.clone(), want.prompt.clone(), want.greedy.len());
             let out = run_local(tp, move |g| {
-                let (model, _) = init_llama(&d, TpSettings::new(), &g, &device()).unwrap();
+                let (model, _) = init(&d, TpSettings::new(), &g, &device()).unwrap();
                 let options = GenerateOptions {
                     max_new_tokens: n,
                     ..Default::default()
@@ -78,6 +69,22 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
                 }
             }
         }
+    }
+    for name in [
+        "llama_gqa",
+        "qwen2_bias",
+        "llama_far",
+        "llama3_scaled",
+        "llama_head_dim",
+        "qwen3",
+        "mistral_window",
+        "phi3",
+    ] {
+        check(init_llama, name);
+    }
+    // Gemma: sliding layers' caches keep their window, full layers' everything.
+    for name in ["gemma3", "gemma3_capped"] {
+        check(init_gemma, name);
     }
     // The GPT (learned positions, biases, multi-head) at tp 2.
     device().seed(9);
@@ -439,24 +446,20 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
             .collect();
         (out, [batched, solo])
     }
-    let compare = |tag: &str, (rows, [batched, solo]): (Rows, [Vec<f64>; 2])| {
+    /// `tol`: of the prefill's logits, whose rotary positions are shifted by the padding (the
+    /// same scores but for rounding).
+    fn compare(tag: &str, (rows, [batched, solo]): (Rows, [Vec<f64>; 2]), tol: f64) {
         for (name, batch, alone) in rows {
             assert_eq!(batch, alone, "{tag}: {name}");
         }
         assert_close(
             &batched,
             &solo,
-            1e-5,
+            tol,
             &format!("{tag}: the prefill's logits"),
         );
-    };
-    for name in [
-        "llama_gqa",
-        "llama3_scaled",
-        "qwen3",
-        "mistral_window",
-        "phi3",
-    ] {
+    }
+    fn imported<M: LanguageModel>(init: Init<M>, name: &str) {
         let dir = fixture(name);
         let want = expected(&dir);
         let p = want.prompt.clone();
@@ -471,7 +474,7 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
         for tp in [1usize, 2, 4] {
             let (d, ps) = (dir.clone(), prompts.clone());
             let out = run_local(tp, move |g| {
-                let (model, _) = init_llama(&d, TpSettings::new(), &g, &device()).unwrap();
+                let (model, _) = init(&d, TpSettings::new(), &g, &device()).unwrap();
                 let results = check(&model, &g, &ps);
                 let greedy = GenerateOptions {
                     max_new_tokens: 6,
@@ -484,9 +487,29 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
             for (r, (results, first)) in out.into_iter().enumerate() {
                 let tag = format!("{name} tp {tp} rank {r}");
                 assert_eq!(first, want.greedy, "{tag}: transformers' continuation");
-                compare(&tag, results);
+                // Gemma's activations are larger (norms scaling by about 3 here, embeddings by
+                // sqrt(d)): the rounding of the shifted rotations grows with them (measured:
+                // at most 4.4e-5 for Gemma, 2.9e-6 for the Llama family).
+                let tol = if name.starts_with("gemma") {
+                    1e-4
+                } else {
+                    1e-5
+                };
+                compare(&tag, results, tol);
             }
         }
+    }
+    for name in [
+        "llama_gqa",
+        "llama3_scaled",
+        "qwen3",
+        "mistral_window",
+        "phi3",
+    ] {
+        imported(init_llama, name);
+    }
+    for name in ["gemma3", "gemma3_capped"] {
+        imported(init_gemma, name);
     }
     // The GPT: learned positions, each row's counted from its first token.
     device().seed(13);
@@ -498,6 +521,6 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
     })
     .unwrap();
     for (r, results) in out.into_iter().enumerate() {
-        compare(&format!("gpt rank {r}"), results);
+        compare(&format!("gpt rank {r}"), results, 1e-5);
     }
 }

@@ -1,4 +1,5 @@
-//! Hugging Face Llama-family models imported at tp 1, 2 and 4 against what `transformers` itself
+//! Hugging Face models (the Llama family, Gemma 3) imported at tp 1, 2 and 4 against what
+//! `transformers` itself
 //! computes with them (the fixtures of `tests/fixtures/hf`, made by `make_fixtures.py`, run by
 //! hand): the logits of the last prompt position and the greedy continuation.
 //!
@@ -17,9 +18,10 @@ mod import;
 use crate::common::{assert_close, device, f64s, rng_lock};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_tp::TpError;
-use burn_tp::hf::{HfArchitecture, HfConfig, init_llama};
+use burn_tp::hf::{HfArchitecture, HfConfig, init_gemma, init_llama};
 use burn_tp::linear::TpSettings;
 use burn_tp::local::run_local;
+use burn_tp::model::LanguageModel;
 use burn_tp::ops::gather_from_tp_region;
 use std::path::{Path, PathBuf};
 
@@ -65,16 +67,45 @@ fn expected(dir: &Path) -> Expected {
     }
 }
 
+/// An importer: [`init_llama`] or [`init_gemma`].
+type Init<M> = fn(
+    &Path,
+    TpSettings,
+    &burn_tp::comm::ProcessGroup,
+    &burn::tensor::Device,
+) -> burn_tp::Result<(M, HfConfig)>;
+
+/// Whether the fixture in `dir` is a Gemma (imported by [`init_gemma`]).
+fn is_gemma(dir: &Path) -> bool {
+    HfConfig::from_dir(dir).unwrap().architecture.is_gemma()
+}
+
 /// `(last-position logits over the real vocabulary, greedy continuation)` of the model in `dir`
 /// at `tp`, on rank 0 (every rank computes the same).
 fn run(dir: PathBuf, tp: usize, prompt: Vec<i64>, new: usize) -> (Vec<f64>, Vec<i64>) {
+    if is_gemma(&dir) {
+        run_with(init_gemma, dir, tp, TpSettings::new(), prompt, new)
+    } else {
+        run_with(init_llama, dir, tp, TpSettings::new(), prompt, new)
+    }
+}
+
+/// [`run`] with importer `init` and `settings` (`new` = 0: the prompt's logits alone).
+fn run_with<M: LanguageModel>(
+    init: Init<M>,
+    dir: PathBuf,
+    tp: usize,
+    settings: TpSettings,
+    prompt: Vec<i64>,
+    new: usize,
+) -> (Vec<f64>, Vec<i64>) {
     let out = run_local(tp, move |g| {
-        let (model, config) = init_llama(&dir, TpSettings::new(), &g, &device()).unwrap();
+        let (model, config) = init(&dir, settings, &g, &device()).unwrap();
         let vocab = config.vocab_size;
         let last_logits = |ids: &[i64]| -> Vec<f64> {
             let s = ids.len();
             let t = Tensor::<2, Int>::from_data(TensorData::new(ids.to_vec(), [s, 1]), &device());
-            let logits = model.try_forward(t, None).unwrap(); // [s, 1, V_p / tp]
+            let logits = model.logits(t).unwrap(); // [s, 1, V_p / tp]
             let logits = gather_from_tp_region(logits, 2, &g).unwrap();
             f64s(
                 logits

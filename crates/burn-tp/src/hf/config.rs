@@ -1,5 +1,5 @@
-//! [`HfConfig`]: a Hugging Face `config.json` of the Llama family, read and checked, and the
-//! burn-tp Llama it describes (both ways).
+//! [`HfConfig`]: a Hugging Face `config.json` of the Llama or the Gemma family, read and
+//! checked, and the burn-tp model it describes (both ways).
 
 use std::path::Path;
 
@@ -8,6 +8,7 @@ use serde_json::Value;
 use crate::Result;
 use crate::attention::Llama3RopeScaling;
 use crate::error::file_error;
+use crate::gemma::{GemmaConfig, LayerType};
 use crate::linear::TpSettings;
 use crate::llama::LlamaConfig;
 
@@ -24,6 +25,8 @@ pub enum HfArchitecture {
     Qwen3,
     /// `Phi3ForCausalLM` (fused `qkv_proj` and `gate_up_proj` tensors, a sliding window).
     Phi3,
+    /// `Gemma3ForCausalLM` (`gemma3_text`): a [`Gemma`](crate::gemma::Gemma).
+    Gemma3,
 }
 
 impl HfArchitecture {
@@ -35,15 +38,22 @@ impl HfArchitecture {
             Self::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Self::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Self::Phi3 => ("Phi3ForCausalLM", "phi3"),
+            Self::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         }
     }
 
-    const ALL: [Self; 5] = [
+    /// Whether it is a [`Gemma`](crate::gemma::Gemma) (else a [`Llama`](crate::llama::Llama)).
+    pub fn is_gemma(self) -> bool {
+        self == Self::Gemma3
+    }
+
+    const ALL: [Self; 6] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
         Self::Qwen3,
         Self::Phi3,
+        Self::Gemma3,
     ];
 }
 
@@ -68,8 +78,18 @@ pub struct HfConfig {
     pub max_position_embeddings: usize,
     /// `head_dim` where it is not `hidden_size / num_attention_heads`.
     pub head_dim: Option<usize>,
-    /// `rope_theta` (default 10000).
+    /// `rope_theta` (default 10000; Gemma's full-attention layers', default 1,000,000).
     pub rope_theta: f64,
+    /// Gemma's rotary base of its sliding layers (`rope_parameters.sliding_attention`, or
+    /// `rope_local_base_freq`; default 10000); `None` for the Llama family.
+    pub rope_local_theta: Option<f64>,
+    /// Gemma's layer types (`layer_types`, or every `sliding_window_pattern`-th layer full);
+    /// empty for the Llama family, whose `sliding_window` is every layer's.
+    pub layer_types: Vec<LayerType>,
+    /// Gemma's `query_pre_attn_scalar` (the scores scaled by its `** -0.5`).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma's `final_logit_softcapping`.
+    pub final_logit_softcapping: Option<f64>,
     /// Llama 3's rotary scaling (`rope_parameters` / `rope_scaling` of type `llama3`).
     pub rope_scaling: Option<Llama3RopeScaling>,
     /// `rms_norm_eps`.
@@ -82,7 +102,8 @@ pub struct HfConfig {
     pub out_bias: bool,
     /// RMSNorm on each head's queries and keys (Qwen3's `q_norm`, `k_norm`).
     pub qk_norm: bool,
-    /// The sliding window of every layer (`sliding_window` where in use), if below the context.
+    /// The sliding window of every layer (`sliding_window` where in use), if below the context;
+    /// Gemma's: that of its sliding layers.
     pub sliding_window: Option<usize>,
     /// `attention_dropout` (every family; 0 when absent): dropout of the attention
     /// probabilities while training.
@@ -147,12 +168,19 @@ impl HfConfig {
         // Rotary settings: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
         // (earlier); the default or Llama 3's scaling, any other refused.
         let rope = v.get("rope_parameters").filter(|r| !r.is_null());
+        let gemma = architecture.is_gemma();
         let mut rope_scaling = None;
+        let gemma_rope = if gemma {
+            Some(gemma_rope(v, path)?)
+        } else {
+            None
+        };
         for (field, params) in [
+            // Gemma's are per layer type, read above.
             ("rope_parameters", rope),
             ("rope_scaling", v.get("rope_scaling")),
         ] {
-            let Some(params) = params.filter(|p| !p.is_null()) else {
+            let Some(params) = params.filter(|p| !p.is_null() && !gemma) else {
                 continue;
             };
             let kind = params
@@ -174,12 +202,15 @@ impl HfConfig {
                 }
             }
         }
-        let rope_theta = match rope
-            .and_then(|r| r.get("rope_theta"))
-            .and_then(Value::as_f64)
-        {
-            Some(theta) => theta,
-            None => f64_field("rope_theta", 10000.0)?,
+        let rope_theta = match (gemma_rope, rope.and_then(|r| r.get("rope_theta"))) {
+            (Some((full, _)), _) => full,
+            (None, Some(theta)) => theta.as_f64().ok_or_else(|| {
+                file_error(
+                    path,
+                    format!("`rope_parameters.rope_theta` is not a number: {theta}"),
+                )
+            })?,
+            (None, None) => f64_field("rope_theta", 10000.0)?,
         };
         // An explicit head size (Qwen3, Mistral NeMo); kept only where it differs from
         // hidden_size / num_attention_heads.
@@ -191,17 +222,32 @@ impl HfConfig {
         if bool_field("mlp_bias") {
             return Err(file_error(path, "`mlp_bias` = true is not supported"));
         }
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
-            && act != "silu"
-        {
-            return Err(file_error(
-                path,
-                format!("`hidden_act` = {act:?} is not supported (silu is)"),
-            ));
+        // Gemma's GeGLU takes the tanh GELU, the Llama family's SwiGLU SiLU.
+        let want = if gemma { "gelu_pytorch_tanh" } else { "silu" };
+        for field in ["hidden_act", "hidden_activation"] {
+            if let Some(act) = v.get(field).and_then(Value::as_str)
+                && act != want
+            {
+                return Err(file_error(
+                    path,
+                    format!("`{field}` = {act:?} is not supported ({want} is)"),
+                ));
+            }
         }
-        let sliding_window = sliding_window(v, architecture, usize_field("num_hidden_layers")?)
-            .map_err(|what| file_error(path, what))?
-            .filter(|&w| w < max_pos);
+        let layers = usize_field("num_hidden_layers")?;
+        let (sliding_window, layer_types) = if gemma {
+            gemma_checks(v, path)?;
+            let window = v.get("sliding_window").and_then(Value::as_u64);
+            (
+                window.map(|w| w as usize),
+                gemma_layer_types(v, layers, path)?,
+            )
+        } else {
+            let window = sliding_window(v, architecture, layers)
+                .map_err(|what| file_error(path, what))?
+                .filter(|&w| w < max_pos);
+            (window, Vec::new())
+        };
         // Phi-3's (and Phi-4's) rotation of part of each head only.
         for partial in [
             v.get("partial_rotary_factor"),
@@ -251,12 +297,28 @@ impl HfConfig {
             max_position_embeddings: max_pos,
             head_dim,
             rope_theta,
+            rope_local_theta: gemma_rope.map(|(_, local)| local),
+            layer_types,
+            query_pre_attn_scalar: match gemma {
+                true => Some(f64_field("query_pre_attn_scalar", 256.0)?),
+                false => None,
+            },
+            final_logit_softcapping: match v.get("final_logit_softcapping") {
+                Some(cap) if gemma && !cap.is_null() => {
+                    Some(f64_field("final_logit_softcapping", 0.0)?)
+                }
+                _ => None,
+            },
             rope_scaling,
             rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
-            tie_word_embeddings: bool_field("tie_word_embeddings"),
+            // Gemma ties by default (transformers' Gemma3TextConfig), the others do not.
+            tie_word_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(gemma),
             qkv_bias: architecture == HfArchitecture::Qwen2 || attention_bias,
             out_bias: attention_bias,
-            qk_norm: architecture == HfArchitecture::Qwen3,
+            qk_norm: architecture == HfArchitecture::Qwen3 || gemma,
             sliding_window,
             attention_dropout,
             residual_dropout,
@@ -287,6 +349,10 @@ impl HfConfig {
             max_position_embeddings: c.max_seq,
             head_dim: c.head_dim.filter(|&hd| hd * c.n_heads != c.d_model),
             rope_theta: f64::from(c.rope_theta),
+            rope_local_theta: None,
+            layer_types: Vec::new(),
+            query_pre_attn_scalar: None,
+            final_logit_softcapping: None,
             rope_scaling: c.rope_scaling,
             rms_norm_eps: c.norm_eps,
             tie_word_embeddings: c.tie_embeddings,
@@ -324,6 +390,195 @@ impl HfConfig {
         .with_attention_dropout(Some(self.attention_dropout))
         .with_settings(settings)
     }
+}
+
+impl HfConfig {
+    /// The Hugging Face configuration of a burn-tp Gemma (to export it): `Gemma3ForCausalLM`.
+    ///
+    /// # Errors
+    /// [`TpError::Config`](crate::TpError::Config) for `layer_types` of another length than
+    /// `n_layers`.
+    pub fn from_gemma(c: &GemmaConfig) -> Result<Self> {
+        Ok(Self {
+            architecture: HfArchitecture::Gemma3,
+            vocab_size: c.n_vocab,
+            hidden_size: c.d_model,
+            num_attention_heads: c.n_heads,
+            num_key_value_heads: c.n_kv_heads,
+            intermediate_size: c.d_ff,
+            num_hidden_layers: c.n_layers,
+            max_position_embeddings: c.max_seq,
+            head_dim: Some(c.head_dim),
+            rope_theta: f64::from(c.rope_theta),
+            rope_local_theta: Some(f64::from(c.rope_local_theta)),
+            layer_types: c.layer_kinds()?,
+            query_pre_attn_scalar: Some(c.query_pre_attn_scalar.unwrap_or(c.head_dim as f64)),
+            final_logit_softcapping: c.final_logit_softcap,
+            rope_scaling: None,
+            rms_norm_eps: c.norm_eps,
+            tie_word_embeddings: c.tie_embeddings,
+            qkv_bias: false,
+            out_bias: false,
+            qk_norm: c.qk_norm,
+            sliding_window: c.sliding_window,
+            attention_dropout: c.attention_dropout.unwrap_or(c.dropout),
+            residual_dropout: c.dropout,
+        })
+    }
+
+    /// The burn-tp Gemma of this configuration (a Gemma architecture's), its dropout the
+    /// config's own.
+    ///
+    /// # Errors
+    /// [`TpError::Config`](crate::TpError::Config) naming the architecture for one of the
+    /// Llama family ([`llama_config`](Self::llama_config) builds those).
+    pub fn gemma_config(&self, settings: TpSettings) -> Result<GemmaConfig> {
+        if !self.architecture.is_gemma() {
+            return Err(crate::TpError::Config(format!(
+                "{} is of the Llama family: build it with HfConfig::llama_config (hf::init_llama)",
+                self.architecture.names().0
+            )));
+        }
+        Ok(GemmaConfig::new(
+            self.vocab_size,
+            self.max_position_embeddings,
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.num_hidden_layers,
+            self.intermediate_size,
+            self.head_size(),
+        )
+        .with_query_pre_attn_scalar(self.query_pre_attn_scalar)
+        .with_rope_theta(self.rope_theta as f32)
+        .with_rope_local_theta(self.rope_local_theta.unwrap_or(10_000.0) as f32)
+        .with_sliding_window(self.sliding_window)
+        .with_layer_types(self.layer_types.clone())
+        .with_norm_eps(self.rms_norm_eps)
+        .with_qk_norm(self.qk_norm)
+        .with_final_logit_softcap(self.final_logit_softcapping)
+        .with_tie_embeddings(self.tie_word_embeddings)
+        .with_dropout(self.residual_dropout)
+        .with_attention_dropout(Some(self.attention_dropout))
+        .with_settings(settings))
+    }
+}
+
+/// Gemma's rotary bases `(full, sliding)`: `rope_parameters` keyed by layer type
+/// (transformers 5), else `rope_theta` and `rope_local_base_freq`; defaults 1,000,000 and 10,000
+/// (transformers' `Gemma3TextConfig`). Scaled rotary positions are refused.
+fn gemma_rope(v: &Value, path: &Path) -> Result<(f64, f64)> {
+    let present = |x: Option<&Value>| x.filter(|x| !x.is_null()).cloned();
+    let mut bases = [None, None];
+    if let Some(rope) = present(v.get("rope_parameters")) {
+        let keyed = rope.get("full_attention").is_some() || rope.get("sliding_attention").is_some();
+        let entries: Vec<(String, Option<Value>, usize)> = if keyed {
+            vec![
+                (
+                    "full_attention".into(),
+                    present(rope.get("full_attention")),
+                    0,
+                ),
+                (
+                    "sliding_attention".into(),
+                    present(rope.get("sliding_attention")),
+                    1,
+                ),
+            ]
+        } else {
+            vec![(String::new(), Some(rope.clone()), 0)]
+        };
+        for (key, params, slot) in entries {
+            let Some(params) = params else { continue };
+            let field = if key.is_empty() {
+                "rope_parameters".to_string()
+            } else {
+                format!("rope_parameters.{key}")
+            };
+            let kind = params
+                .get("rope_type")
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            if kind != "default" {
+                return Err(file_error(
+                    path,
+                    format!("`{field}` of type {kind:?} is not supported (Gemma: default is)"),
+                ));
+            }
+            bases[slot] = params.get("rope_theta").and_then(Value::as_f64);
+        }
+    }
+    if let Some(scaling) = present(v.get("rope_scaling")) {
+        return Err(file_error(
+            path,
+            format!("`rope_scaling` is not supported for Gemma (none is): {scaling}"),
+        ));
+    }
+    let number = |name: &str, default: f64| v.get(name).and_then(Value::as_f64).unwrap_or(default);
+    Ok((
+        bases[0].unwrap_or_else(|| number("rope_theta", 1_000_000.0)),
+        bases[1].unwrap_or_else(|| number("rope_local_base_freq", 10_000.0)),
+    ))
+}
+
+/// What a Gemma `config` has that burn-tp's Gemma does not yet do, refused naming the field.
+fn gemma_checks(v: &Value, path: &Path) -> Result<()> {
+    if let Some(cap) = v.get("attn_logit_softcapping").filter(|c| !c.is_null()) {
+        return Err(file_error(
+            path,
+            format!("`attn_logit_softcapping` = {cap} is not supported yet (Gemma 2's; null is)"),
+        ));
+    }
+    for field in ["use_bidirectional_attention", "attention_bias"] {
+        if v.get(field).and_then(Value::as_bool) == Some(true) {
+            return Err(file_error(
+                path,
+                format!("`{field}` = true is not supported for Gemma"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Gemma's layer types: `layer_types`, else every `sliding_window_pattern`-th layer (default 6)
+/// full and the others sliding (transformers' `Gemma3TextConfig`).
+fn gemma_layer_types(v: &Value, layers: usize, path: &Path) -> Result<Vec<LayerType>> {
+    let Some(types) = v.get("layer_types").and_then(Value::as_array) else {
+        let pattern = v
+            .get("sliding_window_pattern")
+            .and_then(Value::as_u64)
+            .unwrap_or(6)
+            .max(1) as usize;
+        return Ok((0..layers)
+            .map(|i| match (i + 1) % pattern {
+                0 => LayerType::Full,
+                _ => LayerType::Sliding,
+            })
+            .collect());
+    };
+    if types.len() != layers {
+        return Err(file_error(
+            path,
+            format!(
+                "`layer_types` has {} entries for {layers} layers",
+                types.len()
+            ),
+        ));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("sliding_attention") => Ok(LayerType::Sliding),
+            Some("full_attention") => Ok(LayerType::Full),
+            _ => Err(file_error(
+                path,
+                format!(
+                    "`layer_types` entry {t} is not supported (sliding_attention and \
+                     full_attention are)"
+                ),
+            )),
+        })
+        .collect()
 }
 
 /// The fields of a `llama3` rotary scaling in `params` (of config field `field`).
@@ -372,7 +627,7 @@ fn sliding_window(
 ) -> std::result::Result<Option<usize>, String> {
     let window = v.get("sliding_window").and_then(Value::as_u64);
     let window = match architecture {
-        HfArchitecture::Llama => None,
+        HfArchitecture::Llama | HfArchitecture::Gemma3 => None,
         HfArchitecture::Mistral | HfArchitecture::Phi3 => window,
         HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
             let on = v.get("use_sliding_window").and_then(Value::as_bool) == Some(true);

@@ -11,10 +11,11 @@ use burn_tp_comm::ProcessGroup;
 use super::mapping::{Source, rope_row, sources};
 use super::{HfArchitecture, HfConfig, file_error};
 use crate::Result;
-use crate::llama::Llama;
+use crate::gemma::LayerType;
 use crate::reshard::Reshard;
 
-/// Writes `model` (a [`Llama`] at any tp, the `config` it was imported or built with) in Hugging
+/// Writes `model` (a [`Llama`](crate::llama::Llama) or a [`Gemma`](crate::gemma::Gemma) at any
+/// tp, the `config` it was imported or built with) in Hugging
 /// Face's format into `dir`: `config.json` and `model.safetensors` with HF's names and layouts
 /// (`[out, in]` weights, separate q / k / v and gate / up, the rotate-half rotary order), in the
 /// model's dtype. The model is gathered to its full form on every rank and rank 0 writes.
@@ -22,7 +23,12 @@ use crate::reshard::Reshard;
 ///
 /// # Errors
 /// [`TpError::Checkpoint`](crate::TpError::Checkpoint) naming the file for a write that fails; a communication error.
-pub fn save(model: &Llama, config: &HfConfig, dir: &Path, group: &ProcessGroup) -> Result<()> {
+pub fn save<M: Module + Reshard>(
+    model: &M,
+    config: &HfConfig,
+    dir: &Path,
+    group: &ProcessGroup,
+) -> Result<()> {
     let full = model.to_full_module()?;
     if group.rank() != 0 {
         group.barrier()?;
@@ -33,7 +39,42 @@ pub fn save(model: &Llama, config: &HfConfig, dir: &Path, group: &ProcessGroup) 
     written
 }
 
-fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
+/// Gemma's own fields: its activation, rotary bases keyed by layer type, layer types, score
+/// scale and soft cap.
+fn gemma_json(json: &mut serde_json::Value, config: &HfConfig) {
+    let types: Vec<&str> = config
+        .layer_types
+        .iter()
+        .map(|t| match t {
+            LayerType::Sliding => "sliding_attention",
+            LayerType::Full => "full_attention",
+        })
+        .collect();
+    let fields = serde_json::json!({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": config.rope_local_theta.unwrap_or(10_000.0),
+            },
+        },
+        "layer_types": types,
+        "sliding_window": config.sliding_window,
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "final_logit_softcapping": config.final_logit_softcapping,
+        "attn_logit_softcapping": null,
+        "attention_bias": false,
+    });
+    let (Some(json), Some(fields)) = (json.as_object_mut(), fields.as_object()) else {
+        return;
+    };
+    json.remove("hidden_act");
+    json.remove("rope_theta");
+    json.extend(fields.clone());
+}
+
+fn write_hf<M: Module>(full: &M, config: &HfConfig, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| file_error(dir, format!("creating: {e}")))?;
     struct Collect(Vec<(Vec<usize>, Vec<f32>, burn::tensor::DType)>);
     impl burn::module::ModuleVisitor for Collect {
@@ -202,6 +243,7 @@ fn write_hf(full: &Llama, config: &HfConfig, dir: &Path) -> Result<()> {
             }
         }
         HfArchitecture::Llama => json["attention_bias"] = serde_json::json!(config.out_bias),
+        HfArchitecture::Gemma3 => gemma_json(&mut json, config),
     }
     let path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&json).map_err(|e| file_error(&path, e.to_string()))?;

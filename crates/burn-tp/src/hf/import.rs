@@ -12,6 +12,7 @@ use serde_json::Value;
 use super::mapping::{Part, Source, expected_shapes, rope_row, sources};
 use super::{HfConfig, file_error};
 use crate::Result;
+use crate::gemma::Gemma;
 use crate::linear::TpSettings;
 use crate::llama::Llama;
 use crate::reshard::{ParamLayout, Reshard};
@@ -242,22 +243,55 @@ pub fn init_llama(
     device: &Device,
 ) -> Result<(Llama, HfConfig)> {
     let config = HfConfig::from_dir(dir)?;
+    if config.architecture.is_gemma() {
+        return Err(file_error(
+            &dir.join("config.json"),
+            format!(
+                "{} is a Gemma: import it with hf::init_gemma",
+                config.architecture.names().0
+            ),
+        ));
+    }
     let model = config.llama_config(settings).init(group, device)?;
     Ok((load_with(model, &config, dir, group)?, config))
 }
 
-/// Fills `model` (a Llama built at the tp of `group` from `dir`'s configuration, e.g. with
-/// another dropout) with the Hugging Face weights in `dir`, each rank reading its own slices.
-/// Local: no communication.
+/// Builds the Hugging Face Gemma in `dir` (`Gemma3ForCausalLM`) as a [`Gemma`] at the tp of
+/// `group`, as [`init_llama`] does a Llama.
+///
+/// # Errors
+/// As [`init_llama`]; a `dir` of the Llama family.
+pub fn init_gemma(
+    dir: &Path,
+    settings: TpSettings,
+    group: &ProcessGroup,
+    device: &Device,
+) -> Result<(Gemma, HfConfig)> {
+    let config = HfConfig::from_dir(dir)?;
+    let gemma = config
+        .gemma_config(settings)
+        .map_err(|e| file_error(&dir.join("config.json"), e.to_string()))?;
+    let model = gemma.init(group, device)?;
+    Ok((load_with(model, &config, dir, group)?, config))
+}
+
+/// Fills `model` (a [`Llama`] or a [`Gemma`] built at the tp of `group` from `dir`'s
+/// configuration, e.g. with another dropout) with the Hugging Face weights in `dir`, each rank
+/// reading its own slices. Local: no communication.
 ///
 /// # Errors
 /// As [`init_llama`].
-pub fn load(model: Llama, dir: &Path, group: &ProcessGroup) -> Result<Llama> {
+pub fn load<M: Module + Reshard>(model: M, dir: &Path, group: &ProcessGroup) -> Result<M> {
     let config = HfConfig::from_dir(dir)?;
     load_with(model, &config, dir, group)
 }
 
-fn load_with(model: Llama, config: &HfConfig, dir: &Path, group: &ProcessGroup) -> Result<Llama> {
+fn load_with<M: Module + Reshard>(
+    model: M,
+    config: &HfConfig,
+    dir: &Path,
+    group: &ProcessGroup,
+) -> Result<M> {
     let layouts = model.layout(group.rank());
     let sources = sources(config);
     if sources.len() != layouts.len() {

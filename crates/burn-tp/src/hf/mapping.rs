@@ -1,6 +1,9 @@
-//! The mapping between Hugging Face's tensors and the Llama's parameters, shared by the import
-//! and the export: which HF tensors, in which rows, make each parameter, and HF's rotate-half
-//! rotary order against Burn's interleaved pairs.
+//! The mapping between Hugging Face's tensors and the Llama's or the Gemma's parameters, shared
+//! by the import and the export: which HF tensors, in which rows, make each parameter (in the
+//! model's visiting order), and HF's rotate-half rotary order against Burn's interleaved pairs.
+//! Gemma's block is the Llama's with two more norms: `pre_feedforward_layernorm` after
+//! `post_attention_layernorm` (which is then the attention's own, not the MLP's), and
+//! `post_feedforward_layernorm` after the MLP.
 
 use super::{HfArchitecture, HfConfig};
 
@@ -32,6 +35,10 @@ pub(super) fn expected_shapes(c: &HfConfig) -> Vec<(String, Vec<usize>)> {
         let p = format!("model.layers.{i}");
         out.push((format!("{p}.input_layernorm.weight"), vec![d]));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
+        if c.architecture.is_gemma() {
+            out.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![d]));
+            out.push((format!("{p}.post_feedforward_layernorm.weight"), vec![d]));
+        }
         if fused(c) {
             out.push((
                 format!("{p}.self_attn.qkv_proj.weight"),
@@ -74,7 +81,8 @@ fn fused(c: &HfConfig) -> bool {
     c.architecture == HfArchitecture::Phi3
 }
 
-/// The Llama's parameters in visiting order, each with where it comes from.
+/// The model's parameters in visiting order (the Llama's, or the Gemma's), each with where it
+/// comes from.
 pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
     let hd = c.head_size();
     let rows = |name: &str, transpose: bool| Source::Rows {
@@ -143,6 +151,12 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
             }
         }
         out.push(rows(&format!("{p}.post_attention_layernorm.weight"), false));
+        if c.architecture.is_gemma() {
+            out.push(rows(
+                &format!("{p}.pre_feedforward_layernorm.weight"),
+                false,
+            ));
+        }
         let ff = c.intermediate_size;
         let gate_up = if fused(c) {
             [("gate_up_proj", 0), ("gate_up_proj", ff)]
@@ -163,6 +177,12 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
         out.push(Source::Columns {
             name: format!("{p}.mlp.down_proj.weight"),
         });
+        if c.architecture.is_gemma() {
+            out.push(rows(
+                &format!("{p}.post_feedforward_layernorm.weight"),
+                false,
+            ));
+        }
     }
     out.push(rows("model.norm.weight", false));
     if !c.tie_word_embeddings {

@@ -41,4 +41,4 @@ use crate::error::file_error;
 
 pub use config::{HfArchitecture, HfConfig};
 pub use export::save;
-pub use import::{init_llama, load};
+pub use import::{init_gemma, init_llama, load};
