@@ -9,6 +9,7 @@ mod dtype;
 mod embedding;
 mod failures;
 mod fused_ops;
+mod gemma;
 mod gpt;
 mod gpu_check_script;
 mod hf;

@@ -54,7 +54,11 @@ impl TpRmsNorm {
     /// the scale starts at 1.
     pub fn with_offset(mut self, offset: f64) -> Self {
         if offset != 0.0 {
-            self.gamma = self.gamma.map(|g| g.sub_scalar(offset));
+            // A new leaf from the values (an op on the old one would not be a parameter).
+            let gamma = self.gamma.val();
+            let (device, dtype) = (gamma.device(), gamma.dtype());
+            let data = gamma.sub_scalar(offset).into_data();
+            self.gamma = Param::from_tensor(Tensor::from_data(data, (&device, dtype)));
         }
         self.offset = offset;
         self
