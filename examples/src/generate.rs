@@ -1,4 +1,4 @@
-//! `generate`: a Hugging Face Llama-family model (`config.json` + `model.safetensors`) loaded at
+//! `generate`: a Hugging Face model of the Llama or Gemma family (`config.json` + `model.safetensors`) loaded at
 //! tp ranks (threads on the CPU), then text generated with the KV cache (or by full recompute,
 //! `--no-cache`, to compare), for one prompt or several at once (one batch, left-padded). Prints
 //! one JSON line per prompt: the prompt ids, the new ids and tokens/s, and the new text when the
@@ -9,8 +9,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_tp::comm::ProcessGroup;
 use burn_tp::generate::{GenerateOptions, generate_batch_with};
-use burn_tp::hf::init_llama;
+use burn_tp::hf::{HfConfig, init_gemma, init_llama};
 use burn_tp::linear::TpSettings;
 use burn_tp::local::run_local;
 use burn_tp::model::LanguageModel;
@@ -21,11 +22,11 @@ use clap::Parser;
 use crate::corpus::{Codec, TOKENIZER_FILE};
 use crate::train_gpt::Precision;
 
-/// Generates text from a Hugging Face Llama-family model at any tp.
+/// Generates text from a Hugging Face model (Llama or Gemma family) at any tp.
 #[derive(Parser, Clone, Debug)]
 #[command(
     version,
-    about = "Generate text from a Hugging Face Llama-family model at any tp, with the KV cache"
+    about = "Generate text from a Hugging Face model (Llama or Gemma family) at any tp, with the KV cache"
 )]
 pub struct Args {
     /// The model folder (`config.json`, `model.safetensors` or an index of shards).
@@ -211,63 +212,33 @@ pub fn run_streaming(
     let stream = (prompts.len() == 1)
         .then(|| codec.clone())
         .flatten()
-        .map(|c| std::sync::Arc::new(std::sync::Mutex::new((c, on_text, Vec::new(), 0usize))));
+        .map(|c| {
+            let on_text: Box<dyn FnMut(&str) + Send> = Box::new(on_text);
+            std::sync::Arc::new(std::sync::Mutex::new((c, on_text, Vec::new(), 0usize)))
+        });
     let batch = prompts.clone();
     let out = run_local(args.tp, move |g| -> Result<RankOut, String> {
-        let (model, config) =
-            init_llama(&a.model, TpSettings::new(), &g, &device).map_err(|e| e.to_string())?;
-        if let Some(n) = tokenizer_len.filter(|&n| n > config.vocab_size) {
-            return Err(format!(
+        let model = a.model.clone();
+        let fits = |config: &HfConfig| match tokenizer_len.filter(|&n| n > config.vocab_size) {
+            Some(n) => Err(format!(
                 "{} has {n} tokens, more than the model's vocabulary of {}",
-                a.model.join(TOKENIZER_FILE).display(),
+                model.join(TOKENIZER_FILE).display(),
                 config.vocab_size
-            ));
+            )),
+            None => Ok(()),
+        };
+        let stream = stream.as_ref().filter(|_| g.rank() == 0);
+        let hf = HfConfig::from_dir(&model).map_err(|e| e.to_string())?;
+        let e = |e: burn_tp::TpError| e.to_string();
+        if hf.architecture.is_gemma() {
+            let (m, config) = init_gemma(&model, TpSettings::new(), &g, &device).map_err(e)?;
+            fits(&config)?;
+            on_rank(m, &a, &g, &device, &batch, stream)
+        } else {
+            let (m, config) = init_llama(&model, TpSettings::new(), &g, &device).map_err(e)?;
+            fits(&config)?;
+            on_rank(m, &a, &g, &device, &batch, stream)
         }
-        let model = cast_params(model, a.dtype.dtype());
-        let first = &batch[0];
-        let n = first.len();
-        let ids = Tensor::<2, Int>::from_data(TensorData::new(first.clone(), [n, 1]), &device);
-        let logits = model.logits(ids).map_err(|e| e.to_string())?;
-        let last = gather_from_tp_region(logits.narrow(0, n - 1, 1), 2, &g)
-            .map_err(|e| e.to_string())?
-            .narrow(2, 0, model.n_vocab());
-        let last_logits = last
-            .into_data()
-            .convert::<f64>()
-            .try_to_vec::<f64>()
-            .map_err(|e| format!("{e:?}"))?;
-        let options = GenerateOptions {
-            max_new_tokens: a.max_new_tokens,
-            temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            seed: a.seed,
-            eos: a.eos,
-            kv_cache: !a.no_cache,
-        };
-        let stream = stream.clone().filter(|_| g.rank() == 0);
-        let mut on_token = |_: usize, id: i64| {
-            if let Some(stream) = &stream {
-                let mut s = stream.lock().unwrap_or_else(|e| e.into_inner());
-                let (codec, on_text, ids, shown) = &mut *s;
-                ids.push(id);
-                // The whole text so far, less what was shown: a piece that only decodes with
-                // the next token (a split character) waits for it.
-                if let Ok(text) = codec.decode(ids)
-                    && text.len() > *shown
-                    && text.is_char_boundary(*shown)
-                {
-                    on_text(&text[*shown..]);
-                    *shown = text.len();
-                }
-            }
-        };
-        let start = Instant::now();
-        let rows = generate_batch_with(&model, &batch, &options, &g, &device, &mut on_token)
-            .map_err(|e| e.to_string())?;
-        let tokens: usize = rows.iter().map(Vec::len).sum();
-        let tokens_per_s = tokens as f64 / start.elapsed().as_secs_f64();
-        Ok((rows, tokens_per_s, last_logits))
     })?;
     let (new_ids, tokens_per_s, last_logits) = out.into_iter().next().expect("rank 0")?;
     let rows = prompts
@@ -291,4 +262,65 @@ pub fn run_streaming(
         tokens_per_s,
         last_logits,
     })
+}
+
+/// A single prompt's streamed text: the tokenizer, where its pieces go, the ids so far and the
+/// bytes shown.
+type Stream =
+    std::sync::Arc<std::sync::Mutex<(Codec, Box<dyn FnMut(&str) + Send>, Vec<i64>, usize)>>;
+
+/// One rank's work on its shards of `model` (a Llama or a Gemma): the first prompt's last
+/// logits, then the batch generated (streamed from rank 0 through `stream`).
+fn on_rank<M: LanguageModel>(
+    model: M,
+    a: &Args,
+    g: &ProcessGroup,
+    device: &Device,
+    batch: &[Vec<i64>],
+    stream: Option<&Stream>,
+) -> Result<RankOut, String> {
+    let model = cast_params(model, a.dtype.dtype());
+    let first = &batch[0];
+    let n = first.len();
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(first.clone(), [n, 1]), device);
+    let logits = model.logits(ids).map_err(|e| e.to_string())?;
+    let last = gather_from_tp_region(logits.narrow(0, n - 1, 1), 2, g)
+        .map_err(|e| e.to_string())?
+        .narrow(2, 0, model.n_vocab());
+    let last_logits = last
+        .into_data()
+        .convert::<f64>()
+        .try_to_vec::<f64>()
+        .map_err(|e| format!("{e:?}"))?;
+    let options = GenerateOptions {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+        eos: a.eos,
+        kv_cache: !a.no_cache,
+    };
+    let mut on_token = |_: usize, id: i64| {
+        if let Some(stream) = stream {
+            let mut s = stream.lock().unwrap_or_else(|e| e.into_inner());
+            let (codec, on_text, ids, shown) = &mut *s;
+            ids.push(id);
+            // The whole text so far, less what was shown: a piece that only decodes with
+            // the next token (a split character) waits for it.
+            if let Ok(text) = codec.decode(ids)
+                && text.len() > *shown
+                && text.is_char_boundary(*shown)
+            {
+                on_text(&text[*shown..]);
+                *shown = text.len();
+            }
+        }
+    };
+    let start = Instant::now();
+    let rows = generate_batch_with(&model, batch, &options, g, device, &mut on_token)
+        .map_err(|e| e.to_string())?;
+    let tokens: usize = rows.iter().map(Vec::len).sum();
+    let tokens_per_s = tokens as f64 / start.elapsed().as_secs_f64();
+    Ok((rows, tokens_per_s, last_logits))
 }

@@ -154,6 +154,14 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
     let (config, init_from) = match &args.init_from {
         Some(dir) => {
             let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
+            if hf.architecture.is_gemma() {
+                return Err(format!(
+                    "--init-from {}: a {} (a Gemma); learner_llama trains the Llama family \
+                     (train_gpt --init-from trains a Gemma)",
+                    dir.display(),
+                    hf.architecture.names().0
+                ));
+            }
             corpus::check_fits(&codec, dir, hf.vocab_size)?;
             let config = hf.llama_config(settings);
             let config = match args.dropout {

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::tensor::FloatDType;
+use burn_tp::gemma::GemmaConfig;
 use burn_tp::gpt::GptConfig;
 use burn_tp::hf::HfConfig;
 use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
@@ -378,6 +379,21 @@ pub fn imported_llama_config(args: &Args, hf: &HfConfig) -> LlamaConfig {
     }
 }
 
+/// The Gemma of an imported Gemma's configuration `hf`, as [`imported_llama_config`].
+///
+/// # Errors
+/// A configuration of the Llama family.
+pub fn imported_gemma_config(args: &Args, hf: &HfConfig) -> Result<GemmaConfig, String> {
+    let config = hf
+        .gemma_config(settings(args))
+        .map_err(|e| e.to_string())?
+        .with_dropout_seed(args.seed);
+    Ok(match args.dropout {
+        Some(p) => config.with_dropout(p).with_attention_dropout(None),
+        None => config,
+    })
+}
+
 /// With a model imported from `init_from`, the first size flag given among `sizes` (`(flag,
 /// value if given)`) as an error naming it: the sizes are the model's config's (`train_gpt` and
 /// `learner_llama` alike).
@@ -487,8 +503,8 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
     }
     if args.arch != Arch::Llama && (args.init_from.is_some() || args.export_hf.is_some()) {
         return Err(
-            "--init-from and --export-hf read and write Hugging Face Llama-family \
-                    models: use --arch llama"
+            "--init-from and --export-hf read and write Hugging Face models (the Llama \
+                    and Gemma families): use --arch llama"
                 .into(),
         );
     }

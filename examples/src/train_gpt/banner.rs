@@ -5,7 +5,7 @@ use std::path::Path;
 
 use burn_tp::hf::HfConfig;
 
-use super::args::{Arch, Args, DEFAULT_DROPOUT, DeviceKind, Transport, imported_llama_config};
+use super::args::{Arch, Args, DEFAULT_DROPOUT, DeviceKind, Transport};
 
 /// A one-line description of the run, for the banner and the plot's title: with `--init-from`,
 /// the imported model's own architecture, sizes and dropout, and the folder it came from.
@@ -45,18 +45,19 @@ fn describe_imported(args: &Args, dir: &Path) -> String {
         Ok(hf) => hf,
         Err(e) => return format!("the model of {}: {e}", dir.display()),
     };
-    let c = imported_llama_config(args, &hf);
-    let attention = c.attention_dropout.unwrap_or(c.dropout);
+    // `--dropout` replaces both of the config's rates (imported_llama_config,
+    // imported_gemma_config).
+    let (attention, residual) = match args.dropout {
+        Some(p) => (p, p),
+        None => (hf.attention_dropout, hf.residual_dropout),
+    };
     let dropout = match args.dropout {
         Some(p) => format!(
             "dropout {p} (--dropout, over the config's attention {} / residual {})",
             hf.attention_dropout, hf.residual_dropout
         ),
-        None if attention == c.dropout => format!("dropout {attention} (its config)"),
-        None => format!(
-            "dropout: attention {attention}, residual {} (its config)",
-            c.dropout
-        ),
+        None if attention == residual => format!("dropout {attention} (its config)"),
+        None => format!("dropout: attention {attention}, residual {residual} (its config)"),
     };
     let weights = weights_dtype(dir).map_or(String::new(), |d| format!(", {d} weights"));
     format!(

@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn_tp::comm::profile::Profile;
+use burn_tp::gemma::Gemma;
 use burn_tp::gpt::Gpt;
 use burn_tp::hf::HfConfig;
 use burn_tp::llama::Llama;
@@ -129,17 +130,19 @@ pub fn run(args: &Args) -> Result<Report, String> {
             &data,
             &checkpoint,
         )?,
-        Arch::Llama => {
-            let config = match &args.init_from {
-                Some(dir) => {
-                    let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
-                    corpus::check_fits(&codec, dir, hf.vocab_size)?;
-                    imported_llama_config(args, &hf)
+        Arch::Llama => match &args.init_from {
+            Some(dir) => {
+                let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
+                corpus::check_fits(&codec, dir, hf.vocab_size)?;
+                if hf.architecture.is_gemma() {
+                    let config = imported_gemma_config(args, &hf)?;
+                    launch::<Gemma>(args, config, &data, &checkpoint)?
+                } else {
+                    launch::<Llama>(args, imported_llama_config(args, &hf), &data, &checkpoint)?
                 }
-                None => llama_config(args, codec.len()),
-            };
-            launch::<Llama>(args, config, &data, &checkpoint)?
-        }
+            }
+            None => launch::<Llama>(args, llama_config(args, codec.len()), &data, &checkpoint)?,
+        },
     };
     let RankOut {
         stopped,

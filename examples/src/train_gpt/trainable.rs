@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use burn_tp::comm::ProcessGroup;
+use burn_tp::gemma::{Gemma, GemmaConfig};
 use burn_tp::gpt::Gpt;
 use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::model::LanguageModel;
@@ -68,6 +69,27 @@ impl Trainable for Llama {
         let hf = match from {
             Some(from) => HfConfig::from_dir(from)?,
             None => HfConfig::from_llama(config),
+        };
+        burn_tp::hf::save(self, &hf, dir, group)
+    }
+}
+
+impl Trainable for Gemma {
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self> {
+        burn_tp::hf::load(self, dir, group)
+    }
+
+    fn save_hf(
+        &self,
+        config: &GemmaConfig,
+        from: Option<&Path>,
+        dir: &Path,
+        group: &ProcessGroup,
+    ) -> burn_tp::Result<()> {
+        use burn_tp::hf::HfConfig;
+        let hf = match from {
+            Some(from) => HfConfig::from_dir(from)?,
+            None => HfConfig::from_gemma(config)?,
         };
         burn_tp::hf::save(self, &hf, dir, group)
     }

@@ -48,6 +48,30 @@ fn import_export_import_is_bit_exact() {
                 "{name}: re-imported at tp {tp}, the parameters differ"
             );
         }
+        // The field types transformers' strict configs check (Gemma's scalar is an integer).
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        let original: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap())
+                .unwrap();
+        for field in [
+            "query_pre_attn_scalar",
+            "sliding_window",
+            "head_dim",
+            "vocab_size",
+        ] {
+            if original[field].is_null() {
+                continue;
+            }
+            assert_eq!(
+                json[field].is_u64(),
+                original[field].is_u64(),
+                "{name}: {field} is {} in the export, {} in the original",
+                json[field],
+                original[field]
+            );
+        }
         let want = expected(&src);
         let (logits, greedy) = run(out.clone(), 2, want.prompt.clone(), want.greedy.len());
         assert_close(

@@ -59,11 +59,14 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
     };
     // The tied Llama also through a pipeline of 2 stages (each stage's blocks, the export read
     // back from the whole checkpoint).
+    // Gemma (tied, its head on the last stage) alone and through 2 stages of its 3 blocks.
     for (name, pp) in [
         ("llama_tied", 1),
         ("llama_tied", 2),
         ("phi3", 1),
         ("qwen3", 1),
+        ("gemma3", 1),
+        ("gemma3", 2),
     ] {
         let model = fixture(name);
         let name = &format!("{name}-pp{pp}");

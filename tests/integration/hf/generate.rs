@@ -121,57 +121,62 @@ fn the_generate_example_prints_transformers_tokens() {
     use burn_tp_examples::generate::{Args, run};
     use clap::Parser;
     let _rng = rng_lock();
-    let dir = fixture("llama_tied");
-    let want = expected(&dir);
-    let logits_out =
-        std::env::temp_dir().join(format!("burn-tp-generate-{}.json", std::process::id()));
-    let prompt = want
-        .prompt
-        .iter()
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    let args = |extra: &[&str]| {
-        let mut argv = vec![
-            "generate",
-            "--model",
-            dir.to_str().unwrap(),
-            "--tp",
-            "2",
-            "--prompt-ids",
-            &prompt,
-            "--max-new-tokens",
-            "6",
-            "--temperature",
-            "0",
-        ];
-        argv.extend_from_slice(extra);
-        Args::try_parse_from(argv).unwrap()
-    };
-    let a = args(&["--logits-out", logits_out.to_str().unwrap()]);
-    let report = run(&a).unwrap();
-    assert_eq!(report.first().new_ids, want.greedy);
-    let written: Vec<f64> =
-        serde_json::from_str(&std::fs::read_to_string(&logits_out).unwrap()).unwrap();
-    assert_close(&written, &want.last_logits, 1e-4, "--logits-out");
-    let line: serde_json::Value = serde_json::from_str(&report.json(&a)).unwrap();
-    assert_eq!(line["new_ids"], serde_json::json!(want.greedy));
-    assert_eq!(line["prompt_ids"], serde_json::json!(want.prompt));
-    assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0);
-    let recomputed = run(&args(&["--no-cache"])).unwrap();
-    assert_eq!(recomputed.first().new_ids, want.greedy);
-    // `--prompt-ids` repeated: one batch, the fixture's row as alone, a short one as alone.
-    let both = run(&args(&["--prompt-ids", "7, 3"])).unwrap();
-    assert_eq!(both.rows.len(), 2);
-    assert_eq!(both.rows[0], report.rows[0]);
-    assert_eq!(both.rows[1].prompt_ids, [7, 3]);
-    let mut argv: Vec<&str> = vec!["generate", "--model", dir.to_str().unwrap()];
-    argv.extend(["--tp", "2", "--prompt-ids", "7,3", "--max-new-tokens", "6"]);
-    let alone = run(&Args::try_parse_from(argv).unwrap()).unwrap();
-    assert_eq!(both.rows[1], alone.rows[0]);
-    let e = run(&args(&["--prompt-ids", "7,x"])).unwrap_err();
-    assert!(e.contains("\"7,x\"") && e.contains("\"x\""), "{e}");
-    std::fs::remove_file(&logits_out).unwrap();
+    // A Llama and a Gemma (its sliding layers' caches, its scaled embeddings).
+    for name in ["llama_tied", "gemma3"] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        let logits_out = std::env::temp_dir().join(format!(
+            "burn-tp-generate-{name}-{}.json",
+            std::process::id()
+        ));
+        let prompt = want
+            .prompt
+            .iter()
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = |extra: &[&str]| {
+            let mut argv = vec![
+                "generate",
+                "--model",
+                dir.to_str().unwrap(),
+                "--tp",
+                "2",
+                "--prompt-ids",
+                &prompt,
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+            ];
+            argv.extend_from_slice(extra);
+            Args::try_parse_from(argv).unwrap()
+        };
+        let a = args(&["--logits-out", logits_out.to_str().unwrap()]);
+        let report = run(&a).unwrap();
+        assert_eq!(report.first().new_ids, want.greedy);
+        let written: Vec<f64> =
+            serde_json::from_str(&std::fs::read_to_string(&logits_out).unwrap()).unwrap();
+        assert_close(&written, &want.last_logits, 1e-4, "--logits-out");
+        let line: serde_json::Value = serde_json::from_str(&report.json(&a)).unwrap();
+        assert_eq!(line["new_ids"], serde_json::json!(want.greedy));
+        assert_eq!(line["prompt_ids"], serde_json::json!(want.prompt));
+        assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0);
+        let recomputed = run(&args(&["--no-cache"])).unwrap();
+        assert_eq!(recomputed.first().new_ids, want.greedy);
+        // `--prompt-ids` repeated: one batch, the fixture's row as alone, a short one as alone.
+        let both = run(&args(&["--prompt-ids", "7, 3"])).unwrap();
+        assert_eq!(both.rows.len(), 2);
+        assert_eq!(both.rows[0], report.rows[0]);
+        assert_eq!(both.rows[1].prompt_ids, [7, 3]);
+        let mut argv: Vec<&str> = vec!["generate", "--model", dir.to_str().unwrap()];
+        argv.extend(["--tp", "2", "--prompt-ids", "7,3", "--max-new-tokens", "6"]);
+        let alone = run(&Args::try_parse_from(argv).unwrap()).unwrap();
+        assert_eq!(both.rows[1], alone.rows[0]);
+        let e = run(&args(&["--prompt-ids", "7,x"])).unwrap_err();
+        assert!(e.contains("\"7,x\"") && e.contains("\"x\""), "{e}");
+        std::fs::remove_file(&logits_out).unwrap();
+    }
 }
 
 /// `generate --prompt TEXT` through the folder's `tokenizer.json`: the prompt's ids are the ones

@@ -61,7 +61,10 @@ fn gemma_json(json: &mut serde_json::Value, config: &HfConfig) {
         },
         "layer_types": types,
         "sliding_window": config.sliding_window,
-        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        // An integer: transformers' strict config refuses 24.0.
+        "query_pre_attn_scalar": config
+            .query_pre_attn_scalar
+            .map(|s| if s.fract() == 0.0 { serde_json::json!(s as u64) } else { serde_json::json!(s) }),
         "final_logit_softcapping": config.final_logit_softcapping,
         "attn_logit_softcapping": null,
         "attention_bias": false,
