@@ -46,6 +46,7 @@ fn loops(
     window: Option<usize>,
     padding: &[usize],
     keep: Option<&[f64]>,
+    softcap: Option<f64>,
 ) -> Vec<f64> {
     let mut out = vec![0.0; b * hq * s * hd];
     let g = hq / hkv;
@@ -65,7 +66,8 @@ fn loops(
                     .iter()
                     .map(|&j| {
                         let krow = &k[((bi * hkv + kh) * t + j) * hd..][..hd];
-                        qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale
+                        let x = qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale;
+                        softcap.map_or(x, |c| c * (x / c).tanh())
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -97,6 +99,7 @@ fn materialized(
     window: Option<usize>,
     padding: &[usize],
     keep: Option<Tensor<4>>,
+    softcap: Option<f64>,
 ) -> Tensor<4> {
     let [b, hq, s, hd] = q.dims();
     let [_, hkv, t, _] = k.dims();
@@ -114,6 +117,15 @@ fn materialized(
         (&q.device(), q.dtype()),
     );
     let scores = q.matmul(expand(k).swap_dims(2, 3)) * scale;
+    // The cap as tensors too (the scalar ops' backward rounds to f32).
+    let scores = match softcap {
+        Some(cap) => {
+            let (device, dtype) = (scores.device(), scores.dtype());
+            let full = |x: f64| Tensor::<4>::full([1, 1, 1, 1], x, (&device, dtype));
+            (scores * full(1.0 / cap)).tanh() * full(cap)
+        }
+        None => scores,
+    };
     // Key j is hidden from query i (position start + i) in its future, before its window
     // (j < start + i + 1 - w), or in its sequence's padding (but its own position).
     let hidden: Vec<bool> = (0..b)
@@ -193,11 +205,15 @@ fn fused_attention_equals_f64_loops_and_the_materialized_path() {
             DType::F32 => (1e-5, 1e-4),
             _ => (2e-2, 4e-2),
         };
-        for (n, &(geo, start, tile, window, padding)) in CASES.iter().enumerate() {
+        let cases = CASES
+            .iter()
+            .enumerate()
+            .flat_map(|(n, c)| [None, Some(0.8)].map(|cap| (n, c, cap)));
+        for (n, &(geo, start, tile, window, padding), softcap) in cases {
             let [b, hq, hkv, s, t, hd] = geo;
             let tag = format!(
                 "{dtype:?} case {n} (b {b} hq {hq} hkv {hkv} s {s} t {t} start {start} tile \
-                 {tile} window {window:?} padding {padding:?})"
+                 {tile} window {window:?} padding {padding:?} softcap {softcap:?})"
             );
             let inputs = qkv(geo, 11 + n as u64, dtype);
             let w = tensor(uniform(b * hq * s * hd, 99), [b, hq, s, hd], dtype);
@@ -205,12 +221,13 @@ fn fused_attention_equals_f64_loops_and_the_materialized_path() {
                 tile,
                 window,
                 padding: padding.to_vec(),
+                softcap,
                 ..AttentionSpec::causal(start)
             };
             let [out, dq, dk, dv] =
                 value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
             let [want, wdq, wdk, wdv] = value_and_grads(inputs.clone(), &w, |q, k, v| {
-                materialized(q, k, v, start, window, padding, None)
+                materialized(q, k, v, start, window, padding, None, softcap)
             });
             let [q, k, v] = inputs.map(f64s);
             let exact = loops(
@@ -223,6 +240,7 @@ fn fused_attention_equals_f64_loops_and_the_materialized_path() {
                 window,
                 padding,
                 None,
+                softcap,
             );
             assert!(
                 rel_norm(&out, &exact) <= val_tol,
@@ -276,6 +294,8 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             // With tiles of 4, a scale of its own (Gemma's): the references take the queries
             // scaled by its ratio to 1 / sqrt(hd).
             scale: (tile == 4).then_some(0.3),
+            // And a soft cap (Gemma 2's) on the scaled scores.
+            softcap: (tile == 4).then_some(0.5),
         };
         let window = spec.window;
         let ratio = spec.scale.map_or(1.0, |s| s * (hd as f64).sqrt());
@@ -291,6 +311,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
                 window,
                 &[],
                 Some(keep.clone()),
+                spec.softcap,
             )
         });
         let [q, k, v] = inputs.map(f64s);
@@ -305,6 +326,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             window,
             &[],
             Some(&f64s(keep.clone())),
+            spec.softcap,
         );
         let tag = format!("tile {tile}");
         assert_close(&out, &exact, 1e-12, &format!("{tag}: out vs loops"));
@@ -321,48 +343,53 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
 }
 
 /// Central differences in f64 through q, k and v at once (tiles of 2 over 5 positions, two
-/// query heads per key / value head, a query offset).
+/// query heads per key / value head, a query offset), without and with a soft cap (Gemma 2's,
+/// with a scale of its own).
 #[test]
 fn fused_attention_passes_a_finite_difference_gradcheck() {
     let _rng = rng_lock();
-    let report = run_local(1, |g| {
-        let [q, k, v] = qkv([1, 2, 1, 3, 5, 4], 21, DType::F64);
-        let w = tensor(uniform(2 * 3 * 4, 22), [1, 2, 3, 4], DType::F64);
-        let spec = AttentionSpec {
-            tile: 2,
-            ..AttentionSpec::causal(2)
-        };
-        // One input tensor for the checker: q, k, v stacked along the batch dim of a [3, ..].
-        let packed = Tensor::cat(
-            vec![
-                q.reshape([1, 2, 3, 4]).reshape([1, 24]),
-                k.reshape([1, 20]).pad_last(4),
-                v.reshape([1, 20]).pad_last(4),
-            ],
-            0,
-        );
-        gradcheck(
-            &g,
-            &[packed],
-            LossKind::Replicated,
-            GradcheckOptions::default(),
-            |x| {
-                let x = x[0].clone();
-                let q = x.clone().narrow(0, 0, 1).reshape([1, 2, 3, 4]);
-                let k = x
-                    .clone()
-                    .narrow(0, 1, 1)
-                    .narrow(1, 0, 20)
-                    .reshape([1, 1, 5, 4]);
-                let v = x.narrow(0, 2, 1).narrow(1, 0, 20).reshape([1, 1, 5, 4]);
-                (fused(q, k, v, spec.clone()) * w.clone()).sum()
-            },
-        )
-    })
-    .unwrap()
-    .remove(0);
-    let report = report.unwrap();
-    assert!(report.checked > 0, "{report:?}");
+    for (scale, softcap) in [(None, None), (Some(0.7), Some(0.6))] {
+        let report = run_local(1, move |g| {
+            let [q, k, v] = qkv([1, 2, 1, 3, 5, 4], 21, DType::F64);
+            let w = tensor(uniform(2 * 3 * 4, 22), [1, 2, 3, 4], DType::F64);
+            let spec = AttentionSpec {
+                tile: 2,
+                scale,
+                softcap,
+                ..AttentionSpec::causal(2)
+            };
+            // One input tensor for the checker: q, k, v stacked along the batch dim of a [3, ..].
+            let packed = Tensor::cat(
+                vec![
+                    q.reshape([1, 2, 3, 4]).reshape([1, 24]),
+                    k.reshape([1, 20]).pad_last(4),
+                    v.reshape([1, 20]).pad_last(4),
+                ],
+                0,
+            );
+            gradcheck(
+                &g,
+                &[packed],
+                LossKind::Replicated,
+                GradcheckOptions::default(),
+                |x| {
+                    let x = x[0].clone();
+                    let q = x.clone().narrow(0, 0, 1).reshape([1, 2, 3, 4]);
+                    let k = x
+                        .clone()
+                        .narrow(0, 1, 1)
+                        .narrow(1, 0, 20)
+                        .reshape([1, 1, 5, 4]);
+                    let v = x.narrow(0, 2, 1).narrow(1, 0, 20).reshape([1, 1, 5, 4]);
+                    (fused(q, k, v, spec.clone()) * w.clone()).sum()
+                },
+            )
+        })
+        .unwrap()
+        .remove(0);
+        let report = report.unwrap();
+        assert!(report.checked > 0, "{report:?}");
+    }
 }
 
 trait PadLast {

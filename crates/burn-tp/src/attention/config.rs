@@ -59,6 +59,10 @@ pub struct ParallelAttentionConfig {
     /// -0.5`.
     #[config(default = "None")]
     pub scale: Option<f64>,
+    /// Gemma 2's soft cap of the scores, `cap * tanh(s / cap)` (after the scale, before the
+    /// softmax), in both kernels' forward and backward; `None` for none.
+    #[config(default = "None")]
+    pub softcap: Option<f64>,
     /// A bias on the output projection (the GPT's).
     #[config(default = false)]
     pub out_bias: bool,
@@ -122,10 +126,12 @@ impl ParallelAttentionConfig {
                  high_freq_factor and original_max_position_embeddings > 0 (got {r:?})"
             )));
         }
-        if let Some(scale) = self.scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
-            return Err(TpError::Config(format!(
-                "ParallelAttention: scale = {scale} (the scores' scale must be finite and > 0)"
-            )));
+        for (name, value) in [("scale", self.scale), ("softcap", self.softcap)] {
+            if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(TpError::Config(format!(
+                    "ParallelAttention: {name} = {v} (must be finite and > 0)"
+                )));
+            }
         }
         if self.sliding_window == Some(0) {
             return Err(TpError::Config(
@@ -210,6 +216,7 @@ impl ParallelAttentionConfig {
             dropout: self.dropout,
             window: self.sliding_window,
             scale: self.scale,
+            softcap: self.softcap,
             kernel: match self.settings.fused_attention {
                 true => Kernel::Fused {
                     tile: self.settings.attention_tile,

@@ -65,6 +65,8 @@ pub struct ParallelAttention {
     window: Option<usize>,
     /// The scores' scale (`None`: `1 / sqrt(head_dim)`).
     scale: Option<f64>,
+    /// The scores' soft cap, if any.
+    softcap: Option<f64>,
     /// How its scores are computed: the attention's own setting, from `TpSettings` at init.
     #[module(skip)]
     kernel: Kernel,
@@ -271,6 +273,7 @@ impl ParallelAttention {
             }),
             window: self.window,
             scale: self.scale,
+            softcap: self.softcap,
             tile: match self.kernel {
                 Kernel::Fused { tile } => tile,
                 Kernel::Materialized => crate::backend::attention::mask::TILE,
@@ -301,6 +304,10 @@ impl ParallelAttention {
         };
         let (k, v) = (expand(k), expand(v));
         let scores = q.matmul(k.swap_dims(2, 3)) * spec.scale_for(hd);
+        let scores = match spec.softcap {
+            Some(cap) => scores.div_scalar(cap).tanh().mul_scalar(cap),
+            None => scores,
+        };
         // One mask per sequence with padding, else one for all.
         let masks = if spec.padding.is_empty() { 1 } else { b };
         let spec = &spec;

@@ -100,7 +100,8 @@ impl Geometry {
 }
 
 /// Scores `[b, hkv, g * Bq, Bk]` of the (pre-scaled) stacked queries against key tile `kb`,
-/// the keys a query does not see (its future, those before its window) masked to `-inf`.
+/// soft-capped where the spec says (with the cap's slope `1 - tanh^2`, for the backward), the
+/// keys a query does not see (its future, those before its window) masked to `-inf`.
 fn scores<B: TpBackend>(
     geo: &Geometry,
     spec: &AttentionSpec,
@@ -109,10 +110,21 @@ fn scores<B: TpBackend>(
     rows: &Range<usize>,
     cols: &Range<usize>,
     masked: bool,
-) -> FloatTensor<B> {
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let s = B::tp_matmul(q.clone(), B::float_swap_dims(kb, 2, 3));
+    let (s, slope) = match spec.softcap {
+        Some(cap) => {
+            let t = B::float_tanh(B::float_div_scalar(s, Scalar::Float(cap)));
+            let slope = B::float_neg(B::float_add_scalar(
+                B::float_mul(t.clone(), t.clone()),
+                Scalar::Float(-1.0),
+            ));
+            (B::float_mul_scalar(t, Scalar::Float(cap)), Some(slope))
+        }
+        None => (s, None),
+    };
     if !masked {
-        return s;
+        return (s, slope);
     }
     let g = geo.group();
     let (n, m) = (rows.len(), cols.len());
@@ -129,7 +141,10 @@ fn scores<B: TpBackend>(
     let device = s.device();
     let mask = B::bool_from_data(TensorData::new(hidden, [seqs, 1, g * n, m]), &device);
     let mask = B::bool_expand(mask, s.shape());
-    B::float_mask_fill(s, mask, Scalar::Float(f64::NEG_INFINITY))
+    (
+        B::float_mask_fill(s, mask, Scalar::Float(f64::NEG_INFINITY)),
+        slope,
+    )
 }
 
 /// The scaled keep mask (`0` or `1 / (1 - p)`) of tile (`rows`, `cols`), stacked as the scores,
@@ -189,7 +204,7 @@ pub(crate) fn forward<B: TpBackend>(
             let masked = masked || spec.padding.iter().any(|&p| p > cols.start);
             let kb = widen::<B>(slice_dim::<B>(k.clone(), 2, cols.clone()));
             let vb = widen::<B>(slice_dim::<B>(v.clone(), 2, cols.clone()));
-            let s = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
+            let (s, _) = scores::<B>(&geo, spec, &qb, kb, &rows, &cols, masked);
             let tile_max = B::float_max_dim(s.clone(), 3);
             // A row whose window starts after this tile, or whose padding covers it, has no
             // key in it: a finite floor keeps `s - max` at `-inf` (probability 0) instead of
@@ -312,7 +327,7 @@ pub(crate) fn backward<B: TpBackend>(
             }
             let masked = masked || spec.padding.iter().any(|&p| p > cols.start);
             let (qb, gb, d) = &prepared[i];
-            let s = scores::<B>(&geo, spec, qb, kb.clone(), rows, &cols, masked);
+            let (s, slope) = scores::<B>(&geo, spec, qb, kb.clone(), rows, &cols, masked);
             let p = B::float_exp(B::float_sub(s, lse[i].clone()));
             let keep = spec
                 .dropout
@@ -332,6 +347,11 @@ pub(crate) fn backward<B: TpBackend>(
                 None => dp,
             };
             let ds = B::float_mul(p, B::float_sub(dp, d.clone()));
+            // Through the soft cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2.
+            let ds = match slope {
+                Some(slope) => B::float_mul(ds, slope),
+                None => ds,
+            };
             dq[i] = Some(add(
                 dq[i].take(),
                 B::float_mul_scalar(B::tp_matmul(ds.clone(), kb.clone()), Scalar::Float(scale)),

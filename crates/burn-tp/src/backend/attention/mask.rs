@@ -30,6 +30,9 @@ pub struct AttentionSpec {
     /// The scores' scale: `None` for `1 / sqrt(head_dim)`; Gemma's
     /// `query_pre_attn_scalar ** -0.5` where its scalar is not the head size.
     pub scale: Option<f64>,
+    /// Gemma 2's soft cap of the scores, `cap * tanh(s / cap)` (after the scale, before the
+    /// mask and the softmax); `None` for none.
+    pub softcap: Option<f64>,
 }
 
 /// The dropout of one attention call: this rank's region of the logical mask of site `site`
@@ -62,6 +65,7 @@ impl AttentionSpec {
             window: None,
             padding: Vec::new(),
             scale: None,
+            softcap: None,
         }
     }
 

@@ -68,7 +68,8 @@ impl Task<'_> {
     }
 
     /// The backward of query tile `rows` (`qt`) against key tile `cols`: its probabilities
-    /// recomputed into `p`, then dV += (P * keep)^T dO, dS = P (dO V^T * keep - D) into `dp`,
+    /// recomputed into `p`, then dV += (P * keep)^T dO, dS = P (dO V^T * keep - D) into `dp`
+    /// (times the soft cap's slope `1 - tanh^2`, kept in `slope`, where the scores are capped),
     /// dQ += dS K (`dq`, scaled at the end), dK += dS^T (scaled Q) (`dk`, `dv`: the key
     /// tile's rows).
     #[allow(clippy::too_many_arguments)]
@@ -77,7 +78,7 @@ impl Task<'_> {
         qt: &QueryTile,
         rows: &Range<usize>,
         cols: &Range<usize>,
-        [p, dp]: [&mut [f32]; 2],
+        [p, dp, slope]: [&mut [f32]; 3],
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
@@ -87,7 +88,10 @@ impl Task<'_> {
         let (g, mk) = (self.heads.len(), cols.len());
         let gn = g * rows.len();
         let p = &mut p[..gn * mk];
-        tile_scores(p, &qt.q, k, [self.bi, self.kh], g, rows, cols, spec);
+        let capped = spec.softcap.is_some();
+        let slope = &mut slope[..if capped { gn * mk } else { 0 }];
+        let slopes = capped.then_some(&mut *slope);
+        tile_scores(p, slopes, &qt.q, k, [self.bi, self.kh], g, rows, cols, spec);
         for (row, &l) in p.chunks_mut(mk).zip(&qt.lse) {
             exp_shifted(row, l);
         }
@@ -138,6 +142,11 @@ impl Task<'_> {
                     None => *x,
                 };
                 *x = pv * (d - qt.d[r]);
+            }
+        }
+        if capped {
+            for (x, d) in dp.iter_mut().zip(slope.iter()) {
+                *x *= d;
             }
         }
         // dQ += dS K (scaled at the end); dK += dS^T (scale Q).
@@ -223,13 +232,19 @@ pub(crate) fn backward<B: Backend>(
             .collect();
         let mut p = vec![0.0f32; g * spec.tile * spec.tile];
         let mut dp = vec![0.0f32; g * spec.tile * spec.tile];
+        let slopes = if spec.softcap.is_some() {
+            g * spec.tile * spec.tile
+        } else {
+            0
+        };
+        let mut slope = vec![0.0f32; slopes];
         for cols in &k_tiles {
             let mk = cols.len();
             let mut dkb = vec![0.0f32; mk * hd];
             let mut dvb = vec![0.0f32; mk * hd];
             for (i, rows) in q_tiles.iter().enumerate() {
                 if spec.visible(rows, cols).0 {
-                    let scratch = [&mut p[..], &mut dp[..]];
+                    let scratch = [&mut p[..], &mut dp[..], &mut slope[..]];
                     task.tile(
                         &query_tiles[i],
                         rows,

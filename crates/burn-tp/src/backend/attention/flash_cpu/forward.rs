@@ -44,7 +44,7 @@ pub(crate) fn forward<B: Backend>(
             }
             let mk = cols.len();
             let tile = &mut sc[..gn * mk];
-            tile_scores(tile, &qp, &k, [bi, kh], g, &rows, cols, spec);
+            tile_scores(tile, None, &qp, &k, [bi, kh], g, &rows, cols, spec);
             let keep = keep_tile(spec, [s, t], bi, heads.clone(), &rows, cols);
             for (r, row) in tile.chunks_mut(mk).enumerate() {
                 let new_max = m[r].max(max(row));

@@ -267,11 +267,13 @@ fn mask_hidden(
 }
 
 /// The scores of tile (`rows`, `cols`) of key / value head `kh` of batch `bi` into `tile`
-/// (`[g * rows, cols]`): the packed, scaled queries `qp` times the tile's keys, with the keys
-/// a query does not see at `-inf`.
+/// (`[g * rows, cols]`): the packed, scaled queries `qp` times the tile's keys, soft-capped
+/// where the spec says (then, with `slope`, each capped score's derivative `1 - tanh^2` into
+/// it, for the backward), with the keys a query does not see at `-inf`.
 #[allow(clippy::too_many_arguments)]
 fn tile_scores(
     tile: &mut [f32],
+    slope: Option<&mut [f32]>,
     qp: &[f32],
     k: &View,
     [bi, kh]: [usize; 2],
@@ -293,6 +295,23 @@ fn tile_scores(
         [k.strides[3], k.strides[2]],
         1.0,
     );
+    if let Some(cap) = spec.softcap {
+        let cap = cap as f32;
+        match slope {
+            Some(slope) => {
+                for (x, d) in tile.iter_mut().zip(slope.iter_mut()) {
+                    let t = (*x / cap).tanh();
+                    *x = cap * t;
+                    *d = 1.0 - t * t;
+                }
+            }
+            None => {
+                for x in tile.iter_mut() {
+                    *x = cap * (*x / cap).tanh();
+                }
+            }
+        }
+    }
     if spec.visible(rows, cols).1 || spec.pad(bi) > cols.start {
         mask_hidden(tile, [bi, g], rows, cols, spec);
     }
