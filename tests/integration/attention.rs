@@ -34,7 +34,8 @@ fn qkv([b, hq, hkv, s, t, hd]: [usize; 6], seed: u64, dtype: DType) -> [Tensor<4
 /// Causal attention in plain f64 loops: query `i` (position `start + i`) over keys
 /// `0 ..= start + i` (only the last `w` of them with a window `w`; none of sequence `b`'s first
 /// `padding[b]` but its own), query head `h` reading key / value head `h / (hq / hkv)`, the
-/// probabilities times `keep` (`[b, hq, s, t]`, the scaled dropout mask) if given.
+/// probabilities times `keep` (`[b, hq, s, t]`, the scaled dropout mask) if given, the scores
+/// soft-capped with `softcap`.
 #[allow(clippy::too_many_arguments)]
 fn loops(
     q: &[f64],
@@ -90,7 +91,9 @@ fn loops(
 }
 
 /// Today's path, materialized, as `ParallelAttention` ran it before the fused kernel: keys and
-/// values repeated per group, the `[s, t]` scores, the mask, softmax, dropout, `@ v`.
+/// values repeated per group, the `[s, t]` scores (soft-capped with `softcap`), the mask,
+/// softmax, dropout, `@ v`.
+#[allow(clippy::too_many_arguments)]
 fn materialized(
     q: Tensor<4>,
     k: Tensor<4>,

@@ -1,8 +1,8 @@
 //! Gemma's training path: the loss and every gradient at tp 1, 2 and 4, both modes, the CPU
 //! attention kernel on tiles shorter than the sequence, against the same model at tp 1 with the
 //! materialized attention (Burn's own ops, differentiated by Burn's autodiff: independent of the
-//! kernel's backward). Dropout on, a soft-capped head, a score scale of its own, sliding and
-//! full layers, two key / value heads (sharded at tp 2, replicated at tp 4). Its forward is held
+//! kernel's backward). Dropout on, soft caps on the scores and the logits (Gemma 2's), a score
+//! scale of its own, sliding and full layers, two key / value heads (sharded at tp 2, replicated at tp 4). Its forward is held
 //! to transformers' values by the fixtures of `hf::import`.
 
 use burn::tensor::{Int, Tensor, TensorData};
@@ -31,6 +31,7 @@ fn config(settings: TpSettings) -> GemmaConfig {
         .with_rope_local_theta(50.0)
         .with_query_pre_attn_scalar(Some(6.0))
         .with_final_logit_softcap(Some(4.0))
+        .with_attn_logit_softcap(Some(1.5))
         .with_dropout(0.1)
         .with_settings(settings)
 }

@@ -72,6 +72,10 @@ fn import_export_import_is_bit_exact() {
                 original[field]
             );
         }
+        // The special ids written back as they were.
+        for field in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+            assert_eq!(json[field], original[field], "{name}: {field}");
+        }
         let want = expected(&src);
         let (logits, greedy) = run(out.clone(), 2, want.prompt.clone(), want.greedy.len());
         assert_close(
@@ -96,7 +100,7 @@ fn import_export_import_is_bit_exact() {
     ] {
         round_trip(init_llama, name);
     }
-    for name in ["gemma3", "gemma3_capped"] {
+    for name in ["gemma2", "gemma3", "gemma3_capped"] {
         round_trip(init_gemma, name);
     }
 }

@@ -65,6 +65,7 @@ fn train_gpt_fine_tunes_an_imported_model_and_exports_it() {
         ("llama_tied", 2),
         ("phi3", 1),
         ("qwen3", 1),
+        ("gemma2", 1),
         ("gemma3", 1),
         ("gemma3", 2),
     ] {

@@ -83,7 +83,7 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
         check(init_llama, name);
     }
     // Gemma: sliding layers' caches keep their window, full layers' everything.
-    for name in ["gemma3", "gemma3_capped"] {
+    for name in ["gemma2", "gemma3", "gemma3_capped"] {
         check(init_gemma, name);
     }
     // The GPT (learned positions, biases, multi-head) at tp 2.
@@ -513,7 +513,7 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
     ] {
         imported(init_llama, name);
     }
-    for name in ["gemma3", "gemma3_capped"] {
+    for name in ["gemma2", "gemma3", "gemma3_capped"] {
         imported(init_gemma, name);
     }
     // The GPT: learned positions, each row's counted from its first token.

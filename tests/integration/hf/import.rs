@@ -18,6 +18,7 @@ fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() 
         "qwen3",
         "mistral_window",
         "phi3",
+        "gemma2",
         "gemma3",
         "gemma3_capped",
     ] {
@@ -279,6 +280,17 @@ fn gemma_configs_read_as_transformers_wrote_them() {
     let c = HfConfig::from_dir(&fixture("gemma3_capped")).unwrap();
     assert_eq!(c.final_logit_softcapping, Some(8.0));
     assert!(!c.tie_word_embeddings);
+    // Gemma 2: both caps, one rotary base, no q / k norms.
+    let c = HfConfig::from_dir(&fixture("gemma2")).unwrap();
+    assert_eq!(c.architecture, HfArchitecture::Gemma2);
+    assert_eq!(
+        (c.attn_logit_softcapping, c.final_logit_softcapping),
+        (Some(2.0), Some(8.0))
+    );
+    assert_eq!((c.rope_theta, c.rope_local_theta), (50.0, Some(50.0)));
+    assert!(!c.qk_norm && c.tie_word_embeddings);
+    let g = c.gemma_config(TpSettings::new()).unwrap();
+    assert_eq!((g.attn_logit_softcap, g.qk_norm), (Some(2.0), false));
     assert!(
         HfConfig::from_dir(&fixture("llama_gqa"))
             .unwrap()
@@ -321,12 +333,38 @@ fn gemma_configs_read_as_transformers_wrote_them() {
         (c.rope_theta, c.rope_local_theta),
         (1_000_000.0, Some(10_000.0))
     );
+    // Gemma 2's caps default to transformers' 30 and 50 where a config leaves them out, none
+    // where it says null; its layers alternate.
+    let mut gemma2: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("gemma2").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    for field in [
+        "layer_types",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+    ] {
+        gemma2.as_object_mut().unwrap().remove(field);
+    }
+    let c = read(&gemma2).unwrap();
+    assert_eq!(c.layer_types, [Sliding, Full, Sliding]);
+    assert_eq!(
+        (c.attn_logit_softcapping, c.final_logit_softcapping),
+        (Some(50.0), Some(30.0))
+    );
+    gemma2["attn_logit_softcapping"] = serde_json::Value::Null;
+    assert_eq!(read(&gemma2).unwrap().attn_logit_softcapping, None);
     // Refused, naming the field.
-    let cases: [(&str, serde_json::Value, &str); 5] = [
+    let cases: [(&str, serde_json::Value, &str); 6] = [
         (
             "attn_logit_softcapping",
-            serde_json::json!(50.0),
+            serde_json::json!(-1.0),
             "attn_logit_softcapping",
+        ),
+        (
+            "layer_types",
+            serde_json::json!(["sliding_attention", "chunked_attention", "full_attention"]),
+            "chunked_attention",
         ),
         (
             "hidden_activation",
@@ -381,7 +419,7 @@ fn gemma_gives_transformers_logits_in_every_mode_and_kernel() {
     use burn_tp::linear::TpMode;
 
     let _rng = rng_lock();
-    for name in ["gemma3", "gemma3_capped"] {
+    for name in ["gemma2", "gemma3", "gemma3_capped"] {
         let dir = fixture(name);
         let want = expected(&dir);
         let settings = [

@@ -1,4 +1,5 @@
-//! The Gemma family (Gemma 3's text models, `gemma3_text`) with tensor parallelism, on the
+//! The Gemma family (Gemma 2, and Gemma 3's text models, `gemma3_text`) with tensor
+//! parallelism, on the
 //! Llama's parallel pieces: grouped-query attention with rotary positions, a vocabulary-parallel
 //! embedding and tied head, the fused gate / up column layer.
 //!
@@ -14,7 +15,8 @@
 //! - per-layer attention types ([`LayerType`]): sliding-window layers with their own rotary base
 //!   (`rope_local_theta`) and a KV cache that keeps only the window, full-attention layers with
 //!   theirs (Gemma 3's 5 : 1 pattern by default); each type's rotary table shared by its layers;
-//! - the final logits soft-capped, `cap * tanh(logits / cap)`, where the config says.
+//! - Gemma 2's soft caps, `cap * tanh(x / cap)`: of the attention scores (inside the attention
+//!   kernels, forward and backward, never materializing the scores) and of the final logits.
 //!
 //! Activations are `[seq, batch, d_model]`, sharded on dim 0 between the parallel regions in
 //! REDUCE_SCATTER mode, as the Llama's; the model is the same at every tp for one seed.
@@ -89,6 +91,10 @@ pub struct GemmaConfig {
     /// The logits soft-capped to `(-cap, cap)` by `cap * tanh(logits / cap)`; `None`: not.
     #[config(default = "None")]
     pub final_logit_softcap: Option<f64>,
+    /// The attention scores soft-capped likewise (Gemma 2's `attn_logit_softcapping`); `None`:
+    /// not.
+    #[config(default = "None")]
+    pub attn_logit_softcap: Option<f64>,
     /// Dropout of each residual branch, and of the attention probabilities unless
     /// `attention_dropout` says otherwise (0: none).
     #[config(default = 0.0)]
@@ -232,6 +238,7 @@ impl GemmaConfig {
             .with_qk_norm(self.qk_norm.then_some(self.norm_eps))
             .with_norm_offset(1.0)
             .with_scale(Some(1.0 / scalar.sqrt()))
+            .with_softcap(self.attn_logit_softcap)
             .with_sliding_window(window)
             .with_settings(self.settings)
     }
@@ -270,13 +277,15 @@ impl GemmaConfig {
                 )));
             }
         }
-        if let Some(cap) = self
-            .final_logit_softcap
-            .filter(|c| !(c.is_finite() && *c > 0.0))
-        {
-            return Err(TpError::Config(format!(
-                "Gemma: final_logit_softcap = {cap} (a soft cap must be finite and > 0)"
-            )));
+        for (name, cap) in [
+            ("final_logit_softcap", self.final_logit_softcap),
+            ("attn_logit_softcap", self.attn_logit_softcap),
+        ] {
+            if let Some(cap) = cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+                return Err(TpError::Config(format!(
+                    "Gemma: {name} = {cap} (a soft cap must be finite and > 0)"
+                )));
+            }
         }
         if let Some(scalar) = self
             .query_pre_attn_scalar

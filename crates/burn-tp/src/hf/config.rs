@@ -25,6 +25,9 @@ pub enum HfArchitecture {
     Qwen3,
     /// `Phi3ForCausalLM` (fused `qkv_proj` and `gate_up_proj` tensors, a sliding window).
     Phi3,
+    /// `Gemma2ForCausalLM`: a [`Gemma`](crate::gemma::Gemma) with soft caps, alternating
+    /// sliding and full layers, one rotary base, no q / k norms.
+    Gemma2,
     /// `Gemma3ForCausalLM` (`gemma3_text`): a [`Gemma`](crate::gemma::Gemma).
     Gemma3,
 }
@@ -38,21 +41,23 @@ impl HfArchitecture {
             Self::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Self::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Self::Phi3 => ("Phi3ForCausalLM", "phi3"),
+            Self::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
             Self::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         }
     }
 
     /// Whether it is a [`Gemma`](crate::gemma::Gemma) (else a [`Llama`](crate::llama::Llama)).
     pub fn is_gemma(self) -> bool {
-        self == Self::Gemma3
+        matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 7] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
         Self::Qwen3,
         Self::Phi3,
+        Self::Gemma2,
         Self::Gemma3,
     ];
 }
@@ -90,6 +95,8 @@ pub struct HfConfig {
     pub query_pre_attn_scalar: Option<f64>,
     /// Gemma's `final_logit_softcapping`.
     pub final_logit_softcapping: Option<f64>,
+    /// Gemma 2's `attn_logit_softcapping`.
+    pub attn_logit_softcapping: Option<f64>,
     /// Llama 3's rotary scaling (`rope_parameters` / `rope_scaling` of type `llama3`).
     pub rope_scaling: Option<Llama3RopeScaling>,
     /// `rms_norm_eps`.
@@ -111,6 +118,10 @@ pub struct HfConfig {
     /// Dropout of each residual branch while training: Phi-3's `resid_pdrop`, else
     /// `hidden_dropout` where a config has it, else 0 (Llama, Mistral and Qwen have none).
     pub residual_dropout: f64,
+    /// `bos_token_id`, `eos_token_id` and `pad_token_id` as the config gives them (a number, a
+    /// list, or null; absent ones left out), written back as they were by the export; empty
+    /// for a model built in burn-tp.
+    pub token_ids: Vec<(String, Value)>,
 }
 
 impl HfConfig {
@@ -171,7 +182,7 @@ impl HfConfig {
         let gemma = architecture.is_gemma();
         let mut rope_scaling = None;
         let gemma_rope = if gemma {
-            Some(gemma_rope(v, path)?)
+            Some(gemma_rope(v, architecture, path)?)
         } else {
             None
         };
@@ -238,10 +249,12 @@ impl HfConfig {
         let (sliding_window, layer_types) = if gemma {
             gemma_checks(v, path)?;
             let window = v.get("sliding_window").and_then(Value::as_u64);
-            (
-                window.map(|w| w as usize),
-                gemma_layer_types(v, layers, path)?,
-            )
+            let pattern = match architecture {
+                HfArchitecture::Gemma2 => 2,
+                _ => 6,
+            };
+            let types = gemma_layer_types(v, layers, pattern, path)?;
+            (window.map(|w| w as usize), types)
         } else {
             let window = sliding_window(v, architecture, layers)
                 .map_err(|what| file_error(path, what))?
@@ -281,6 +294,20 @@ impl HfConfig {
             }
             Ok(p)
         };
+        let softcap = |name: &str, gemma2_default: f64| -> Result<Option<f64>> {
+            match v.get(name) {
+                _ if !gemma => Ok(None),
+                None if architecture == HfArchitecture::Gemma2 => Ok(Some(gemma2_default)),
+                None | Some(Value::Null) => Ok(None),
+                Some(_) => match f64_field(name, 0.0)? {
+                    cap if cap.is_finite() && cap > 0.0 => Ok(Some(cap)),
+                    cap => Err(file_error(
+                        path,
+                        format!("`{name}` = {cap} (a soft cap must be > 0)"),
+                    )),
+                },
+            }
+        };
         let attention_dropout = dropout(&["attention_dropout"])?;
         let residual_dropout = dropout(&["resid_pdrop", "hidden_dropout"])?;
         Ok(Self {
@@ -303,12 +330,9 @@ impl HfConfig {
                 true => Some(f64_field("query_pre_attn_scalar", 256.0)?),
                 false => None,
             },
-            final_logit_softcapping: match v.get("final_logit_softcapping") {
-                Some(cap) if gemma && !cap.is_null() => {
-                    Some(f64_field("final_logit_softcapping", 0.0)?)
-                }
-                _ => None,
-            },
+            // Gemma 2's caps default to 30 and 50 where its config leaves them out (null: none).
+            final_logit_softcapping: softcap("final_logit_softcapping", 30.0)?,
+            attn_logit_softcapping: softcap("attn_logit_softcapping", 50.0)?,
             rope_scaling,
             rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
             // Gemma ties by default (transformers' Gemma3TextConfig), the others do not.
@@ -318,10 +342,14 @@ impl HfConfig {
                 .unwrap_or(gemma),
             qkv_bias: architecture == HfArchitecture::Qwen2 || attention_bias,
             out_bias: attention_bias,
-            qk_norm: architecture == HfArchitecture::Qwen3 || gemma,
+            qk_norm: matches!(architecture, HfArchitecture::Qwen3 | HfArchitecture::Gemma3),
             sliding_window,
             attention_dropout,
             residual_dropout,
+            token_ids: ["bos_token_id", "eos_token_id", "pad_token_id"]
+                .into_iter()
+                .filter_map(|k| Some((k.to_string(), v.get(k)?.clone())))
+                .collect(),
         })
     }
 
@@ -353,6 +381,7 @@ impl HfConfig {
             layer_types: Vec::new(),
             query_pre_attn_scalar: None,
             final_logit_softcapping: None,
+            attn_logit_softcapping: None,
             rope_scaling: c.rope_scaling,
             rms_norm_eps: c.norm_eps,
             tie_word_embeddings: c.tie_embeddings,
@@ -362,6 +391,7 @@ impl HfConfig {
             sliding_window: c.sliding_window,
             attention_dropout: c.attention_dropout.unwrap_or(c.dropout),
             residual_dropout: c.dropout,
+            token_ids: Vec::new(),
         }
     }
 
@@ -393,14 +423,26 @@ impl HfConfig {
 }
 
 impl HfConfig {
-    /// The Hugging Face configuration of a burn-tp Gemma (to export it): `Gemma3ForCausalLM`.
+    /// The Hugging Face configuration of a burn-tp Gemma (to export it): `Gemma3ForCausalLM`
+    /// with q / k norms, else `Gemma2ForCausalLM`.
     ///
     /// # Errors
     /// [`TpError::Config`](crate::TpError::Config) for `layer_types` of another length than
-    /// `n_layers`.
+    /// `n_layers`; a Gemma 2 (no q / k norms) whose two rotary bases differ (Gemma 2 has one).
     pub fn from_gemma(c: &GemmaConfig) -> Result<Self> {
+        let architecture = match c.qk_norm {
+            true => HfArchitecture::Gemma3,
+            false => HfArchitecture::Gemma2,
+        };
+        if architecture == HfArchitecture::Gemma2 && c.rope_theta != c.rope_local_theta {
+            return Err(crate::TpError::Config(format!(
+                "Gemma without q / k norms is a Gemma 2, whose layers share one rotary base: \
+                 rope_theta = {} and rope_local_theta = {} differ",
+                c.rope_theta, c.rope_local_theta
+            )));
+        }
         Ok(Self {
-            architecture: HfArchitecture::Gemma3,
+            architecture,
             vocab_size: c.n_vocab,
             hidden_size: c.d_model,
             num_attention_heads: c.n_heads,
@@ -414,6 +456,7 @@ impl HfConfig {
             layer_types: c.layer_kinds()?,
             query_pre_attn_scalar: Some(c.query_pre_attn_scalar.unwrap_or(c.head_dim as f64)),
             final_logit_softcapping: c.final_logit_softcap,
+            attn_logit_softcapping: c.attn_logit_softcap,
             rope_scaling: None,
             rms_norm_eps: c.norm_eps,
             tie_word_embeddings: c.tie_embeddings,
@@ -423,6 +466,7 @@ impl HfConfig {
             sliding_window: c.sliding_window,
             attention_dropout: c.attention_dropout.unwrap_or(c.dropout),
             residual_dropout: c.dropout,
+            token_ids: Vec::new(),
         })
     }
 
@@ -457,6 +501,7 @@ impl HfConfig {
         .with_norm_eps(self.rms_norm_eps)
         .with_qk_norm(self.qk_norm)
         .with_final_logit_softcap(self.final_logit_softcapping)
+        .with_attn_logit_softcap(self.attn_logit_softcapping)
         .with_tie_embeddings(self.tie_word_embeddings)
         .with_dropout(self.residual_dropout)
         .with_attention_dropout(Some(self.attention_dropout))
@@ -464,10 +509,11 @@ impl HfConfig {
     }
 }
 
-/// Gemma's rotary bases `(full, sliding)`: `rope_parameters` keyed by layer type
-/// (transformers 5), else `rope_theta` and `rope_local_base_freq`; defaults 1,000,000 and 10,000
-/// (transformers' `Gemma3TextConfig`). Scaled rotary positions are refused.
-fn gemma_rope(v: &Value, path: &Path) -> Result<(f64, f64)> {
+/// Gemma's rotary bases `(full, sliding)`: Gemma 3's `rope_parameters` keyed by layer type
+/// (transformers 5), else `rope_theta` and `rope_local_base_freq`, defaults 1,000,000 and
+/// 10,000 (transformers' `Gemma3TextConfig`); Gemma 2's one base (`rope_parameters` or
+/// `rope_theta`, default 10,000) for both. Scaled rotary positions are refused.
+fn gemma_rope(v: &Value, architecture: HfArchitecture, path: &Path) -> Result<(f64, f64)> {
     let present = |x: Option<&Value>| x.filter(|x| !x.is_null()).cloned();
     let mut bases = [None, None];
     if let Some(rope) = present(v.get("rope_parameters")) {
@@ -515,20 +561,18 @@ fn gemma_rope(v: &Value, path: &Path) -> Result<(f64, f64)> {
         ));
     }
     let number = |name: &str, default: f64| v.get(name).and_then(Value::as_f64).unwrap_or(default);
+    if architecture == HfArchitecture::Gemma2 {
+        let theta = bases[0].unwrap_or_else(|| number("rope_theta", 10_000.0));
+        return Ok((theta, theta));
+    }
     Ok((
         bases[0].unwrap_or_else(|| number("rope_theta", 1_000_000.0)),
         bases[1].unwrap_or_else(|| number("rope_local_base_freq", 10_000.0)),
     ))
 }
 
-/// What a Gemma `config` has that burn-tp's Gemma does not yet do, refused naming the field.
+/// What a Gemma `config` has that burn-tp's Gemma does not do, refused naming the field.
 fn gemma_checks(v: &Value, path: &Path) -> Result<()> {
-    if let Some(cap) = v.get("attn_logit_softcapping").filter(|c| !c.is_null()) {
-        return Err(file_error(
-            path,
-            format!("`attn_logit_softcapping` = {cap} is not supported yet (Gemma 2's; null is)"),
-        ));
-    }
     for field in ["use_bidirectional_attention", "attention_bias"] {
         if v.get(field).and_then(Value::as_bool) == Some(true) {
             return Err(file_error(
@@ -540,14 +584,19 @@ fn gemma_checks(v: &Value, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Gemma's layer types: `layer_types`, else every `sliding_window_pattern`-th layer (default 6)
-/// full and the others sliding (transformers' `Gemma3TextConfig`).
-fn gemma_layer_types(v: &Value, layers: usize, path: &Path) -> Result<Vec<LayerType>> {
+/// Gemma's layer types: `layer_types`, else every `sliding_window_pattern`-th layer (default
+/// `pattern`: Gemma 3's 6, Gemma 2's 2) full and the others sliding, as transformers' configs.
+fn gemma_layer_types(
+    v: &Value,
+    layers: usize,
+    pattern: u64,
+    path: &Path,
+) -> Result<Vec<LayerType>> {
     let Some(types) = v.get("layer_types").and_then(Value::as_array) else {
         let pattern = v
             .get("sliding_window_pattern")
             .and_then(Value::as_u64)
-            .unwrap_or(6)
+            .unwrap_or(pattern)
             .max(1) as usize;
         return Ok((0..layers)
             .map(|i| match (i + 1) % pattern {
@@ -627,7 +676,7 @@ fn sliding_window(
 ) -> std::result::Result<Option<usize>, String> {
     let window = v.get("sliding_window").and_then(Value::as_u64);
     let window = match architecture {
-        HfArchitecture::Llama | HfArchitecture::Gemma3 => None,
+        HfArchitecture::Llama | HfArchitecture::Gemma2 | HfArchitecture::Gemma3 => None,
         HfArchitecture::Mistral | HfArchitecture::Phi3 => window,
         HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
             let on = v.get("use_sliding_window").and_then(Value::as_bool) == Some(true);

@@ -50,15 +50,22 @@ fn gemma_json(json: &mut serde_json::Value, config: &HfConfig) {
             LayerType::Full => "full_attention",
         })
         .collect();
-    let fields = serde_json::json!({
-        "hidden_activation": "gelu_pytorch_tanh",
-        "rope_parameters": {
+    // Gemma 3's bases keyed by layer type, Gemma 2's one.
+    let rope = match config.architecture {
+        HfArchitecture::Gemma2 => {
+            serde_json::json!({"rope_type": "default", "rope_theta": config.rope_theta})
+        }
+        _ => serde_json::json!({
             "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
             "sliding_attention": {
                 "rope_type": "default",
                 "rope_theta": config.rope_local_theta.unwrap_or(10_000.0),
             },
-        },
+        }),
+    };
+    let fields = serde_json::json!({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": rope,
         "layer_types": types,
         "sliding_window": config.sliding_window,
         // An integer: transformers' strict config refuses 24.0.
@@ -66,7 +73,7 @@ fn gemma_json(json: &mut serde_json::Value, config: &HfConfig) {
             .query_pre_attn_scalar
             .map(|s| if s.fract() == 0.0 { serde_json::json!(s as u64) } else { serde_json::json!(s) }),
         "final_logit_softcapping": config.final_logit_softcapping,
-        "attn_logit_softcapping": null,
+        "attn_logit_softcapping": config.attn_logit_softcapping,
         "attention_bias": false,
     });
     let (Some(json), Some(fields)) = (json.as_object_mut(), fields.as_object()) else {
@@ -239,14 +246,22 @@ fn write_hf<M: Module>(full: &M, config: &HfConfig, dir: &Path) -> Result<()> {
         }
         HfArchitecture::Mistral | HfArchitecture::Phi3 => {
             json["sliding_window"] = window;
-            // Phi3Config's default pad id (32000) would be past a smaller vocabulary.
-            json["pad_token_id"] = serde_json::Value::Null;
             if config.architecture == HfArchitecture::Phi3 {
                 json["resid_pdrop"] = serde_json::json!(config.residual_dropout);
             }
         }
         HfArchitecture::Llama => json["attention_bias"] = serde_json::json!(config.out_bias),
-        HfArchitecture::Gemma3 => gemma_json(&mut json, config),
+        HfArchitecture::Gemma2 | HfArchitecture::Gemma3 => gemma_json(&mut json, config),
+    }
+    // The imported model's own special ids (a model built here has none: Phi-3's and Gemma's
+    // defaults, 32000 and 0..2, could be past a small vocabulary, so null).
+    if config.token_ids.is_empty() {
+        for k in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+            json[k] = serde_json::Value::Null;
+        }
+    }
+    for (k, v) in &config.token_ids {
+        json[k.as_str()] = v.clone();
     }
     let path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&json).map_err(|e| file_error(&path, e.to_string()))?;
