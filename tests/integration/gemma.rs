@@ -73,3 +73,39 @@ fn gemma_gradients_are_the_same_at_every_tp_mode_and_kernel() {
         }
     }
 }
+
+/// The soft-capped head and its cross-entropy (Gemma's final norm, the tied vocabulary-parallel
+/// logits, `cap * tanh(logits / cap)`, the sharded cross-entropy) pass a finite-difference
+/// gradcheck in f64 at tp 2, through the last block's output.
+#[test]
+fn gemmas_capped_head_and_loss_pass_a_finite_difference_gradcheck() {
+    use burn::tensor::{DType, FloatDType};
+    use burn_tp::precision::cast_params;
+    use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
+
+    use crate::common::{tensor, uniform};
+
+    let _rng = rng_lock();
+    device().seed(6);
+    let reports = run_local(2, |g| {
+        let model = config(TpSettings::new()).init(&g, &device()).unwrap();
+        let model = cast_params(model, FloatDType::F64);
+        let x = tensor(uniform(S * B * 16, 8), [S, B, 16], DType::F64).mul_scalar(4.0);
+        let y = Tensor::<2, Int>::from_data(
+            TensorData::new(token_ids(S * B, V, 7, 3), [S, B]),
+            &device(),
+        );
+        let options = GradcheckOptions {
+            replicated_inputs: true,
+            ..GradcheckOptions::default()
+        };
+        gradcheck(&g, &[x], LossKind::Replicated, options, |xs| {
+            model.head_loss(xs[0].clone(), y.clone()).unwrap()
+        })
+    })
+    .unwrap();
+    for (r, report) in reports.into_iter().enumerate() {
+        let report = report.unwrap();
+        assert!(report.checked > 0, "rank {r}: {report:?}");
+    }
+}
