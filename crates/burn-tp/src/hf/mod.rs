@@ -1,8 +1,11 @@
-//! Hugging Face Llama-family checkpoints (`LlamaForCausalLM`, `MistralForCausalLM`,
-//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Phi3ForCausalLM`): a `config.json` and
-//! `model.safetensors` (or shards with
-//! `model.safetensors.index.json`) loaded into a [`Llama`](crate::llama::Llama) at any tp, each rank reading only its
-//! own slices.
+//! Hugging Face checkpoints of the Llama family (`LlamaForCausalLM`, `MistralForCausalLM`,
+//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Phi3ForCausalLM`) and the Gemma family
+//! (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`): a `config.json` and `model.safetensors` (or
+//! shards with `model.safetensors.index.json`) loaded into a [`Llama`](crate::llama::Llama)
+//! ([`init_llama`]) or a [`Gemma`](crate::gemma::Gemma) ([`init_gemma`]) at any tp, each rank
+//! reading only its own slices. Gemma's blocks add `pre_feedforward_layernorm` and
+//! `post_feedforward_layernorm` to the Llama's tensors; its norms' weights are read as stored
+//! (`w` of its `1 + w`).
 //!
 //! What the import maps:
 //! - HF's `[out, in]` weights into Burn's `[in, out]`;
@@ -22,14 +25,14 @@
 //!   padding masked out).
 //!
 //! What it refuses, with an error naming the field: another architecture, rope scaling other than
-//! Llama 3's, a sliding window on some layers only, a partial rotary factor, an MLP bias, an
-//! activation other than SiLU.
+//! Llama 3's (any for Gemma), a sliding window on some layers only (the Llama family), a partial
+//! rotary factor, an MLP bias, an activation other than SiLU (Gemma's `gelu_pytorch_tanh`).
 //!
 //! | file        | what                                                                     |
 //! |-------------|--------------------------------------------------------------------------|
 //! | `config.rs` | [`HfConfig`]: `config.json` read, checked, and made from a [`LlamaConfig`](crate::llama::LlamaConfig) |
 //! | `mapping.rs`| which HF tensors (names, rows, rotary order) make each of the Llama's parameters |
-//! | `import.rs` | [`load`], [`init_llama`]: each rank reads its own slices of the safetensors files |
+//! | `import.rs` | [`load`], [`init_llama`], [`init_gemma`]: each rank reads its own slices of the safetensors files |
 //! | `export.rs` | [`save`]: the model gathered, rank 0 writes HF's names and layouts        |
 
 mod config;
