@@ -6,12 +6,12 @@ import sys
 import time
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 model_dir, prompts_file, new, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(int(sys.argv[5]) if len(sys.argv) > 5 else torch.get_num_threads())
 prompts = [[int(t) for t in line.split(",")] for line in open(prompts_file) if line.strip()]
-model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 longest = max(map(len, prompts))
 ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
 mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
