@@ -96,6 +96,7 @@ fn import_export_import_is_bit_exact() {
         "llama_head_dim",
         "qwen3",
         "mistral_window",
+        "qwen2_layers",
         "phi3",
     ] {
         round_trip(init_llama, name);

@@ -78,6 +78,7 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
         "llama_head_dim",
         "qwen3",
         "mistral_window",
+        "qwen2_layers",
         "phi3",
     ] {
         check(init_llama, name);
@@ -509,6 +510,7 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
         "llama3_scaled",
         "qwen3",
         "mistral_window",
+        "qwen2_layers",
         "phi3",
     ] {
         imported(init_llama, name);

@@ -17,6 +17,7 @@ fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() 
         "llama_head_dim",
         "qwen3",
         "mistral_window",
+        "qwen2_layers",
         "phi3",
         "gemma2",
         "gemma3",
@@ -188,25 +189,28 @@ fn unsupported_configs_are_errors_naming_the_field() {
         }
     }
     // A sliding window on some layers only (Qwen2's `max_window_layers`, transformers 5's
-    // `layer_types`); on every layer it is read.
+    // `layer_types`): read as each layer's type; on every layer, as the one window.
+    use burn_tp::attention::LayerType::{Full, Sliding};
     let mut config = base.clone();
     config["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
     config["use_sliding_window"] = serde_json::json!(true);
     config["sliding_window"] = serde_json::json!(8);
     config["max_window_layers"] = serde_json::json!(1);
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    match HfConfig::from_dir(&dir) {
-        Err(TpError::Checkpoint { what, .. }) => {
-            assert!(
-                what.contains("max_window_layers") && what.contains("8"),
-                "{what}"
-            )
-        }
-        other => panic!("a window on layer 1 only: expected an error, got {other:?}"),
-    }
+    let c = HfConfig::from_dir(&dir).unwrap();
+    assert_eq!(
+        (c.sliding_window, c.layer_types.clone()),
+        (Some(8), vec![Full, Sliding])
+    );
+    let l = c.llama_config(TpSettings::new());
+    assert_eq!(
+        (l.sliding_window, l.layer_types),
+        (Some(8), vec![Full, Sliding])
+    );
     config["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"]);
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    assert_eq!(HfConfig::from_dir(&dir).unwrap().sliding_window, Some(8));
+    let c = HfConfig::from_dir(&dir).unwrap();
+    assert_eq!((c.sliding_window, c.layer_types), (Some(8), vec![]));
     // Weights of another model: the first tensor of another shape is named (llama_tied has
     // two key / value heads where this config has one), and a tensor missing (it has no
     // lm_head: its embeddings are tied) too.

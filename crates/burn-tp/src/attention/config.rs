@@ -15,6 +15,17 @@ use crate::linear::{
 use crate::norm::TpRmsNorm;
 use crate::{Result as TpResult, TpError};
 
+/// A layer's attention: over a sliding window or the whole causal past (transformers'
+/// `layer_types` entries `sliding_attention` and `full_attention`): a model's layers may mix
+/// them (Gemma; Qwen's `max_window_layers`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum LayerType {
+    /// Over the last `sliding_window` positions, with the local rotary base.
+    Sliding,
+    /// Over every position before, with the global rotary base.
+    Full,
+}
+
 /// Configuration of a [`ParallelAttention`].
 #[derive(Config, Debug)]
 pub struct ParallelAttentionConfig {

@@ -27,7 +27,7 @@ use burn::tensor::{Bool, Tensor, TensorData};
 use burn_tp_comm::ProcessGroup;
 
 pub use cache::{DecodeCache, KvCache};
-pub use config::ParallelAttentionConfig;
+pub use config::{LayerType, ParallelAttentionConfig};
 pub use kernel::fused_attention;
 pub use rotary::Llama3RopeScaling;
 

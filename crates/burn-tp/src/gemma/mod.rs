@@ -26,6 +26,7 @@ use burn::module::Module;
 use burn::tensor::{DType, Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+pub use crate::attention::LayerType;
 use crate::attention::{DecodeCache, ParallelAttention, ParallelAttentionConfig};
 use crate::decoder::DecoderBlock;
 use crate::dropout::{DropoutKey, DropoutStep, residual_dropout};
@@ -36,16 +37,6 @@ use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
 use crate::model::{LanguageModel, count_params};
 use crate::norm::TpRmsNorm;
 use crate::{Result as TpResult, TpError};
-
-/// A layer's attention: over a sliding window or the whole causal past (transformers'
-/// `layer_types` entries `sliding_attention` and `full_attention`).
-#[derive(Config, Debug, Copy, PartialEq, Eq)]
-pub enum LayerType {
-    /// Over the last `sliding_window` positions, with the local rotary base.
-    Sliding,
-    /// Over every position before, with the global rotary base.
-    Full,
-}
 
 /// Configuration of a [`Gemma`].
 #[derive(Config, Debug)]

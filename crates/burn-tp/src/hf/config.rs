@@ -6,9 +6,10 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::Result;
+use crate::attention::LayerType;
 use crate::attention::Llama3RopeScaling;
 use crate::error::file_error;
-use crate::gemma::{GemmaConfig, LayerType};
+use crate::gemma::GemmaConfig;
 use crate::linear::TpSettings;
 use crate::llama::LlamaConfig;
 
@@ -256,10 +257,11 @@ impl HfConfig {
             let types = gemma_layer_types(v, layers, pattern, path)?;
             (window.map(|w| w as usize), types)
         } else {
-            let window = sliding_window(v, architecture, layers)
-                .map_err(|what| file_error(path, what))?
-                .filter(|&w| w < max_pos);
-            (window, Vec::new())
+            let (window, types) = sliding_window(v, architecture, layers);
+            match window.filter(|&w| w < max_pos) {
+                Some(w) => (Some(w), types),
+                None => (None, Vec::new()),
+            }
         };
         // Phi-3's (and Phi-4's) rotation of part of each head only.
         for partial in [
@@ -378,7 +380,7 @@ impl HfConfig {
             head_dim: c.head_dim.filter(|&hd| hd * c.n_heads != c.d_model),
             rope_theta: f64::from(c.rope_theta),
             rope_local_theta: None,
-            layer_types: Vec::new(),
+            layer_types: c.layer_types.clone(),
             query_pre_attn_scalar: None,
             final_logit_softcapping: None,
             attn_logit_softcapping: None,
@@ -416,6 +418,7 @@ impl HfConfig {
         .with_out_bias(self.out_bias)
         .with_qk_norm(self.qk_norm)
         .with_sliding_window(self.sliding_window)
+        .with_layer_types(self.layer_types.clone())
         .with_dropout(self.residual_dropout)
         .with_attention_dropout(Some(self.attention_dropout))
         .with_settings(settings)
@@ -666,14 +669,15 @@ impl HfConfig {
     }
 }
 
-/// The sliding window `config` puts on every layer: Mistral's and Phi-3's `sliding_window`;
-/// Qwen2's and Qwen3's only with `use_sliding_window`, on the layers `layer_types` (or
-/// `max_window_layers`) gives it; Llama has none. A window on some layers only is an error.
+/// The sliding window of the Llama family and the layers it is on: Mistral's and Phi-3's
+/// `sliding_window` on every layer; Qwen2's and Qwen3's only with `use_sliding_window`, on the
+/// layers `layer_types` (or `max_window_layers`, the first layer with one) gives it; Llama has
+/// none. The types are empty where every layer is the same.
 fn sliding_window(
     v: &Value,
     architecture: HfArchitecture,
     layers: usize,
-) -> std::result::Result<Option<usize>, String> {
+) -> (Option<usize>, Vec<LayerType>) {
     let window = v.get("sliding_window").and_then(Value::as_u64);
     let window = match architecture {
         HfArchitecture::Llama | HfArchitecture::Gemma2 | HfArchitecture::Gemma3 => None,
@@ -684,7 +688,7 @@ fn sliding_window(
         }
     };
     let Some(w) = window else {
-        return Ok(None);
+        return (None, Vec::new());
     };
     let sliding: Vec<bool> = match v.get("layer_types").and_then(Value::as_array) {
         Some(types) => types
@@ -703,11 +707,17 @@ fn sliding_window(
         },
     };
     match (sliding.iter().all(|&x| x), sliding.iter().any(|&x| x)) {
-        (true, _) => Ok(Some(w as usize)),
-        (false, false) => Ok(None),
-        _ => Err(format!(
-            "a sliding window ({w}) on some layers only (`layer_types` / `max_window_layers`: \
-             {sliding:?} sliding) is not supported (on every layer or none is)"
-        )),
+        (true, _) => (Some(w as usize), Vec::new()),
+        (false, false) => (None, Vec::new()),
+        _ => (
+            Some(w as usize),
+            sliding
+                .iter()
+                .map(|&s| match s {
+                    true => LayerType::Sliding,
+                    false => LayerType::Full,
+                })
+                .collect(),
+        ),
     }
 }

@@ -11,7 +11,7 @@ use burn_tp_comm::ProcessGroup;
 use super::mapping::{Source, rope_row, sources};
 use super::{HfArchitecture, HfConfig, file_error};
 use crate::Result;
-use crate::gemma::LayerType;
+use crate::attention::LayerType;
 use crate::reshard::Reshard;
 
 /// Writes `model` (a [`Llama`](crate::llama::Llama) or a [`Gemma`](crate::gemma::Gemma) at any
@@ -39,17 +39,21 @@ pub fn save<M: Module + Reshard>(
     written
 }
 
-/// Gemma's own fields: its activation, rotary bases keyed by layer type, layer types, score
-/// scale and soft cap.
-fn gemma_json(json: &mut serde_json::Value, config: &HfConfig) {
-    let types: Vec<&str> = config
-        .layer_types
+/// transformers' names of layer types.
+fn layer_type_names(types: &[LayerType]) -> Vec<&'static str> {
+    types
         .iter()
         .map(|t| match t {
             LayerType::Sliding => "sliding_attention",
             LayerType::Full => "full_attention",
         })
-        .collect();
+        .collect()
+}
+
+/// Gemma's own fields: its activation, rotary bases keyed by layer type, layer types, score
+/// scale and soft cap.
+fn gemma_json(json: &mut serde_json::Value, config: &HfConfig) {
+    let types = layer_type_names(&config.layer_types);
     // Gemma 3's bases keyed by layer type, Gemma 2's one.
     let rope = match config.architecture {
         HfArchitecture::Gemma2 => {
@@ -236,10 +240,18 @@ fn write_hf<M: Module>(full: &M, config: &HfConfig, dir: &Path) -> Result<()> {
     let window = serde_json::json!(config.sliding_window);
     match config.architecture {
         HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
-            // Every layer from the first, or none.
+            // Every layer from the first, or none; or those its layer types say.
             json["use_sliding_window"] = serde_json::json!(config.sliding_window.is_some());
             json["sliding_window"] = window;
-            json["max_window_layers"] = serde_json::json!(0);
+            let first = config
+                .layer_types
+                .iter()
+                .position(|t| *t == LayerType::Sliding)
+                .unwrap_or(0);
+            json["max_window_layers"] = serde_json::json!(first);
+            if !config.layer_types.is_empty() {
+                json["layer_types"] = serde_json::json!(layer_type_names(&config.layer_types));
+            }
             if config.architecture == HfArchitecture::Qwen3 {
                 json["attention_bias"] = serde_json::json!(config.out_bias);
             }

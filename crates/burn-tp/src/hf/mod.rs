@@ -25,8 +25,7 @@
 //!   padding masked out).
 //!
 //! What it refuses, with an error naming the field: another architecture, rope scaling other than
-//! Llama 3's (any for Gemma), a sliding window on some layers only (the Llama family), a partial
-//! rotary factor, an MLP bias, an activation other than SiLU (Gemma's `gelu_pytorch_tanh`).
+//! Llama 3's (any for Gemma), a partial rotary factor, an MLP bias, an activation other than SiLU (Gemma's `gelu_pytorch_tanh`).
 //!
 //! | file        | what                                                                     |
 //! |-------------|--------------------------------------------------------------------------|

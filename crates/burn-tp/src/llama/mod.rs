@@ -25,7 +25,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::attention::{
-    DecodeCache, Llama3RopeScaling, ParallelAttention, ParallelAttentionConfig,
+    DecodeCache, LayerType, Llama3RopeScaling, ParallelAttention, ParallelAttentionConfig,
 };
 use crate::decoder::DecoderBlock;
 use crate::dropout::{DropoutKey, DropoutStep, residual_dropout};
@@ -97,6 +97,11 @@ pub struct LlamaConfig {
     /// whole causal past.
     #[config(default = "None")]
     pub sliding_window: Option<usize>,
+    /// Each layer's attention type where they differ (Qwen2 / Qwen3's `layer_types`, or
+    /// `max_window_layers`): sliding layers take `sliding_window`, full ones see the whole
+    /// causal past; empty: every layer `sliding_window`'s.
+    #[config(default = "Vec::new()")]
+    pub layer_types: Vec<LayerType>,
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
@@ -231,6 +236,16 @@ impl LlamaConfig {
             .with_sliding_window(self.sliding_window)
             .with_settings(settings);
         attn.validate(tp)?;
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.n_layers {
+            return Err(TpError::Config(format!(
+                "Llama: {} layer_types for n_layers = {}",
+                self.layer_types.len(),
+                self.n_layers
+            )));
+        }
+        // Full layers where the types say (the same rotary table: one base).
+        let full = attn.clone().with_sliding_window(None);
+        let mut kinds = self.layer_types.iter();
         crate::error::check_divisible("Llama d_ff", self.d_ff, tp)?;
         let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
             .with_settings(settings)
@@ -242,7 +257,10 @@ impl LlamaConfig {
         let blocks = crate::decoder::draw_blocks("Llama", self.n_layers, layers, || {
             Ok(LlamaBlock {
                 attn_norm: norm(group),
-                attn: attn.init_with_rope(group, device, rope.clone())?,
+                attn: match kinds.next() {
+                    Some(LayerType::Full) => full.init_with_rope(group, device, rope.clone())?,
+                    _ => attn.init_with_rope(group, device, rope.clone())?,
+                },
                 mlp_norm: norm(group),
                 mlp: ParallelSwiGluConfig::new(d, self.d_ff)
                     .with_settings(settings)
