@@ -109,3 +109,35 @@ fn gemmas_capped_head_and_loss_pass_a_finite_difference_gradcheck() {
         assert!(report.checked > 0, "rank {r}: {report:?}");
     }
 }
+
+/// A config whose layer types do not fit its layers, or a soft cap that is not a positive
+/// number, is an error naming the values, before any communication.
+#[test]
+fn bad_gemma_configs_are_errors_naming_the_values() {
+    let _rng = rng_lock();
+    let cases: [(GemmaConfig, &str); 4] = [
+        (
+            config(TpSettings::new()).with_layer_types(vec![LayerType::Full]),
+            "1 layer_types for n_layers = 3",
+        ),
+        (
+            config(TpSettings::new()).with_attn_logit_softcap(Some(0.0)),
+            "attn_logit_softcap = 0",
+        ),
+        (
+            config(TpSettings::new()).with_final_logit_softcap(Some(f64::NAN)),
+            "final_logit_softcap = NaN",
+        ),
+        (
+            config(TpSettings::new()).with_query_pre_attn_scalar(Some(-1.0)),
+            "query_pre_attn_scalar = -1",
+        ),
+    ];
+    for (c, named) in cases {
+        let e = run_local(2, move |g| {
+            c.init(&g, &device()).map(|_| ()).unwrap_err().to_string()
+        })
+        .unwrap();
+        assert!(e.iter().all(|e| e.contains(named)), "{named}: {e:?}");
+    }
+}

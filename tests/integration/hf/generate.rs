@@ -531,3 +531,43 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
         compare(&format!("gpt rank {r}"), results, 1e-5);
     }
 }
+
+/// A Gemma's text prompt through its folder's `tokenizer.json`, with and without the KV cache,
+/// streamed: transformers' ids and text (the `gemma3` fixture's).
+#[test]
+fn a_gemma_generates_from_text_through_its_tokenizer() {
+    use burn_tp_examples::generate::{Args, run, run_streaming};
+    use clap::Parser;
+    let _rng = rng_lock();
+    let dir = fixture("gemma3");
+    let v = expected_json(&dir);
+    let text = v["prompt_text"].as_str().unwrap();
+    let args = |extra: &[&str]| {
+        let mut argv = vec!["generate", "--model", dir.to_str().unwrap(), "--tp", "2"];
+        argv.extend(["--prompt", text, "--max-new-tokens", "6"]);
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    };
+    for extra in [&[][..], &["--no-cache"][..]] {
+        let report = run(&args(extra)).unwrap();
+        let row = report.first();
+        assert_eq!(
+            row.prompt_ids,
+            json_ints(&v, "prompt_text_ids"),
+            "{extra:?}"
+        );
+        assert_eq!(
+            row.new_ids,
+            json_ints(&v, "text_greedy_new_ids"),
+            "{extra:?}"
+        );
+        assert_eq!(row.new_text.as_deref(), v["text_greedy_new_text"].as_str());
+    }
+    let pieces = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = pieces.clone();
+    let streamed = run_streaming(&args(&[]), move |p| {
+        sink.lock().unwrap().push(p.to_string())
+    });
+    let pieces = pieces.lock().unwrap().concat();
+    assert_eq!(Some(pieces), streamed.unwrap().first().new_text.clone());
+}
