@@ -321,29 +321,51 @@ fn load_with<M: Module + Reshard>(
         .into_iter()
         .map(|(shape, _)| shape)
         .collect();
-    let mut values = Vec::with_capacity(layouts.len());
-    for ((source, layout), shape) in sources.iter().zip(&layouts).zip(&shapes) {
-        let v = local_values(&mut weights, source, layout, shape)?;
-        values.push(TensorData::new(v, shape.clone()));
+    let mut load = Load {
+        weights: &mut weights,
+        parts: sources
+            .iter()
+            .zip(&layouts)
+            .zip(shapes)
+            .collect::<Vec<_>>()
+            .into_iter(),
+        error: None,
+    };
+    let model = model.map(&mut load);
+    match load.error {
+        Some(e) => Err(e),
+        None => Ok(model),
     }
-    Ok(with_values(model, values))
 }
 
-/// `module` with its float parameters' values replaced (in visiting order), in each parameter's
-/// dtype, keeping it trainable.
-fn with_values<M: Module>(module: M, values: Vec<TensorData>) -> M {
-    struct Replace(std::vec::IntoIter<TensorData>);
-    impl ModuleMapper for Replace {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            match self.0.next() {
-                Some(data) => param.map(|t| {
-                    let (device, dtype) = (t.device(), t.dtype());
-                    Tensor::<D>::from_data(data.convert_dtype(dtype), (&device, dtype))
-                        .set_require_grad(t.is_require_grad())
-                }),
-                None => param,
+/// Replaces each float parameter (in visiting order) by its values read from the files just
+/// then, in the parameter's dtype, keeping it trainable: the drawn tensor goes as its
+/// replacement comes, so an import holds the model and one parameter's values, not a second
+/// model (the first error is kept and the rest left as drawn).
+struct Load<'a> {
+    weights: &'a mut Weights,
+    parts: std::vec::IntoIter<((&'a Source, &'a ParamLayout), Vec<usize>)>,
+    error: Option<crate::TpError>,
+}
+
+impl ModuleMapper for Load<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let Some(((source, layout), shape)) = self.parts.next() else {
+            return param;
+        };
+        match local_values(self.weights, source, layout, &shape) {
+            Ok(values) => param.map(|t| {
+                let (device, dtype) = (t.device(), t.dtype());
+                let data = TensorData::new(values, shape).convert_dtype(dtype);
+                Tensor::<D>::from_data(data, (&device, dtype)).set_require_grad(t.is_require_grad())
+            }),
+            Err(e) => {
+                self.error = Some(e);
+                param
             }
         }
     }
-    module.map(&mut Replace(values.into_iter()))
 }
