@@ -338,50 +338,7 @@ impl DecoderBlock for Block {
 }
 
 impl LanguageModel for Gpt {
-    type Config = GptConfig;
-    type Block = Block;
-    const NAME: &'static str = "Gpt";
-
-    fn config_layers(config: &GptConfig) -> usize {
-        config.n_layers
-    }
-
-    fn init_stage(
-        config: &GptConfig,
-        group: &ProcessGroup,
-        device: &Device,
-        layers: &[usize],
-    ) -> TpResult<Self> {
-        config.init_layers(group, device, layers)
-    }
-
-    fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
-    fn settings(&self) -> TpSettings {
-        self.options.settings
-    }
-
-    fn embedding(&self) -> &VocabParallelEmbedding {
-        &self.tok
-    }
-
-    fn head(&self) -> Option<&VocabParallelHead> {
-        self.head.as_ref()
-    }
-
-    fn blocks(&self) -> &[Block] {
-        &self.blocks
-    }
-
-    fn block_ids(&self) -> &[usize] {
-        &self.block_ids
-    }
-
-    fn blocks_mut(&mut self) -> (&mut Vec<Block>, &mut Vec<usize>) {
-        (&mut self.blocks, &mut self.block_ids)
-    }
+    crate::model::family_parts!("Gpt", GptConfig, Block);
 
     fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.ln_f.forward(x)

@@ -284,6 +284,26 @@ pub(crate) fn forward<M: LanguageModel>(
     model.head_logits(x)
 }
 
+/// `ids` (`[seq, batch]`) within the `table` positions a model's rotary table covers (any
+/// without one).
+///
+/// # Errors
+/// [`TpError::Shape`](crate::TpError::Shape) naming `model`, the limit and the ids' shape.
+pub(crate) fn check_positions(
+    model: &'static str,
+    ids: &Tensor<2, Int>,
+    table: Option<usize>,
+) -> crate::Result<()> {
+    match table {
+        Some(max_seq) if ids.dims()[0] > max_seq => Err(crate::TpError::Shape {
+            op: model,
+            expected: format!("[seq <= {max_seq}, batch]"),
+            got: ids.dims().to_vec(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Block `index` (the whole model's) of `model`, if held.
 ///
 /// # Errors
@@ -337,3 +357,57 @@ pub(crate) fn count_params<M: Module>(module: &M) -> usize {
     module.visit(&mut c);
     c.0
 }
+
+/// The accessors of [`LanguageModel`] every family writes alike, for a model whose fields are
+/// `tok`, `head`, `blocks` (of `$block`), `block_ids`, `group` and `options.settings` (the
+/// GPT's, the Llama's, Gemma's); plus its name, config and `init_stage`: expands inside an
+/// `impl LanguageModel for ...` block.
+macro_rules! family_parts {
+    ($name:literal, $config:ty, $block:ty) => {
+        type Config = $config;
+        type Block = $block;
+        const NAME: &'static str = $name;
+
+        fn config_layers(config: &$config) -> usize {
+            config.n_layers
+        }
+
+        fn init_stage(
+            config: &$config,
+            group: &burn_tp_comm::ProcessGroup,
+            device: &burn::tensor::Device,
+            layers: &[usize],
+        ) -> $crate::Result<Self> {
+            config.init_layers(group, device, layers)
+        }
+
+        fn group(&self) -> &burn_tp_comm::ProcessGroup {
+            &self.group
+        }
+
+        fn settings(&self) -> $crate::linear::TpSettings {
+            self.options.settings
+        }
+
+        fn embedding(&self) -> &$crate::embedding::VocabParallelEmbedding {
+            &self.tok
+        }
+
+        fn head(&self) -> Option<&$crate::embedding::VocabParallelHead> {
+            self.head.as_ref()
+        }
+
+        fn blocks(&self) -> &[$block] {
+            &self.blocks
+        }
+
+        fn block_ids(&self) -> &[usize] {
+            &self.block_ids
+        }
+
+        fn blocks_mut(&mut self) -> (&mut Vec<$block>, &mut Vec<usize>) {
+            (&mut self.blocks, &mut self.block_ids)
+        }
+    };
+}
+pub(crate) use family_parts;

@@ -4,22 +4,31 @@ use std::path::Path;
 
 use burn_tp::comm::ProcessGroup;
 use burn_tp::gemma::{Gemma, GemmaConfig};
-use burn_tp::gpt::Gpt;
+use burn_tp::gpt::{Gpt, GptConfig};
+use burn_tp::hf::HfConfig;
 use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::model::LanguageModel;
 
 /// What `train_gpt` needs of a model beyond [`LanguageModel`]: its Hugging Face form, where it
 /// has one (`--init-from`, `--export-hf`; the arguments refuse them for the GPT first).
 pub trait Trainable: LanguageModel {
+    /// The Hugging Face configuration of a model built here from `config`.
+    ///
+    /// # Errors
+    /// A model with no Hugging Face form.
+    fn hf_config(config: &Self::Config) -> burn_tp::Result<HfConfig>;
+
     /// This model with the weights of the Hugging Face model in `dir`.
     ///
     /// # Errors
     /// The import's errors.
-    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self>;
+    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self> {
+        burn_tp::hf::load(self, dir, group)
+    }
 
     /// Writes the model in Hugging Face's format into `dir`, as the architecture of the model
-    /// in `from` (the folder it was imported from) if any, else the one `config` implies.
-    /// Collective.
+    /// in `from` (the folder it was imported from: a fine-tuned Phi-3 is written back as a Phi-3,
+    /// its fused tensors) if any, else the one `config` implies. Collective.
     ///
     /// # Errors
     /// The export's errors.
@@ -29,21 +38,21 @@ pub trait Trainable: LanguageModel {
         from: Option<&Path>,
         dir: &Path,
         group: &ProcessGroup,
-    ) -> burn_tp::Result<()>;
+    ) -> burn_tp::Result<()> {
+        let hf = match from {
+            Some(from) => HfConfig::from_dir(from)?,
+            None => Self::hf_config(config)?,
+        };
+        burn_tp::hf::save(self, &hf, dir, group)
+    }
 }
 
 impl Trainable for Gpt {
-    fn load_hf(self, _: &Path, _: &ProcessGroup) -> burn_tp::Result<Self> {
+    fn hf_config(_: &GptConfig) -> burn_tp::Result<HfConfig> {
         Err(no_hf_form())
     }
 
-    fn save_hf(
-        &self,
-        _: &Self::Config,
-        _: Option<&Path>,
-        _: &Path,
-        _: &ProcessGroup,
-    ) -> burn_tp::Result<()> {
+    fn load_hf(self, _: &Path, _: &ProcessGroup) -> burn_tp::Result<Self> {
         Err(no_hf_form())
     }
 }
@@ -53,44 +62,13 @@ fn no_hf_form() -> burn_tp::TpError {
 }
 
 impl Trainable for Llama {
-    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self> {
-        burn_tp::hf::load(self, dir, group)
-    }
-
-    fn save_hf(
-        &self,
-        config: &LlamaConfig,
-        from: Option<&Path>,
-        dir: &Path,
-        group: &ProcessGroup,
-    ) -> burn_tp::Result<()> {
-        use burn_tp::hf::HfConfig;
-        // A fine-tuned Phi-3 is written back as a Phi-3 (its fused tensors), and so on.
-        let hf = match from {
-            Some(from) => HfConfig::from_dir(from)?,
-            None => HfConfig::from_llama(config),
-        };
-        burn_tp::hf::save(self, &hf, dir, group)
+    fn hf_config(config: &LlamaConfig) -> burn_tp::Result<HfConfig> {
+        Ok(HfConfig::from_llama(config))
     }
 }
 
 impl Trainable for Gemma {
-    fn load_hf(self, dir: &Path, group: &ProcessGroup) -> burn_tp::Result<Self> {
-        burn_tp::hf::load(self, dir, group)
-    }
-
-    fn save_hf(
-        &self,
-        config: &GemmaConfig,
-        from: Option<&Path>,
-        dir: &Path,
-        group: &ProcessGroup,
-    ) -> burn_tp::Result<()> {
-        use burn_tp::hf::HfConfig;
-        let hf = match from {
-            Some(from) => HfConfig::from_dir(from)?,
-            None => HfConfig::from_gemma(config)?,
-        };
-        burn_tp::hf::save(self, &hf, dir, group)
+    fn hf_config(config: &GemmaConfig) -> burn_tp::Result<HfConfig> {
+        HfConfig::from_gemma(config)
     }
 }

@@ -97,6 +97,11 @@ impl ParallelAttention {
         self.window
     }
 
+    /// The positions its rotary table covers (`max_seq`); `None` without rotary positions.
+    pub fn max_positions(&self) -> Option<usize> {
+        self.rope.as_ref().map(|r| r.freq_complex.dims()[0])
+    }
+
     /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]` (sharded on dim 0 in REDUCE_SCATTER mode),
     /// without dropout.
     ///

@@ -444,50 +444,7 @@ impl DecoderBlock for GemmaBlock {
 }
 
 impl LanguageModel for Gemma {
-    type Config = GemmaConfig;
-    type Block = GemmaBlock;
-    const NAME: &'static str = "Gemma";
-
-    fn config_layers(config: &GemmaConfig) -> usize {
-        config.n_layers
-    }
-
-    fn init_stage(
-        config: &GemmaConfig,
-        group: &ProcessGroup,
-        device: &Device,
-        layers: &[usize],
-    ) -> TpResult<Self> {
-        config.init_layers(group, device, layers)
-    }
-
-    fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
-    fn settings(&self) -> TpSettings {
-        self.options.settings
-    }
-
-    fn embedding(&self) -> &VocabParallelEmbedding {
-        &self.tok
-    }
-
-    fn head(&self) -> Option<&VocabParallelHead> {
-        self.head.as_ref()
-    }
-
-    fn blocks(&self) -> &[GemmaBlock] {
-        &self.blocks
-    }
-
-    fn block_ids(&self) -> &[usize] {
-        &self.block_ids
-    }
-
-    fn blocks_mut(&mut self) -> (&mut Vec<GemmaBlock>, &mut Vec<usize>) {
-        (&mut self.blocks, &mut self.block_ids)
-    }
+    crate::model::family_parts!("Gemma", GemmaConfig, GemmaBlock);
 
     fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.norm.forward(x)
@@ -498,19 +455,8 @@ impl LanguageModel for Gemma {
     }
 
     fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
-        let [s, _] = ids.dims();
-        let max_seq = self
-            .blocks
-            .first()
-            .and_then(|b| b.attn.rope.as_ref())
-            .map_or(usize::MAX, |r| r.freq_complex.dims()[0]);
-        if s > max_seq {
-            return Err(TpError::Shape {
-                op: "Gemma",
-                expected: format!("[seq <= {max_seq}, batch]"),
-                got: ids.dims().to_vec(),
-            });
-        }
+        let table = self.blocks.first().and_then(|b| b.attn.max_positions());
+        crate::model::check_positions(Self::NAME, &ids, table)?;
         self.scaled_embedding(ids)
     }
 

@@ -459,50 +459,7 @@ impl DecoderBlock for LlamaBlock {
 }
 
 impl LanguageModel for Llama {
-    type Config = LlamaConfig;
-    type Block = LlamaBlock;
-    const NAME: &'static str = "Llama";
-
-    fn config_layers(config: &LlamaConfig) -> usize {
-        config.n_layers
-    }
-
-    fn init_stage(
-        config: &LlamaConfig,
-        group: &ProcessGroup,
-        device: &Device,
-        layers: &[usize],
-    ) -> TpResult<Self> {
-        config.init_layers(group, device, layers)
-    }
-
-    fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
-    fn settings(&self) -> TpSettings {
-        self.options.settings
-    }
-
-    fn embedding(&self) -> &VocabParallelEmbedding {
-        &self.tok
-    }
-
-    fn head(&self) -> Option<&VocabParallelHead> {
-        self.head.as_ref()
-    }
-
-    fn blocks(&self) -> &[LlamaBlock] {
-        &self.blocks
-    }
-
-    fn block_ids(&self) -> &[usize] {
-        &self.block_ids
-    }
-
-    fn blocks_mut(&mut self) -> (&mut Vec<LlamaBlock>, &mut Vec<usize>) {
-        (&mut self.blocks, &mut self.block_ids)
-    }
+    crate::model::family_parts!("Llama", LlamaConfig, LlamaBlock);
 
     fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.norm.forward(x)
@@ -513,19 +470,8 @@ impl LanguageModel for Llama {
     }
 
     fn embed(&self, ids: Tensor<2, Int>) -> TpResult<Tensor<3>> {
-        let [s, _] = ids.dims();
-        let max_seq = self
-            .blocks
-            .first()
-            .and_then(|b| b.attn.rope.as_ref())
-            .map_or(usize::MAX, |r| r.freq_complex.dims()[0]);
-        if s > max_seq {
-            return Err(TpError::Shape {
-                op: "Llama",
-                expected: format!("[seq <= {max_seq}, batch]"),
-                got: ids.dims().to_vec(),
-            });
-        }
+        let table = self.blocks.first().and_then(|b| b.attn.max_positions());
+        crate::model::check_positions(Self::NAME, &ids, table)?;
         self.tok.try_forward(ids)
     }
 
