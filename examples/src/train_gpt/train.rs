@@ -3,19 +3,19 @@
 use std::path::Path;
 use std::time::Instant;
 
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
-use burn::tensor::{Device, FloatDType, Int, Tensor};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor};
 use burn_tp::checkpoint::{self, CheckpointInfo};
 use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
-use burn_tp::dp::{DistributedAdamW, GradReducer, average_gradients, broadcast_parameters};
+use burn_tp::dp::{DistributedAdamW, DpOptimizer, GradReducer, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::norm::ReplicatedGrads;
 use burn_tp::ops::all_reduce;
 use burn_tp::pipeline::{self, Pipeline, chunk_layers};
-use burn_tp::precision::{cast_grads, cast_params};
+use burn_tp::precision::cast_params;
 use burn_tp::recompute;
 
 use super::pipelined::{held_out_pipelined, micro_batches, pp_schedule};
@@ -62,51 +62,6 @@ struct Rank<'a, M: LanguageModel> {
     pp_seconds: std::cell::Cell<(f64, f64)>,
     device: Device,
     checkpoint: &'a Path,
-}
-
-/// The optimizer of a run: Burn's AdamW (its gradients averaged over dp after the backward or
-/// in overlapped buckets), or the distributed optimizer (its state sharded over dp).
-struct Optimizer {
-    adamw: ModuleOptimizer,
-    zero: Option<DistributedAdamW>,
-    reducer: Option<GradReducer>,
-    /// One coalesced tp all-reduce per step for the replicated parameters (sequence parallel);
-    /// the distributed optimizer reduces its gradients inside the backward, so it keeps the
-    /// per-use all-reduces.
-    replicated: Option<ReplicatedGrads>,
-}
-
-impl Optimizer {
-    /// The step after a backward: `grads` (of `working`, the model the forward ran: `model`
-    /// itself, or its bf16 copy whose parameters have the master's ids) reduced over dp in f32
-    /// (the buckets finished, or averaged now; the replicated parameters' tp sum, which
-    /// commutes with it), then AdamW on `model`; or the distributed optimizer's step (this
-    /// rank's chunks of the f32 average, stepped, gathered).
-    fn step<M: LanguageModel>(
-        &mut self,
-        lr: f64,
-        model: M,
-        working: &M,
-        mut grads: GradientsParams,
-        dp_group: &ProcessGroup,
-    ) -> BoxResult<M> {
-        if let Some(z) = &mut self.zero {
-            cast_grads(working, &mut grads, FloatDType::F32);
-            return Ok(z.step(lr, model, grads)?);
-        }
-        // Half-precision gradients accumulate in f32 in the reducer.
-        if let Some(r) = &self.reducer {
-            r.finish(working, &mut grads)?;
-        }
-        cast_grads(working, &mut grads, FloatDType::F32);
-        if let Some(r) = &self.replicated {
-            r.finish(working, &mut grads)?;
-        }
-        if self.reducer.is_none() {
-            average_gradients(&model, &mut grads, dp_group)?;
-        }
-        Ok(self.adamw.step(lr, model, grads))
-    }
 }
 
 pub(super) fn train_rank<M: Trainable>(
@@ -207,7 +162,7 @@ pub(super) fn train_rank<M: Trainable>(
 impl<M: Trainable> Rank<'_, M> {
     /// This rank's shards (fresh, from a Hugging Face model, or resumed from the sharded
     /// checkpoint at any tp x dp), the step they start at, and the optimizer.
-    fn start(&self) -> BoxResult<(M, usize, Optimizer)> {
+    fn start(&self) -> BoxResult<(M, usize, DpOptimizer)> {
         let (args, tp_group) = (self.args, &self.tp_group);
         // dp replica 0 draws the weights first (only its tp rank 0 uses the RNG); the others
         // wait, then take replica 0's weights by broadcast.
@@ -308,14 +263,23 @@ impl<M: Trainable> Rank<'_, M> {
             }
             false => None,
         };
-        let replicated = zero.is_none().then(|| ReplicatedGrads::new(tp_group));
-        let reducer = (args.overlap_grad_reduce && zero.is_none())
-            .then(|| GradReducer::new_summed(&model, &self.dp_group, bucket_bytes, summed));
-        let optim = Optimizer {
-            adamw,
-            zero,
-            reducer,
-            replicated,
+        let optim = match zero {
+            Some(zero) => DpOptimizer::distributed(adamw, zero, AdamWConfig::new()),
+            // The distributed optimizer reduces its gradients inside the backward, so it keeps
+            // the replicated parameters' per-use all-reduces; the others take one coalesced
+            // tp all-reduce per step (sequence parallel).
+            None => {
+                let optim = DpOptimizer::new(adamw).with_replicated(ReplicatedGrads::new(tp_group));
+                match args.overlap_grad_reduce {
+                    true => optim.with_reducer(GradReducer::new_summed(
+                        &model,
+                        &self.dp_group,
+                        bucket_bytes,
+                        summed,
+                    )),
+                    false => optim,
+                }
+            }
         };
         Ok((model, first_step, optim))
     }
@@ -365,17 +329,15 @@ impl<M: Trainable> Rank<'_, M> {
     /// This rank's slices of the model and the AdamW state after `steps` steps, into the
     /// sharded checkpoint (data-parallel replica 0 writes; every rank waits for it). The
     /// distributed optimizer's chunks are gathered over dp first.
-    fn save(&self, model: &mut M, optim: &mut Optimizer, steps: usize) -> burn_tp::Result<()> {
-        if let Some(z) = &optim.zero {
-            optim.adamw = z.to_module_optimizer(&AdamWConfig::new(), model)?;
-        }
+    fn save(&self, model: &mut M, optim: &mut DpOptimizer, steps: usize) -> burn_tp::Result<()> {
+        let adamw = optim.module_optimizer(model)?;
         let a = self.args;
         let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config).with_pp(a.pp);
         match self.stage_map.get() {
             // Every stage its blocks, under the whole model's indices: one checkpoint.
             Some(map) => checkpoint::save_stage(
                 model,
-                Some(&optim.adamw),
+                Some(adamw),
                 self.checkpoint,
                 &info,
                 self.tp_group.rank(),
@@ -385,7 +347,7 @@ impl<M: Trainable> Rank<'_, M> {
             )?,
             None => checkpoint::save(
                 model,
-                Some(&optim.adamw),
+                Some(adamw),
                 self.checkpoint,
                 &info,
                 &self.tp_group,
@@ -401,7 +363,7 @@ impl<M: Trainable> Rank<'_, M> {
         &self,
         mut model: M,
         first_step: usize,
-        optim: &mut Optimizer,
+        optim: &mut DpOptimizer,
     ) -> BoxResult<(M, RankOut)> {
         let args = self.args;
         let progress = (self.world.rank() == 0 && !args.quiet).then(|| {
@@ -468,7 +430,7 @@ impl<M: Trainable> Rank<'_, M> {
 
     /// One optimizer step: forward, backward, the gradients reduced over tp and dp, the update.
     /// Returns the model after it and the step's loss (mean over dp).
-    fn step(&self, model: M, step: usize, optim: &mut Optimizer) -> BoxResult<(M, f64)> {
+    fn step(&self, model: M, step: usize, optim: &mut DpOptimizer) -> BoxResult<(M, f64)> {
         let args = self.args;
         let (ids, targets) = self.batch(step);
         let working = self.compute(&model);
@@ -482,17 +444,13 @@ impl<M: Trainable> Rank<'_, M> {
             let (ids, targets, working) = (ids.clone(), targets.clone(), &working);
             move || recompute::loss_and_grads(working, ids, targets, Some(dropout))
         };
-        let forward = || match (&optim.zero, &optim.reducer) {
-            // The tapped view: each bucket's reduction starts during the backward.
-            (Some(z), _) => z
-                .attach(working.clone(), true)
-                .loss(ids, targets, Some(dropout)),
-            (None, Some(r)) => r
-                .attach(working.clone(), true)
-                .loss(ids, targets, Some(dropout)),
-            (None, None) => working.loss(ids, targets, Some(dropout)),
+        // The tapped view: each bucket's reduction starts during the backward.
+        let forward = || {
+            optim
+                .attach(working.clone())
+                .loss(ids, targets, Some(dropout))
         };
-        let (loss, recomputed) = match (&optim.replicated, args.recompute_layers) {
+        let (loss, recomputed) = match (optim.replicated(), args.recompute_layers) {
             // The replicated parameters' tp sums deferred to one coalesced all-reduce.
             (Some(r), false) => (r.scope(forward)?, None),
             (None, false) => (forward()?, None),
@@ -523,16 +481,13 @@ impl<M: Trainable> Rank<'_, M> {
         working: M,
         (ids, targets): (Tensor<2, Int>, Tensor<2, Int>),
         dropout: DropoutStep,
-        optim: &mut Optimizer,
+        optim: &mut DpOptimizer,
     ) -> BoxResult<(M, f64)> {
         let args = self.args;
         let micro = micro_batches(ids, targets, args.micro_batches);
         let schedule = pp_schedule(args);
         // With buckets, each starts as its parameters' last micro-batch's backward ends.
-        let buckets = match (&optim.zero, &optim.reducer) {
-            (Some(z), _) => Some(z.reducer()),
-            (None, r) => r.as_ref(),
-        };
+        let buckets = optim.buckets();
         let dropout = Some(dropout);
         let run = || match buckets {
             Some(r) => {
@@ -543,7 +498,7 @@ impl<M: Trainable> Rank<'_, M> {
             }
             None => pipeline::loss_and_grads(&working, pipe, &micro, schedule, dropout),
         };
-        let out = match &optim.replicated {
+        let out = match optim.replicated() {
             Some(r) => r.scope(run)?,
             None => run()?,
         };

@@ -1,11 +1,14 @@
 //! Data parallelism on top of tensor parallelism: average gradients over a data-parallel group,
 //! after the backward ([`average_gradients`]) or overlapped with it in buckets
-//! ([`GradReducer`]); or shard the optimizer over it ([`DistributedAdamW`], ZeRO stage 1).
+//! ([`GradReducer`]); or shard the optimizer over it ([`DistributedAdamW`], ZeRO stage 1);
+//! [`DpOptimizer`]: either, as one gradient-sync-then-step for a training loop.
 
 mod reducer;
+mod step;
 mod zero;
 
 pub use reducer::GradReducer;
+pub use step::DpOptimizer;
 pub use zero::DistributedAdamW;
 
 use burn::module::{Module, ModuleVisitor, Param};

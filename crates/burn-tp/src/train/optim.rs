@@ -3,21 +3,17 @@
 //! update.
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, ModuleOptimizer};
+use burn::optim::ModuleOptimizer;
 use burn_tp_comm::ProcessGroup;
 use burn_train::{LearnerModel, TrainStep};
 
 use super::{GradSync, TrainInput};
 use crate::Result;
-use crate::dp::{DistributedAdamW, GradReducer, average_gradients};
+use crate::dp::{DistributedAdamW, DpOptimizer, GradReducer};
 
 /// A rank's optimizer: the factory's, with the dp average after the backward or in buckets
-/// during it; or the distributed optimizer.
-pub(super) struct RankOptim {
-    optim: ModuleOptimizer,
-    reducer: Option<GradReducer>,
-    zero: Option<(DistributedAdamW, AdamWConfig)>,
-}
+/// during it; or the distributed optimizer: [`DpOptimizer`], as `train_gpt`'s.
+pub(super) struct RankOptim(DpOptimizer);
 
 impl RankOptim {
     /// `optim` (loaded, on resume) for `model` on `dp_group`, as `sync` asks.
@@ -27,17 +23,10 @@ impl RankOptim {
         model: &M,
         dp_group: &ProcessGroup,
     ) -> Result<Self> {
-        Ok(match sync {
-            GradSync::AfterBackward => Self {
-                optim,
-                reducer: None,
-                zero: None,
-            },
-            GradSync::Overlapped { bucket_bytes } => Self {
-                optim,
-                reducer: Some(GradReducer::new(model, dp_group, *bucket_bytes)),
-                zero: None,
-            },
+        Ok(Self(match sync {
+            GradSync::AfterBackward => DpOptimizer::new(optim),
+            GradSync::Overlapped { bucket_bytes } => DpOptimizer::new(optim)
+                .with_reducer(GradReducer::new(model, dp_group, *bucket_bytes)),
             GradSync::Distributed {
                 config,
                 bucket_bytes,
@@ -45,13 +34,9 @@ impl RankOptim {
                 let mut zero = DistributedAdamW::new(config, model, dp_group, *bucket_bytes);
                 // This rank's chunks of a resumed state (saved at any dp).
                 zero.shard_module_optimizer(&optim, model)?;
-                Self {
-                    optim,
-                    reducer: None,
-                    zero: Some((zero, config.clone())),
-                }
+                DpOptimizer::distributed(optim, zero, config.clone())
             }
-        })
+        }))
     }
 
     /// One training step of `model` on `item`: the user's `TrainStep`, the gradients reduced
@@ -63,35 +48,18 @@ impl RankOptim {
         lr: burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate,
         dp_group: &ProcessGroup,
     ) -> Result<<M as TrainStep>::Output> {
-        if let Some((zero, _)) = &mut self.zero {
-            let view = zero.attach(model.clone(), true);
-            let out = TrainStep::step(&view, item);
-            *model = zero.step(lr.base(), model.clone(), out.grads)?;
-            return Ok(out.item);
-        }
-        let out = match &self.reducer {
-            Some(reducer) => {
-                let view = reducer.attach(model.clone(), true);
-                let mut out = TrainStep::step(&view, item);
-                reducer.finish(&*model, &mut out.grads)?;
-                out
-            }
-            None => {
-                let mut out = TrainStep::step(&*model, item);
-                average_gradients(&*model, &mut out.grads, dp_group)?;
-                out
-            }
-        };
-        *model = model.clone().optimize(&mut self.optim, lr, out.grads);
+        let view = self.0.attach(model.clone());
+        let out = TrainStep::step(&view, item);
+        let master = model.clone();
+        *model = self
+            .0
+            .step(lr, master.clone(), &master, out.grads, dp_group)?;
         Ok(out.item)
     }
 
     /// The state as a Burn optimizer over this rank's shard, to save (the distributed
     /// optimizer's chunks gathered over dp first: collective over dp).
     pub(super) fn module_optimizer<M: Module>(&mut self, model: &M) -> Result<ModuleOptimizer> {
-        if let Some((zero, config)) = &self.zero {
-            self.optim = zero.to_module_optimizer(config, model)?;
-        }
-        Ok(self.optim.clone())
+        Ok(self.0.module_optimizer(model)?.clone())
     }
 }

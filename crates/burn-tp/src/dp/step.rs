@@ -1,0 +1,139 @@
+//! [`DpOptimizer`]: one gradient-sync-then-step for every training loop (the example's
+//! `train_gpt` and the Learner strategy, [`crate::train`]): Burn's optimizer with the gradients
+//! averaged over dp after the backward or in buckets during it, the replicated parameters' tp
+//! sums coalesced where asked; or the distributed optimizer (ZeRO-1).
+
+use burn::module::Module;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::FloatDType;
+use burn_tp_comm::ProcessGroup;
+
+use super::{DistributedAdamW, GradReducer, average_gradients};
+use crate::Result;
+use crate::norm::ReplicatedGrads;
+use crate::precision::cast_grads;
+
+/// A rank's optimizer over a data-parallel group: Burn's `optim` (AdamW, or any) after the
+/// gradients' dp average, or the [`DistributedAdamW`].
+///
+/// A step is [`attach`](Self::attach) (the model the forward runs: a tapped view whose buckets
+/// start during the backward, or the model), the backward, then [`step`](Self::step).
+pub struct DpOptimizer {
+    optim: ModuleOptimizer,
+    zero: Option<(DistributedAdamW, AdamWConfig)>,
+    reducer: Option<GradReducer>,
+    replicated: Option<ReplicatedGrads>,
+}
+
+impl DpOptimizer {
+    /// `optim`, the gradients averaged over dp after each backward.
+    pub fn new(optim: ModuleOptimizer) -> Self {
+        Self {
+            optim,
+            zero: None,
+            reducer: None,
+            replicated: None,
+        }
+    }
+
+    /// The gradients averaged over dp in `reducer`'s buckets during the backward instead.
+    pub fn with_reducer(mut self, reducer: GradReducer) -> Self {
+        self.reducer = Some(reducer);
+        self
+    }
+
+    /// The replicated parameters' tp sums deferred to one coalesced all-reduce per step
+    /// (sequence parallel: run the forward and backward in [`ReplicatedGrads::scope`] of
+    /// [`replicated`](Self::replicated)).
+    pub fn with_replicated(mut self, replicated: ReplicatedGrads) -> Self {
+        self.replicated = Some(replicated);
+        self
+    }
+
+    /// The distributed optimizer `zero` (AdamW of `config`, its state sharded over dp); `optim`
+    /// holds the state in Burn's form only to save it ([`module_optimizer`](Self::module_optimizer)).
+    pub fn distributed(
+        optim: ModuleOptimizer,
+        zero: DistributedAdamW,
+        config: AdamWConfig,
+    ) -> Self {
+        Self {
+            optim,
+            zero: Some((zero, config)),
+            reducer: None,
+            replicated: None,
+        }
+    }
+
+    /// The buckets that reduce during the backward (the distributed optimizer's, or the
+    /// reducer's), if any: what a pipeline's overlapped step takes.
+    pub fn buckets(&self) -> Option<&GradReducer> {
+        match &self.zero {
+            Some((z, _)) => Some(z.reducer()),
+            None => self.reducer.as_ref(),
+        }
+    }
+
+    /// The replicated parameters' coalesced tp sums, if asked.
+    pub fn replicated(&self) -> Option<&ReplicatedGrads> {
+        self.replicated.as_ref()
+    }
+
+    /// The model the forward runs: `model` with the buckets' taps (each bucket's reduction
+    /// starts during the backward), or `model` itself.
+    pub fn attach<M: Module>(&self, model: M) -> M {
+        match (&self.zero, &self.reducer) {
+            (Some((z, _)), _) => z.attach(model, true),
+            (None, Some(r)) => r.attach(model, true),
+            (None, None) => model,
+        }
+    }
+
+    /// The step after a backward: `grads` (of `working`, the model the forward ran: `model`
+    /// itself, or a half copy whose parameters have the master's ids) reduced over dp in f32
+    /// (the buckets finished, or averaged now; the replicated parameters' tp sum, which
+    /// commutes with it), then the optimizer on `model`; or the distributed optimizer's step
+    /// (this rank's chunks of the f32 average, stepped, gathered). Collective over dp.
+    ///
+    /// # Errors
+    /// The first communication error.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: impl Into<ModuleLearningRate>,
+        model: M,
+        working: &M,
+        mut grads: GradientsParams,
+        dp_group: &ProcessGroup,
+    ) -> Result<M> {
+        let lr = lr.into();
+        if let Some((z, _)) = &mut self.zero {
+            cast_grads(working, &mut grads, FloatDType::F32);
+            return z.step(lr.base(), model, grads);
+        }
+        // Half-precision gradients accumulate in f32 in the reducer.
+        if let Some(r) = &self.reducer {
+            r.finish(working, &mut grads)?;
+        }
+        cast_grads(working, &mut grads, FloatDType::F32);
+        if let Some(r) = &self.replicated {
+            r.finish(working, &mut grads)?;
+        }
+        if self.reducer.is_none() {
+            average_gradients(&model, &mut grads, dp_group)?;
+        }
+        Ok(self.optim.step(lr, model, grads))
+    }
+
+    /// The optimizer state in Burn's form over this rank's shard, to save (the distributed
+    /// optimizer's chunks gathered over dp first: collective over dp then).
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn module_optimizer<M: Module>(&mut self, model: &M) -> Result<&ModuleOptimizer> {
+        if let Some((zero, config)) = &self.zero {
+            self.optim = zero.to_module_optimizer(config, model)?;
+        }
+        Ok(&self.optim)
+    }
+}
