@@ -29,13 +29,17 @@
 //!
 //! | file        | what                                                                     |
 //! |-------------|--------------------------------------------------------------------------|
+//! | `arch.rs`   | [`HfArchitecture`]: the architectures read, by their `config.json` names |
 //! | `config.rs` | [`HfConfig`]: `config.json` read, checked, and made from a [`LlamaConfig`](crate::llama::LlamaConfig) |
+//! | `gemma.rs`  | a Gemma config's own fields: rotary bases per layer type, layer types, refusals |
 //! | `mapping.rs`| which HF tensors (names, rows, rotary order) make each of the Llama's parameters |
 //! | `import.rs` | [`load`], [`init_llama`], [`init_gemma`]: each rank reads its own slices of the safetensors files |
 //! | `export.rs` | [`save`]: the model gathered, rank 0 writes HF's names and layouts        |
 
+mod arch;
 mod config;
 mod export;
+mod gemma;
 mod import;
 mod mapping;
 
