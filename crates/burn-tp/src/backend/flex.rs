@@ -3,10 +3,12 @@
 //! the tensor's storage instead of copied out of it. Every rank is a thread on the one Flex device.
 
 use burn::backend::{Flex, tensor::FloatTensor};
+use burn::tensor::DType;
 use burn_flex::FlexTensor;
 use burn_tp_comm::{CommError, ProcessGroup, SendBuf};
 
-use super::{Collective, PendingCollective, TpBackend};
+use super::{AttentionSpec, Collective, PendingCollective, TpBackend};
+use crate::backend::attention::{flash, flash_cpu};
 use crate::backend::collective::host::{DataRead, HostElement, HostRead, host_start_with};
 
 impl TpBackend for Flex {
@@ -17,6 +19,40 @@ impl TpBackend for Flex {
     ) -> PendingCollective<Self> {
         host_start_with::<Self, _>(x, op, group, |moved| Ok(FlexRead(moved)))
     }
+
+    /// The CPU kernel (`flash_cpu/`: f32 tiles between GEMM calls) for f32 and half inputs; the
+    /// tensor-op tiles for f64.
+    fn tp_attention_kernel(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match cpu_kernel(&q) {
+            true => flash_cpu::forward(q, k, v, &spec),
+            false => flash::forward::<Self>(q, k, v, &spec),
+        }
+    }
+
+    fn tp_attention_kernel_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        match cpu_kernel(&q) {
+            true => flash_cpu::backward(q, k, v, out, lse, d_out, &spec),
+            false => flash::backward::<Self>(q, k, v, out, lse, d_out, &spec),
+        }
+    }
+}
+
+/// Whether the CPU kernel runs `q`'s attention: f32 and half (computed in f32), not f64.
+fn cpu_kernel(q: &FlexTensor) -> bool {
+    matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
 
 /// A Flex tensor's values: its storage itself when it is laid out as the flat buffer (contiguous,

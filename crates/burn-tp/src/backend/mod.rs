@@ -143,7 +143,35 @@ pub trait TpBackend: Backend {
         v: FloatTensor<Self>,
         spec: AttentionSpec,
     ) -> FloatTensor<Self> {
-        attention::flash::forward::<Self>(q, k, v, &spec).0
+        Self::tp_attention_kernel(q, k, v, spec).0
+    }
+
+    /// The attention kernel's forward: the output `[b, hq, s, hd]` and the log-sum-exps its
+    /// backward reads, in the kernel's own layout. The backend's kernel: the tiles on the
+    /// backend's tensor ops (`flash.rs`) by default; Flex's own CPU kernel (`flash_cpu/`, picked
+    /// in `flex.rs`).
+    fn tp_attention_kernel(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::flash::forward::<Self>(q, k, v, &spec)
+    }
+
+    /// The attention kernel's backward: `(dq, dk, dv)` in the dtypes of q, k and v, from the
+    /// upstream gradient `d_out` and what [`tp_attention_kernel`](Self::tp_attention_kernel)
+    /// returned; the same kernel's.
+    fn tp_attention_kernel_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        spec: AttentionSpec,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        attention::flash::backward::<Self>(q, k, v, out, lse, d_out, &spec)
     }
 
     /// Layer norm or RMSNorm (`spec`) of `x` (`[.., d]`) over the last dim, with `gamma` (and

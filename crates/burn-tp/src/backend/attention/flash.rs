@@ -1,5 +1,6 @@
 //! Causal attention that never materializes the `[s, t]` score matrix (the FlashAttention-2
-//! algorithm, on the backend's tensor ops): the forward walks query tiles and, for each, the key
+//! algorithm, on the backend's tensor ops; every backend's kernel unless its `TpBackend` impl
+//! picks its own, as Flex does in `backend/flex.rs`): the forward walks query tiles and, for each, the key
 //! tiles it can see, with an online softmax; it keeps only the output and each row's
 //! log-sum-exp. The backward walks the same tiles again and recomputes each tile's
 //! probabilities from the log-sum-exp.
@@ -37,16 +38,6 @@ use crate::backend::TpBackend;
 use crate::backend::attention::mask::{AttentionDropout, AttentionSpec, tiles};
 use crate::backend::collective::host::{slice_dim, widen};
 use crate::backend::fused::dropout::dropout_mask_values;
-
-/// What the forward keeps for the backward besides q, k, v and the output: each row's
-/// log-sum-exp.
-#[derive(Clone, Debug)]
-pub(crate) enum Lse<B: Backend> {
-    /// Per query tile, `[b, hkv, g * Bq, 1]` in the compute dtype (the tensor-op path).
-    Blocks(Vec<FloatTensor<B>>),
-    /// `[b, hq, s]` in f32 (the CPU kernel, `flash_cpu.rs`).
-    Rows(FloatTensor<B>),
-}
 
 fn dims4(x: &impl TensorMetadata) -> [usize; 4] {
     let s = x.shape();
@@ -179,11 +170,7 @@ pub(crate) fn forward<B: TpBackend>(
     k: FloatTensor<B>,
     v: FloatTensor<B>,
     spec: &AttentionSpec,
-) -> (FloatTensor<B>, Lse<B>) {
-    if crate::backend::attention::flash_cpu::supports::<B>(&q) {
-        let (out, lse) = crate::backend::attention::flash_cpu::forward::<B>(q, k, v, spec);
-        return (out, Lse::Rows(lse));
-    }
+) -> (FloatTensor<B>, FloatTensor<B>) {
     let geo = Geometry::of::<B>(&q, &k);
     let dtype = q.dtype();
     let scale = spec.scale_for(geo.hd);
@@ -258,9 +245,10 @@ pub(crate) fn forward<B: TpBackend>(
         .into_iter()
         .map(|o| B::float_permute(o, &[2, 0, 1, 3]))
         .collect();
+    // The query tiles' log-sum-exps `[b, hkv, g * Bq, 1]` end to end: `[b, hkv, g * s, 1]`.
     (
         B::float_permute(B::float_cat(outs, 0), &[1, 2, 0, 3]),
-        Lse::Blocks(lses),
+        B::float_cat(lses, 2),
     )
 }
 
@@ -272,25 +260,17 @@ pub(crate) fn backward<B: TpBackend>(
     k: FloatTensor<B>,
     v: FloatTensor<B>,
     out: FloatTensor<B>,
-    lse: &Lse<B>,
+    lse: FloatTensor<B>,
     d_out: FloatTensor<B>,
     spec: &AttentionSpec,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    let lse = match lse {
-        Lse::Rows(lse) => {
-            return crate::backend::attention::flash_cpu::backward::<B>(
-                q,
-                k,
-                v,
-                out,
-                lse.clone(),
-                d_out,
-                spec,
-            );
-        }
-        Lse::Blocks(lse) => lse,
-    };
     let geo = Geometry::of::<B>(&q, &k);
+    let g = geo.group();
+    // Each query tile's rows of the forward's log-sum-exps.
+    let lse: Vec<FloatTensor<B>> = tiles(geo.s, spec.tile)
+        .into_iter()
+        .map(|rows| slice_dim::<B>(lse.clone(), 2, g * rows.start..g * rows.end))
+        .collect();
     let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
     let scale = spec.scale_for(geo.hd);
     let device = q.device();

@@ -9,7 +9,6 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, tensor::FloatTensor};
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
-use crate::backend::attention::flash;
 use crate::backend::attention::mask::AttentionSpec;
 use crate::backend::fused::dropout::{DropoutSpec, apply_mask};
 use crate::backend::fused::norm::{self, NormSpec};
@@ -120,7 +119,7 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
                     spec,
                 } = ops.state;
                 let d_out = grads.consume::<B>(&ops.node);
-                let (dq, dk, dv) = flash::backward::<B>(q, k, v, out, &lse, d_out, &spec);
+                let (dq, dk, dv) = B::tp_attention_kernel_backward(q, k, v, out, lse, d_out, spec);
                 for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
                     if let Some(node) = parent {
                         grads.register::<B>(node.id, grad);
@@ -128,11 +127,11 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
                 }
             }
         }
-        let (out, lse) = flash::forward::<B>(
+        let (out, lse) = B::tp_attention_kernel(
             q.primitive().clone(),
             k.primitive().clone(),
             v.primitive().clone(),
-            &spec,
+            spec.clone(),
         );
         match AttentionBackward
             .prepare::<C>([q.node(), k.node(), v.node()])

@@ -8,7 +8,6 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, tensor::FloatTensor};
 use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 
-use crate::backend::attention::flash;
 use crate::backend::attention::mask::AttentionSpec;
 use crate::backend::collective::host::local_chunk;
 use crate::backend::fused::norm::{self, NormSpec};
@@ -29,7 +28,8 @@ pub(super) struct AttentionState<B: Backend> {
     pub(super) k: FloatTensor<B>,
     pub(super) v: FloatTensor<B>,
     pub(super) out: FloatTensor<B>,
-    pub(super) lse: flash::Lse<B>,
+    /// The kernel's log-sum-exps, in its own layout.
+    pub(super) lse: FloatTensor<B>,
     pub(super) spec: AttentionSpec,
 }
 

@@ -178,19 +178,18 @@ impl Task<'_> {
 /// The gradients of q, k and v (in their dtypes) of the kernel's attention, from `d_out`
 /// (`[b, hq, s, hd]`), the output and the log-sum-exp the forward returned.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<B: Backend>(
-    q: FloatTensor<B>,
-    k: FloatTensor<B>,
-    v: FloatTensor<B>,
-    out: FloatTensor<B>,
-    lse: FloatTensor<B>,
-    d_out: FloatTensor<B>,
+pub(crate) fn backward(
+    q: FlexTensor,
+    k: FlexTensor,
+    v: FlexTensor,
+    out: FlexTensor,
+    lse: FlexTensor,
+    d_out: FlexTensor,
     spec: &AttentionSpec,
-) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+) -> (FlexTensor, FlexTensor, FlexTensor) {
     let dtypes = (q.dtype(), k.dtype(), v.dtype());
-    let (q, k, v) = (View::of::<B>(q), View::of::<B>(k), View::of::<B>(v));
-    let (o, d_o) = (View::of::<B>(out), View::of::<B>(d_out));
-    let lse = to_flex::<B>(lse).unwrap_or_else(|_| panic!("the forward's lse is Flex"));
+    let (q, k, v) = (View::of(q), View::of(k), View::of(v));
+    let (o, d_o) = (View::of(out), View::of(d_out));
     let lse = lse.to_contiguous();
     let lse: &[f32] = lse.storage::<f32>();
     let [b, hq, s, hd] = q.dims;
@@ -278,14 +277,11 @@ pub(crate) fn backward<B: Backend>(
         }
     });
     let make = |values: Vec<f32>, shape: [usize; 4], dtype: DType| {
-        let t = from_flex::<B>(FlexTensor::from_data(TensorData::new(
-            values,
-            Shape::from(shape.to_vec()),
-        )));
+        let t = FlexTensor::from_data(TensorData::new(values, Shape::from(shape.to_vec())));
         if dtype == DType::F32 {
             t
         } else {
-            B::float_cast(t, dtype.into())
+            Flex::float_cast(t, dtype.into())
         }
     };
     (

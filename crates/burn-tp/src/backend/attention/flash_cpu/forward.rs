@@ -5,14 +5,14 @@ use super::*;
 
 /// The forward: the output `[b, hq, s, hd]` laid out as `[s, b, hq, hd]`, in q's dtype, and
 /// each row's log-sum-exp `[b, hq, s]` (f32).
-pub(crate) fn forward<B: Backend>(
-    q: FloatTensor<B>,
-    k: FloatTensor<B>,
-    v: FloatTensor<B>,
+pub(crate) fn forward(
+    q: FlexTensor,
+    k: FlexTensor,
+    v: FlexTensor,
     spec: &AttentionSpec,
-) -> (FloatTensor<B>, FloatTensor<B>) {
+) -> (FlexTensor, FlexTensor) {
     let dtype = q.dtype();
-    let (q, k, v) = (View::of::<B>(q), View::of::<B>(k), View::of::<B>(v));
+    let (q, k, v) = (View::of(q), View::of(k), View::of(v));
     let [b, hq, s, hd] = q.dims;
     let [_, hkv, t, _] = k.dims;
     let g = hq / hkv;
@@ -96,10 +96,10 @@ pub(crate) fn forward<B: Backend>(
         }
     });
     let out = FlexTensor::from_data(TensorData::new(out, [s, b, hq, hd]));
-    let mut out = from_flex::<B>(out);
+    let mut out = out;
     if dtype != DType::F32 {
-        out = B::float_cast(out, dtype.into());
+        out = Flex::float_cast(out, dtype.into());
     }
-    let lse = from_flex::<B>(FlexTensor::from_data(TensorData::new(lse, [b, hq, s])));
-    (B::float_permute(out, &[1, 2, 0, 3]), lse)
+    let lse = FlexTensor::from_data(TensorData::new(lse, [b, hq, s]));
+    (Flex::float_permute(out, &[1, 2, 0, 3]), lse)
 }

@@ -1,5 +1,5 @@
-//! The fused attention's tiles as one CPU kernel on Flex's storage (f32; half inputs widened to
-//! f32): the same algorithm as [`crate::backend::attention::flash`] (the diagram there), with each tile's scores in
+//! Flex's attention kernel (picked in `backend/flex.rs`, Flex tensors in and out): the fused
+//! attention's tiles as one CPU kernel on Flex's storage (f32; half inputs widened to f32): the same algorithm as [`crate::backend::attention::flash`] (the diagram there), with each tile's scores in
 //! a scratch tile between two GEMM calls (the `gemm` crate Flex's matmul runs on) instead of a
 //! chain of tensor ops, each a pass over memory. Work is split over (batch, key / value head,
 //! query tile) in the forward and over (batch, key / value head) in the backward (each task
@@ -14,40 +14,14 @@
 //! | `forward.rs`  | the forward: per (batch, key / value head, query tile), online softmax |
 //! | `backward.rs` | the backward: per (batch, key / value head), each visible tile's share |
 
-use std::any::Any;
-
-use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
+use burn::backend::Flex;
+use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, FloatDType, Shape, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
 use crate::backend::attention::mask::{AttentionSpec, tiles};
 use crate::backend::fused::dropout::dropout_mask_values;
-
-/// `t` as a Flex tensor, if `B` is Flex.
-fn to_flex<B: Backend>(t: FloatTensor<B>) -> Result<FlexTensor, FloatTensor<B>> {
-    let boxed: Box<dyn Any> = Box::new(t);
-    match boxed.downcast::<FlexTensor>() {
-        Ok(f) => Ok(*f),
-        Err(b) => Err(*b
-            .downcast::<FloatTensor<B>>()
-            .expect("the tensor boxed above")),
-    }
-}
-
-/// A Flex tensor as `B`'s (only called where [`to_flex`] succeeded for `B`).
-fn from_flex<B: Backend>(t: FlexTensor) -> FloatTensor<B> {
-    let boxed: Box<dyn Any> = Box::new(t);
-    *boxed
-        .downcast::<FloatTensor<B>>()
-        .unwrap_or_else(|_| panic!("from_flex on a backend that is not Flex"))
-}
-
-/// Whether the kernel runs these inputs: Flex tensors in f32 or a half dtype.
-pub(crate) fn supports<B: Backend>(q: &FloatTensor<B>) -> bool {
-    let flex = (q as &dyn Any).is::<FlexTensor>();
-    flex && matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16)
-}
 
 /// A 4-d f32 view: storage, offset and strides in elements.
 struct View {
@@ -59,12 +33,11 @@ struct View {
 
 impl View {
     /// `t` widened to f32, read through its strides (a contiguous copy only for negative strides).
-    fn of<B: Backend>(t: FloatTensor<B>) -> Self {
-        let t = match t.dtype() {
+    fn of(t: FlexTensor) -> Self {
+        let mut tensor = match t.dtype() {
             DType::F32 => t,
-            _ => B::float_cast(t, FloatDType::F32),
+            _ => Flex::float_cast(t, FloatDType::F32),
         };
-        let mut tensor = to_flex::<B>(t).unwrap_or_else(|_| panic!("supports() checked Flex"));
         if tensor.layout().strides().iter().any(|&s| s < 0) {
             tensor = tensor.to_contiguous();
         }
