@@ -282,18 +282,22 @@ fn fused_norms_in_sequence_parallel_mode_match_the_unsharded_norm() {
 }
 
 /// `ParallelSwiGlu` at tp 1 and 2 (its gate and up columns sharded) against Burn's linears with
-/// `silu(gate) * up` composed, values and the gradients of the input and the three weights, in
-/// f64, f32 and bf16.
+/// `silu(gate) * up` (SwiGLU) or `gelu_approximate(gate) * up` (Gemma's GeGLU) composed, values
+/// and the gradients of the input and the three weights, in f64, f32 and bf16.
 #[test]
 fn fused_swiglu_matches_the_composed_ops() {
-    use burn::tensor::activation::silu;
-    use burn_tp::llama::ParallelSwiGluConfig;
+    use burn::tensor::activation::{gelu_approximate, silu};
+    use burn_tp::llama::{GluActivation, ParallelSwiGluConfig};
     use burn_tp::reshard::Reshard;
     let _rng = rng_lock();
-    for (dtype, rtol) in [(DType::F64, 1e-12), (DType::F32, 2e-5), (DType::BF16, 3e-2)] {
+    let cases = [(DType::F64, 1e-12), (DType::F32, 2e-5), (DType::BF16, 3e-2)]
+        .into_iter()
+        .flat_map(|c| [GluActivation::Silu, GluActivation::GeluTanh].map(|a| (c, a)));
+    for ((dtype, rtol), act) in cases {
         for tp in [1, 2] {
             let out = run_local(tp, move |g| {
                 let mlp = ParallelSwiGluConfig::new(8, 12)
+                    .with_activation(act)
                     .init(&g, &crate::common::device())
                     .unwrap();
                 let mlp = burn_tp::precision::cast_params(mlp, dtype.into());
@@ -309,7 +313,11 @@ fn fused_swiglu_matches_the_composed_ops() {
                 let xr = x.clone().detach().require_grad();
                 let h = xr.clone().matmul(gate_up.clone().unsqueeze());
                 let (gate, up) = (h.clone().narrow(2, 0, 12), h.narrow(2, 12, 12));
-                let yr = (silu(gate) * up).matmul(down.clone().unsqueeze());
+                let gate = match act {
+                    GluActivation::Silu => silu(gate),
+                    GluActivation::GeluTanh => gelu_approximate(gate),
+                };
+                let yr = (gate * up).matmul(down.clone().unsqueeze());
                 let rgrads = (yr.clone() * w).sum().backward();
                 (
                     [
@@ -333,7 +341,7 @@ fn fused_swiglu_matches_the_composed_ops() {
                         &ours[i],
                         &reference[i],
                         rtol,
-                        &format!("swiglu {dtype:?} tp {tp} rank {rank} {what}"),
+                        &format!("{act:?} {dtype:?} tp {tp} rank {rank} {what}"),
                     );
                 }
             }

@@ -15,7 +15,7 @@
 //! | `collective/`  | the host transport (`host.rs`: one dtype switch, dim-first moves, slicing; `pool.rs`: pooled output buffers) |
 //! | `matmul/`      | the parallel-linear math and its overlap schedules (`overlap.rs`, with diagram), [`gemm`] (a row-major strided product as a column-major BLAS call), the GEMM hook on CUDA (`cublas.rs`) |
 //! | `attention/`   | causal attention by tiles (`flash.rs`, with diagram), its CPU kernel on Flex's storage (`flash_cpu.rs`), which keys a query sees (`mask.rs`) |
-//! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `silu(gate) * up` (`swiglu.rs`), dropout (`dropout.rs`) |
+//! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `act(gate) * up`: SwiGLU, GeGLU (`swiglu.rs`), dropout (`dropout.rs`) |
 //! | `grad_tap.rs`  | the data-parallel gradient tap                                     |
 //! | `flex.rs`      | `TpBackend` for Flex (the defaults)                               |
 //! | `autodiff/`    | `TpBackend` for `Autodiff<B>`: each op's forward, its backward node |
@@ -58,6 +58,7 @@ use fused::dropout::DropoutSpec;
 
 pub use attention::mask::{AttentionDropout, AttentionSpec};
 pub use fused::norm::NormSpec;
+pub use fused::swiglu::GluActivation;
 pub use types::Collective;
 pub(crate) use types::{LinearSpec, OverlapSchedule, TpMode};
 // The types `TpBackend`'s ops cross the dispatch boundary in: public because the trait's
@@ -192,10 +193,11 @@ pub trait TpBackend: Backend {
         fused::dropout::apply_mask::<Self>(x, &spec)
     }
 
-    /// SwiGLU's gate: `silu(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`, in y's
-    /// dtype; `swiglu.rs`). On `Autodiff` its backward keeps only `y`.
-    fn tp_swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
-        fused::swiglu::forward::<Self>(y)
+    /// A gated MLP's gate: `act(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`, in
+    /// y's dtype; SwiGLU's SiLU or GeGLU's tanh GELU, `swiglu.rs`). On `Autodiff` its backward
+    /// keeps only `y`.
+    fn tp_glu(y: FloatTensor<Self>, act: GluActivation) -> FloatTensor<Self> {
+        fused::swiglu::forward::<Self>(y, act)
     }
 
     /// One GEMM of the parallel layers (forward, dgrad, wgrad, each block of the split / ring

@@ -4,11 +4,11 @@
 use burn::backend::Dispatch;
 use burn::config::Config;
 use burn::module::Module;
-use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
 use crate::Result as TpResult;
+pub use crate::backend::GluActivation;
 use crate::backend::TpBackend;
 use crate::linear::{
     ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
@@ -28,16 +28,6 @@ pub struct ParallelSwiGluConfig {
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
-}
-
-/// The activation of a gated MLP's gate.
-#[derive(Config, Debug, Copy, PartialEq, Eq)]
-pub enum GluActivation {
-    /// `silu(g) * u`: SwiGLU (Llama, Mistral, Qwen, Phi-3; transformers' `silu`).
-    Silu,
-    /// `gelu_tanh(g) * u`: GeGLU with the tanh approximation of GELU (Gemma; transformers'
-    /// `gelu_pytorch_tanh`).
-    GeluTanh,
 }
 
 /// `down(act(x W_gate) * (x W_up))`, `act` SiLU (Burn's `SwiGlu` with `linear_inner` = gate and
@@ -95,18 +85,9 @@ impl ParallelSwiGlu {
     /// As [`forward`](Self::forward)'s panics.
     pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
         let y = self.gate_up.try_forward(x)?;
-        let z = match self.activation {
-            // One op whose backward keeps only `y` (silu and the product recomputed).
-            GluActivation::Silu => {
-                Tensor::from_dispatch(<Dispatch as TpBackend>::tp_swiglu(y.into_dispatch()))
-            }
-            GluActivation::GeluTanh => {
-                let f = y.dims()[2] / 2;
-                let (gate, up) = (y.clone().narrow(2, 0, f), y.narrow(2, f, f));
-                gelu_approximate(gate) * up
-            }
-        };
-        self.down.try_forward(z)
+        // One op whose backward keeps only `y` (the activation and the product recomputed).
+        let z = <Dispatch as TpBackend>::tp_glu(y.into_dispatch(), self.activation);
+        self.down.try_forward(Tensor::from_dispatch(z))
     }
 }
 

@@ -12,7 +12,7 @@ use burn_tp_comm::{ProcessGroup, ReduceOp};
 use crate::backend::attention::mask::AttentionSpec;
 use crate::backend::fused::dropout::{DropoutSpec, apply_mask};
 use crate::backend::fused::norm::{self, NormSpec};
-use crate::backend::fused::swiglu;
+use crate::backend::fused::swiglu::{self, GluActivation};
 use crate::backend::matmul::overlap::{column_forward, row_forward};
 use crate::backend::{
     Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective, TpBackend,
@@ -222,31 +222,31 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         }
     }
 
-    fn tp_swiglu(y: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn tp_glu(y: FloatTensor<Self>, act: GluActivation) -> FloatTensor<Self> {
         #[derive(Debug)]
-        struct SwiGluBackward;
-        impl<B: Backend> Backward<B, 1> for SwiGluBackward {
-            type State = FloatTensor<B>;
+        struct GluBackward;
+        impl<B: Backend> Backward<B, 1> for GluBackward {
+            type State = (FloatTensor<B>, GluActivation);
             fn backward(
                 self,
                 ops: Ops<Self::State, 1>,
                 grads: &mut Gradients,
                 _ck: &mut Checkpointer,
             ) {
-                let y = ops.state;
+                let (y, act) = ops.state;
                 unary::<B, _>(ops.parents, ops.node, grads, |dz| {
-                    swiglu::backward::<B>(y, dz)
+                    swiglu::backward::<B>(y, dz, act)
                 });
             }
         }
-        let z = swiglu::forward::<B>(y.primitive().clone());
-        match SwiGluBackward
+        let z = swiglu::forward::<B>(y.primitive().clone(), act);
+        match GluBackward
             .prepare::<C>([y.node()])
             .compute_bound()
             .stateful()
         {
-            // Only the input: the gate's sigmoid is recomputed.
-            OpsKind::Tracked(prep) => prep.finish(y.into_primitive(), z),
+            // Only the input: the gate's activation is recomputed.
+            OpsKind::Tracked(prep) => prep.finish((y.into_primitive(), act), z),
             OpsKind::UnTracked(prep) => prep.finish(z),
         }
     }

@@ -1,5 +1,5 @@
 //! The fused elementwise ops whose backward keeps only their input: layer norm and RMSNorm
-//! (`norm.rs`), `silu(gate) * up` (`swiglu.rs`), dropout (`dropout.rs`: the masks of the
+//! (`norm.rs`), `act(gate) * up` (`swiglu.rs`: SwiGLU, GeGLU), dropout (`dropout.rs`: the masks of the
 //! counter-based RNG, regenerated in the backward).
 
 pub(crate) mod dropout;
