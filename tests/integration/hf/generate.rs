@@ -66,7 +66,11 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
                 assert_eq!(tokens, want.greedy, "{tag}: generated tokens");
                 // Gemma's larger activations (norms scaling by about 3 here, embeddings by
                 // sqrt(d)) carry the cached and full GEMMs' rounding further (up to 1.3e-5).
-                let tol = if name.starts_with("gemma") { 1e-4 } else { 1e-5 };
+                let tol = if name.starts_with("gemma") {
+                    1e-4
+                } else {
+                    1e-5
+                };
                 for (i, (cached, full)) in steps.iter().enumerate() {
                     assert_close(cached, full, tol, &format!("{tag}: step {i}"));
                 }
