@@ -100,6 +100,28 @@ pub(crate) fn residual_dropout(
     tp_dropout(x, p, key, site, [full_s, b_total, d], [rows, batch, 0..d])
 }
 
+/// A model's residual `dropout` and its `attention_dropout` (where it differs) each in [0, 1).
+///
+/// # Errors
+/// [`TpError::Config`](crate::TpError::Config) naming `model`, the field and the value.
+pub(crate) fn check_rates(
+    model: &str,
+    dropout: f64,
+    attention_dropout: Option<f64>,
+) -> crate::Result<()> {
+    for (name, p) in [
+        ("dropout", Some(dropout)),
+        ("attention_dropout", attention_dropout),
+    ] {
+        if let Some(p) = p.filter(|p| !(0.0..1.0).contains(p)) {
+            return Err(crate::TpError::Config(format!(
+                "{model}: {name} must be in [0, 1), got {p}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,7 @@ use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, Voc
 use crate::error::check_divisible;
 use crate::init::init_replicated;
 use crate::linear::{LinearSpec, TpMode, TpSettings};
-use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
+use crate::loss::{CrossEntropyOptions, sequence_cross_entropy};
 use crate::model::{LanguageModel, count_params};
 use crate::norm::{TpLayerNorm, replicated_param};
 use crate::transformer::{ParallelMlp, ParallelMlpConfig};
@@ -280,7 +280,7 @@ impl Gpt {
     /// - `ids`, `targets`: `[seq, batch]`
     ///
     /// # Panics
-    /// As [`forward`](Self::forward) and [`sharded_cross_entropy_with`].
+    /// As [`forward`](Self::forward) and [`crate::loss::sharded_cross_entropy_with`].
     pub fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
         self.try_loss(ids, targets)
             .unwrap_or_else(|e| panic!("{e}"))
@@ -300,7 +300,6 @@ impl Gpt {
         logits: Tensor<3>,
         targets: Tensor<2, Int>,
     ) -> TpResult<Tensor<1>> {
-        let [s, b, v] = logits.dims();
         // The logits cover the padded vocabulary: mask the padding.
         let options = CrossEntropyOptions {
             z_loss: self.options.z_loss,
@@ -308,14 +307,7 @@ impl Gpt {
             n_vocab: Some(self.tok.n_vocab()),
             ignore_index: None,
         };
-        let out = sharded_cross_entropy_with(
-            logits.reshape([s * b, v]),
-            targets.reshape([s * b]),
-            None,
-            &self.group,
-            &options,
-        )?;
-        Ok(out.mean)
+        Ok(sequence_cross_entropy(logits, targets, None, &self.group, &options)?.mean)
     }
 }
 

@@ -217,6 +217,29 @@ pub fn sharded_cross_entropy_with(
     Ok(CrossEntropyOutput { per_token, mean })
 }
 
+/// [`sharded_cross_entropy_with`] of a language model's vocab-sharded logits
+/// `[seq, batch, V_p / tp]` against `targets` (and `loss_mask`) `[seq, batch]`: the models' loss
+/// of their logits, each with its own options.
+///
+/// # Errors
+/// As [`sharded_cross_entropy_with`].
+pub(crate) fn sequence_cross_entropy(
+    logits: Tensor<3>,
+    targets: Tensor<2, Int>,
+    loss_mask: Option<Tensor<2>>,
+    group: &ProcessGroup,
+    options: &CrossEntropyOptions,
+) -> Result<CrossEntropyOutput> {
+    let [s, b, v] = logits.dims();
+    sharded_cross_entropy_with(
+        logits.reshape([s * b, v]),
+        targets.reshape([s * b]),
+        loss_mask.map(|m| m.reshape([s * b])),
+        group,
+        options,
+    )
+}
+
 /// Attaches `jacobian` as the gradient of `value` with respect to `input` (a custom backward).
 fn rowwise_loss(input: Tensor<2>, value: Tensor<1>, jacobian: Tensor<2>) -> Tensor<1> {
     Tensor::from_dispatch(<Dispatch as TpBackend>::tp_rowwise_loss(

@@ -33,7 +33,7 @@ use crate::dropout::{DropoutKey, DropoutStep, residual_dropout};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{InMode, LinearSpec, TpMode, TpSettings};
 use crate::llama::{GluActivation, ParallelSwiGlu, ParallelSwiGluConfig};
-use crate::loss::{CrossEntropyOptions, sharded_cross_entropy_with};
+use crate::loss::{CrossEntropyOptions, sequence_cross_entropy};
 use crate::model::{LanguageModel, count_params};
 use crate::norm::TpRmsNorm;
 use crate::{Result as TpResult, TpError};
@@ -258,16 +258,7 @@ impl GemmaConfig {
         // Every size is checked before the first collective, so a bad config fails on each rank
         // at once instead of leaving its peers waiting.
         crate::decoder::check_layers("Gemma", self.n_layers, layers)?;
-        for (name, p) in [
-            ("dropout", Some(self.dropout)),
-            ("attention_dropout", self.attention_dropout),
-        ] {
-            if let Some(p) = p.filter(|p| !(0.0..1.0).contains(p)) {
-                return Err(TpError::Config(format!(
-                    "Gemma: {name} must be in [0, 1), got {p}"
-                )));
-            }
-        }
+        crate::dropout::check_rates("Gemma", self.dropout, self.attention_dropout)?;
         for (name, cap) in [
             ("final_logit_softcap", self.final_logit_softcap),
             ("attn_logit_softcap", self.attn_logit_softcap),
@@ -476,20 +467,12 @@ impl LanguageModel for Gemma {
     }
 
     fn logits_loss(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
-        let [s, b, v] = logits.dims();
         let options = CrossEntropyOptions {
             n_vocab: Some(self.n_vocab()),
             ignore_index: self.options.ignore_index,
             ..Default::default()
         };
-        let out = sharded_cross_entropy_with(
-            logits.reshape([s * b, v]),
-            targets.reshape([s * b]),
-            None,
-            &self.group,
-            &options,
-        )?;
-        Ok(out.mean)
+        Ok(sequence_cross_entropy(logits, targets, None, &self.group, &options)?.mean)
     }
 
     fn param_sections(&self) -> [usize; 3] {

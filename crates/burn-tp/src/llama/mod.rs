@@ -31,7 +31,7 @@ use crate::decoder::DecoderBlock;
 use crate::dropout::{DropoutKey, DropoutStep, residual_dropout};
 use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, VocabParallelHead};
 use crate::linear::{LinearSpec, TpMode, TpSettings};
-use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sharded_cross_entropy_with};
+use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sequence_cross_entropy};
 use crate::model::{LanguageModel, count_params};
 use crate::{Result as TpResult, TpError};
 
@@ -212,16 +212,7 @@ impl LlamaConfig {
         let mode = settings.mode;
         // Every size is checked before the first collective, so a bad config fails on each rank
         // at once instead of leaving its peers waiting.
-        for (name, p) in [
-            ("dropout", Some(self.dropout)),
-            ("attention_dropout", self.attention_dropout),
-        ] {
-            if let Some(p) = p.filter(|p| !(0.0..1.0).contains(p)) {
-                return Err(TpError::Config(format!(
-                    "Llama: {name} must be in [0, 1), got {p}"
-                )));
-            }
-        }
+        crate::dropout::check_rates("Llama", self.dropout, self.attention_dropout)?;
         let tp = group.world_size();
         let attn = ParallelAttentionConfig::new(d, self.n_heads)
             .with_n_kv_heads(Some(self.n_kv_heads))
@@ -389,7 +380,7 @@ impl Llama {
     /// Mean next-token cross-entropy over every target (replicated on every rank), no dropout.
     ///
     /// # Panics
-    /// As [`forward`](Self::forward) and [`sharded_cross_entropy_with`].
+    /// As [`forward`](Self::forward) and [`crate::loss::sharded_cross_entropy_with`].
     pub fn loss(&self, ids: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
         self.try_loss(ids, targets, None, None)
             .map(|out| out.mean)
@@ -424,19 +415,12 @@ impl Llama {
         targets: Tensor<2, Int>,
         loss_mask: Option<Tensor<2>>,
     ) -> TpResult<CrossEntropyOutput> {
-        let [s, b, v] = logits.dims();
         let options = CrossEntropyOptions {
             n_vocab: Some(self.n_vocab()),
             ignore_index: self.options.ignore_index,
             ..Default::default()
         };
-        sharded_cross_entropy_with(
-            logits.reshape([s * b, v]),
-            targets.reshape([s * b]),
-            loss_mask.map(|m| m.reshape([s * b])),
-            &self.group,
-            &options,
-        )
+        sequence_cross_entropy(logits, targets, loss_mask, &self.group, &options)
     }
 }
 
