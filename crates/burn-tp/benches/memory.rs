@@ -37,7 +37,7 @@ use burn_tp::local::{RunOptions, run_ranks_with};
 use burn_tp::model::LanguageModel;
 use burn_tp::norm::{TpLayerNorm, TpRmsNorm};
 use burn_tp::pipeline::{
-    Pipeline, PipelineSchedule, chunk_layers, drop_unused_ends, loss_and_grads,
+    Pipeline, PipelineSchedule, drop_unused_ends, loss_and_grads, virtual_stage_layers,
 };
 use burn_tp::precision::cast_params;
 use burn_tp::transformer::ParallelMlpConfig;
@@ -406,7 +406,7 @@ fn pipeline_memory(quick: bool) {
             PipelineSchedule::OneFOneB,
             PipelineSchedule::Interleaved { virtual_stages: 2 },
         ] {
-            if schedule.chunks() > 1 && (!m.is_multiple_of(pp) || pp * 2 > layers) {
+            if schedule.virtual_stages() > 1 && (!m.is_multiple_of(pp) || pp * 2 > layers) {
                 continue;
             }
             let options = RunOptions {
@@ -419,7 +419,7 @@ fn pipeline_memory(quick: bool) {
                 TAG.set(stage);
                 let device = Device::flex().autodiff();
                 let solo = LocalGroup::new(1).unwrap().remove(0);
-                let held: Vec<usize> = chunk_layers(layers, pp, schedule, stage)
+                let held: Vec<usize> = virtual_stage_layers(layers, pp, schedule, stage)
                     .unwrap()
                     .into_iter()
                     .flatten()

@@ -14,7 +14,7 @@ use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::norm::ReplicatedGrads;
 use burn_tp::ops::all_reduce;
-use burn_tp::pipeline::{self, Pipeline, chunk_layers};
+use burn_tp::pipeline::{self, Pipeline, virtual_stage_layers};
 use burn_tp::precision::cast_params;
 use burn_tp::recompute;
 
@@ -177,7 +177,8 @@ impl<M: Trainable> Rank<'_, M> {
         let n_layers = M::config_layers(self.config);
         let held = match &self.pipe {
             Some(pipe) => {
-                let chunks = chunk_layers(n_layers, stages, pp_schedule(args), pipe.stage())?;
+                let chunks =
+                    virtual_stage_layers(n_layers, stages, pp_schedule(args), pipe.stage())?;
                 Some(chunks.into_iter().flatten().collect::<Vec<usize>>())
             }
             None => None,

@@ -1,17 +1,17 @@
 //! Column/RowParallelLinear: the layers against Burn's `Linear`, their autodiff, errors and the
-//! chunked (fused) layouts.
+//! fused layouts (parts of one column layer).
 //!
 //! | file           | what                                                                  |
 //! |----------------|-----------------------------------------------------------------------|
 //! | `burn_linear.rs` | the full grid, gathered outputs, init, async vs sync, odd inputs, against Burn's `Linear` |
 //! | `autodiff.rs`  | gradcheck of the functional ops, ranks that differ in requires_grad, a trained Megatron MLP |
 //! | `errors.rs`    | size errors naming the sizes                                          |
-//! | `chunks.rs`    | contiguous chunks (fused QKV, gate / up)                              |
+//! | `parts.rs`    | fused parts (QKV, gate / up)                              |
 
 mod autodiff;
 mod burn_linear;
-mod chunks;
 mod errors;
+mod parts;
 
 use crate::common::{
     assert_close, chunk, device, f64s, quarters, rng_lock, run_linked, tensor, uniform,

@@ -18,8 +18,8 @@ use burn_tp::local::run_local;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::pipeline::{
-    Pipeline, PipelineSchedule, chunk_layers, drop_unused_ends, forward_loss, loss_and_grads,
-    loss_and_grads_recomputed, stage_layers,
+    Pipeline, PipelineSchedule, drop_unused_ends, forward_loss, loss_and_grads,
+    loss_and_grads_recomputed, stage_layers, virtual_stage_layers,
 };
 use burn_tp::reshard::Reshard;
 use burn_tp_comm::{LocalGroup, ReduceOp};
@@ -113,7 +113,7 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
     // Each stage's blocks (an interleaved stage's several ranges).
     let layers: Vec<Vec<usize>> = (0..pp)
         .map(|s| {
-            let chunks = chunk_layers(full.num_layers(), pp, schedule, s).unwrap();
+            let chunks = virtual_stage_layers(full.num_layers(), pp, schedule, s).unwrap();
             chunks.into_iter().flatten().collect()
         })
         .collect();
@@ -324,7 +324,7 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
         let out = run_local(tp * dp * pp, move |world| {
             let mesh = DeviceMesh::with_pipeline(world, tp, pp).unwrap();
             let (stage, replica) = (mesh.pp_rank(), mesh.dp_rank());
-            let layers: Vec<usize> = chunk_layers(n, pp, schedule, stage)
+            let layers: Vec<usize> = virtual_stage_layers(n, pp, schedule, stage)
                 .unwrap()
                 .into_iter()
                 .flatten()

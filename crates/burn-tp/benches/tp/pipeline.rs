@@ -22,7 +22,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp::llama::LlamaConfig;
 use burn_tp::local::run_ranks;
 use burn_tp::model::LanguageModel;
-use burn_tp::pipeline::{Pipeline, PipelineSchedule, chunk_layers, loss_and_grads};
+use burn_tp::pipeline::{Pipeline, PipelineSchedule, loss_and_grads, virtual_stage_layers};
 use burn_tp::reshard::Reshard;
 use burn_tp_comm::{LinkModel, LocalGroup, LocalGroupOptions};
 
@@ -52,7 +52,7 @@ pub(crate) fn bench_pipeline(quick: bool) {
             PipelineSchedule::Interleaved { virtual_stages: 2 },
         ] {
             for &m in ms {
-                let v = schedule.chunks();
+                let v = schedule.virtual_stages();
                 if v > 1 && (m % pp != 0 || pp * v > layers) {
                     continue;
                 }
@@ -64,7 +64,7 @@ pub(crate) fn bench_pipeline(quick: bool) {
                 let groups = LocalGroup::with_options(pp, link).unwrap();
                 let out = run_ranks(groups, move |g| {
                     let solo = LocalGroup::new(1).unwrap().remove(0);
-                    let chunks = chunk_layers(layers, pp, schedule, g.rank()).unwrap();
+                    let chunks = virtual_stage_layers(layers, pp, schedule, g.rank()).unwrap();
                     let held: Vec<usize> = chunks.into_iter().flatten().collect();
                     let model = burn_tp::llama::Llama::shard_module(&full, &solo)
                         .unwrap()

@@ -10,7 +10,7 @@ use super::rotary::{Llama3RopeScaling, rotary};
 use super::{Kernel, ParallelAttention};
 use crate::error::check_divisible;
 use crate::linear::{
-    ColumnChunk, ColumnParallelLinearConfig, RowParallelLinearConfig, TpMode, TpSettings,
+    ColumnParallelLinearConfig, FusedPart, RowParallelLinearConfig, TpMode, TpSettings,
 };
 use crate::norm::TpRmsNorm;
 use crate::{Result as TpResult, TpError};
@@ -78,7 +78,7 @@ pub struct ParallelAttentionConfig {
     #[config(default = false)]
     pub out_bias: bool,
     /// One fused QKV projection (full columns `[q: n_heads | k: n_kv_heads | v: n_kv_heads] x
-    /// head_dim`, contiguous chunks each sharded on its own) instead of three.
+    /// head_dim`, parts each sharded on its own) instead of three.
     #[config(default = true)]
     pub fused_qkv: bool,
     /// Dropout of the attention probabilities (with the dropout key of a training step).
@@ -188,22 +188,22 @@ impl ParallelAttentionConfig {
         self.validate(group.world_size())?;
         let (h, kv) = (self.n_heads, self.n_kv());
         let hd = self.head_size();
-        let chunk = |heads: usize| ColumnChunk::new(heads * hd).with_blocks(Some(heads));
-        let column = |chunks: Vec<ColumnChunk>| {
-            let width = chunks.iter().map(|c| c.width).sum();
+        let part = |heads: usize| FusedPart::new(heads * hd).with_blocks(Some(heads));
+        let column = |parts: Vec<FusedPart>| {
+            let width = parts.iter().map(|c| c.width).sum();
             ColumnParallelLinearConfig::new(self.d_model, width)
                 .with_bias(self.qkv_bias)
-                .with_chunks(chunks)
+                .with_parts(parts)
                 .with_settings(self.settings)
                 .init(group, device)
         };
         let qkv = if self.fused_qkv {
-            vec![column(vec![chunk(h), chunk(kv), chunk(kv)])?]
+            vec![column(vec![part(h), part(kv), part(kv)])?]
         } else {
             vec![
-                column(vec![chunk(h)])?,
-                column(vec![chunk(kv)])?,
-                column(vec![chunk(kv)])?,
+                column(vec![part(h)])?,
+                column(vec![part(kv)])?,
+                column(vec![part(kv)])?,
             ]
         };
         let out = RowParallelLinearConfig::new(h * hd, self.d_model)

@@ -6,9 +6,8 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use super::chunks::{
-    ChunkPlacement, ColumnChunk, place, replica_group, shard_columns, unshard_columns,
-    with_replicas,
+use super::parts::{
+    FusedPart, PartPlacement, place, replica_group, shard_columns, unshard_columns, with_replicas,
 };
 use super::{
     INIT_GAIN, LinearSpec, OverlapSchedule, TpMode, TpSettings, column_parallel_linear, init_full,
@@ -37,10 +36,10 @@ pub struct ColumnParallelLinearConfig {
     /// Initializer of the full weight; the same as Burn's `LinearConfig` default.
     #[config(default = "Initializer::KaimingUniform{gain: INIT_GAIN, fan_out_only:false}")]
     pub initializer: Initializer,
-    /// Contiguous chunks of the output features, each sharded on its own (a fused projection of
-    /// parts of different widths); empty: one chunk. See [`ColumnChunk`].
+    /// Contiguous parts of the output features, each sharded on its own (a fused projection of
+    /// parts of different widths); empty: one part. See [`FusedPart`].
     #[config(default = "Vec::new()")]
-    pub chunks: Vec<ColumnChunk>,
+    pub parts: Vec<FusedPart>,
 }
 
 /// Linear layer whose weight is split by output features over the tensor-parallel group.
@@ -56,13 +55,13 @@ pub struct ColumnParallelLinear {
     group: ProcessGroup,
     #[module(skip)]
     pub(super) spec: LinearSpec,
-    /// The chunks of the full output features (empty: one).
+    /// The parts of the full output features (empty: one).
     #[module(skip)]
-    chunks: Vec<ColumnChunk>,
-    /// This rank's columns of each chunk.
+    parts: Vec<FusedPart>,
+    /// This rank's columns of each part.
     #[module(skip)]
-    placement: Vec<ChunkPlacement>,
-    /// The ranks holding the same replicated blocks, if a chunk is replicated.
+    placement: Vec<PartPlacement>,
+    /// The ranks holding the same replicated blocks, if a part is replicated.
     #[module(skip)]
     replicas: Option<ProcessGroup>,
 }
@@ -77,7 +76,7 @@ impl ColumnParallelLinearConfig {
     }
 
     fn validate(&self, tp: usize) -> crate::Result<()> {
-        place(&self.chunks, self.d_output, tp, 0)?;
+        place(&self.parts, self.d_output, tp, 0)?;
         if self.gather_output && self.settings.mode == TpMode::ReduceScatter {
             return Err(TpError::Config(
                 "ColumnParallelLinear: gather_output needs TpMode::AllReduce".into(),
@@ -106,7 +105,7 @@ impl ColumnParallelLinearConfig {
             group,
             device,
         )?;
-        ColumnParallelLinear::shard(&full, group, self.spec(), &self.chunks)
+        ColumnParallelLinear::shard(&full, group, self.spec(), &self.parts)
     }
 }
 
@@ -122,20 +121,20 @@ impl ColumnParallelLinear {
         config: &ColumnParallelLinearConfig,
     ) -> crate::Result<Self> {
         config.validate(group.world_size())?;
-        Self::shard(linear, group, config.spec(), &config.chunks)
+        Self::shard(linear, group, config.spec(), &config.parts)
     }
 
     fn shard(
         linear: &Linear,
         group: &ProcessGroup,
         spec: LinearSpec,
-        chunks: &[ColumnChunk],
+        parts: &[FusedPart],
     ) -> crate::Result<Self> {
         let [_, d_output] = linear.weight.val().dims();
         let (tp, r) = (group.world_size(), group.rank());
-        let placement = place(chunks, d_output, tp, r)?;
+        let placement = place(parts, d_output, tp, r)?;
         let cut = |t, dim| {
-            if chunks.is_empty() {
+            if parts.is_empty() {
                 shard(t, dim, group)
             } else {
                 owned(shard_columns(t, dim, &placement))
@@ -146,18 +145,18 @@ impl ColumnParallelLinear {
             bias: linear
                 .bias
                 .as_ref()
-                .map(|b| Param::from_tensor(cut_bias(b.val(), &placement, chunks, group))),
+                .map(|b| Param::from_tensor(cut_bias(b.val(), &placement, parts, group))),
             group: group.clone(),
             spec,
-            chunks: chunks.to_vec(),
-            replicas: replica_group(chunks, group)?,
+            parts: parts.to_vec(),
+            replicas: replica_group(parts, group)?,
             placement,
         })
     }
 
-    /// The contiguous chunks of the output features (empty: one).
-    pub fn chunks(&self) -> &[ColumnChunk] {
-        &self.chunks
+    /// The contiguous parts of the output features (empty: one).
+    pub fn parts(&self) -> &[FusedPart] {
+        &self.parts
     }
 
     fn compute_weights(&self) -> (Tensor<2>, Option<Tensor<1>>) {
@@ -172,11 +171,11 @@ impl ColumnParallelLinear {
     }
 
     /// Every rank's placement (for gathering).
-    fn placements(&self) -> crate::Result<Vec<Vec<ChunkPlacement>>> {
+    fn placements(&self) -> crate::Result<Vec<Vec<PartPlacement>>> {
         let tp = self.group.world_size();
-        let d_output = self.chunks.iter().map(|c| c.width).sum();
+        let d_output = self.parts.iter().map(|c| c.width).sum();
         (0..tp)
-            .map(|r| place(&self.chunks, d_output, tp, r))
+            .map(|r| place(&self.parts, d_output, tp, r))
             .collect()
     }
 
@@ -185,7 +184,7 @@ impl ColumnParallelLinear {
     /// # Errors
     /// A communication error.
     pub fn to_full(&self) -> crate::Result<Linear> {
-        let placements = (!self.chunks.is_empty())
+        let placements = (!self.parts.is_empty())
             .then(|| self.placements())
             .transpose()?;
         let weight = gather_columns(self.weight.val(), 1, &self.group, placements.as_deref())?;
@@ -220,7 +219,7 @@ fn gather_columns<const D: usize>(
     t: Tensor<D>,
     dim: usize,
     group: &ProcessGroup,
-    placements: Option<&[Vec<ChunkPlacement>]>,
+    placements: Option<&[Vec<PartPlacement>]>,
 ) -> crate::Result<Tensor<D>> {
     let all = all_gather(t, dim, group)?;
     Ok(owned(match placements {
@@ -232,11 +231,11 @@ fn gather_columns<const D: usize>(
 /// The rank's shard of a full bias `[d_output]`.
 fn cut_bias(
     b: Tensor<1>,
-    placement: &[ChunkPlacement],
-    chunks: &[ColumnChunk],
+    placement: &[PartPlacement],
+    parts: &[FusedPart],
     group: &ProcessGroup,
 ) -> Tensor<1> {
-    if chunks.is_empty() {
+    if parts.is_empty() {
         shard(b, 0, group)
     } else {
         owned(shard_columns(b, 0, placement))
@@ -245,22 +244,22 @@ fn cut_bias(
 
 impl Reshard for ColumnParallelLinear {
     fn to_full_module(&self) -> crate::Result<Self> {
-        Self::shard(&self.to_full()?, &solo(), self.spec, &self.chunks)
+        Self::shard(&self.to_full()?, &solo(), self.spec, &self.parts)
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
-        Self::shard(&full.to_full()?, group, full.spec, &full.chunks)
+        Self::shard(&full.to_full()?, group, full.spec, &full.parts)
     }
     fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
         let (r, tp) = (self.group.rank(), self.group.world_size());
         let [d_input, _] = self.weight.dims();
-        let d_output = if self.chunks.is_empty() {
+        let d_output = if self.parts.is_empty() {
             self.weight.dims()[1] * tp
         } else {
-            self.chunks.iter().map(|c| c.width).sum()
+            self.parts.iter().map(|c| c.width).sum()
         };
         // A replicated block is written by the lowest rank holding it.
         let before = (r > 0)
-            .then(|| place(&self.chunks, d_output, tp, r - 1).ok())
+            .then(|| place(&self.parts, d_output, tp, r - 1).ok())
             .flatten();
         let pieces: Vec<Piece> = self
             .placement

@@ -15,14 +15,14 @@
 //! rank. The overlap schedule and its diagram are in `crates/burn-tp/src/backend/matmul/overlap.rs`.
 //!
 //! - `column.rs`, `row.rs`: config, module, its [`Reshard`](crate::reshard::Reshard) impl;
-//! - `chunks.rs`: a column layer's contiguous chunks ([`ColumnChunk`]: fused q / k / v of
+//! - `parts.rs`: a column layer's parts of a fused projection ([`FusedPart`]: fused q / k / v of
 //!   grouped-query attention, gate / up of SwiGLU), each sharded on its own;
 //! - `functional.rs`: [`column_parallel_linear`] / [`row_parallel_linear`] on tensors, the one
 //!   forward both modules (and the tied lm-head of the GPT) run.
 
-mod chunks;
 mod column;
 mod functional;
+mod parts;
 mod row;
 
 use burn::module::Param;
@@ -34,9 +34,9 @@ use crate::Result;
 use crate::init::init_replicated;
 
 pub use crate::backend::types::{LinearSpec, OverlapSchedule, TpMode, TpSettings};
-pub use chunks::ColumnChunk;
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use functional::{column_parallel_linear, row_parallel_linear};
+pub use parts::FusedPart;
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
 /// A module run in another activation layout, with the same weights (shared: a clone): how a

@@ -1,5 +1,5 @@
 //! The gated MLP (SwiGLU; GeGLU for Gemma): gate and up as one fused column-parallel layer of
-//! two contiguous chunks.
+//! two parts of one fused projection.
 
 use burn::backend::Dispatch;
 use burn::config::Config;
@@ -11,7 +11,7 @@ use crate::Result as TpResult;
 pub use crate::backend::GluActivation;
 use crate::backend::TpBackend;
 use crate::linear::{
-    ColumnChunk, ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
+    ColumnParallelLinear, ColumnParallelLinearConfig, FusedPart, RowParallelLinear,
     RowParallelLinearConfig, TpSettings,
 };
 
@@ -32,7 +32,7 @@ pub struct ParallelSwiGluConfig {
 
 /// `down(act(x W_gate) * (x W_up))`, `act` SiLU (Burn's `SwiGlu` with `linear_inner` = gate and
 /// `linear_outer` = up, then a down projection; no biases) or the tanh GELU. Gate and up are one column-parallel
-/// layer `d_model -> 2 d_ff` with full columns `[gate | up]`, each chunk sharded on its own, so a
+/// layer `d_model -> 2 d_ff` with full columns `[gate | up]`, each part sharded on its own, so a
 /// rank's shard is `[gate_r | up_r]`; down is row-parallel. One reduction per call.
 #[derive(Module, Debug)]
 pub struct ParallelSwiGlu {
@@ -55,10 +55,7 @@ impl ParallelSwiGluConfig {
         Ok(ParallelSwiGlu {
             gate_up: ColumnParallelLinearConfig::new(self.d_model, 2 * self.d_ff)
                 .with_bias(false)
-                .with_chunks(vec![
-                    ColumnChunk::new(self.d_ff),
-                    ColumnChunk::new(self.d_ff),
-                ])
+                .with_parts(vec![FusedPart::new(self.d_ff), FusedPart::new(self.d_ff)])
                 .with_settings(self.settings)
                 .init(group, device)?,
             down: RowParallelLinearConfig::new(self.d_ff, self.d_model)

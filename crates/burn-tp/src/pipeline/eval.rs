@@ -5,7 +5,7 @@ use burn::tensor::{Int, Tensor};
 
 use super::Pipeline;
 use super::schedule::{Action, PipelineSchedule, actions};
-use super::stages::chunk_runs;
+use super::stages::virtual_stage_runs;
 use super::step::MicroBatch;
 use super::transfer::{Side, Transfers};
 use crate::model::LanguageModel;
@@ -27,16 +27,20 @@ pub fn forward_loss<M: LanguageModel>(
         return Err(TpError::Config("pipeline: no micro-batch".into()));
     };
     let m = micro_batches.len();
-    let v = schedule.chunks();
+    let v = schedule.virtual_stages();
     let (p, stage) = (pipe.stages(), pipe.stage());
-    let chunks = chunk_runs(model, v)?;
+    let runs = virtual_stage_runs(model, v)?;
     let inner = model.valid();
     let device = first.0.device().without_autodiff();
     let dtype = model.embedding_weight().val().dtype();
     let mut io = Transfers::new(pipe, model.activation_shape(first.0.dims()), dtype);
     let mut sum = 0.0f32;
     for action in actions(schedule, stage, p, m) {
-        let Action::Forward { chunk: c, micro: i } = action else {
+        let Action::Forward {
+            virtual_stage: c,
+            micro: i,
+        } = action
+        else {
             continue;
         };
         let (ids, targets) = &micro_batches[i];
@@ -45,7 +49,7 @@ pub fn forward_loss<M: LanguageModel>(
         } else {
             io.recv(Side::Prev, &device)?
         };
-        for l in chunks[c].clone() {
+        for l in runs[c].clone() {
             x = inner.layer(l, x, None)?;
         }
         if stage == p - 1 && c == v - 1 {
@@ -61,7 +65,7 @@ pub fn forward_loss<M: LanguageModel>(
 
 /// The vocabulary-sharded logits (`[s, batch, V_p / tp]`) of `ids` (`[seq, batch]`) through
 /// the pipeline, on the last stage (`None` on the others): one pass of the blocks, each stage
-/// its chunks in turn (for generation and evaluation; no micro-batches, no dropout). `model`
+/// its virtual stages in turn (for generation and evaluation; no micro-batches, no dropout). `model`
 /// runs as given: pass `model.valid()` and ids off the autodiff device for no tape.
 /// Collective over the pipeline.
 ///
@@ -73,14 +77,14 @@ pub fn forward_logits<M: LanguageModel>(
     ids: Tensor<2, Int>,
     schedule: PipelineSchedule,
 ) -> Result<Option<Tensor<3>>> {
-    let v = schedule.chunks();
+    let v = schedule.virtual_stages();
     let (p, stage) = (pipe.stages(), pipe.stage());
-    let chunks = chunk_runs(model, v)?;
+    let runs = virtual_stage_runs(model, v)?;
     let device = ids.device();
     let dtype = model.embedding_weight().val().dtype();
     let mut io = Transfers::new(pipe, model.activation_shape(ids.dims()), dtype);
     let mut logits = None;
-    for (c, blocks) in chunks.iter().enumerate() {
+    for (c, blocks) in runs.iter().enumerate() {
         let mut x = if stage == 0 && c == 0 {
             model.embed(ids.clone())?
         } else {

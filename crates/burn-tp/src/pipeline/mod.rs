@@ -26,8 +26,8 @@
 //! Dropout masks are the batch's logical masks (each micro-batch its rows of them), so they are
 //! the same at any number of stages.
 //!
-//! The interleaved schedule ([`PipelineSchedule::Interleaved`]) gives each rank several chunks
-//! of blocks ([`chunk_layers`]), a micro-batch crossing the ring once per chunk.
+//! The interleaved schedule ([`PipelineSchedule::Interleaved`]) gives each rank several virtual stages
+//! of blocks ([`virtual_stage_layers`]), a micro-batch crossing the ring once per virtual stage.
 //!
 //! Checkpoints: [`stage_map`] places a stage's parameters in the whole model, so
 //! [`crate::checkpoint::save_stage`] writes the whole model's checkpoint and any pp resumes it.
@@ -44,7 +44,7 @@
 //! | file          | what                                                                     |
 //! |---------------|--------------------------------------------------------------------------|
 //! | `mod.rs`      | [`Pipeline`]: a rank's stage and its links                               |
-//! | `schedule.rs` | the schedules as data: [`actions`] lists a stage's forwards and backwards, [`chunk_layers`] / [`stage_layers`] cut the blocks |
+//! | `schedule.rs` | the schedules as data: [`actions`] lists a stage's forwards and backwards, [`virtual_stage_layers`] / [`stage_layers`] cut the blocks |
 //! | `stages.rs`   | a stage's model: [`stage_map`] (its parameters in the whole model's checkpoint), [`drop_unused_ends`] |
 //! | `transfer.rs` | activations and gradients between stages: received, the wait timed, cast |
 //! | `step.rs`     | one training step: the loop over [`actions`] and each action's step function |
@@ -60,7 +60,7 @@ use burn::module::ParamId;
 use burn_tp_comm::{ProcessGroup, RingLinks};
 
 pub use eval::{forward_logits, forward_loss};
-pub use schedule::{Action, PipelineSchedule, actions, chunk_layers, stage_layers};
+pub use schedule::{Action, PipelineSchedule, actions, stage_layers, virtual_stage_layers};
 pub use stages::{drop_unused_ends, stage_map};
 pub use step::{
     MicroBatch, PipelineStep, loss_and_grads, loss_and_grads_overlapped, loss_and_grads_recomputed,

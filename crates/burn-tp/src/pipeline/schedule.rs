@@ -1,6 +1,6 @@
 //! The schedules as data: a stage's forwards and backwards in order ([`actions`]), and how the
-//! blocks are cut into stages ([`stage_layers`]) and, interleaved, into chunks
-//! ([`chunk_layers`]).
+//! blocks are cut into stages ([`stage_layers`]) and, interleaved, into virtual stages
+//! ([`virtual_stage_layers`]).
 
 use std::ops::Range;
 
@@ -15,8 +15,8 @@ pub enum PipelineSchedule {
     /// One forward, one backward (Megatron's 1F1B): the same bubble, at most `stages`
     /// micro-batches' activations held.
     OneFOneB,
-    /// Megatron's interleaved 1F1B: each rank holds `virtual_stages` chunks of blocks (virtual
-    /// stage `c * stages + rank` is its chunk `c`), so a micro-batch crosses every rank
+    /// Megatron's interleaved 1F1B: each rank holds `virtual_stages` runs of blocks (virtual
+    /// stage `c * stages + rank` is its virtual stage `c`), so a micro-batch crosses every rank
     /// `virtual_stages` times and the bubble shrinks by that factor, at the cost of as many more
     /// transfers. The micro-batches must be a multiple of the stages.
     Interleaved {
@@ -26,8 +26,8 @@ pub enum PipelineSchedule {
 }
 
 impl PipelineSchedule {
-    /// Chunks of blocks per rank: `virtual_stages`, or 1.
-    pub fn chunks(self) -> usize {
+    /// Virtual stages per rank: `virtual_stages`, or 1.
+    pub fn virtual_stages(self) -> usize {
         match self {
             Self::Interleaved { virtual_stages } => virtual_stages,
             _ => 1,
@@ -36,20 +36,20 @@ impl PipelineSchedule {
 }
 
 /// One step of a stage's schedule: a micro-batch's forward or backward through one of the
-/// rank's chunks (always chunk 0 but with the interleaved schedule).
+/// rank's virtual stages (always virtual stage 0 but with the interleaved schedule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// The forward of micro-batch `micro` through chunk `chunk`.
+    /// The forward of micro-batch `micro` through its virtual stage `virtual_stage`.
     Forward {
-        /// The rank's chunk.
-        chunk: usize,
+        /// The rank's virtual stage.
+        virtual_stage: usize,
         /// The micro-batch.
         micro: usize,
     },
-    /// The backward of micro-batch `micro` through chunk `chunk`.
+    /// The backward of micro-batch `micro` through its virtual stage `virtual_stage`.
     Backward {
-        /// The rank's chunk.
-        chunk: usize,
+        /// The rank's virtual stage.
+        virtual_stage: usize,
         /// The micro-batch.
         micro: usize,
     },
@@ -62,16 +62,16 @@ pub fn actions(
     stages: usize,
     micro_batches: usize,
 ) -> Vec<Action> {
-    let (p, m, v) = (stages, micro_batches, schedule.chunks());
+    let (p, m, v) = (stages, micro_batches, schedule.virtual_stages());
     let total = m * v;
-    // The k-th forward / backward: in groups of `p` micro-batches, each through the chunks in
-    // turn (forward: chunk 0 first; backward: the last chunk first). Without chunks, micro k.
+    // The k-th forward / backward: in groups of `p` micro-batches, each through the virtual stages in
+    // turn (forward: virtual stage 0 first; backward: the last virtual stage first). Without virtual stages, micro k.
     let forward = |k: usize| Action::Forward {
-        chunk: k % (p * v) / p,
+        virtual_stage: k % (p * v) / p,
         micro: if v == 1 { k } else { k / (p * v) * p + k % p },
     };
     let backward = |k: usize| Action::Backward {
-        chunk: v - 1 - k % (p * v) / p,
+        virtual_stage: v - 1 - k % (p * v) / p,
         micro: if v == 1 { k } else { k / (p * v) * p + k % p },
     };
     let warmup = match schedule {
@@ -90,18 +90,18 @@ pub fn actions(
     out
 }
 
-/// The blocks of rank `stage`'s chunks (one range, but with the interleaved schedule: its
-/// chunk `c` is virtual stage `c * stages + stage` of the blocks cut into `stages * chunks`).
+/// The blocks of rank `stage`'s virtual stages (one range, but with the interleaved schedule: its
+/// virtual stage `c` is virtual stage `c * stages + stage` of the blocks cut into `stages * virtual stages`).
 ///
 /// # Errors
-/// As [`stage_layers`] for `stages * chunks` stages.
-pub fn chunk_layers(
+/// As [`stage_layers`] for `stages * virtual stages` stages.
+pub fn virtual_stage_layers(
     n_layers: usize,
     stages: usize,
     schedule: PipelineSchedule,
     stage: usize,
 ) -> Result<Vec<Range<usize>>> {
-    let v = schedule.chunks();
+    let v = schedule.virtual_stages();
     let all = stage_layers(n_layers, stages * v, None)?;
     Ok((0..v).map(|c| all[c * stages + stage].clone()).collect())
 }
@@ -151,10 +151,16 @@ mod tests {
     use super::*;
 
     fn f(micro: usize) -> Action {
-        Action::Forward { chunk: 0, micro }
+        Action::Forward {
+            virtual_stage: 0,
+            micro,
+        }
     }
     fn b(micro: usize) -> Action {
-        Action::Backward { chunk: 0, micro }
+        Action::Backward {
+            virtual_stage: 0,
+            micro,
+        }
     }
 
     #[test]
@@ -178,17 +184,23 @@ mod tests {
             PipelineSchedule::OneFOneB,
             interleaved,
         ] {
-            let v = schedule.chunks();
+            let v = schedule.virtual_stages();
             for stage in 0..4 {
                 let a = actions(schedule, stage, 4, 8);
                 for c in 0..v {
                     for micro in 0..8 {
-                        let fw = a
-                            .iter()
-                            .position(|x| *x == Action::Forward { chunk: c, micro });
-                        let bw = a
-                            .iter()
-                            .position(|x| *x == Action::Backward { chunk: c, micro });
+                        let fw = a.iter().position(|x| {
+                            *x == Action::Forward {
+                                virtual_stage: c,
+                                micro,
+                            }
+                        });
+                        let bw = a.iter().position(|x| {
+                            *x == Action::Backward {
+                                virtual_stage: c,
+                                micro,
+                            }
+                        });
                         assert!(
                             fw.unwrap() < bw.unwrap(),
                             "{schedule:?} stage {stage}: {c} {micro}"
@@ -203,33 +215,82 @@ mod tests {
     #[test]
     fn the_interleaved_schedule_is_megatrons() {
         use Action::{Backward as B, Forward as F};
-        // 2 stages, 2 chunks, 4 micro-batches, stage 0: a warm-up of (2 - 0 - 1) * 2 + (2 - 1)
-        // * 2 = 4 forwards (micro-batches in groups of 2, each group through chunk 0 then 1),
-        // then one forward one backward (the backwards from the last chunk).
+        // 2 stages, 2 virtual stages, 4 micro-batches, stage 0: a warm-up of (2 - 0 - 1) * 2 + (2 - 1)
+        // * 2 = 4 forwards (micro-batches in groups of 2, each group through virtual stage 0 then 1),
+        // then one forward one backward (the backwards from the last virtual stage).
         let a = actions(PipelineSchedule::Interleaved { virtual_stages: 2 }, 0, 2, 4);
         assert_eq!(
             a,
             [
-                F { chunk: 0, micro: 0 },
-                F { chunk: 0, micro: 1 },
-                F { chunk: 1, micro: 0 },
-                F { chunk: 1, micro: 1 },
-                F { chunk: 0, micro: 2 },
-                B { chunk: 1, micro: 0 },
-                F { chunk: 0, micro: 3 },
-                B { chunk: 1, micro: 1 },
-                F { chunk: 1, micro: 2 },
-                B { chunk: 0, micro: 0 },
-                F { chunk: 1, micro: 3 },
-                B { chunk: 0, micro: 1 },
-                B { chunk: 1, micro: 2 },
-                B { chunk: 1, micro: 3 },
-                B { chunk: 0, micro: 2 },
-                B { chunk: 0, micro: 3 },
+                F {
+                    virtual_stage: 0,
+                    micro: 0
+                },
+                F {
+                    virtual_stage: 0,
+                    micro: 1
+                },
+                F {
+                    virtual_stage: 1,
+                    micro: 0
+                },
+                F {
+                    virtual_stage: 1,
+                    micro: 1
+                },
+                F {
+                    virtual_stage: 0,
+                    micro: 2
+                },
+                B {
+                    virtual_stage: 1,
+                    micro: 0
+                },
+                F {
+                    virtual_stage: 0,
+                    micro: 3
+                },
+                B {
+                    virtual_stage: 1,
+                    micro: 1
+                },
+                F {
+                    virtual_stage: 1,
+                    micro: 2
+                },
+                B {
+                    virtual_stage: 0,
+                    micro: 0
+                },
+                F {
+                    virtual_stage: 1,
+                    micro: 3
+                },
+                B {
+                    virtual_stage: 0,
+                    micro: 1
+                },
+                B {
+                    virtual_stage: 1,
+                    micro: 2
+                },
+                B {
+                    virtual_stage: 1,
+                    micro: 3
+                },
+                B {
+                    virtual_stage: 0,
+                    micro: 2
+                },
+                B {
+                    virtual_stage: 0,
+                    micro: 3
+                },
             ]
         );
-        // The chunks of a stage: virtual stages c * stages + stage.
-        let ranges = chunk_layers(8, 2, PipelineSchedule::Interleaved { virtual_stages: 2 }, 1);
+        // The virtual stages of a stage: virtual stages c * stages + stage.
+        let ranges =
+            virtual_stage_layers(8, 2, PipelineSchedule::Interleaved { virtual_stages: 2 }, 1);
         assert_eq!(ranges.unwrap(), [2..4, 6..8]);
     }
 

@@ -1,5 +1,5 @@
 //! A stage's model: where its parameters sit in the whole model ([`stage_map`]), the ends it
-//! does not use dropped ([`drop_unused_ends`]), its held blocks cut into chunks.
+//! does not use dropped ([`drop_unused_ends`]), its held blocks cut into virtual stages.
 
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::Tensor;
@@ -121,9 +121,9 @@ fn used_params<M: LanguageModel>(model: &M, stage: usize, stages: usize) -> Vec<
     used
 }
 
-/// The blocks of each of the model's `v` chunks: its held blocks (the whole model's indices)
+/// The blocks of each of the model's `v` virtual stages: its held blocks (the whole model's indices)
 /// cut into their contiguous runs.
-pub(super) fn chunk_runs<M: LanguageModel>(model: &M, v: usize) -> Result<Vec<Vec<usize>>> {
+pub(super) fn virtual_stage_runs<M: LanguageModel>(model: &M, v: usize) -> Result<Vec<Vec<usize>>> {
     let held = model.held_layers();
     if v == 1 {
         return Ok(vec![held]);
@@ -138,7 +138,7 @@ pub(super) fn chunk_runs<M: LanguageModel>(model: &M, v: usize) -> Result<Vec<Ve
     if runs.len() != v {
         return Err(TpError::Config(format!(
             "pipeline: {v} virtual stages but this stage holds blocks {held:?} ({} ranges: see \
-             chunk_layers)",
+             virtual_stage_layers)",
             runs.len()
         )));
     }

@@ -13,7 +13,7 @@ use burn_tp_comm::ReduceOp;
 
 use super::Pipeline;
 use super::schedule::{Action, PipelineSchedule, actions};
-use super::stages::chunk_runs;
+use super::stages::virtual_stage_runs;
 use super::transfer::{Side, Transfers};
 use crate::dp::GradReducer;
 use crate::dropout::DropoutStep;
@@ -69,9 +69,9 @@ pub fn loss_and_grads<M: LanguageModel>(
 /// [`loss_and_grads`] with the data-parallel reduction overlapped with the backwards (Megatron's
 /// `overlap_grad_reduce` under a pipeline): each forward runs on a view of `model` with
 /// `reducer`'s taps ([`GradReducer`], or [`crate::dp::DistributedAdamW::reducer`]), and before
-/// each backward the reducer is told whether it is the last micro-batch through its chunk, so a
+/// each backward the reducer is told whether it is the last micro-batch through its virtual stage, so a
 /// bucket starts once its parameters' gradients are complete, while the other micro-batches and
-/// chunks are still running. Finish with [`GradReducer::finish`] or
+/// virtual stages are still running. Finish with [`GradReducer::finish`] or
 /// [`crate::dp::DistributedAdamW::step`]: the gradients returned are this rank's own until
 /// then. A tied embedding's sum over the first and last stages is the reducer's: build it with
 /// [`Pipeline::tied_embedding`] ([`GradReducer::new_summed`]). Collective over the pipeline.
@@ -135,14 +135,34 @@ fn run_step<M: LanguageModel>(
     let inner = recompute.then(|| model.valid());
     for action in actions(schedule, pipe.stage(), pipe.stages(), micro_batches.len()) {
         match (action, &inner) {
-            (Action::Forward { chunk, micro }, None) => stage.forward(chunk, micro)?,
-            (Action::Backward { chunk, micro }, None) => stage.backward(chunk, micro)?,
-            (Action::Forward { chunk, micro }, Some(inner)) => {
-                stage.forward_kept(inner, chunk, micro)?
-            }
-            (Action::Backward { chunk, micro }, Some(_)) => {
-                stage.backward_recomputed(chunk, micro)?
-            }
+            (
+                Action::Forward {
+                    virtual_stage,
+                    micro,
+                },
+                None,
+            ) => stage.forward(virtual_stage, micro)?,
+            (
+                Action::Backward {
+                    virtual_stage,
+                    micro,
+                },
+                None,
+            ) => stage.backward(virtual_stage, micro)?,
+            (
+                Action::Forward {
+                    virtual_stage,
+                    micro,
+                },
+                Some(inner),
+            ) => stage.forward_kept(inner, virtual_stage, micro)?,
+            (
+                Action::Backward {
+                    virtual_stage,
+                    micro,
+                },
+                Some(_),
+            ) => stage.backward_recomputed(virtual_stage, micro)?,
         }
     }
     let StageStep {
@@ -197,7 +217,7 @@ fn check_micro_batches(pipe: &Pipeline, micro_batches: &[MicroBatch]) -> Result<
     Ok(dims)
 }
 
-/// One stage's step in progress: what each (chunk, micro-batch) keeps from its forward to its
+/// One stage's step in progress: what each (virtual stage, micro-batch) keeps from its forward to its
 /// backward, the gradients and loss summed so far, and the stage's transfers.
 struct StageStep<'a, M: LanguageModel> {
     model: &'a M,
@@ -206,16 +226,16 @@ struct StageStep<'a, M: LanguageModel> {
     step: Option<DropoutStep>,
     /// `[seq, batch]` of each micro-batch.
     dims: [usize; 2],
-    /// The blocks of each chunk this stage holds.
-    chunks: Vec<Vec<usize>>,
-    /// Whether this stage's chunk `c` is the whole model's first (it embeds) or last (head).
-    first_chunk: Option<usize>,
-    last_chunk: Option<usize>,
+    /// The blocks of each virtual stage this stage holds.
+    virtual_stages: Vec<Vec<usize>>,
+    /// Whether this stage's virtual stage `c` is the whole model's first (it embeds) or last (head).
+    first_virtual: Option<usize>,
+    last_virtual: Option<usize>,
     io: Transfers<'a>,
     device: Device,
-    /// Per (chunk, micro-batch), `c * m + i`: the chunk's input (a leaf, but on the first
-    /// chunk) and its output (or, on the last chunk, its loss); recomputing, its blocks'
-    /// inputs (untracked) and on the last chunk the head's.
+    /// Per (virtual stage, micro-batch), `c * m + i`: the virtual stage's input (a leaf, but on the first
+    /// virtual stage) and its output (or, on the last virtual stage, its loss); recomputing, its blocks'
+    /// inputs (untracked) and on the last virtual stage the head's.
     inputs: Vec<Option<Tensor<3>>>,
     outputs: Vec<Option<Tensor<3>>>,
     losses: Vec<Option<Tensor<1>>>,
@@ -237,7 +257,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
     ) -> Result<Self> {
         let dims = check_micro_batches(pipe, micro_batches)?;
         let m = micro_batches.len();
-        let v = schedule.chunks();
+        let v = schedule.virtual_stages();
         let (p, stage) = (pipe.stages(), pipe.stage());
         if v > 1 && !m.is_multiple_of(p) {
             return Err(TpError::Config(format!(
@@ -253,9 +273,9 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             reducer,
             step,
             dims,
-            chunks: chunk_runs(model, v)?,
-            first_chunk: (stage == 0).then_some(0),
-            last_chunk: (stage == p - 1).then_some(v - 1),
+            virtual_stages: virtual_stage_runs(model, v)?,
+            first_virtual: (stage == 0).then_some(0),
+            last_virtual: (stage == p - 1).then_some(v - 1),
             io: Transfers::new(pipe, model.activation_shape(dims), dtype),
             device: micro_batches[0].0.device(),
             inputs: vec![None; v * m],
@@ -293,7 +313,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         self.peak_in_flight = self.peak_in_flight.max(self.held);
     }
 
-    /// Forward of chunk `c` on micro-batch `i`, tracked: its input (received, a leaf) and its
+    /// Forward of virtual stage `c` on micro-batch `i`, tracked: its input (received, a leaf) and its
     /// output or loss kept for the backward.
     fn forward(&mut self, c: usize, i: usize) -> Result<()> {
         self.in_flight(1);
@@ -302,17 +322,17 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let tapped = self.reducer.map(|r| r.view(self.model.clone()));
         let model = tapped.as_ref().unwrap_or(self.model);
         let at = self.at(c, i);
-        let mut x = if self.first_chunk == Some(c) {
+        let mut x = if self.first_virtual == Some(c) {
             model.embed(ids.clone())?
         } else {
             let x = self.io.recv(Side::Prev, &self.device)?.require_grad();
             self.inputs[at] = Some(x.clone());
             x
         };
-        for l in self.chunks[c].clone() {
+        for l in self.virtual_stages[c].clone() {
             x = model.layer(l, x, self.micro_step(i))?;
         }
-        if self.last_chunk == Some(c) {
+        if self.last_virtual == Some(c) {
             self.losses[at] = Some(self.share(model.head_loss(x, targets.clone())?));
         } else {
             self.io.send(Side::Next, x.clone().detach())?;
@@ -321,11 +341,11 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         Ok(())
     }
 
-    /// Backward of chunk `c` on micro-batch `i`: from its loss, or its output seeded with the
+    /// Backward of virtual stage `c` on micro-batch `i`: from its loss, or its output seeded with the
     /// gradient the next stage sends; its input's gradient sent back.
     fn backward(&mut self, c: usize, i: usize) -> Result<()> {
         self.in_flight(-1);
-        // A chunk's parameters are complete after its last micro-batch's backward.
+        // A virtual stage's parameters are complete after its last micro-batch's backward.
         if let Some(r) = self.reducer {
             r.set_last_micro_batch(i + 1 == self.micro_batches.len());
         }
@@ -351,23 +371,23 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         Ok(())
     }
 
-    /// Forward of chunk `c` on micro-batch `i` off the tape (`inner`: the model's inner
-    /// module), keeping only each block's input (and the head's, on the last chunk).
+    /// Forward of virtual stage `c` on micro-batch `i` off the tape (`inner`: the model's inner
+    /// module), keeping only each block's input (and the head's, on the last virtual stage).
     fn forward_kept(&mut self, inner: &M, c: usize, i: usize) -> Result<()> {
         self.in_flight(1);
         let at = self.at(c, i);
-        let mut x = if self.first_chunk == Some(c) {
+        let mut x = if self.first_virtual == Some(c) {
             inner.embed(self.micro_batches[i].0.clone().inner())?
         } else {
             self.io
                 .recv(Side::Prev, &self.device.clone().without_autodiff())?
         };
-        for l in self.chunks[c].clone() {
+        for l in self.virtual_stages[c].clone() {
             let next = inner.layer(l, x.clone(), self.micro_step(i))?;
             self.kept[at].push(x);
             x = next;
         }
-        if self.last_chunk == Some(c) {
+        if self.last_virtual == Some(c) {
             self.kept[at].push(x);
         } else {
             self.io.send(Side::Next, x)?;
@@ -375,7 +395,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         Ok(())
     }
 
-    /// Backward of chunk `c` on micro-batch `i`, each block rerun tracked from its kept input
+    /// Backward of virtual stage `c` on micro-batch `i`, each block rerun tracked from its kept input
     /// just before its own backward, from the last.
     fn backward_recomputed(&mut self, c: usize, i: usize) -> Result<()> {
         self.in_flight(-1);
@@ -383,7 +403,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let model = self.model;
         let mut inputs = std::mem::take(&mut self.kept[at]);
         let leaf = |x: Tensor<3>| Tensor::<3>::from_inner(x).require_grad();
-        let mut dy = if self.last_chunk == Some(c) {
+        let mut dy = if self.last_virtual == Some(c) {
             let h = leaf(inputs.pop().expect("the head's input"));
             let loss = model.head_loss(h.clone(), self.micro_batches[i].1.clone())?;
             let loss = self.share(loss);
@@ -395,7 +415,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         } else {
             self.io.recv(Side::Next, &self.device)?
         };
-        for l in self.chunks[c].clone().into_iter().rev() {
+        for l in self.virtual_stages[c].clone().into_iter().rev() {
             let x = leaf(inputs.pop().expect("one input per block"));
             let y = model.layer(l, x.clone(), self.micro_step(i))?;
             let mut grads = seeded_backward(y, dy);
@@ -405,7 +425,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             );
             merge(&mut self.total, grads, model);
         }
-        if self.first_chunk == Some(c) {
+        if self.first_virtual == Some(c) {
             let ids = self.micro_batches[i].0.clone();
             let grads = seeded_backward(model.embed(ids)?, dy);
             merge(&mut self.total, grads, model);

@@ -1,28 +1,28 @@
-//! Contiguous chunks (a fused QKV, a SwiGLU's gate / up): each part sharded on its own, the
+//! Contiguous parts (a fused QKV, a SwiGLU's gate / up): each part sharded on its own, the
 //! replicas' gradients summed.
 
 use super::*;
 
-/// A fused column layer with contiguous chunks (q: 4 heads, k and v: 2 heads each, heads of 2):
-/// every rank holds its piece of each chunk (tp 1, 2) or, at tp 4, the k / v head its q heads
+/// A fused column layer with contiguous parts (q: 4 heads, k and v: 2 heads each, heads of 2):
+/// every rank holds its piece of each part (tp 1, 2) or, at tp 4, the k / v head its q heads
 /// use, replicated on 2 ranks. Outputs equal the full `Linear`'s columns of that placement; the
 /// weight gradient of each rank's columns equals the full gradient's (replicas: summed over the
 /// ranks holding the block); `to_full` gives the original back; both modes, async and sync.
 #[test]
-fn contiguous_chunks_shard_each_part_and_sum_replica_gradients() {
-    use burn_tp::linear::ColumnChunk;
+fn fused_parts_shard_each_part_and_sum_replica_gradients() {
+    use burn_tp::linear::FusedPart;
     let (d_in, n) = (4usize, 8usize);
-    let chunks = vec![
-        ColumnChunk::new(8).with_blocks(Some(4)),
-        ColumnChunk::new(4).with_blocks(Some(2)),
-        ColumnChunk::new(4).with_blocks(Some(2)),
+    let parts = vec![
+        FusedPart::new(8).with_blocks(Some(4)),
+        FusedPart::new(4).with_blocks(Some(2)),
+        FusedPart::new(4).with_blocks(Some(2)),
     ];
     let d_out = 16;
     let w_vals = uniform(d_in * d_out, 71);
     let b_vals = uniform(d_out, 72);
     let x_vals = uniform(n * d_in, 73);
     let v_vals = uniform(n * d_out, 74);
-    // The full columns of each chunk rank r holds, as the layout says: q heads r*4/tp.., and the
+    // The full columns of each part rank r holds, as the layout says: q heads r*4/tp.., and the
     // k / v heads r*2/tp.. (tp <= 2) or head r / 2 (tp = 4).
     let columns = |tp: usize, r: usize| -> Vec<usize> {
         let q = (r * 8 / tp..(r + 1) * 8 / tp).collect::<Vec<_>>();
@@ -43,7 +43,7 @@ fn contiguous_chunks_shard_each_part_and_sum_replica_gradients() {
                     b_vals.clone(),
                     x_vals.clone(),
                     v_vals.clone(),
-                    chunks.clone(),
+                    parts.clone(),
                 );
                 let out = run_local(tp, move |g| {
                     let (r, tp) = (g.rank(), g.world_size());
@@ -65,7 +65,7 @@ fn contiguous_chunks_shard_each_part_and_sum_replica_gradients() {
                                 .with_mode(mode)
                                 .with_async_communication(asynch),
                         )
-                        .with_chunks(ch.clone());
+                        .with_parts(ch.clone());
                     let layer = ColumnParallelLinear::from_full(&full, &g, &config).unwrap();
                     let x_full = tensor(xv.clone(), [n, d_in], DType::F32);
                     let x = if mode == TpMode::ReduceScatter {

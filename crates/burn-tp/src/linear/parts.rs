@@ -1,4 +1,4 @@
-//! Contiguous chunks of a column-parallel layer's output features (nanotron's
+//! Contiguous parts of a column-parallel layer's output features (nanotron's
 //! `contiguous_chunks`): a fused projection whose parts have different widths (q, k, v of
 //! grouped-query attention; gate and up of SwiGLU) is sharded part by part, so every rank holds a
 //! piece of each part.
@@ -9,7 +9,7 @@
 //!                                                                      each on 2 ranks
 //! ```
 //!
-//! A chunk of `blocks` equal blocks (heads) gives each rank `blocks / tp` consecutive blocks when
+//! A part of `blocks` equal blocks (heads) gives each rank `blocks / tp` consecutive blocks when
 //! `tp` divides `blocks`; when `blocks` divides `tp` (grouped-query attention with fewer key /
 //! value heads than ranks), block `r / (tp / blocks)` is replicated on `tp / blocks` consecutive
 //! ranks: each keeps the heads its query heads use, and the replicas' gradients are summed over
@@ -26,23 +26,23 @@ use crate::ops::copy_to_tp_region;
 
 type TpResult<T> = std::result::Result<T, TpError>;
 
-/// One contiguous chunk of a column-parallel layer's output features (nanotron's
+/// One contiguous part of a column-parallel layer's output features (nanotron's
 /// `contiguous_chunks`): `width` columns made of `blocks` equal blocks (heads). With
 /// `blocks % tp == 0` each rank takes `blocks / tp` consecutive blocks; with `tp % blocks == 0`
 /// (fewer key / value heads than ranks) block `r / (tp / blocks)` is replicated on `tp / blocks`
 /// consecutive ranks, and their gradients are summed over those ranks.
 #[derive(Config, Debug, PartialEq, Eq)]
-pub struct ColumnChunk {
-    /// Columns of the chunk in the full weight.
+pub struct FusedPart {
+    /// Columns of the part in the full weight.
     pub width: usize,
-    /// Equal blocks the chunk is made of (its heads); `None`: split in `tp` blocks.
+    /// Equal blocks the part is made of (its heads); `None`: split in `tp` blocks.
     #[config(default = "None")]
     pub blocks: Option<usize>,
 }
 
-/// Where rank `r`'s columns of each chunk are, in the full weight and in its shard.
+/// Where rank `r`'s columns of each part are, in the full weight and in its shard.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct ChunkPlacement {
+pub(crate) struct PartPlacement {
     /// Columns of the full weight.
     pub full: Range<usize>,
     /// Columns of the rank's shard.
@@ -51,36 +51,32 @@ pub(crate) struct ChunkPlacement {
     pub replicated: bool,
 }
 
-/// The chunks of `d_output` columns (one chunk of all of them when `chunks` is empty) placed for
+/// The parts of `d_output` columns (one part of all of them when `parts` is empty) placed for
 /// `rank` of `tp`.
 ///
 /// # Errors
 /// [`TpError::Config`] if the widths do not add up to `d_output`, a width is not a multiple of its
-/// blocks, blocks and tp do not divide one another, or two replicated chunks have different
-/// block counts; [`TpError::NotDivisible`] for a plain chunk not divisible by tp.
+/// blocks, blocks and tp do not divide one another, or two replicated parts have different
+/// block counts; [`TpError::NotDivisible`] for a plain part not divisible by tp.
 pub(crate) fn place(
-    chunks: &[ColumnChunk],
+    parts: &[FusedPart],
     d_output: usize,
     tp: usize,
     rank: usize,
-) -> TpResult<Vec<ChunkPlacement>> {
-    let whole = [ColumnChunk::new(d_output)];
-    let chunks = if chunks.is_empty() {
-        &whole[..]
-    } else {
-        chunks
-    };
-    let total: usize = chunks.iter().map(|c| c.width).sum();
+) -> TpResult<Vec<PartPlacement>> {
+    let whole = [FusedPart::new(d_output)];
+    let parts = if parts.is_empty() { &whole[..] } else { parts };
+    let total: usize = parts.iter().map(|c| c.width).sum();
     if total != d_output {
         return Err(TpError::Config(format!(
-            "ColumnParallelLinear: chunk widths {:?} add up to {total}, not d_output = {d_output}",
-            chunks.iter().map(|c| c.width).collect::<Vec<_>>()
+            "ColumnParallelLinear: part widths {:?} add up to {total}, not d_output = {d_output}",
+            parts.iter().map(|c| c.width).collect::<Vec<_>>()
         )));
     }
     let mut replicated_blocks = None;
     let (mut full_at, mut local_at) = (0, 0);
-    let mut out = Vec::with_capacity(chunks.len());
-    for c in chunks {
+    let mut out = Vec::with_capacity(parts.len());
+    for c in parts {
         let blocks = c.blocks.unwrap_or(tp);
         if c.blocks.is_none() && !c.width.is_multiple_of(tp) {
             return Err(TpError::NotDivisible {
@@ -91,7 +87,7 @@ pub(crate) fn place(
         }
         if blocks == 0 || !c.width.is_multiple_of(blocks) {
             return Err(TpError::Config(format!(
-                "ColumnParallelLinear: a chunk of width {} cannot be cut in {blocks} blocks",
+                "ColumnParallelLinear: a part of width {} cannot be cut in {blocks} blocks",
                 c.width
             )));
         }
@@ -102,7 +98,7 @@ pub(crate) fn place(
         } else if tp.is_multiple_of(blocks) {
             if *replicated_blocks.get_or_insert(blocks) != blocks {
                 return Err(TpError::Config(format!(
-                    "ColumnParallelLinear: replicated chunks must have the same number of blocks \
+                    "ColumnParallelLinear: replicated parts must have the same number of blocks \
                      (got {} and {blocks})",
                     replicated_blocks.unwrap_or(blocks)
                 )));
@@ -111,12 +107,12 @@ pub(crate) fn place(
             (g * bw..(g + 1) * bw, true)
         } else {
             return Err(TpError::Config(format!(
-                "ColumnParallelLinear: a chunk of {blocks} blocks (heads) at tp = {tp}: one must \
+                "ColumnParallelLinear: a part of {blocks} blocks (heads) at tp = {tp}: one must \
                  divide the other"
             )));
         };
         let w = full.len();
-        out.push(ChunkPlacement {
+        out.push(PartPlacement {
             full: full.start + full_at..full.end + full_at,
             local: local_at..local_at + w,
             replicated,
@@ -127,14 +123,14 @@ pub(crate) fn place(
     Ok(out)
 }
 
-/// The group of ranks holding the same replicated blocks (`None` when no chunk is replicated).
-/// Collective over `group` when some chunk is.
+/// The group of ranks holding the same replicated blocks (`None` when no part is replicated).
+/// Collective over `group` when some part is.
 pub(crate) fn replica_group(
-    chunks: &[ColumnChunk],
+    parts: &[FusedPart],
     group: &ProcessGroup,
 ) -> TpResult<Option<ProcessGroup>> {
     let (tp, r) = (group.world_size(), group.rank());
-    let blocks = chunks
+    let blocks = parts
         .iter()
         .filter_map(|c| c.blocks)
         .find(|&b| b < tp && tp.is_multiple_of(b));
@@ -148,7 +144,7 @@ pub(crate) fn replica_group(
 pub(crate) fn shard_columns<const D: usize>(
     full: Tensor<D>,
     dim: usize,
-    placement: &[ChunkPlacement],
+    placement: &[PartPlacement],
 ) -> Tensor<D> {
     let parts = placement
         .iter()
@@ -162,18 +158,18 @@ pub(crate) fn shard_columns<const D: usize>(
 pub(crate) fn unshard_columns<const D: usize>(
     gathered: Tensor<D>,
     dim: usize,
-    placements: &[Vec<ChunkPlacement>],
+    placements: &[Vec<PartPlacement>],
 ) -> Tensor<D> {
     let local = gathered.dims()[dim] / placements.len();
-    let chunks = placements[0].len();
-    let mut parts = Vec::new();
-    for c in 0..chunks {
+    let n_parts = placements[0].len();
+    let mut pieces = Vec::new();
+    for c in 0..n_parts {
         // Each full column range once, in order: ranks holding a replica after the first skip it.
         let mut next = placements[0][c].full.start;
         for (r, p) in placements.iter().enumerate() {
             let p = &p[c];
             if p.full.start == next {
-                parts.push(
+                pieces.push(
                     gathered
                         .clone()
                         .narrow(dim, r * local + p.local.start, p.local.len()),
@@ -182,7 +178,7 @@ pub(crate) fn unshard_columns<const D: usize>(
             }
         }
     }
-    Tensor::cat(parts, dim)
+    Tensor::cat(pieces, dim)
 }
 
 /// The weight (or bias) a rank computes with: its shard, with the replicated columns passed
@@ -191,7 +187,7 @@ pub(crate) fn unshard_columns<const D: usize>(
 pub(crate) fn with_replicas<const D: usize>(
     shard: Tensor<D>,
     dim: usize,
-    placement: &[ChunkPlacement],
+    placement: &[PartPlacement],
     replicas: &ProcessGroup,
 ) -> Tensor<D> {
     let parts = placement
@@ -213,36 +209,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gqa_chunks_place_heads_and_replicas() {
+    fn gqa_parts_place_heads_and_replicas() {
         // q: 8 heads of 2, k and v: 2 heads of 2, at tp = 4.
-        let chunks = [
-            ColumnChunk::new(16).with_blocks(Some(8)),
-            ColumnChunk::new(4).with_blocks(Some(2)),
-            ColumnChunk::new(4).with_blocks(Some(2)),
+        let parts = [
+            FusedPart::new(16).with_blocks(Some(8)),
+            FusedPart::new(4).with_blocks(Some(2)),
+            FusedPart::new(4).with_blocks(Some(2)),
         ];
-        let p = place(&chunks, 24, 4, 3).unwrap();
+        let p = place(&parts, 24, 4, 3).unwrap();
         assert_eq!(p[0].full, 12..16);
         assert_eq!(p[1].full, 18..20); // k head 1
         assert_eq!(p[2].full, 22..24); // v head 1
         assert_eq!((p[1].local.clone(), p[1].replicated), (4..6, true));
         assert!(!p[0].replicated);
-        let e = place(&chunks, 24, 3, 0).unwrap_err();
+        let e = place(&parts, 24, 3, 0).unwrap_err();
         assert!(e.to_string().contains("8 blocks"), "{e}");
-        let e = place(&chunks, 25, 4, 0).unwrap_err();
+        let e = place(&parts, 25, 4, 0).unwrap_err();
         assert!(e.to_string().contains("add up to 24"), "{e}");
     }
 
     /// Every rank of tp 1, 2 and 4 against a table written out by hand: `(full q, full k,
     /// full v)` columns, the local layout, and whether k / v are replicated.
     #[test]
-    fn chunk_placement_of_every_rank_matches_the_table() {
+    fn part_placement_of_every_rank_matches_the_table() {
         type Row = (Range<usize>, Range<usize>, Range<usize>);
         let check = |heads: [usize; 3], tp: usize, table: &[Row], replicated: bool| {
             // Heads of 2 columns: q, k, v.
-            let chunks = heads.map(|h| ColumnChunk::new(2 * h).with_blocks(Some(h)));
+            let parts = heads.map(|h| FusedPart::new(2 * h).with_blocks(Some(h)));
             let width = 2 * heads.iter().sum::<usize>();
             for (rank, (q, k, v)) in table.iter().enumerate() {
-                let p = place(&chunks, width, tp, rank).unwrap();
+                let p = place(&parts, width, tp, rank).unwrap();
                 let tag = format!("heads {heads:?} tp {tp} rank {rank}");
                 assert_eq!(
                     [p[0].full.clone(), p[1].full.clone(), p[2].full.clone()],
