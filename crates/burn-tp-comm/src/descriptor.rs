@@ -39,6 +39,7 @@ pub(crate) fn encode(seq: u64, desc: &OpDesc) -> [u64; HEADER] {
         OpKind::Broadcast { root } => (3, root as u64),
         OpKind::Barrier => (4, 0),
         OpKind::Split => (5, 0),
+        OpKind::AllToAll => (6, 0),
     };
     let mut h = [0u64; HEADER];
     h[0] = seq;
@@ -67,6 +68,7 @@ fn decode(h: &[u64]) -> (u64, OpDesc) {
             root: h[2] as usize,
         },
         4 => OpKind::Barrier,
+        6 => OpKind::AllToAll,
         _ => OpKind::Split,
     };
     let dtype =

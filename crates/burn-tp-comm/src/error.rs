@@ -93,6 +93,23 @@ pub enum CommError {
         /// The group's world size.
         world_size: usize,
     },
+    /// An all-to-all whose sender and receiver disagree on how many elements go between them.
+    #[error(
+        "all_to_all on rank {rank}: rank {sender} sends {sent} elements to rank {receiver}, \
+         which expects {expected} from it"
+    )]
+    Counts {
+        /// The rank reporting (every rank reports the same pair).
+        rank: usize,
+        /// The sending rank of the first pair that disagrees.
+        sender: usize,
+        /// The receiving rank.
+        receiver: usize,
+        /// What `sender` says it sends.
+        sent: usize,
+        /// What `receiver` says it receives.
+        expected: usize,
+    },
     /// A world size of zero.
     #[error("a process group needs at least one rank, got world size {0}")]
     InvalidWorldSize(usize),

@@ -13,6 +13,7 @@
 //! | file | what |
 //! |---|---|
 //! | `group.rs`, `collectives.rs`, `work.rs` | [`ProcessGroup`], its collectives, [`Work`] (a call in flight) |
+//! | `all_to_all.rs` | the all-to-all with per-rank counts (expert parallelism's dispatch) |
 //! | `local.rs`, `link.rs` | ranks as threads ([`LocalGroup`]), a simulated link ([`LinkModel`]) |
 //! | `op.rs`, `element.rs`, `buffer.rs`, `error.rs` | what ranks agree on, element types, buffers, [`CommError`] |
 //! | `communicator.rs` | [`Communicator`], the transport extension point |
@@ -42,6 +43,7 @@
 //! Failures never hang: ranks that disagree on a call, a rank that leaves, or one that never
 //! arrives (timeout) make the call fail on every rank, and abort the group.
 
+mod all_to_all;
 mod buffer;
 mod collectives;
 mod communicator;

@@ -23,6 +23,8 @@ pub enum OpKind {
     Barrier,
     /// `ProcessGroup::split` exchanging colours and keys.
     Split,
+    /// Per-peer slices to each peer (counts of the caller's, checked across ranks first).
+    AllToAll,
 }
 
 /// What one rank passed to one collective; ranks must agree on all of it.
@@ -54,6 +56,8 @@ impl OpDesc {
             OpKind::AllReduce(_) => 2 * bytes / world * (world - 1),
             OpKind::Broadcast { root } if root != rank => bytes,
             OpKind::Broadcast { .. } | OpKind::Barrier => 0,
+            // Counts differ per rank and are not in the descriptor: not simulated.
+            OpKind::AllToAll => 0,
         }
     }
 }
@@ -67,6 +71,7 @@ impl fmt::Display for OpDesc {
             OpKind::Broadcast { root } => format!("broadcast(root={root})"),
             OpKind::Barrier => "barrier".to_string(),
             OpKind::Split => "split".to_string(),
+            OpKind::AllToAll => "all_to_all".to_string(),
         };
         write!(f, "{kind} of {:?} {:?}", self.dtype, self.shape)
     }

@@ -88,6 +88,21 @@ fn ranks_that_disagree_get_a_mismatch_naming_both_calls_on_every_rank() {
 }
 
 #[test]
+fn an_all_to_all_whose_counts_disagree_is_the_same_typed_error_on_every_rank() {
+    let out = mpirun(2, "counts", &[]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    for r in 0..2 {
+        let line = format!(
+            "rank {r}: counts: all_to_all on rank {r}: rank 0 sends 1 elements to rank 1, which \
+             expects 2 from it (typed: true)"
+        );
+        assert!(all.contains(&line), "{all}");
+        assert!(all.contains(&format!("rank {r}: then [2.0]")), "{all}");
+    }
+}
+
+#[test]
 fn a_rank_that_never_arrives_is_a_timeout_on_the_others_and_the_job_ends() {
     let start = Instant::now();
     let out = mpirun(4, "timeout", &[]);
@@ -157,6 +172,21 @@ fn check_ops<T: CommElement + PartialEq>(pg: &ProcessGroup, conv: fn(f64) -> T) 
         let root = n - 1;
         let last: Vec<T> = (0..len).map(|i| conv(value(root, i))).collect();
         assert_eq!(pg.broadcast(x, root).unwrap(), last, "broadcast {len}");
+        // All-to-all with uneven counts, zero included: rank s sends (s + r + len) % 3 * len / n
+        // elements to rank r, element i of that slice being value(s, 100 r + i).
+        let count = |s: usize, r: usize| (s + r + len) % 3 * len / n.max(1);
+        let send: Vec<usize> = (0..n).map(|r| count(rank, r)).collect();
+        let recv: Vec<usize> = (0..n).map(|s| count(s, rank)).collect();
+        let slices =
+            |s: usize, r: usize| (0..count(s, r)).map(move |i| conv(value(s, 100 * r + i)));
+        let input: Vec<T> = (0..n).flat_map(|r| slices(rank, r)).collect();
+        let want: Vec<T> = (0..n).flat_map(|s| slices(s, rank)).collect();
+        let out = vec![conv(0.0); want.len()];
+        let got = pg
+            .all_to_all_async(input, &send, &recv, out)
+            .unwrap()
+            .wait();
+        assert_eq!(got.unwrap(), want, "all_to_all {len}");
     }
 }
 
@@ -305,6 +335,29 @@ fn mpi_rank_program() {
             let then = &e[e.find("the group").unwrap_or(0)..];
             println!("\nrank {rank}: then: {then}");
             // Every call after a mismatch fails at once, so MPI is left with nothing in flight.
+        }
+        "counts" => {
+            // Rank 1 expects one element more from rank 0 than rank 0 sends it.
+            let send = vec![1usize; pg.world_size()];
+            let mut recv = send.clone();
+            if rank == 1 {
+                recv[0] = 2;
+            }
+            let e = pg
+                .all_to_all(vec![0f32; send.len()], &send, &recv)
+                .unwrap_err();
+            let typed = matches!(
+                e,
+                CommError::Counts {
+                    sender: 0,
+                    receiver: 1,
+                    ..
+                }
+            );
+            println!("\nrank {rank}: counts: {e} (typed: {typed})");
+            // The same call order continues on every rank: the group is still usable.
+            let sum = pg.all_reduce(vec![1f32], ReduceOp::Sum).unwrap();
+            println!("\nrank {rank}: then {sum:?}");
         }
         "timeout" => {
             pg.barrier().unwrap();

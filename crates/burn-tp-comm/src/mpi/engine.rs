@@ -88,6 +88,16 @@ pub(super) struct Call {
     pub(super) recv: Ptr,
     /// Elements of this rank's input (the broadcast's buffer).
     pub(super) count: c_int,
+    /// The all-to-all's counts and displacements (kept alive by the job's completion too).
+    pub(super) counts: Option<Arc<VCounts>>,
+}
+
+/// `MPI_Alltoallv`'s per-peer counts and displacements, in elements.
+pub(super) struct VCounts {
+    pub(super) send: Vec<c_int>,
+    pub(super) send_at: Vec<c_int>,
+    pub(super) recv: Vec<c_int>,
+    pub(super) recv_at: Vec<c_int>,
 }
 
 pub(super) type NewComm = (usize, usize, usize);
@@ -466,6 +476,23 @@ fn post(
                 ffi::MPI_Ibcast(recv, n, dtype, root as c_int, comm, &mut request)
             }
             OpKind::Barrier => ffi::MPI_Ibarrier(comm, &mut request),
+            OpKind::AllToAll => {
+                let Some(v) = call.counts.as_deref() else {
+                    return Err("all_to_all posted without its counts".into());
+                };
+                ffi::MPI_Ialltoallv(
+                    send,
+                    v.send.as_ptr(),
+                    v.send_at.as_ptr(),
+                    dtype,
+                    recv,
+                    v.recv.as_ptr(),
+                    v.recv_at.as_ptr(),
+                    dtype,
+                    comm,
+                    &mut request,
+                )
+            }
         }
     };
     if rc != 0 {

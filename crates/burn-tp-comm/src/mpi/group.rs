@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::engine::{Action, Call, Engine, Job, Msg, Ptr};
+use super::engine::{Action, Call, Engine, Job, Msg, Ptr, VCounts};
 use crate::{CommError, DType, OpDesc, OpKind, ReduceOp, Result};
 
 /// A communicator of this process: its index in the MPI thread's table, this rank, its size.
@@ -198,6 +198,7 @@ impl MpiGroup {
             send: Ptr(input.as_slice().as_ptr() as *mut c_void),
             recv: Ptr(recv as *mut c_void),
             count,
+            counts: None,
         };
         let op = match desc.kind {
             OpKind::AllReduce(op) => op,
@@ -226,6 +227,7 @@ impl MpiGroup {
                     send: front,
                     recv: out_ptr,
                     count: chunk as c_int,
+                    counts: None,
                 }
             }) as Box<dyn FnOnce() -> Call + Send>
         });
@@ -254,6 +256,75 @@ impl MpiGroup {
             action: Action::Collective {
                 call,
                 then,
+                complete,
+            },
+        });
+        done
+    }
+
+    /// Starts `MPI_Ialltoallv` of `input` into `out` with per-peer counts (in elements, checked
+    /// by the caller against the buffers and across ranks).
+    pub(crate) fn start_all_to_all<T, I, O>(
+        &self,
+        desc: OpDesc,
+        seq: u64,
+        input: I,
+        (send, recv): (&[usize], &[usize]),
+        out: O,
+    ) -> Arc<Completion<O>>
+    where
+        T: crate::CommElement,
+        I: crate::SendBuf<T>,
+        O: crate::RecvBuf<T>,
+    {
+        let done = Completion::new();
+        let ints = |v: &[usize]| -> Option<(Vec<c_int>, Vec<c_int>)> {
+            let counts = v
+                .iter()
+                .map(|&c| c_int::try_from(c).ok())
+                .collect::<Option<_>>()?;
+            let at = crate::all_to_all::displacements(v)
+                .into_iter()
+                .map(|a| c_int::try_from(a).ok())
+                .collect::<Option<_>>()?;
+            Some((counts, at))
+        };
+        let (Some((send, send_at)), Some((recv, recv_at))) = (ints(send), ints(recv)) else {
+            done.set(Err(CommError::Backend(format!(
+                "MPI {desc} #{seq} on rank {}: more elements than MPI's count (i32) can say",
+                self.rank
+            ))));
+            return done;
+        };
+        let counts = Arc::new(VCounts {
+            send,
+            send_at,
+            recv,
+            recv_at,
+        });
+        let input = Box::new(input);
+        let mut out = Box::new(out);
+        let call = Call {
+            kind: OpKind::AllToAll,
+            dtype: desc.dtype,
+            send: Ptr(input.as_slice().as_ptr() as *mut c_void),
+            recv: Ptr(out.as_mut_slice().as_mut_ptr() as *mut c_void),
+            count: 0,
+            counts: Some(counts.clone()),
+        };
+        let slot = done.clone();
+        let complete = Box::new(move |result: Result<()>| {
+            drop((input, counts));
+            slot.set(result.map(|()| *out));
+        });
+        self.submit(Job {
+            comm: self.comm,
+            seq,
+            rank: self.rank,
+            desc,
+            action: Action::Collective {
+                call,
+                then: None,
                 complete,
             },
         });

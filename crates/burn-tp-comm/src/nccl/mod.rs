@@ -126,7 +126,7 @@ impl TryFrom<OpKind> for RawOp {
             OpKind::ReduceScatter => RawOp::ReduceScatter,
             OpKind::AllReduce(op) => RawOp::AllReduce(op),
             OpKind::Broadcast { root } => RawOp::Broadcast { root },
-            OpKind::Barrier | OpKind::Split => {
+            OpKind::Barrier | OpKind::Split | OpKind::AllToAll => {
                 return Err(CommError::Backend(format!(
                     "{kind:?} has no NCCL buffer call"
                 )));

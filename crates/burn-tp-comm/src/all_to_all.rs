@@ -1,0 +1,226 @@
+//! The all-to-all with per-rank counts (MPI's `Alltoallv`, PyTorch's `all_to_all_single` with
+//! split sizes): what expert parallelism sends each token to the ranks holding its experts with.
+//!
+//! ```text
+//!  rank 0 input: [ to 0 | to 1  | to 2 ]        rank 0 output: [ from 0 | from 1 | from 2 ]
+//!  rank 1 input: [ to 0  | to 1 | to 2 ]        (rank 0's "to 0" slices, in source order)
+//! ```
+//!
+//! Each rank says how many elements it sends to each peer and how many it expects from each;
+//! the two sides of every pair must agree. The counts are checked first, by an all-gather of
+//! every rank's `[send | recv]` counts, so a disagreement is the same [`CommError::Counts`] on
+//! every rank (never a truncated message or a hang); then the data moves in one call.
+
+#[cfg(feature = "mpi")]
+use std::sync::atomic::Ordering;
+
+use crate::buffer::{RecvBuf, SendBuf};
+use crate::group::Transport;
+use crate::local::{downcast, payload};
+use crate::{CommElement, CommError, OpDesc, OpKind, ProcessGroup, Result, Work};
+
+/// Where each peer's elements start, given the counts in peer order.
+pub(crate) fn displacements(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let start = *at;
+            *at += c;
+            Some(start)
+        })
+        .collect()
+}
+
+impl ProcessGroup {
+    /// Starts an all-to-all: this rank sends `send_counts[p]` consecutive elements of `input`
+    /// (peers in rank order) to each peer `p`, and receives `recv_counts[p]` elements from each
+    /// peer `p` into `out`, in source-rank order. `[sum(send_counts)] -> [sum(recv_counts)]`.
+    ///
+    /// Exchanges the counts first (a small all-gather, waited here), so it returns once every
+    /// rank has started the call; the data then moves in the background.
+    ///
+    /// # Errors
+    /// [`CommError::BufferSize`] if `send_counts` / `recv_counts` do not have one entry per rank
+    /// or do not add up to `input` / `out` (before any communication); [`CommError::Counts`], on
+    /// every rank, if some rank's count to a peer differs from what that peer expects.
+    pub fn all_to_all_async<T: CommElement, I: SendBuf<T>, O: RecvBuf<T>>(
+        &self,
+        input: I,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        mut out: O,
+    ) -> Result<Work<O>> {
+        let n = self.world_size();
+        Self::check_out("all_to_all (send counts)", n, send_counts.len())?;
+        Self::check_out("all_to_all (recv counts)", n, recv_counts.len())?;
+        Self::check_out(
+            "all_to_all (input)",
+            send_counts.iter().sum(),
+            input.as_slice().len(),
+        )?;
+        Self::check_out(
+            "all_to_all (output)",
+            recv_counts.iter().sum(),
+            out.as_mut_slice().len(),
+        )?;
+        let mine: Vec<i64> = send_counts
+            .iter()
+            .chain(recv_counts)
+            .map(|&c| c as i64)
+            .collect();
+        let all = self.all_gather(mine)?;
+        let matrix = |s: usize, r: usize, recv: bool| all[s * 2 * n + usize::from(recv) * n + r];
+        for s in 0..n {
+            for r in 0..n {
+                let (sent, expected) = (matrix(s, r, false), matrix(r, s, true));
+                if sent != expected {
+                    return Err(CommError::Counts {
+                        rank: self.rank(),
+                        sender: s,
+                        receiver: r,
+                        sent: sent as usize,
+                        expected: expected as usize,
+                    });
+                }
+            }
+        }
+        // Every rank calls with its own counts: the descriptor carries only what all agree on.
+        let desc = OpDesc::new(OpKind::AllToAll, T::DTYPE, vec![n]);
+        let rank = self.rank();
+        // Where this rank's slice starts in each peer's input: the counts peers send before it.
+        let from: Vec<usize> = (0..n)
+            .map(|p| (0..rank).map(|q| matrix(p, q, false) as usize).sum())
+            .collect();
+        match &self.transport {
+            Transport::Local(_) => {}
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => {
+                let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+                let counts = (send_counts, recv_counts);
+                let done = m.start_all_to_all(desc.clone(), seq, input, counts, out);
+                return Ok(Work::remote(self.clone(), seq, desc, done));
+            }
+            #[allow(unreachable_patterns)]
+            _ => {
+                return Err(CommError::Backend(format!(
+                    "all_to_all on rank {rank}: not over this transport yet (threads and MPI \
+                     have it; NCCL's grouped send / receive is to come)"
+                )));
+            }
+        }
+        let recv = recv_counts.to_vec();
+        Ok(self.post(desc, payload(input), move |posts| {
+            let mut out = out;
+            let dst = out.as_mut_slice();
+            let at = displacements(&recv);
+            for (p, post) in posts.iter().enumerate() {
+                let src = &downcast::<T>(post)[from[p]..from[p] + recv[p]];
+                dst[at[p]..at[p] + recv[p]].copy_from_slice(src);
+            }
+            out
+        }))
+    }
+
+    /// Blocking all-to-all into a new buffer; see [`all_to_all_async`](Self::all_to_all_async).
+    ///
+    /// # Errors
+    /// See [`all_to_all_async`](Self::all_to_all_async) and [`Work::wait`].
+    pub fn all_to_all<T: CommElement + Default>(
+        &self,
+        input: Vec<T>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<Vec<T>> {
+        let out = vec![T::default(); recv_counts.iter().sum()];
+        self.all_to_all_async(input, send_counts, recv_counts, out)?
+            .wait()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LocalGroup;
+
+    fn on_ranks<R: Send + 'static>(
+        n: usize,
+        f: impl Fn(ProcessGroup) -> R + Send + Sync + Clone + 'static,
+    ) -> Vec<R> {
+        let hs: Vec<_> = LocalGroup::new(n)
+            .unwrap()
+            .into_iter()
+            .map(|g| {
+                let f = f.clone();
+                std::thread::spawn(move || f(g))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn uneven_counts_arrive_in_source_order() {
+        // Rank s sends (s + r) % 3 elements to rank r, each element 100 s + 10 r + i; a rank
+        // that sends nothing to a peer (count 0) is part of it.
+        let count = |s: usize, r: usize| (s + r) % 3;
+        let got = on_ranks(3, move |g| {
+            let s = g.rank();
+            let send: Vec<usize> = (0..3).map(|r| count(s, r)).collect();
+            let recv: Vec<usize> = (0..3).map(|p| count(p, s)).collect();
+            let input: Vec<f32> = (0..3)
+                .flat_map(|r| (0..count(s, r)).map(move |i| (100 * s + 10 * r + i) as f32))
+                .collect();
+            g.all_to_all(input, &send, &recv).unwrap()
+        });
+        for (r, out) in got.iter().enumerate() {
+            let want: Vec<f32> = (0..3)
+                .flat_map(|s| (0..count(s, r)).map(move |i| (100 * s + 10 * r + i) as f32))
+                .collect();
+            assert_eq!(out, &want, "rank {r}");
+        }
+    }
+
+    #[test]
+    fn a_count_mismatch_is_the_same_error_on_every_rank() {
+        let got = on_ranks(2, |g| {
+            // Rank 1 expects 3 elements from rank 0, which sends 2.
+            let recv = if g.rank() == 1 { [3, 1] } else { [1, 1] };
+            let sent = [1, 2];
+            let send = if g.rank() == 0 { sent } else { [1, 1] };
+            g.all_to_all(vec![0.0f32; send.iter().sum()], &send, &recv)
+                .unwrap_err()
+        });
+        for e in &got {
+            assert!(
+                matches!(
+                    e,
+                    CommError::Counts {
+                        sender: 0,
+                        receiver: 1,
+                        sent: 2,
+                        expected: 3,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains("rank 0 sends 2"), "{e}");
+        }
+    }
+
+    #[test]
+    fn counts_that_do_not_add_up_fail_before_communicating() {
+        let g = LocalGroup::new(1).unwrap().remove(0);
+        let e = g.all_to_all(vec![1.0f32; 3], &[2], &[2]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CommError::BufferSize {
+                    expected: 2,
+                    got: 3,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+}
