@@ -16,7 +16,7 @@ FLOORS = [
     ["backend"],
     ["ops"],
     ["init", "reshard"],
-    ["linear", "embedding", "loss", "dropout", "norm", "attention", "transformer"],
+    ["linear", "embedding", "loss", "dropout", "norm", "attention", "transformer", "moe"],
     ["decoder", "gpt", "llama", "gemma", "model"],
     ["generate", "checkpoint", "hf", "dp", "mesh", "precision", "recompute", "pipeline",
      "train", "testing"],

@@ -6,7 +6,7 @@ use burn::tensor::{DType, Tensor};
 use burn_tp::comm::{LocalGroup, LocalGroupOptions, ReduceOp};
 use burn_tp::local::{run_local, run_ranks};
 use burn_tp::ops::{
-    all_gather, all_gather_async, all_reduce, copy_to_tp_region, gather_from_tp_region,
+    all_gather, all_gather_async, all_reduce, all_to_all, copy_to_tp_region, gather_from_tp_region,
     reduce_from_tp_region, reduce_scatter, reduce_scatter_async, scatter_to_tp_region,
 };
 use burn_tp::testing::{GradcheckOptions, LossKind, gradcheck};
@@ -292,6 +292,23 @@ fn gradcheck_passes_on_every_primitive() {
             .unwrap();
             gradcheck(&g, &[x()], LossKind::Replicated, opts, |xs| {
                 sq(reduce_from_tp_region(xs[0].clone(), &g).unwrap())
+            })
+            .unwrap();
+            // The all-to-all with uneven counts (rank 1 sends rank 0 a row, rank 0 sends rank
+            // 1 none): its adjoint is the reverse exchange.
+            let n = g.world_size();
+            let send = |s: usize| {
+                if n == 1 {
+                    vec![2]
+                } else {
+                    [vec![2, 0], vec![1, 1]][s].clone()
+                }
+            };
+            let sends: Vec<Vec<usize>> = (0..n).map(send).collect();
+            let recv: Vec<usize> = (0..n).map(|p| sends[p][g.rank()]).collect();
+            gradcheck(&g, &[x()], LossKind::Sharded, opts, |xs| {
+                let y = all_to_all(xs[0].clone(), &sends[g.rank()], &recv, &g).unwrap();
+                sq(y) + (xs[0].clone() * 0.5).sum()
             })
             .unwrap();
             let rep = GradcheckOptions {

@@ -17,6 +17,7 @@ mod learner;
 mod linear;
 mod llama;
 mod loss;
+mod moe;
 mod mpi;
 mod pipeline;
 mod recompute;

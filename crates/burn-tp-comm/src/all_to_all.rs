@@ -14,22 +14,10 @@
 #[cfg(feature = "mpi")]
 use std::sync::atomic::Ordering;
 
-use crate::buffer::{RecvBuf, SendBuf};
+use crate::buffer::{RecvBuf, SendBuf, displacements};
 use crate::group::Transport;
 use crate::local::{downcast, payload};
 use crate::{CommElement, CommError, OpDesc, OpKind, ProcessGroup, Result, Work};
-
-/// Where each peer's elements start, given the counts in peer order.
-pub(crate) fn displacements(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |at, &c| {
-            let start = *at;
-            *at += c;
-            Some(start)
-        })
-        .collect()
-}
 
 impl ProcessGroup {
     /// Starts an all-to-all: this rank sends `send_counts[p]` consecutive elements of `input`

@@ -48,3 +48,15 @@ impl<T: 'static> SendBuf<T> for Box<dyn SendBuf<T>> {
         (**self).shape()
     }
 }
+
+/// Where each peer's elements start, given the counts in peer order.
+pub(crate) fn displacements(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let start = *at;
+            *at += c;
+            Some(start)
+        })
+        .collect()
+}

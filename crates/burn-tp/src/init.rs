@@ -1,10 +1,11 @@
 //! Parameter initialisation that starts a model identical at every tp.
 
+use burn::module::{Module, Param};
 use burn::nn::Initializer;
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use crate::Result;
+use crate::{Result, TpError};
 
 /// Draws a full `shape` tensor with `initializer` on rank 0 and broadcasts it, so only rank 0
 /// uses the device RNG: seeded once before the rank threads start, the draws are exactly those
@@ -52,4 +53,47 @@ pub fn shard<const D: usize>(t: Tensor<D>, dim: usize, group: &ProcessGroup) -> 
     } else {
         t.chunk(n, dim).swap_remove(r)
     })
+}
+
+/// Copies every parameter of `module` from rank 0 of `group` to the others (a data-parallel
+/// group's replicas, an expert-parallel group's shared parameters). Collective over `group`.
+///
+/// # Errors
+/// The first communication error.
+pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M> {
+    if group.world_size() == 1 {
+        return Ok(module);
+    }
+    struct Broadcaster<'a> {
+        group: &'a ProcessGroup,
+        error: Option<TpError>,
+    }
+    impl burn::module::ModuleMapper for Broadcaster<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            // An empty parameter (a pipeline stage's unused copy) has nothing to send.
+            if self.error.is_some() || param.val().shape().num_elements() == 0 {
+                return param;
+            }
+            let group = self.group;
+            let mut error = None;
+            let param = param.map(|t| {
+                let requires_grad = t.is_require_grad();
+                match crate::ops::broadcast(t.clone(), 0, group) {
+                    Ok(b) => {
+                        let b = owned(b);
+                        if requires_grad { b.require_grad() } else { b }
+                    }
+                    Err(e) => {
+                        error = Some(e);
+                        t
+                    }
+                }
+            });
+            self.error = error;
+            param
+        }
+    }
+    let mut mapper = Broadcaster { group, error: None };
+    let module = module.map(&mut mapper);
+    mapper.error.map_or(Ok(module), Err)
 }

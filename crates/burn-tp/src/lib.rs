@@ -91,6 +91,7 @@ pub mod local;
 pub mod loss;
 pub mod mesh;
 pub mod model;
+pub mod moe;
 pub mod norm;
 pub mod ops;
 pub mod pipeline;

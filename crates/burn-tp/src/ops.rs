@@ -15,7 +15,7 @@ use burn::tensor::{Shape, Tensor, TensorData};
 use burn_tp_comm::{ProcessGroup, ReduceOp, SendBuf};
 
 use crate::backend::collective::host::{DataRead, HostCall, HostElement, with_host_values};
-use crate::backend::{Collective, CollectiveOutput, PendingCollective, TpBackend};
+use crate::backend::{AllToAllSpec, Collective, CollectiveOutput, PendingCollective, TpBackend};
 use crate::error::check_divisible;
 use crate::{Result, TpError};
 
@@ -202,6 +202,43 @@ pub fn scatter_to_tp_region<const D: usize>(
         tp,
     )?;
     start(x, Collective::ScatterToRegion { dim }, group).wait()
+}
+
+/// Sends `send_rows[p]` consecutive rows of `x` (`[rows, ..]`, rank `p`'s rows after rank
+/// `p - 1`'s) to each rank `p` of `group`, and returns the rows every rank sent here, in rank
+/// order: `[sum(send_rows), ..] -> [sum(recv_rows), ..]`. Expert parallelism's dispatch (each
+/// token to the rank of its expert) and, with the counts swapped, its combine. Blocking.
+/// Backward: the same exchange the other way round.
+///
+/// # Errors
+/// [`TpError::Config`] if the counts do not have one entry per rank or `send_rows` does not add
+/// up to the rows of `x`; [`TpError::Comm`] (`Counts` on every rank) if a rank's count to a
+/// peer differs from what the peer expects, or the communication fails.
+pub fn all_to_all<const D: usize>(
+    x: Tensor<D>,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+    group: &ProcessGroup,
+) -> Result<Tensor<D>> {
+    let (n, rows) = (group.world_size(), x.dims()[0]);
+    if send_rows.len() != n || recv_rows.len() != n || send_rows.iter().sum::<usize>() != rows {
+        return Err(TpError::Config(format!(
+            "all_to_all: send_rows {send_rows:?} and recv_rows {recv_rows:?} need one entry per \
+             rank of {n}, and send_rows must add up to the input's {rows} rows"
+        )));
+    }
+    if n == 1 && send_rows == recv_rows {
+        return Ok(x);
+    }
+    let spec = AllToAllSpec {
+        send_rows: send_rows.to_vec(),
+        recv_rows: recv_rows.to_vec(),
+    };
+    into_tensor(<Dispatch as TpBackend>::tp_all_to_all(
+        x.into_dispatch(),
+        spec,
+        group.clone(),
+    ))
 }
 
 /// Copies `root`'s tensor to every rank (not differentiable: the output is detached). Every

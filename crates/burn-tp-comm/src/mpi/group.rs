@@ -283,7 +283,7 @@ impl MpiGroup {
                 .iter()
                 .map(|&c| c_int::try_from(c).ok())
                 .collect::<Option<_>>()?;
-            let at = crate::all_to_all::displacements(v)
+            let at = crate::buffer::displacements(v)
                 .into_iter()
                 .map(|a| c_int::try_from(a).ok())
                 .collect::<Option<_>>()?;

@@ -26,6 +26,7 @@
 //! | forward                 | backward                         |
 //! |-------------------------|----------------------------------|
 //! | all-gather(dim)         | reduce-scatter(dim)              |
+//! | all-to-all(send, recv)  | all-to-all(recv, send)           |
 //! | reduce-scatter(dim)     | all-gather(dim)                  |
 //! | copy-to-tp-region (id)  | all-reduce (sum)                 |
 //! | reduce-from-tp-region   | identity                         |
@@ -57,6 +58,7 @@ use burn_tp_comm::ProcessGroup;
 use fused::dropout::DropoutSpec;
 
 pub use attention::mask::{AttentionDropout, AttentionSpec};
+pub use collective::all_to_all::AllToAllSpec;
 pub use fused::norm::NormSpec;
 pub use fused::swiglu::GluActivation;
 pub use types::Collective;
@@ -80,6 +82,17 @@ pub trait TpBackend: Backend {
         group: ProcessGroup,
     ) -> PendingCollective<Self> {
         collective::host::host_start::<Self>(x, op, group)
+    }
+
+    /// Sends `send_rows[p]` rows of `x` (`[rows, ..]`, consecutive in rank order) to each rank
+    /// `p` and returns the `recv_rows[p]` rows each rank sent here, in rank order (blocking).
+    /// Backward: the reverse exchange.
+    fn tp_all_to_all(
+        x: FloatTensor<Self>,
+        spec: AllToAllSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        collective::all_to_all::host_all_to_all::<Self>(x, &spec, &group).into()
     }
 
     /// Waits for a started collective and returns its output.

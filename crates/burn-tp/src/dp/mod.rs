@@ -67,42 +67,5 @@ pub fn average_gradients<M: Module>(
 /// # Errors
 /// The first communication error.
 pub fn broadcast_parameters<M: Module>(module: M, dp_group: &ProcessGroup) -> Result<M> {
-    if dp_group.world_size() == 1 {
-        return Ok(module);
-    }
-    struct Broadcaster<'a> {
-        group: &'a ProcessGroup,
-        error: Option<TpError>,
-    }
-    impl burn::module::ModuleMapper for Broadcaster<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            // An empty parameter (a pipeline stage's unused copy) has nothing to send.
-            if self.error.is_some() || param.val().shape().num_elements() == 0 {
-                return param;
-            }
-            let group = self.group;
-            let mut error = None;
-            let param = param.map(|t| {
-                let requires_grad = t.is_require_grad();
-                match crate::ops::broadcast(t.clone(), 0, group) {
-                    Ok(b) => {
-                        let b = crate::init::owned(b);
-                        if requires_grad { b.require_grad() } else { b }
-                    }
-                    Err(e) => {
-                        error = Some(e);
-                        t
-                    }
-                }
-            });
-            self.error = error;
-            param
-        }
-    }
-    let mut mapper = Broadcaster {
-        group: dp_group,
-        error: None,
-    };
-    let module = module.map(&mut mapper);
-    mapper.error.map_or(Ok(module), Err)
+    crate::init::broadcast_module(module, dp_group)
 }

@@ -14,10 +14,8 @@
 //!
 //! Dropout (both models' attention, this one's residuals) is [`crate::dropout`].
 
-mod mlp;
-
 use crate::norm::TpRmsNorm;
-pub use mlp::{GluActivation, ParallelSwiGlu, ParallelSwiGluConfig};
+pub use crate::transformer::{GluActivation, ParallelSwiGlu, ParallelSwiGluConfig};
 
 use burn::config::Config;
 use burn::module::Module;

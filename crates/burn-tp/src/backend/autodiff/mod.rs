@@ -15,7 +15,8 @@ use crate::backend::fused::norm::{self, NormSpec};
 use crate::backend::fused::swiglu::{self, GluActivation};
 use crate::backend::matmul::overlap::{column_forward, row_forward};
 use crate::backend::{
-    Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective, TpBackend,
+    AllToAllSpec, Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective,
+    TpBackend,
 };
 
 mod nodes;
@@ -48,6 +49,47 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
             Ok(t) => CollectiveOutput::Done(<Self as AutodiffBackend>::from_inner(t)),
             Err(e) => CollectiveOutput::Failed(e),
         }
+    }
+
+    fn tp_all_to_all(
+        x: FloatTensor<Self>,
+        spec: AllToAllSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        #[derive(Debug)]
+        struct AllToAllBackward;
+        impl<B: TpBackend> Backward<B, 1> for AllToAllBackward {
+            type State = (AllToAllSpec, ProcessGroup);
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let (spec, group) = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |dy| {
+                    B::tp_all_to_all(dy, spec.reversed(), group)
+                        .into_result()
+                        .unwrap_or_else(|e| panic!("burn-tp: all-to-all backward failed: {e}"))
+                });
+            }
+        }
+        let y = match B::tp_all_to_all(x.primitive().clone(), spec.clone(), group.clone())
+            .into_result()
+        {
+            Ok(y) => y,
+            Err(e) => return CollectiveOutput::Failed(e),
+        };
+        let out = match AllToAllBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            // The adjoint needs only the counts: nothing of the tensors is kept.
+            OpsKind::Tracked(prep) => prep.finish((spec, group), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        CollectiveOutput::Done(out)
     }
 
     fn tp_start(

@@ -1,5 +1,10 @@
-//! The GPT's MLP built from the parallel linears (its norms are [`crate::norm`], the attention
-//! of both models [`crate::attention`]).
+//! The MLPs built from the parallel linears: the GPT's ([`ParallelMlp`]) and the gated one of
+//! the Llama-class models and of the experts' shared expert ([`ParallelSwiGlu`], `glu.rs`).
+//! Their norms are [`crate::norm`], the attention [`crate::attention`].
+
+mod glu;
+
+pub use glu::{GluActivation, ParallelSwiGlu, ParallelSwiGluConfig};
 
 use burn::config::Config;
 use burn::module::Module;
