@@ -106,7 +106,8 @@ impl RefLlama {
             .iter()
             .map(|b| {
                 let qkv = b.attn.qkv[0].to_full().unwrap();
-                let gate_up = b.mlp.gate_up.to_full().unwrap();
+                let mlp = b.mlp.as_ref().expect("a dense block");
+                let gate_up = mlp.gate_up.to_full().unwrap();
                 RefBlock {
                     attn_norm: b.attn_norm.to_full(),
                     q: columns(&qkv, 0, H * HD),
@@ -124,7 +125,7 @@ impl RefLlama {
                         linear_inner: columns(&gate_up, 0, FF),
                         linear_outer: columns(&gate_up, FF, FF),
                     },
-                    down: b.mlp.down.to_full().unwrap(),
+                    down: mlp.down.to_full().unwrap(),
                 }
             })
             .collect();

@@ -97,8 +97,8 @@ fn run(n_tp: usize, n_ep: usize, mode: TpMode, norm: bool) -> Vec<Seen> {
             y: f64s(y),
             dx: grad(x),
             d_router: f64s(layer.router.val().grad(&grads).unwrap()),
-            d_gate_up: grad(layer.gate_up.val()),
-            d_down: grad(layer.down.val()),
+            d_gate_up: expert_grads(&layer, &grads, |e| e.gate_up.weight.val()),
+            d_down: expert_grads(&layer, &grads, |e| e.down.weight.val()),
             aux: f64s(aux)[0],
             counts: stats.counts,
         }
@@ -106,6 +106,19 @@ fn run(n_tp: usize, n_ep: usize, mode: TpMode, norm: bool) -> Vec<Seen> {
     .unwrap();
     seen.sort_by_key(|s| (s.q, s.r));
     seen
+}
+
+/// The gradients of one weight of each of the rank's experts, one after the other.
+fn expert_grads(
+    layer: &MoeLayer,
+    grads: &burn::tensor::Gradients,
+    pick: impl Fn(&burn_tp::transformer::ParallelSwiGlu) -> Tensor<2>,
+) -> Vec<f64> {
+    layer
+        .experts
+        .iter()
+        .flat_map(|e| f64s(pick(e).grad(grads).unwrap()))
+        .collect()
 }
 
 fn silu(v: f64) -> f64 {
@@ -266,8 +279,8 @@ fn replica_alone(q: usize, norm: bool) -> Seen {
             y: f64s(y),
             dx: grad(x),
             d_router: f64s(layer.router.val().grad(&grads).unwrap()),
-            d_gate_up: grad(layer.gate_up.val()),
-            d_down: grad(layer.down.val()),
+            d_gate_up: expert_grads(&layer, &grads, |e| e.gate_up.weight.val()),
+            d_down: expert_grads(&layer, &grads, |e| e.down.weight.val()),
             aux: f64s(aux)[0],
             counts: stats.counts,
         }

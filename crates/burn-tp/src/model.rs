@@ -133,7 +133,19 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         targets: Tensor<2, Int>,
         step: Option<DropoutStep>,
     ) -> crate::Result<Tensor<1>> {
-        self.logits_loss(forward(self, ids, step)?, targets)
+        let (logits, routers) = crate::moe::record(|| forward(self, ids, step));
+        let loss = self.logits_loss(logits?, targets)?;
+        Ok(match self.router_loss(&routers) {
+            Some(aux) => loss.clone() + aux.cast(loss.dtype()),
+            None => loss,
+        })
+    }
+
+    /// The routers' losses of a forward's MoE layers (their statistics in order), added to the
+    /// training loss: none for a dense model.
+    fn router_loss(&self, stats: &[crate::moe::RouterStats]) -> Option<Tensor<1>> {
+        let _ = stats;
+        None
     }
 
     /// Vocab-sharded logits `[seq, batch, V_p / tp]` (evaluation).

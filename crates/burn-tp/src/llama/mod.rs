@@ -31,6 +31,7 @@ use crate::embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig, Voc
 use crate::linear::{LinearSpec, TpMode, TpSettings};
 use crate::loss::{CrossEntropyOptions, CrossEntropyOutput, sequence_cross_entropy};
 use crate::model::{LanguageModel, count_params};
+use crate::moe::{ExpertsConfig, MoeLayer, RouterStats};
 use crate::{Result as TpResult, TpError};
 
 /// Configuration of a [`Llama`].
@@ -103,6 +104,10 @@ pub struct LlamaConfig {
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
+    /// Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE) in the layers it says; `None`:
+    /// every MLP dense.
+    #[config(default = "None")]
+    pub experts: Option<ExpertsConfig>,
 }
 
 /// Pre-norm Llama block: `x + drop(attn(norm(x)))`, then `x + drop(mlp(norm(x)))`.
@@ -115,7 +120,9 @@ pub struct LlamaBlock {
     /// Before the MLP.
     pub mlp_norm: TpRmsNorm,
     /// SwiGLU MLP.
-    pub mlp: ParallelSwiGlu,
+    pub mlp: Option<ParallelSwiGlu>,
+    /// The mixture of experts in place of the dense MLP, in a MoE layer.
+    pub moe: Option<MoeLayer>,
 }
 
 /// What a [`Llama`] keeps of its config at run time.
@@ -129,6 +136,8 @@ pub struct LlamaOptions {
     pub dropout_seed: u64,
     /// The loss's ignore index.
     pub ignore_index: Option<i64>,
+    /// Weights of the routers' load-balancing loss and z-loss in the training loss.
+    pub router_loss: (f64, f64),
 }
 
 /// The Llama-class model.
@@ -192,6 +201,22 @@ impl LlamaConfig {
         self.init_layers(group, device, &(0..self.n_layers).collect::<Vec<_>>())
     }
 
+    /// [`init_layers`](Self::init_layers) with the experts split over `ep` as well (each rank
+    /// holds `n_experts / ep` of each MoE layer's experts; [`crate::moe`]). Collective over
+    /// `group` (tp) and `ep`.
+    ///
+    /// # Errors
+    /// As [`init`](Self::init); experts that `ep` does not divide.
+    pub fn init_expert_parallel(
+        &self,
+        group: &ProcessGroup,
+        ep: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> TpResult<Llama> {
+        self.build(group, ep, device, layers)
+    }
+
     /// [`init`](Self::init) keeping only blocks `layers` (a pipeline stage's, in order): each
     /// other block is drawn and dropped at once, so the kept ones have the whole model's
     /// weights, and no more than one block beyond them is ever held. Collective over `group`.
@@ -201,6 +226,16 @@ impl LlamaConfig {
     pub fn init_layers(
         &self,
         group: &ProcessGroup,
+        device: &Device,
+        layers: &[usize],
+    ) -> TpResult<Llama> {
+        self.build(group, &crate::reshard::solo(), device, layers)
+    }
+
+    fn build(
+        &self,
+        group: &ProcessGroup,
+        ep: &ProcessGroup,
         device: &Device,
         layers: &[usize],
     ) -> TpResult<Llama> {
@@ -236,6 +271,10 @@ impl LlamaConfig {
         let full = attn.clone().with_sliding_window(None);
         let mut kinds = self.layer_types.iter();
         crate::error::check_divisible("Llama d_ff", self.d_ff, tp)?;
+        let moe = self.experts.as_ref().map(|x| x.layer(d, settings));
+        if let Some(moe) = &moe {
+            moe.validate(tp, ep.world_size())?;
+        }
         let tok = VocabParallelEmbeddingConfig::new(self.n_vocab, d)
             .with_settings(settings)
             .with_vocab_multiple(self.vocab_multiple)
@@ -243,17 +282,35 @@ impl LlamaConfig {
         let norm = |g: &ProcessGroup| TpRmsNorm::new(d, self.norm_eps, mode, g, device);
         // One rotary table for every block (a constant: shared, not copied).
         let rope = attn.rotary_table(device);
+        // The index of the block being drawn (draw_blocks draws them all, in order).
+        let mut next = 0usize;
         let blocks = crate::decoder::draw_blocks("Llama", self.n_layers, layers, || {
+            let i = next;
+            next += 1;
+            let attn = match kinds.next() {
+                Some(LayerType::Full) => full.init_with_rope(group, device, rope.clone())?,
+                _ => attn.init_with_rope(group, device, rope.clone())?,
+            };
+            let moe = match &moe {
+                Some(moe) if self.experts.as_ref().is_some_and(|x| x.is_sparse(i)) => {
+                    Some(moe.init(group, ep, device)?)
+                }
+                _ => None,
+            };
+            let mlp = moe
+                .is_none()
+                .then(|| {
+                    ParallelSwiGluConfig::new(d, self.d_ff)
+                        .with_settings(settings)
+                        .init(group, device)
+                })
+                .transpose()?;
             Ok(LlamaBlock {
                 attn_norm: norm(group),
-                attn: match kinds.next() {
-                    Some(LayerType::Full) => full.init_with_rope(group, device, rope.clone())?,
-                    _ => attn.init_with_rope(group, device, rope.clone())?,
-                },
+                attn,
                 mlp_norm: norm(group),
-                mlp: ParallelSwiGluConfig::new(d, self.d_ff)
-                    .with_settings(settings)
-                    .init(group, device)?,
+                mlp,
+                moe,
             })
         })?;
         let spec = LinearSpec::new(settings);
@@ -274,6 +331,10 @@ impl LlamaConfig {
                 dropout: self.dropout,
                 dropout_seed: self.dropout_seed,
                 ignore_index: self.ignore_index,
+                router_loss: self
+                    .experts
+                    .as_ref()
+                    .map_or((0.0, 0.0), |x| (x.aux_loss_coef, x.z_loss_coef)),
             },
         })
     }
@@ -296,8 +357,18 @@ impl LlamaBlock {
             .attn
             .try_forward(self.attn_norm.forward(x.clone()), dropout, site)?;
         let x = x + residual_dropout(a, p, dropout, site + 1, group, mode);
-        let m = self.mlp.try_forward(self.mlp_norm.forward(x.clone()))?;
+        let m = self.ffn(self.mlp_norm.forward(x.clone()))?;
         Ok(x + residual_dropout(m, p, dropout, site + 2, group, mode))
+    }
+
+    /// The dense MLP or the mixture of experts (whose routers' statistics go to
+    /// [`crate::moe::record`]).
+    fn ffn(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        match (&self.mlp, &self.moe) {
+            (_, Some(moe)) => Ok(moe.try_forward(x)?.0),
+            (Some(mlp), None) => mlp.try_forward(x),
+            (None, None) => Err(TpError::Config("Llama block without an MLP".into())),
+        }
     }
 }
 
@@ -322,7 +393,8 @@ impl Llama {
                     attn_norm: b.attn_norm.in_mode(mode),
                     attn: b.attn.in_mode(mode),
                     mlp_norm: b.mlp_norm.in_mode(mode),
-                    mlp: b.mlp.in_mode(mode),
+                    mlp: b.mlp.map(|m| m.in_mode(mode)),
+                    moe: b.moe.map(|m| m.in_mode(mode)),
                 })
                 .collect(),
             norm: self.norm.in_mode(mode),
@@ -402,7 +474,12 @@ impl Llama {
         loss_mask: Option<Tensor<2>>,
         step: Option<DropoutStep>,
     ) -> TpResult<CrossEntropyOutput> {
-        self.loss_of_logits(self.try_forward(ids, step)?, targets, loss_mask)
+        let (logits, routers) = crate::moe::record(|| self.try_forward(ids, step));
+        let mut out = self.loss_of_logits(logits?, targets, loss_mask)?;
+        if let Some(aux) = self.router_loss(&routers) {
+            out.mean = out.mean.clone() + aux.cast(out.mean.dtype());
+        }
+        Ok(out)
     }
 
     /// The cross-entropy of vocab-sharded `logits` (`[seq, batch, V_p / tp]`), as
@@ -436,12 +513,17 @@ impl DecoderBlock for LlamaBlock {
     }
 
     fn mlp(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
-        self.mlp.try_forward(x)
+        self.ffn(x)
     }
 }
 
 impl LanguageModel for Llama {
     crate::model::family_parts!("Llama", LlamaConfig, LlamaBlock);
+
+    fn router_loss(&self, stats: &[RouterStats]) -> Option<Tensor<1>> {
+        let (aux, z) = self.options.router_loss;
+        crate::moe::router_loss(stats, aux, z)
+    }
 
     fn final_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.norm.forward(x)
@@ -489,7 +571,8 @@ crate::reshard::reshard_fields!(LlamaBlock {
     attn_norm,
     attn,
     mlp_norm,
-    mlp
+    mlp,
+    moe
 });
 
 crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options, block_ids });

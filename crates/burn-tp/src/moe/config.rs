@@ -18,6 +18,55 @@ type TpResult<T> = std::result::Result<T, TpError>;
 /// Burn's `LinearConfig` default gain (`1 / sqrt(3)`), as the parallel linears use.
 const INIT_GAIN: f64 = 0.577_350_269_189_625_8;
 
+/// The experts of a model whose MLPs are (some of them) mixtures of experts: what a
+/// Llama-class config carries (Mixtral's, Qwen2-MoE's and Qwen3-MoE's fields).
+#[derive(Config, Debug, PartialEq)]
+pub struct ExpertsConfig {
+    /// Experts per MoE layer (`num_local_experts`, `num_experts`).
+    pub n_experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Each expert's hidden width (`moe_intermediate_size`; Mixtral's `intermediate_size`).
+    pub d_ff: usize,
+    /// Renormalize the chosen experts' weights (`norm_topk_prob`; Mixtral always).
+    #[config(default = true)]
+    pub norm_topk_prob: bool,
+    /// Qwen2-MoE's shared expert width (`shared_expert_intermediate_size`), if any.
+    #[config(default = "None")]
+    pub shared_expert: Option<usize>,
+    /// Every `sparse_step`-th layer is a MoE layer (`decoder_sparse_step`: layer `i` when
+    /// `(i + 1) % sparse_step == 0`).
+    #[config(default = 1)]
+    pub sparse_step: usize,
+    /// Layers kept dense (`mlp_only_layers`).
+    #[config(default = "Vec::new()")]
+    pub mlp_only_layers: Vec<usize>,
+    /// Weight of the load-balancing loss in the training loss (`router_aux_loss_coef` when
+    /// `output_router_logits`; 0: off).
+    #[config(default = 0.0)]
+    pub aux_loss_coef: f64,
+    /// Weight of the router z-loss (0: off).
+    #[config(default = 0.0)]
+    pub z_loss_coef: f64,
+}
+
+impl ExpertsConfig {
+    /// Whether layer `layer` is a MoE layer (else dense).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.sparse_step > 0
+            && (layer + 1).is_multiple_of(self.sparse_step)
+            && !self.mlp_only_layers.contains(&layer)
+    }
+
+    /// The MoE layer of a model of width `d_model`.
+    pub fn layer(&self, d_model: usize, settings: TpSettings) -> MoeConfig {
+        MoeConfig::new(d_model, self.n_experts, self.top_k, self.d_ff)
+            .with_norm_topk_prob(self.norm_topk_prob)
+            .with_shared_expert(self.shared_expert)
+            .with_settings(settings)
+    }
+}
+
 /// Configuration of a [`MoeLayer`].
 #[derive(Config, Debug)]
 pub struct MoeConfig {
@@ -153,8 +202,7 @@ impl MoeConfig {
         self.init_with(full, shared, tp, ep)
     }
 
-    /// A layer from the full weights (each rank keeps its experts and its tp columns of
-    /// each) and, if the config has one, the shared expert with its full gate `[d_model, 1]`.
+    /// A layer from the full weights (each rank keeps its experts, each split over tp) and, if the config has one, the shared expert with its full gate `[d_model, 1]`.
     ///
     /// # Errors
     /// [`validate`](Self::validate)'s; [`TpError::Config`] for weights of other shapes.
@@ -178,25 +226,25 @@ impl MoeConfig {
                 self.shared_expert.is_some()
             )));
         }
-        // This rank's experts, and its tp columns of each: [gate_r | up_r] and down's rows r.
-        let (per, q, r, w) = (e / n_ep, ep.rank(), tp.rank(), f / n_tp);
-        let gate_up = full.gate_up.narrow(0, q * per, per);
-        let gate_up = Tensor::cat(
-            vec![
-                gate_up.clone().narrow(2, r * w, w),
-                gate_up.narrow(2, f + r * w, w),
-            ],
-            2,
-        );
-        let down = full.down.narrow(0, q * per, per).narrow(1, r * w, w);
+        // This rank's experts, each split over tp as the dense gated MLP is.
+        let per = e / n_ep;
+        let expert = ParallelSwiGluConfig::new(d, f)
+            .with_activation(self.activation)
+            .with_settings(self.settings);
+        let experts = (ep.rank() * per..(ep.rank() + 1) * per)
+            .map(|x| {
+                let gate_up = full.gate_up.clone().narrow(0, x, 1).reshape([d, 2 * f]);
+                let down = full.down.clone().narrow(0, x, 1).reshape([f, d]);
+                expert.init_from(gate_up, down, tp)
+            })
+            .collect::<TpResult<Vec<_>>>()?;
         let (shared, shared_gate) = match shared {
             Some((mlp, gate)) => (Some(mlp), Some(Param::from_tensor(owned(gate)))),
             None => (None, None),
         };
         Ok(MoeLayer {
             router: Param::from_tensor(owned(full.router)),
-            gate_up: Param::from_tensor(owned(gate_up)),
-            down: Param::from_tensor(owned(down)),
+            experts,
             shared,
             shared_gate,
             tp: tp.clone(),

@@ -32,11 +32,11 @@ pub(crate) struct MoeOptions {
 pub struct MoeLayer {
     /// The router, `[d_model, n_experts]`, replicated.
     pub router: Param<Tensor<2>>,
-    /// This rank's experts' gate and up, `[n_experts / ep, d_model, 2 d_ff / tp]`
-    /// (`[gate_r | up_r]` per expert).
-    pub gate_up: Param<Tensor<3>>,
-    /// This rank's experts' down, `[n_experts / ep, d_ff / tp, d_model]`.
-    pub down: Param<Tensor<3>>,
+    /// This rank's experts (`n_experts / ep`, from expert `ep_rank * n_experts / ep`), each
+    /// split over tp: gate / up `[d_model, 2 d_ff / tp]` (`[gate_r | up_r]`), down
+    /// `[d_ff / tp, d_model]`. Only their weights are used: the tp reduction is the layer's,
+    /// once for all the experts.
+    pub experts: Vec<ParallelSwiGlu>,
     /// Qwen2-MoE's shared expert (tensor parallel as the dense MLP).
     pub shared: Option<ParallelSwiGlu>,
     /// The shared expert's gate, `[d_model, 1]`, replicated.
@@ -120,6 +120,7 @@ impl MoeLayer {
             let g = sigmoid(rows.matmul(replicated_param(gate, mode, tp))).reshape([a, b, 1]);
             y = y + shared.try_forward(x)? * g;
         }
+        super::record::log(&stats);
         Ok((y, stats))
     }
 
@@ -194,32 +195,54 @@ impl MoeLayer {
     /// This rank's experts on rows grouped by local expert (`counts[i]` rows of expert `i`):
     /// one GEMM per expert over its contiguous rows, `[rows, d] -> [rows, d]`, partial over tp.
     fn run_local(&self, x: Tensor<2>, counts: &[usize]) -> Tensor<2> {
-        let (gate_up, down) = (self.gate_up.val(), self.down.val());
-        let [_, d, w2] = gate_up.dims();
-        let w = w2 / 2;
         let mut outs = Vec::with_capacity(counts.len());
         let mut at = 0;
-        for (i, &n) in counts.iter().enumerate() {
+        for (expert, &n) in self.experts.iter().zip(counts) {
             if n == 0 {
                 continue;
             }
             let xi = x.clone().narrow(0, at, n);
             at += n;
-            let gu = gate_up.clone().narrow(0, i, 1).reshape([d, w2]);
-            let h = crate::ops::matmul(xi, gu);
+            let h = crate::ops::matmul(xi, expert.gate_up.weight.val());
             let h = Tensor::<2>::from_dispatch(<Dispatch as TpBackend>::tp_glu(
                 h.into_dispatch(),
                 self.options.activation,
             ));
-            let dn = down.clone().narrow(0, i, 1).reshape([w, d]);
-            outs.push(crate::ops::matmul(h, dn));
+            outs.push(crate::ops::matmul(h, expert.down.weight.val()));
         }
         if outs.is_empty() {
             // No token here: the experts still get a (zero) gradient, so every rank's
             // gradients name the same parameters (the data-parallel buckets wait for them).
-            let nothing = (gate_up.sum() + down.sum()).mul_scalar(0.0).reshape([1, 1]);
+            let nothing = self
+                .experts
+                .iter()
+                .map(|e| e.gate_up.weight.val().sum() + e.down.weight.val().sum())
+                .reduce(|a, b| a + b)
+                .expect("a rank holds at least one expert")
+                .mul_scalar(0.0)
+                .reshape([1, 1]);
             return x.narrow(0, 0, 0) + nothing;
         }
         Tensor::cat(outs, 0)
+    }
+}
+
+crate::reshard::reshard_fields!(
+    MoeLayer { router, experts, shared, shared_gate },
+    group: tp,
+    keep: { ep, options }
+);
+
+impl crate::linear::InMode for MoeLayer {
+    fn in_mode(self, mode: TpMode) -> Self {
+        Self {
+            experts: self.experts.into_iter().map(|e| e.in_mode(mode)).collect(),
+            shared: self.shared.map(|s| s.in_mode(mode)),
+            options: MoeOptions {
+                mode,
+                ..self.options
+            },
+            ..self
+        }
     }
 }

@@ -30,12 +30,15 @@
 //! |---|---|
 //! | `config.rs` | [`MoeConfig`], the checks, the draws of the experts' weights |
 //! | `route.rs` | the router: softmax, top-k, weights, [`RouterStats`], [`aux_loss`] |
+//! | `record.rs` | the routers' statistics of a forward ([`record`]) and [`router_loss`] |
 //! | `layer.rs` | [`MoeLayer`]: dispatch, the experts, combine |
 
 mod config;
 mod layer;
+mod record;
 mod route;
 
-pub use config::{MoeConfig, MoeWeights};
+pub use config::{ExpertsConfig, MoeConfig, MoeWeights};
 pub use layer::MoeLayer;
+pub use record::{record, router_loss};
 pub use route::{RouterStats, aux_loss};

@@ -67,7 +67,59 @@ impl ParallelSwiGluConfig {
     }
 }
 
+impl ParallelSwiGluConfig {
+    /// This rank's shards of full weights: `gate_up` `[d_model, 2 d_ff]` (`[gate | up]`) and
+    /// `down` `[d_ff, d_model]` (Burn's `[in, out]`, no biases).
+    ///
+    /// # Errors
+    /// As [`init`](Self::init); weights of other shapes.
+    pub fn init_from(
+        &self,
+        gate_up: Tensor<2>,
+        down: Tensor<2>,
+        group: &ProcessGroup,
+    ) -> TpResult<ParallelSwiGlu> {
+        let (d, f) = (self.d_model, self.d_ff);
+        if gate_up.dims() != [d, 2 * f] || down.dims() != [f, d] {
+            return Err(crate::TpError::Config(format!(
+                "ParallelSwiGlu: gate_up {:?} and down {:?} for d_model {d}, d_ff {f} (want \
+                 [{d}, {}] and [{f}, {d}])",
+                gate_up.dims(),
+                down.dims(),
+                2 * f
+            )));
+        }
+        let linear = |w: Tensor<2>| burn::nn::Linear {
+            weight: burn::module::Param::from_tensor(w),
+            bias: None,
+        };
+        Ok(ParallelSwiGlu {
+            gate_up: ColumnParallelLinear::from_full(
+                &linear(gate_up),
+                group,
+                &ColumnParallelLinearConfig::new(d, 2 * f)
+                    .with_bias(false)
+                    .with_parts(vec![FusedPart::new(f), FusedPart::new(f)])
+                    .with_settings(self.settings),
+            )?,
+            down: RowParallelLinear::from_full(
+                &linear(down),
+                group,
+                &RowParallelLinearConfig::new(f, d)
+                    .with_bias(false)
+                    .with_settings(self.settings),
+            )?,
+            activation: self.activation,
+        })
+    }
+}
+
 impl ParallelSwiGlu {
+    /// The gate's activation.
+    pub fn activation(&self) -> GluActivation {
+        self.activation
+    }
+
     /// `[s(/tp), b, d_model] -> [s(/tp), b, d_model]`.
     ///
     /// # Panics
