@@ -341,3 +341,124 @@ fn moe_layer_passes_a_finite_difference_gradcheck_over_ep() {
         .unwrap();
     }
 }
+
+/// A Llama whose second block is a mixture of experts (Qwen2-MoE's shape: a shared expert
+/// behind its gate; the first block dense, `mlp_only_layers`), the aux and z-losses on.
+fn moe_llama(mode: TpMode) -> burn_tp::llama::LlamaConfig {
+    use burn_tp::moe::ExpertsConfig;
+    burn_tp::llama::LlamaConfig::new(40, 16, 16, 4, 2, 2, 32)
+        .with_experts(Some(
+            ExpertsConfig::new(4, 2, 16)
+                .with_shared_expert(Some(16))
+                .with_mlp_only_layers(vec![0])
+                .with_aux_loss_coef(0.05)
+                .with_z_loss_coef(0.01),
+        ))
+        .with_settings(TpSettings::new().with_mode(mode).with_attention_tile(4))
+}
+
+#[test]
+fn a_moe_llama_gives_the_unsplit_losses_and_gradients_at_every_tp_x_ep() {
+    use super::common::{full_grads, param_values, token_ids};
+    use burn::module::Module;
+    use burn::tensor::{Int, TensorData};
+    use burn_tp::llama::Llama;
+    use burn_tp::model::LanguageModel;
+    use burn_tp::reshard::Reshard;
+    let _lock = super::common::rng_lock();
+    for (n_tp, n_ep, mode) in [
+        (1, 2, TpMode::AllReduce),
+        (2, 2, TpMode::AllReduce),
+        (2, 2, TpMode::ReduceScatter),
+        (1, 4, TpMode::AllReduce),
+    ] {
+        super::common::device().seed(7);
+        run_local(n_tp * n_ep, move |world| {
+            let (q, r) = (world.rank() / n_tp, world.rank() % n_tp);
+            let tp = world.split(q, r).unwrap();
+            let ep = world.split(n_ep + r, q).unwrap();
+            let solo = world.split(world.rank(), 0).unwrap();
+            let device = super::common::device();
+            // The unsplit model, the same on every rank (world rank 0's draws).
+            let full = moe_llama(mode).init(&solo, &device).unwrap();
+            let full = burn_tp::dp::broadcast_parameters(full, &world).unwrap();
+            // Replica q's batch: [seq 8, batch 2].
+            let ids = |add: i64| {
+                let v = token_ids(16, 40, 7, add + 3 * q as i64);
+                Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device)
+            };
+            let (x, y) = (ids(0), ids(1));
+            let loss_of = |m: &Llama| {
+                let loss = LanguageModel::loss(m, x.clone(), y.clone(), None).unwrap();
+                let value = f64s(loss.clone())[0];
+                (value, loss.backward())
+            };
+            let (want, g_full) = loss_of(&full);
+            let want_grads = full.clone().map(&mut super::common::ToGrads(&g_full));
+            let model = Llama::shard_module(&full, &tp)
+                .unwrap()
+                .expert_parallel(&ep)
+                .unwrap();
+            let (got, g) = loss_of(&model);
+            let got_grads = full_grads(&model, &g);
+            let at = format!("tp {n_tp} x ep {n_ep} {mode:?}, replica {q} tp rank {r}");
+            assert_close(&[got], &[want], 1e-5, &format!("{at}: loss"));
+            let same = |a: Vec<Vec<f64>>, b: Vec<Vec<f64>>, what: &str| {
+                for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                    assert_close(a, b, 1e-4, &format!("{at}: {what} {i}"));
+                }
+            };
+            same(
+                param_values(&got_grads.tok),
+                param_values(&want_grads.tok),
+                "tok",
+            );
+            same(
+                param_values(&got_grads.norm),
+                param_values(&want_grads.norm),
+                "norm",
+            );
+            for (b, (gb, wb)) in got_grads.blocks.iter().zip(&want_grads.blocks).enumerate() {
+                same(
+                    param_values(&gb.attn),
+                    param_values(&wb.attn),
+                    &format!("block {b} attn"),
+                );
+                same(
+                    param_values(&gb.mlp),
+                    param_values(&wb.mlp),
+                    &format!("block {b} mlp"),
+                );
+                let (Some(gm), Some(wm)) = (&gb.moe, &wb.moe) else {
+                    assert!(gb.moe.is_none() && wb.moe.is_none(), "{at}: block {b}");
+                    continue;
+                };
+                same(param_values(&gm.router), param_values(&wm.router), "router");
+                same(param_values(&gm.shared), param_values(&wm.shared), "shared");
+                same(
+                    param_values(&gm.shared_gate),
+                    param_values(&wm.shared_gate),
+                    "gate",
+                );
+                // Each local expert's gradient: the sum over every replica's tokens.
+                let flat = |m: &burn_tp::transformer::ParallelSwiGlu| -> Vec<f64> {
+                    param_values(m).into_iter().flatten().collect()
+                };
+                let all: Vec<f64> = wm.experts.iter().flat_map(flat).collect();
+                let summed = ep.all_reduce(all, burn_tp::comm::ReduceOp::Sum).unwrap();
+                let (per, size) = (4 / n_ep, summed.len() / 4);
+                for (j, expert) in gm.experts.iter().enumerate() {
+                    let e = q * per + j;
+                    let want = &summed[e * size..(e + 1) * size];
+                    assert_close(
+                        &flat(expert),
+                        want,
+                        1e-4,
+                        &format!("{at}: block {b} expert {e}"),
+                    );
+                }
+            }
+        })
+        .unwrap();
+    }
+}

@@ -405,6 +405,25 @@ impl Llama {
         }
     }
 
+    /// The model with each MoE layer's experts split over `ep` ([`MoeLayer::keep_experts`]):
+    /// from a model built or loaded at ep = 1, identical on the ep ranks. No communication.
+    ///
+    /// # Errors
+    /// As [`MoeLayer::keep_experts`].
+    pub fn expert_parallel(mut self, ep: &ProcessGroup) -> TpResult<Self> {
+        self.blocks = self
+            .blocks
+            .into_iter()
+            .map(|b| {
+                Ok(LlamaBlock {
+                    moe: b.moe.map(|m| m.keep_experts(ep)).transpose()?,
+                    ..b
+                })
+            })
+            .collect::<TpResult<_>>()?;
+        Ok(self)
+    }
+
     /// Vocab-sharded logits without dropout (evaluation).
     ///
     /// # Shapes

@@ -124,6 +124,36 @@ impl MoeLayer {
         Ok((y, stats))
     }
 
+    /// The layer with its experts split over `ep`: this rank keeps experts
+    /// `ep_rank * n_experts / ep ..` of the whole set it holds (a layer built or loaded at
+    /// ep = 1, identical on the ep ranks), the rest is dropped. No communication.
+    ///
+    /// # Errors
+    /// [`TpError::Config`](crate::TpError::Config) if the layer is already split or `ep` does
+    /// not divide the experts.
+    pub fn keep_experts(self, ep: &ProcessGroup) -> Result<Self> {
+        let (e, n_ep) = (self.options.n_experts, ep.world_size());
+        if self.experts.len() != e || !e.is_multiple_of(n_ep) {
+            return Err(crate::TpError::Config(format!(
+                "MoE: keep_experts over ep = {n_ep} of a layer holding {} of its {e} experts \
+                 (it needs all of them, and ep must divide them)",
+                self.experts.len()
+            )));
+        }
+        let per = e / n_ep;
+        let experts = self
+            .experts
+            .into_iter()
+            .skip(ep.rank() * per)
+            .take(per)
+            .collect();
+        Ok(Self {
+            experts,
+            ep: ep.clone(),
+            ..self
+        })
+    }
+
     /// The routed part of the layer on `x` (`[tokens, d]`), each token's `top_k` experts in
     /// `experts` (`[tokens * top_k]`) weighted by `weights` (`[tokens, top_k]`):
     /// `[tokens, d]`, partial over tp (each rank ran its columns of every expert).

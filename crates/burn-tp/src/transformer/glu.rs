@@ -90,7 +90,7 @@ impl ParallelSwiGluConfig {
             )));
         }
         let linear = |w: Tensor<2>| burn::nn::Linear {
-            weight: burn::module::Param::from_tensor(w),
+            weight: burn::module::Param::from_tensor(w.detach()),
             bias: None,
         };
         Ok(ParallelSwiGlu {
