@@ -98,6 +98,9 @@ fn import_export_import_is_bit_exact() {
         "mistral_window",
         "qwen2_layers",
         "phi3",
+        "mixtral",
+        "qwen3_moe",
+        "qwen2_moe",
     ] {
         round_trip(init_llama, name);
     }

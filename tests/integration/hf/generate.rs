@@ -87,6 +87,8 @@ fn kv_cache_decoding_equals_full_recompute_and_transformers() {
         "mistral_window",
         "qwen2_layers",
         "phi3",
+        "mixtral",
+        "qwen2_moe",
     ] {
         check(init_llama, name);
     }
@@ -519,6 +521,7 @@ fn batched_generation_gives_each_prompt_what_it_gives_alone() {
         "mistral_window",
         "qwen2_layers",
         "phi3",
+        "qwen3_moe",
     ] {
         imported(init_llama, name);
     }

@@ -22,6 +22,9 @@ fn hugging_face_models_give_the_logits_and_tokens_of_transformers_at_every_tp() 
         "gemma2",
         "gemma3",
         "gemma3_capped",
+        "mixtral",
+        "qwen3_moe",
+        "qwen2_moe",
     ] {
         let dir = fixture(name);
         let want = expected(&dir);
@@ -453,4 +456,63 @@ fn gemma_gives_transformers_logits_in_every_mode_and_kernel() {
             );
         }
     }
+}
+
+#[test]
+fn moe_configs_read_as_transformers_wrote_them() {
+    use burn_tp::moe::ExpertsConfig;
+    let experts = |name: &str| {
+        let c = HfConfig::from_dir(&fixture(name)).unwrap();
+        (c.architecture, c.experts.unwrap())
+    };
+    // Mixtral: every layer sparse, its experts as wide as `intermediate_size`, always
+    // renormalized; no aux loss without `output_router_logits`.
+    assert_eq!(
+        experts("mixtral"),
+        (HfArchitecture::Mixtral, ExpertsConfig::new(4, 2, 48))
+    );
+    let (arch, x) = experts("qwen3_moe");
+    assert_eq!(arch, HfArchitecture::Qwen3Moe);
+    assert_eq!(
+        x,
+        ExpertsConfig::new(4, 2, 24).with_mlp_only_layers(vec![0])
+    );
+    assert!(!x.is_sparse(0) && x.is_sparse(1));
+    let (arch, x) = experts("qwen2_moe");
+    assert_eq!(arch, HfArchitecture::Qwen2Moe);
+    assert_eq!(
+        x,
+        ExpertsConfig::new(4, 2, 24)
+            .with_norm_topk_prob(false)
+            .with_shared_expert(Some(40))
+    );
+    // Errors naming the field and the values.
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("qwen2_moe").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("burn-tp-hf-moe-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (field, value, says) in [
+        (
+            "num_experts_per_tok",
+            serde_json::json!(5),
+            "`num_experts_per_tok` = 5",
+        ),
+        ("num_experts", serde_json::Value::Null, "`num_experts`"),
+        ("output_router_logits", serde_json::json!(true), ""),
+    ] {
+        let mut v = base.clone();
+        v[field] = value;
+        std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
+        match HfConfig::from_dir(&dir) {
+            Err(e) => assert!(
+                !says.is_empty() && e.to_string().contains(says),
+                "{field}: {e}"
+            ),
+            // With `output_router_logits` the config's coefficient weighs the aux loss.
+            Ok(c) => assert_eq!(c.experts.unwrap().aux_loss_coef, 0.001, "{field}"),
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -14,6 +14,7 @@ use crate::error::file_error;
 use crate::gemma::GemmaConfig;
 use crate::linear::TpSettings;
 use crate::llama::LlamaConfig;
+use crate::moe::ExpertsConfig;
 
 /// A Hugging Face `config.json` of the Llama family, read and checked.
 #[derive(Clone, Debug, PartialEq)]
@@ -75,6 +76,9 @@ pub struct HfConfig {
     /// list, or null; absent ones left out), written back as they were by the export; empty
     /// for a model built in burn-tp.
     pub token_ids: Vec<(String, Value)>,
+    /// The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; [`crate::moe`]); `None` for a
+    /// dense model.
+    pub experts: Option<ExpertsConfig>,
 }
 
 impl HfConfig {
@@ -199,6 +203,10 @@ impl HfConfig {
             }
         }
         let layers = usize_field("num_hidden_layers")?;
+        let experts = super::moe::experts(v, architecture, path)?;
+        // A mixture of experts reads as its dense architecture but for its MLPs.
+        let architecture_moe = architecture;
+        let architecture = architecture.dense();
         let (sliding_window, layer_types) = if gemma {
             gemma_checks(v, path)?;
             let window = v.get("sliding_window").and_then(Value::as_u64);
@@ -265,7 +273,7 @@ impl HfConfig {
         let attention_dropout = dropout(&["attention_dropout"])?;
         let residual_dropout = dropout(&["resid_pdrop", "hidden_dropout"])?;
         Ok(Self {
-            architecture,
+            architecture: architecture_moe,
             vocab_size: usize_field("vocab_size")?,
             hidden_size: hidden,
             num_attention_heads: heads,
@@ -304,6 +312,7 @@ impl HfConfig {
                 .into_iter()
                 .filter_map(|k| Some((k.to_string(), v.get(k)?.clone())))
                 .collect(),
+            experts,
         })
     }
 
@@ -311,7 +320,9 @@ impl HfConfig {
     /// q / k norms, `Qwen2ForCausalLM` for q, k and v biases without an output bias,
     /// `MistralForCausalLM` for a sliding window, else `LlamaForCausalLM`.
     pub fn from_llama(c: &LlamaConfig) -> Self {
-        let architecture = if c.qk_norm {
+        let architecture = if let Some(x) = &c.experts {
+            super::moe::architecture(c, x)
+        } else if c.qk_norm {
             HfArchitecture::Qwen3
         } else if c.qkv_bias && !c.out_bias {
             HfArchitecture::Qwen2
@@ -346,6 +357,7 @@ impl HfConfig {
             attention_dropout: c.attention_dropout.unwrap_or(c.dropout),
             residual_dropout: c.dropout,
             token_ids: Vec::new(),
+            experts: c.experts.clone(),
         }
     }
 
@@ -373,6 +385,7 @@ impl HfConfig {
         .with_layer_types(self.layer_types.clone())
         .with_dropout(self.residual_dropout)
         .with_attention_dropout(Some(self.attention_dropout))
+        .with_experts(self.experts.clone())
         .with_settings(settings)
     }
 }
@@ -422,6 +435,7 @@ impl HfConfig {
             attention_dropout: c.attention_dropout.unwrap_or(c.dropout),
             residual_dropout: c.dropout,
             token_ids: Vec::new(),
+            experts: None,
         })
     }
 
@@ -512,8 +526,11 @@ fn sliding_window(
     let window = v.get("sliding_window").and_then(Value::as_u64);
     let window = match architecture {
         HfArchitecture::Llama | HfArchitecture::Gemma2 | HfArchitecture::Gemma3 => None,
-        HfArchitecture::Mistral | HfArchitecture::Phi3 => window,
-        HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
+        HfArchitecture::Mistral | HfArchitecture::Phi3 | HfArchitecture::Mixtral => window,
+        HfArchitecture::Qwen2
+        | HfArchitecture::Qwen3
+        | HfArchitecture::Qwen2Moe
+        | HfArchitecture::Qwen3Moe => {
             let on = v.get("use_sliding_window").and_then(Value::as_bool) == Some(true);
             window.filter(|_| on)
         }
@@ -526,7 +543,7 @@ fn sliding_window(
             .iter()
             .map(|t| t.as_str() == Some("sliding_attention"))
             .collect(),
-        None => match architecture {
+        None => match architecture.dense() {
             HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
                 let from = v
                     .get("max_window_layers")

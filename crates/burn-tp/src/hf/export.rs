@@ -238,11 +238,16 @@ fn write_hf<M: Module>(full: &M, config: &HfConfig, dir: &Path) -> Result<()> {
         });
     }
     let window = serde_json::json!(config.sliding_window);
-    match config.architecture {
+    let dense = config.architecture.dense();
+    match dense {
         HfArchitecture::Qwen2 | HfArchitecture::Qwen3 => {
             // Every layer from the first, or none; or those its layer types say.
             json["use_sliding_window"] = serde_json::json!(config.sliding_window.is_some());
             json["sliding_window"] = window;
+            if config.architecture == HfArchitecture::Qwen2Moe && config.sliding_window.is_none() {
+                // As transformers writes it (0: none), not null.
+                json["sliding_window"] = serde_json::json!(0);
+            }
             let first = config
                 .layer_types
                 .iter()
@@ -252,7 +257,7 @@ fn write_hf<M: Module>(full: &M, config: &HfConfig, dir: &Path) -> Result<()> {
             if !config.layer_types.is_empty() {
                 json["layer_types"] = serde_json::json!(layer_type_names(&config.layer_types));
             }
-            if config.architecture == HfArchitecture::Qwen3 {
+            if dense == HfArchitecture::Qwen3 {
                 json["attention_bias"] = serde_json::json!(config.out_bias);
             }
         }
@@ -264,6 +269,12 @@ fn write_hf<M: Module>(full: &M, config: &HfConfig, dir: &Path) -> Result<()> {
         }
         HfArchitecture::Llama => json["attention_bias"] = serde_json::json!(config.out_bias),
         HfArchitecture::Gemma2 | HfArchitecture::Gemma3 => gemma_json(&mut json, config),
+        HfArchitecture::Mixtral | HfArchitecture::Qwen2Moe | HfArchitecture::Qwen3Moe => {
+            unreachable!("dense() is a dense architecture")
+        }
+    }
+    if let Some(x) = &config.experts {
+        super::moe::write(&mut json, config.architecture, x);
     }
     // The imported model's own special ids (a model built here has none: Phi-3's and Gemma's
     // defaults, 32000 and 0..2, could be past a small vocabulary, so null).

@@ -5,7 +5,7 @@
 //! `post_attention_layernorm` (which is then the attention's own, not the MLP's), and
 //! `post_feedforward_layernorm` after the MLP.
 
-use super::{HfArchitecture, HfConfig};
+use super::{HfArchitecture, HfConfig, moe};
 
 /// One HF tensor (or rows of one: Phi-3's fused tensors) in a concatenation: its name, its first
 /// row, its rows, and the head size of a rotary permutation to apply to them (q and k).
@@ -60,13 +60,31 @@ pub(super) fn expected_shapes(c: &HfConfig) -> Vec<(String, Vec<usize>)> {
             out.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
             out.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
         }
-        if fused(c) {
+        if let Some(x) = c.experts.as_ref().filter(|x| x.is_sparse(i)) {
+            let names = moe::names(c.architecture);
+            let m = format!("{p}.{}", names.module);
+            out.push((format!("{m}.gate.weight"), vec![x.n_experts, d]));
+            let [gate, up, down] = names.projections;
+            for e in 0..x.n_experts {
+                out.push((format!("{m}.experts.{e}.{gate}.weight"), vec![x.d_ff, d]));
+                out.push((format!("{m}.experts.{e}.{up}.weight"), vec![x.d_ff, d]));
+                out.push((format!("{m}.experts.{e}.{down}.weight"), vec![d, x.d_ff]));
+            }
+            if let Some(w) = x.shared_expert {
+                out.push((format!("{m}.shared_expert.gate_proj.weight"), vec![w, d]));
+                out.push((format!("{m}.shared_expert.up_proj.weight"), vec![w, d]));
+                out.push((format!("{m}.shared_expert.down_proj.weight"), vec![d, w]));
+                out.push((format!("{m}.shared_expert_gate.weight"), vec![1, d]));
+            }
+        } else if fused(c) {
             out.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ff, d]));
         } else {
             out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
             out.push((format!("{p}.mlp.up_proj.weight"), vec![ff, d]));
         }
-        out.push((format!("{p}.mlp.down_proj.weight"), vec![d, ff]));
+        if !c.experts.as_ref().is_some_and(|x| x.is_sparse(i)) {
+            out.push((format!("{p}.mlp.down_proj.weight"), vec![d, ff]));
+        }
     }
     out.push(("model.norm.weight".into(), vec![d]));
     if !c.tie_word_embeddings {
@@ -157,6 +175,10 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
                 false,
             ));
         }
+        if let Some(x) = c.experts.as_ref().filter(|x| x.is_sparse(i)) {
+            moe_sources(&mut out, c, &p, x);
+            continue;
+        }
         let ff = c.intermediate_size;
         let gate_up = if fused(c) {
             [("gate_up_proj", 0), ("gate_up_proj", ff)]
@@ -189,6 +211,40 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
         out.push(rows("lm_head.weight", true));
     }
     out
+}
+
+/// A MoE layer's parameters in visiting order ([`crate::moe::MoeLayer`]): the router, each
+/// expert's gate / up and down, the shared expert's, its gate.
+fn moe_sources(out: &mut Vec<Source>, c: &HfConfig, p: &str, x: &crate::moe::ExpertsConfig) {
+    let names = moe::names(c.architecture);
+    let m = format!("{p}.{}", names.module);
+    let gated = |out: &mut Vec<Source>, prefix: String, [gate, up, down]: [&str; 3], width| {
+        out.push(Source::Rows {
+            parts: [gate, up]
+                .map(|proj| Part {
+                    name: format!("{prefix}.{proj}.weight"),
+                    offset: 0,
+                    rows: width,
+                    rope_head_dim: None,
+                })
+                .into(),
+            transpose: true,
+        });
+        out.push(Source::Columns {
+            name: format!("{prefix}.{down}.weight"),
+        });
+    };
+    // Replicated `[in, out]` weights whose rows (ours) are HF's columns.
+    let router = |name: String| Source::Columns { name };
+    out.push(router(format!("{m}.gate.weight")));
+    for e in 0..x.n_experts {
+        gated(out, format!("{m}.experts.{e}"), names.projections, x.d_ff);
+    }
+    if let Some(w) = x.shared_expert {
+        let projections = ["gate_proj", "up_proj", "down_proj"];
+        gated(out, format!("{m}.shared_expert"), projections, w);
+        out.push(router(format!("{m}.shared_expert_gate.weight")));
+    }
 }
 
 /// HF's rotate-half order to Burn's interleaved pairs, within each head of `hd` rows:

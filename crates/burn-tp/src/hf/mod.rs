@@ -42,6 +42,7 @@ mod export;
 mod gemma;
 mod import;
 mod mapping;
+mod moe;
 
 use crate::error::file_error;
 
