@@ -462,3 +462,124 @@ fn a_moe_llama_gives_the_unsplit_losses_and_gradients_at_every_tp_x_ep() {
         .unwrap();
     }
 }
+
+/// A rank's view of a MoE Llama: its non-expert parameters (tp gathered) and its experts' by
+/// (block, global expert).
+type Split = (Vec<Vec<f64>>, Vec<((usize, usize), Vec<f64>)>);
+
+fn split_params(model: &burn_tp::llama::Llama, first_expert: usize) -> Split {
+    use super::common::param_values;
+    use burn_tp::reshard::Reshard;
+    let full = model.to_full_module().unwrap();
+    let mut dense = param_values(&full.tok);
+    dense.extend(param_values(&full.norm));
+    let mut experts = Vec::new();
+    for (b, block) in full.blocks.iter().enumerate() {
+        dense.extend(param_values(&block.attn));
+        dense.extend(param_values(&block.attn_norm));
+        dense.extend(param_values(&block.mlp_norm));
+        dense.extend(param_values(&block.mlp));
+        if let Some(m) = &block.moe {
+            dense.extend(param_values(&m.router));
+            dense.extend(param_values(&m.shared));
+            dense.extend(param_values(&m.shared_gate));
+            for (j, e) in m.experts.iter().enumerate() {
+                let v = param_values(e).into_iter().flatten().collect();
+                experts.push(((b, first_expert + j), v));
+            }
+        }
+    }
+    (dense, experts)
+}
+
+/// Three AdamW steps of the MoE Llama at tp x dp with the experts over `ep` (of the dp ranks),
+/// each dp rank on its own batches: per world rank, its (dp rank, losses, parameters after).
+fn train_moe(n_tp: usize, dp: usize, ep: usize, mode: TpMode) -> Vec<(usize, Vec<f64>, Split)> {
+    use super::common::token_ids;
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn::tensor::{Int, TensorData};
+    use burn_tp::dp::{DpOptimizer, Experts, broadcast_parameters};
+    use burn_tp::llama::Llama;
+    use burn_tp::mesh::DeviceMesh;
+    use burn_tp::model::LanguageModel;
+    use burn_tp::reshard::Reshard;
+    super::common::device().seed(11);
+    run_local(n_tp * dp, move |world| {
+        let mesh = DeviceMesh::new(world.clone(), n_tp).unwrap();
+        let (ep_group, expert_dp) = mesh.expert_groups(ep).unwrap();
+        let solo = world.split(world.rank(), 0).unwrap();
+        let device = super::common::device();
+        // The unsplit model, world rank 0's draws (drawn before any other rank's, so the
+        // same in every run), the same everywhere; then this rank's tp shard and experts.
+        let draw = || moe_llama(mode).init(&solo, &device).unwrap();
+        let full = if world.rank() == 0 {
+            let full = draw();
+            world.barrier().unwrap();
+            full
+        } else {
+            world.barrier().unwrap();
+            draw()
+        };
+        let full = broadcast_parameters(full, &world).unwrap();
+        let mut model = Llama::shard_module(&full, mesh.tp_group())
+            .unwrap()
+            .expert_parallel(&ep_group)
+            .unwrap();
+        let experts = Experts {
+            params: model.expert_params().into_iter().collect(),
+            group: expert_dp,
+        };
+        let mut optim = DpOptimizer::new(AdamWConfig::new().init()).with_experts(experts);
+        let d = mesh.dp_rank();
+        let mut losses = Vec::new();
+        for step in 0..3i64 {
+            let ids = |add: i64| {
+                let v = token_ids(16, 40, 5 + step, add + 7 * d as i64);
+                Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device)
+            };
+            let loss = LanguageModel::loss(&model, ids(0), ids(1), None).unwrap();
+            losses.push(f64s(loss.clone())[0]);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let working = model.clone();
+            model = optim
+                .step(1e-2, model, &working, grads, mesh.dp_group())
+                .unwrap();
+        }
+        let per = 4 / ep;
+        (d, losses, split_params(&model, ep_group.rank() * per))
+    })
+    .unwrap()
+}
+
+#[test]
+fn moe_training_at_dp_x_ep_gives_the_ep_1_runs_losses_and_parameters() {
+    let _lock = super::common::rng_lock();
+    for (n_tp, dp, ep, mode) in [
+        (1, 4, 2, TpMode::AllReduce),
+        (1, 4, 4, TpMode::AllReduce),
+        (2, 2, 2, TpMode::ReduceScatter),
+    ] {
+        let at = format!("tp {n_tp} x dp {dp} x ep {ep} {mode:?}");
+        let plain = train_moe(n_tp, dp, 1, mode);
+        let split = train_moe(n_tp, dp, ep, mode);
+        for ((d, want_losses, (want_dense, want_experts)), (d2, losses, (dense, experts))) in
+            plain.iter().zip(&split)
+        {
+            assert_eq!(d, d2);
+            assert_close(
+                losses,
+                want_losses,
+                1e-5,
+                &format!("{at}: dp rank {d} losses"),
+            );
+            for (i, (a, b)) in dense.iter().zip(want_dense).enumerate() {
+                assert_close(a, b, 1e-5, &format!("{at}: dp rank {d} parameter {i}"));
+            }
+            assert_eq!(experts.len() * ep, want_experts.len(), "{at}");
+            for (key, v) in experts {
+                let (_, want) = want_experts.iter().find(|(k, _)| k == key).unwrap();
+                assert_close(v, want, 1e-5, &format!("{at}: dp rank {d} expert {key:?}"));
+            }
+        }
+    }
+}

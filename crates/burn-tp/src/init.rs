@@ -61,17 +61,33 @@ pub fn shard<const D: usize>(t: Tensor<D>, dim: usize, group: &ProcessGroup) -> 
 /// # Errors
 /// The first communication error.
 pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M> {
+    broadcast_module_where(module, group, |_| true)
+}
+
+/// [`broadcast_module`] of the parameters `which` picks (by id, the same on every rank).
+///
+/// # Errors
+/// The first communication error.
+pub fn broadcast_module_where<M: Module>(
+    module: M,
+    group: &ProcessGroup,
+    which: impl Fn(burn::module::ParamId) -> bool,
+) -> Result<M> {
     if group.world_size() == 1 {
         return Ok(module);
     }
-    struct Broadcaster<'a> {
+    struct Broadcaster<'a, F> {
         group: &'a ProcessGroup,
+        which: F,
         error: Option<TpError>,
     }
-    impl burn::module::ModuleMapper for Broadcaster<'_> {
+    impl<F: Fn(burn::module::ParamId) -> bool> burn::module::ModuleMapper for Broadcaster<'_, F> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             // An empty parameter (a pipeline stage's unused copy) has nothing to send.
-            if self.error.is_some() || param.val().shape().num_elements() == 0 {
+            if self.error.is_some()
+                || !(self.which)(param.id)
+                || param.val().shape().num_elements() == 0
+            {
                 return param;
             }
             let group = self.group;
@@ -93,7 +109,11 @@ pub fn broadcast_module<M: Module>(module: M, group: &ProcessGroup) -> Result<M>
             param
         }
     }
-    let mut mapper = Broadcaster { group, error: None };
+    let mut mapper = Broadcaster {
+        group,
+        which,
+        error: None,
+    };
     let module = module.map(&mut mapper);
     mapper.error.map_or(Ok(module), Err)
 }

@@ -153,6 +153,35 @@ impl DeviceMesh {
         self.world.rank() % self.tp_size
     }
 
+    /// The expert-parallel groups, carved out of the data-parallel ranks as Megatron does:
+    /// `ep` consecutive dp ranks share the experts of a MoE layer ([`crate::moe`]), and the
+    /// ranks holding the same experts (`dp / ep` of them, one per ep group) reduce their
+    /// gradients together.
+    ///
+    /// ```text
+    ///  dp ranks:   0   1   2   3        (dp 4, ep 2)
+    ///  ep groups: [0   1] [2   3]       each holds every expert once: E / ep per rank
+    ///  expert dp:  0 ----- 2            experts 0 .. E/2: their gradients summed here
+    ///                  1 ----- 3        experts E/2 .. E
+    /// ```
+    ///
+    /// Returns `(ep group, expert data-parallel group)`. Collective over the dp group.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming both when `ep` does not divide dp; a communication error.
+    pub fn expert_groups(&self, ep: usize) -> Result<(ProcessGroup, ProcessGroup)> {
+        let dp = self.dp_size();
+        if ep == 0 || !dp.is_multiple_of(ep) {
+            return Err(TpError::Config(format!(
+                "DeviceMesh: ep {ep} does not divide dp {dp} (experts are split over data-parallel ranks)"
+            )));
+        }
+        let d = self.dp.rank();
+        let ep_group = self.dp.split(d / ep, d)?;
+        let expert_dp = self.dp.split(dp + d % ep, d)?;
+        Ok((ep_group, expert_dp))
+    }
+
     /// This rank's replica (`(world rank / tp) % dp`).
     pub fn dp_rank(&self) -> usize {
         self.world.rank() / self.tp_size % self.dp_size()

@@ -141,6 +141,12 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         })
     }
 
+    /// The parameters held by expert-parallel groups (the MoE layers' experts): reduced over
+    /// the ranks holding the same experts, not the whole dp group ([`crate::dp::Experts`]).
+    fn expert_params(&self) -> Vec<burn::module::ParamId> {
+        Vec::new()
+    }
+
     /// The routers' losses of a forward's MoE layers (their statistics in order), added to the
     /// training loss: none for a dense model.
     fn router_loss(&self, stats: &[crate::moe::RouterStats]) -> Option<Tensor<1>> {
@@ -368,6 +374,19 @@ pub(crate) fn count_params<M: Module>(module: &M) -> usize {
     let mut c = Count(0);
     module.visit(&mut c);
     c.0
+}
+
+/// The ids of `module`'s float parameters, in visiting order.
+pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
+    struct Ids(Vec<burn::module::ParamId>);
+    impl burn::module::ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push(p.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
 }
 
 /// The accessors of [`LanguageModel`] every family writes alike, for a model whose fields are

@@ -30,6 +30,35 @@ pub fn average_gradients<M: Module>(
     grads: &mut GradientsParams,
     dp_group: &ProcessGroup,
 ) -> Result<()> {
+    average_gradients_with(module, grads, dp_group, None)
+}
+
+/// The parameters that expert parallelism splits over the dp ranks (the MoE layers' experts,
+/// [`crate::model::LanguageModel::expert_params`]) and the group of ranks holding the same
+/// ones ([`crate::mesh::DeviceMesh::expert_groups`]).
+///
+/// An expert's gradient on a rank already sums every ep rank's tokens routed to it (the
+/// all-to-all's backward brought them), so the dp average of the rest is matched by the sum
+/// over the expert data-parallel group divided by the whole dp size.
+#[derive(Clone, Debug)]
+pub struct Experts {
+    /// The experts' parameters.
+    pub params: std::collections::HashSet<burn::module::ParamId>,
+    /// The ranks holding the same experts (`dp / ep` of them).
+    pub group: ProcessGroup,
+}
+
+/// [`average_gradients`], the experts' gradients summed over their own group and divided by
+/// the dp size. Collective over `dp_group` and the experts' group.
+///
+/// # Errors
+/// The first communication error.
+pub fn average_gradients_with<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    dp_group: &ProcessGroup,
+    experts: Option<&Experts>,
+) -> Result<()> {
     if dp_group.world_size() == 1 {
         return Ok(());
     }
@@ -37,6 +66,7 @@ pub fn average_gradients<M: Module>(
     struct Averager<'a> {
         grads: &'a mut GradientsParams,
         group: &'a ProcessGroup,
+        experts: Option<&'a Experts>,
         error: Option<TpError>,
     }
     impl ModuleVisitor for Averager<'_> {
@@ -45,7 +75,12 @@ pub fn average_gradients<M: Module>(
                 return;
             }
             if let Some(g) = self.grads.remove::<D>(param.id) {
-                match all_reduce(g, ReduceOp::Avg, self.group) {
+                let reduced = match self.experts.filter(|x| x.params.contains(&param.id)) {
+                    Some(x) => all_reduce(g, ReduceOp::Sum, &x.group)
+                        .map(|s| s.div_scalar(self.group.world_size() as f64)),
+                    None => all_reduce(g, ReduceOp::Avg, self.group),
+                };
+                match reduced {
                     Ok(avg) => self.grads.register(param.id, avg),
                     Err(e) => self.error = Some(e),
                 }
@@ -55,6 +90,7 @@ pub fn average_gradients<M: Module>(
     let mut visitor = Averager {
         grads,
         group: dp_group,
+        experts,
         error: None,
     };
     module.visit(&mut visitor);
@@ -68,4 +104,20 @@ pub fn average_gradients<M: Module>(
 /// The first communication error.
 pub fn broadcast_parameters<M: Module>(module: M, dp_group: &ProcessGroup) -> Result<M> {
     crate::init::broadcast_module(module, dp_group)
+}
+
+/// [`broadcast_parameters`] with expert parallelism: the experts from the first rank of their
+/// own group (the ranks holding the same experts), every other parameter from dp rank 0.
+/// Collective over `dp_group` and the experts' group.
+///
+/// # Errors
+/// The first communication error.
+pub fn broadcast_parameters_with<M: Module>(
+    module: M,
+    dp_group: &ProcessGroup,
+    experts: &Experts,
+) -> Result<M> {
+    let module =
+        crate::init::broadcast_module_where(module, dp_group, |id| !experts.params.contains(&id))?;
+    crate::init::broadcast_module_where(module, &experts.group, |id| experts.params.contains(&id))
 }

@@ -9,7 +9,7 @@ use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::FloatDType;
 use burn_tp_comm::ProcessGroup;
 
-use super::{DistributedAdamW, GradReducer, average_gradients};
+use super::{DistributedAdamW, Experts, GradReducer, average_gradients_with};
 use crate::Result;
 use crate::norm::ReplicatedGrads;
 use crate::precision::cast_grads;
@@ -24,6 +24,7 @@ pub struct DpOptimizer {
     zero: Option<(DistributedAdamW, AdamWConfig)>,
     reducer: Option<GradReducer>,
     replicated: Option<ReplicatedGrads>,
+    experts: Option<Experts>,
 }
 
 impl DpOptimizer {
@@ -34,6 +35,7 @@ impl DpOptimizer {
             zero: None,
             reducer: None,
             replicated: None,
+            experts: None,
         }
     }
 
@@ -51,6 +53,13 @@ impl DpOptimizer {
         self
     }
 
+    /// Expert parallelism: `experts`' gradients summed over their own group (divided by dp),
+    /// the rest averaged over dp ([`super::average_gradients_with`]).
+    pub fn with_experts(mut self, experts: Experts) -> Self {
+        self.experts = Some(experts);
+        self
+    }
+
     /// The distributed optimizer `zero` (AdamW of `config`, its state sharded over dp); `optim`
     /// holds the state in Burn's form only to save it ([`module_optimizer`](Self::module_optimizer)).
     pub fn distributed(
@@ -63,6 +72,7 @@ impl DpOptimizer {
             zero: Some((zero, config)),
             reducer: None,
             replicated: None,
+            experts: None,
         }
     }
 
@@ -107,6 +117,13 @@ impl DpOptimizer {
         dp_group: &ProcessGroup,
     ) -> Result<M> {
         let lr = lr.into();
+        if self.experts.is_some() && (self.zero.is_some() || self.reducer.is_some()) {
+            return Err(crate::TpError::Config(
+                "expert parallelism reduces its gradients after the backward: not yet with the \
+                 bucketed reducer or the distributed optimizer"
+                    .into(),
+            ));
+        }
         if let Some((z, _)) = &mut self.zero {
             cast_grads(working, &mut grads, FloatDType::F32);
             return z.step(lr.base(), model, grads);
@@ -120,7 +137,7 @@ impl DpOptimizer {
             r.finish(working, &mut grads)?;
         }
         if self.reducer.is_none() {
-            average_gradients(&model, &mut grads, dp_group)?;
+            average_gradients_with(&model, &mut grads, dp_group, self.experts.as_ref())?;
         }
         Ok(self.optim.step(lr, model, grads))
     }

@@ -539,6 +539,12 @@ impl DecoderBlock for LlamaBlock {
 impl LanguageModel for Llama {
     crate::model::family_parts!("Llama", LlamaConfig, LlamaBlock);
 
+    fn expert_params(&self) -> Vec<burn::module::ParamId> {
+        let moe = self.blocks.iter().filter_map(|b| b.moe.as_ref());
+        moe.flat_map(|m| crate::model::param_ids(&m.experts))
+            .collect()
+    }
+
     fn router_loss(&self, stats: &[RouterStats]) -> Option<Tensor<1>> {
         let (aux, z) = self.options.router_loss;
         crate::moe::router_loss(stats, aux, z)
