@@ -527,3 +527,74 @@ fn train_gpt_in_bf16_follows_the_f32_curve() {
     );
     assert_ne!(f32_run, bf16_run, "the bf16 run computes in bf16");
 }
+
+/// A fresh MoE Llama (`--experts 4 --top-k 2`, the aux loss on) at dp 4 x ep 2 and ep 4, and
+/// tp 2 x dp 2 x ep 2 in sequence-parallel mode, gives the ep 1 run's losses; its export holds
+/// every expert; `--ep` that does not divide `--dp`, or without experts, is an error.
+#[test]
+fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
+    let _rng = rng_lock();
+    let out = temp_dir("moe-ep");
+    let moe = |extra: &[&str]| {
+        let mut argv = vec![
+            "--arch",
+            "llama",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--d-ff",
+            "32",
+        ];
+        argv.extend_from_slice(extra);
+        tiny_args(&argv, &out)
+    };
+    for (tp, dp, ep, mode) in [
+        ("1", "4", "2", "all-reduce"),
+        ("1", "4", "4", "all-reduce"),
+        ("2", "2", "2", "reduce-scatter"),
+    ] {
+        let base = ["--tp", tp, "--dp", dp, "--mode", mode, "--steps", "4"];
+        let plain = run(&moe(&base)).unwrap().losses;
+        let mut with_ep = base.to_vec();
+        with_ep.extend_from_slice(&["--ep", ep]);
+        let split = run(&moe(&with_ep)).unwrap().losses;
+        assert_close(
+            &split,
+            &plain,
+            1e-5,
+            &format!("tp {tp} x dp {dp} x ep {ep} {mode}"),
+        );
+    }
+    let export = out.join("export-moe");
+    run(&moe(&[
+        "--tp",
+        "1",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--steps",
+        "2",
+        "--export-hf",
+        export.to_str().unwrap(),
+    ]))
+    .unwrap();
+    let hf = burn_tp::hf::HfConfig::from_dir(&export).unwrap();
+    assert_eq!(hf.experts.map(|x| x.n_experts), Some(4));
+    for bad in [
+        &["--dp", "2", "--ep", "4"][..],
+        &["--dp", "2", "--ep", "2", "--distributed-optimizer"][..],
+    ] {
+        let e = run(&moe(bad)).unwrap_err().to_string();
+        assert!(e.contains("--ep"), "{bad:?}: {e}");
+    }
+    let e = run(&tiny_args(
+        &["--arch", "llama", "--tp", "1", "--dp", "2", "--ep", "2"],
+        &out,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no mixture-of-experts"), "{e}");
+    let _ = std::fs::remove_dir_all(&out);
+}

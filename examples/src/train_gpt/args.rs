@@ -8,6 +8,7 @@ use burn_tp::gpt::GptConfig;
 use burn_tp::hf::HfConfig;
 use burn_tp::linear::{OverlapSchedule, TpMode, TpSettings};
 use burn_tp::llama::LlamaConfig;
+use burn_tp::moe::ExpertsConfig;
 use clap::{Parser, ValueEnum};
 
 /// Activation layout, as the command line spells it.
@@ -123,6 +124,22 @@ pub struct Args {
     /// Data-parallel size (world = tp x dp x pp; gradients averaged over dp).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
+    /// Expert-parallel size: each mixture-of-experts layer's experts split over this many of
+    /// the dp ranks (it divides `--dp`); the experts' gradients are reduced over the ranks
+    /// holding the same experts. Needs a MoE model (`--experts`, or `--init-from` a Mixtral /
+    /// Qwen-MoE).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
+    /// Llama: every MLP a mixture of this many experts (Mixtral's shape), each as wide as
+    /// `--d-ff`, `--top-k` of them per token.
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Experts per token (with `--experts`).
+    #[arg(long, default_value_t = 2)]
+    pub top_k: usize,
+    /// Weight of the routers' load-balancing loss in the training loss (with `--experts`).
+    #[arg(long, default_value_t = 0.01)]
+    pub aux_loss_coef: f64,
     /// Pipeline stages: the blocks cut into this many stages, one per rank of a pipeline group
     /// (world = tp x dp x pp; CPU ranks, threads or MPI processes, for now).
     #[arg(long, default_value_t = 1)]
@@ -366,6 +383,11 @@ pub fn llama_config(args: &Args, n_vocab: usize) -> LlamaConfig {
     )
     .with_dropout(args.dropout.unwrap_or(DEFAULT_DROPOUT))
     .with_dropout_seed(args.seed)
+    .with_experts(
+        args.experts.map(|n| {
+            ExpertsConfig::new(n, args.top_k, d_ff).with_aux_loss_coef(args.aux_loss_coef)
+        }),
+    )
     .with_settings(settings(args))
 }
 
@@ -487,6 +509,40 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         return Err(format!(
             "--batch {} is not divisible by --dp {}",
             args.batch, args.dp
+        ));
+    }
+    if args.ep == 0 || !args.dp.is_multiple_of(args.ep) {
+        return Err(format!(
+            "--ep {} must divide --dp {} (experts are split over data-parallel ranks)",
+            args.ep, args.dp
+        ));
+    }
+    if args.ep > 1 {
+        for (flag, on) in [
+            ("--pp", args.pp > 1),
+            ("--overlap-grad-reduce", args.overlap_grad_reduce),
+            ("--distributed-optimizer", args.distributed_optimizer),
+            ("--resume", args.resume.is_some()),
+            ("--save-every", args.save_every.is_some()),
+        ] {
+            if on {
+                return Err(format!("--ep {} does not run with {flag} yet", args.ep));
+            }
+        }
+    }
+    if args.experts.is_some() && (args.arch != Arch::Llama || args.init_from.is_some()) {
+        return Err(
+            "--experts builds a fresh MoE Llama (--arch llama, without --init-from: an imported \
+             model brings its own experts)"
+                .into(),
+        );
+    }
+    if let Some(n) = args.experts
+        && (args.top_k == 0 || args.top_k > n)
+    {
+        return Err(format!(
+            "--top-k {} must be between 1 and --experts {n}",
+            args.top_k
         ));
     }
     if args.steps == 0 {

@@ -8,7 +8,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp::checkpoint::{self, CheckpointInfo};
 use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
-use burn_tp::dp::{DistributedAdamW, DpOptimizer, GradReducer, broadcast_parameters};
+use burn_tp::dp::{DistributedAdamW, DpOptimizer, Experts, GradReducer, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
@@ -62,6 +62,8 @@ struct Rank<'a, M: LanguageModel> {
     pp_seconds: std::cell::Cell<(f64, f64)>,
     device: Device,
     checkpoint: &'a Path,
+    /// With `--ep`: the ep group and the expert data-parallel group.
+    experts: Option<(ProcessGroup, ProcessGroup)>,
 }
 
 pub(super) fn train_rank<M: Trainable>(
@@ -74,6 +76,10 @@ pub(super) fn train_rank<M: Trainable>(
 ) -> BoxResult<RankOut> {
     // The tp x dp x pp grid, its groups made once (tp ranks adjacent, stages the slowest).
     let mesh = DeviceMesh::with_pipeline(world.clone(), args.tp, args.pp)?;
+    let experts = match args.ep {
+        1 => None,
+        ep => Some(mesh.expert_groups(ep)?),
+    };
     let pipe = match args.pp {
         1 => None,
         _ => Some(Pipeline::new(mesh.pp_group())?),
@@ -87,6 +93,7 @@ pub(super) fn train_rank<M: Trainable>(
         dp_rank: mesh.dp_rank(),
         pipe,
         replica: mesh.replica_group().clone(),
+        experts,
         stage_map: std::cell::OnceCell::new(),
         pp_seconds: std::cell::Cell::new((0.0, 0.0)),
         world,
@@ -105,13 +112,27 @@ pub(super) fn train_rank<M: Trainable>(
         return Ok(RankOut { timings, ..out });
     }
     if let (Some(dir), None) = (&args.export_hf, &r.pipe) {
+        // Every expert on every ep rank again, for the export (collective over ep).
+        let whole = match r.experts {
+            Some(_) => model.clone().gather_experts()?,
+            None => model.clone(),
+        };
         if r.dp_rank == 0 {
-            model.save_hf(config, args.init_from.as_deref(), dir, &r.tp_group)?;
+            whole.save_hf(config, args.init_from.as_deref(), dir, &r.tp_group)?;
         }
         r.world.barrier()?;
     }
     let save_start = Instant::now();
-    r.save(&mut model, &mut optim, first_step + args.steps)?;
+    // An expert-parallel checkpoint (each rank its experts and their optimizer state) is to
+    // come: at ep > 1 none is written, and the run says so.
+    if r.experts.is_none() {
+        r.save(&mut model, &mut optim, first_step + args.steps)?;
+    } else if r.world.rank() == 0 {
+        eprintln!(
+            "--ep {}: no checkpoint written (expert-parallel checkpoints are to come)",
+            args.ep
+        );
+    }
     timings.save_s = save_start.elapsed().as_secs_f64();
     if let (Some(dir), Some(_)) = (&args.export_hf, &r.pipe) {
         r.export_from_checkpoint(dir)?;
@@ -234,6 +255,11 @@ impl<M: Trainable> Rank<'_, M> {
             self.world.barrier()?;
         }
         let model = broadcast_parameters(model, &self.dp_group)?;
+        // With --ep, each rank keeps its experts of the (identical) whole model.
+        let model = match &self.experts {
+            Some((ep, _)) => model.expert_parallel(ep)?,
+            None => model,
+        };
         let mut adamw = AdamWConfig::new().init();
         // A resumed run continues where the checkpoint left off: the optimizer state (resharded
         // to this tp) and the step count, so the batches and the AdamW bias correction go on.
@@ -281,6 +307,13 @@ impl<M: Trainable> Rank<'_, M> {
                     false => optim,
                 }
             }
+        };
+        let optim = match &self.experts {
+            Some((_, expert_dp)) => optim.with_experts(Experts {
+                params: model.expert_params().into_iter().collect(),
+                group: expert_dp.clone(),
+            }),
+            None => optim,
         };
         Ok((model, first_step, optim))
     }

@@ -26,6 +26,28 @@ pub trait Trainable: LanguageModel {
         burn_tp::hf::load(self, dir, group)
     }
 
+    /// The model with its experts split over `ep` (a model without experts at ep 1: itself).
+    ///
+    /// # Errors
+    /// A model without experts at ep > 1; experts ep does not divide.
+    fn expert_parallel(self, ep: &ProcessGroup) -> burn_tp::Result<Self> {
+        match ep.world_size() {
+            1 => Ok(self),
+            n => Err(burn_tp::TpError::Config(format!(
+                "--ep {n}: this model has no mixture-of-experts layers"
+            ))),
+        }
+    }
+
+    /// The model with every expert on every ep rank again (to save or export it). Collective
+    /// over ep.
+    ///
+    /// # Errors
+    /// A communication error.
+    fn gather_experts(self) -> burn_tp::Result<Self> {
+        Ok(self)
+    }
+
     /// Writes the model in Hugging Face's format into `dir`, as the architecture of the model
     /// in `from` (the folder it was imported from: a fine-tuned Phi-3 is written back as a Phi-3,
     /// its fused tensors) if any, else the one `config` implies. Collective.
@@ -64,6 +86,20 @@ fn no_hf_form() -> burn_tp::TpError {
 impl Trainable for Llama {
     fn hf_config(config: &LlamaConfig) -> burn_tp::Result<HfConfig> {
         Ok(HfConfig::from_llama(config))
+    }
+
+    fn expert_parallel(self, ep: &ProcessGroup) -> burn_tp::Result<Self> {
+        match self.expert_params().is_empty() && ep.world_size() > 1 {
+            true => Err(burn_tp::TpError::Config(format!(
+                "--ep {}: this model has no mixture-of-experts layers",
+                ep.world_size()
+            ))),
+            false => Llama::expert_parallel(self, ep),
+        }
+    }
+
+    fn gather_experts(self) -> burn_tp::Result<Self> {
+        Llama::gather_experts(self)
     }
 }
 

@@ -10,9 +10,11 @@
 //! | file           | what                                                             |
 //! |----------------|------------------------------------------------------------------|
 //! | `mod.rs`       | [`LlamaConfig`], [`Llama`], [`LlamaBlock`]                       |
-//! | `mlp.rs`       | [`ParallelSwiGlu`]: fused gate / up, down                        |
+//! | `experts.rs`   | the MoE layers' experts split over ep and gathered back       |
 //!
 //! Dropout (both models' attention, this one's residuals) is [`crate::dropout`].
+
+mod experts;
 
 use crate::norm::TpRmsNorm;
 pub use crate::transformer::{GluActivation, ParallelSwiGlu, ParallelSwiGluConfig};
@@ -403,25 +405,6 @@ impl Llama {
             options,
             block_ids: self.block_ids,
         }
-    }
-
-    /// The model with each MoE layer's experts split over `ep` ([`MoeLayer::keep_experts`]):
-    /// from a model built or loaded at ep = 1, identical on the ep ranks. No communication.
-    ///
-    /// # Errors
-    /// As [`MoeLayer::keep_experts`].
-    pub fn expert_parallel(mut self, ep: &ProcessGroup) -> TpResult<Self> {
-        self.blocks = self
-            .blocks
-            .into_iter()
-            .map(|b| {
-                Ok(LlamaBlock {
-                    moe: b.moe.map(|m| m.keep_experts(ep)).transpose()?,
-                    ..b
-                })
-            })
-            .collect::<TpResult<_>>()?;
-        Ok(self)
     }
 
     /// Vocab-sharded logits without dropout (evaluation).

@@ -154,6 +154,44 @@ impl MoeLayer {
         })
     }
 
+    /// The layer with every expert on every ep rank again (the inverse of
+    /// [`keep_experts`](Self::keep_experts)): each rank's experts all-gathered over ep, as
+    /// new parameters (to save or export the whole layer). Collective over ep.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn gather_experts(self) -> Result<Self> {
+        let n_ep = self.ep.world_size();
+        if n_ep == 1 {
+            return Ok(self);
+        }
+        let per = self.experts.len();
+        // Local expert j of every ep rank q, whole-layer expert q per + j.
+        let gather = |w: Tensor<2>| -> Result<Vec<Tensor<2>>> {
+            let dims = w.dims();
+            let all = all_gather(w.unsqueeze_dim::<3>(0), 0, &self.ep)?;
+            Ok((0..n_ep)
+                .map(|q| crate::init::owned(all.clone().narrow(0, q, 1).reshape(dims)))
+                .collect())
+        };
+        let mut slots: Vec<Option<ParallelSwiGlu>> = (0..per * n_ep).map(|_| None).collect();
+        for (j, expert) in self.experts.iter().enumerate() {
+            let gate_up = gather(expert.gate_up.weight.val())?;
+            let down = gather(expert.down.weight.val())?;
+            for (q, (gu, dn)) in gate_up.into_iter().zip(down).enumerate() {
+                let mut e = expert.clone();
+                e.gate_up.weight = Param::from_tensor(gu);
+                e.down.weight = Param::from_tensor(dn);
+                slots[q * per + j] = Some(e);
+            }
+        }
+        Ok(Self {
+            experts: slots.into_iter().map(|e| e.expect("every slot")).collect(),
+            ep: crate::reshard::solo(),
+            ..self
+        })
+    }
+
     /// The routed part of the layer on `x` (`[tokens, d]`), each token's `top_k` experts in
     /// `experts` (`[tokens * top_k]`) weighted by `weights` (`[tokens, top_k]`):
     /// `[tokens, d]`, partial over tp (each rank ran its columns of every expert).
@@ -226,9 +264,11 @@ impl MoeLayer {
     /// one GEMM per expert over its contiguous rows, `[rows, d] -> [rows, d]`, partial over tp.
     fn run_local(&self, x: Tensor<2>, counts: &[usize]) -> Tensor<2> {
         let mut outs = Vec::with_capacity(counts.len());
+        let mut idle = Vec::new();
         let mut at = 0;
         for (expert, &n) in self.experts.iter().zip(counts) {
             if n == 0 {
+                idle.push(expert);
                 continue;
             }
             let xi = x.clone().narrow(0, at, n);
@@ -240,20 +280,21 @@ impl MoeLayer {
             ));
             outs.push(crate::ops::matmul(h, expert.down.weight.val()));
         }
-        if outs.is_empty() {
-            // No token here: the experts still get a (zero) gradient, so every rank's
-            // gradients name the same parameters (the data-parallel buckets wait for them).
-            let nothing = self
-                .experts
-                .iter()
-                .map(|e| e.gate_up.weight.val().sum() + e.down.weight.val().sum())
-                .reduce(|a, b| a + b)
-                .expect("a rank holds at least one expert")
-                .mul_scalar(0.0)
-                .reshape([1, 1]);
-            return x.narrow(0, 0, 0) + nothing;
+        // No row here at all: `x` is the empty `[0, d]` output.
+        let y = match outs.is_empty() {
+            true => x,
+            false => Tensor::cat(outs, 0),
+        };
+        // An expert no token reached still gets a (zero) gradient, so every rank's gradients
+        // name the same parameters (the data-parallel reductions go parameter by parameter).
+        match idle
+            .iter()
+            .map(|e| e.gate_up.weight.val().sum() + e.down.weight.val().sum())
+            .reduce(|a, b| a + b)
+        {
+            Some(s) => y + s.mul_scalar(0.0).reshape([1, 1]),
+            None => y,
         }
-        Tensor::cat(outs, 0)
     }
 }
 
