@@ -150,9 +150,13 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
     );
 
     // The other paths over MPI: the Llama in bf16 (16-bit sums by MPI's user ops), the dp
-    // gradient buckets overlapped with the backward and the distributed optimizer.
+    // gradient buckets overlapped with the backward and the distributed optimizer, a mixture
+    // of experts split over ep 2 (its tokens by MPI's all-to-all).
     for extra in [
         &["--arch", "llama", "--dtype", "bf16"][..],
+        &[
+            "--arch", "llama", "--experts", "4", "--top-k", "2", "--d-ff", "32", "--ep", "2",
+        ],
         &[
             "--overlap-grad-reduce",
             "--distributed-optimizer",
