@@ -155,7 +155,16 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
     for extra in [
         &["--arch", "llama", "--dtype", "bf16"][..],
         &[
-            "--arch", "llama", "--experts", "4", "--top-k", "2", "--d-ff", "32", "--ep", "2",
+            "--arch",
+            "llama",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--d-ff",
+            "32",
+            "--ep",
+            "2",
         ],
         &[
             "--overlap-grad-reduce",

@@ -11,7 +11,7 @@
 //! every rank's `[send | recv]` counts, so a disagreement is the same [`CommError::Counts`] on
 //! every rank (never a truncated message or a hang); then the data moves in one call.
 
-#[cfg(feature = "mpi")]
+#[cfg(any(feature = "mpi", feature = "nccl"))]
 use std::sync::atomic::Ordering;
 
 use crate::buffer::{RecvBuf, SendBuf, displacements};
@@ -88,12 +88,17 @@ impl ProcessGroup {
                 let done = m.start_all_to_all(desc.clone(), seq, input, counts, out);
                 return Ok(Work::remote(self.clone(), seq, desc, done));
             }
-            #[allow(unreachable_patterns)]
-            _ => {
-                return Err(CommError::Backend(format!(
-                    "all_to_all on rank {rank}: not over this transport yet (threads and MPI \
-                     have it; NCCL's grouped send / receive is to come)"
-                )));
+            #[cfg(feature = "nccl")]
+            Transport::Nccl(n) => {
+                let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+                let mut out = out;
+                let result = n
+                    .host_all_to_all(input.as_slice(), send_counts, recv_counts)
+                    .map(|v| {
+                        out.as_mut_slice().copy_from_slice(&v);
+                        out
+                    });
+                return Ok(Work::done(self.clone(), seq, desc, result));
             }
         }
         let recv = recv_counts.to_vec();
