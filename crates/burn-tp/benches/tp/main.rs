@@ -504,11 +504,13 @@ fn bench_scaling(quick: bool) {
 mod attention;
 mod floor;
 mod grid;
+mod moe;
 mod pipeline;
 
 use attention::bench_attention;
 use floor::bench_layer_floor;
 use grid::bench_async_grid;
+use moe::bench_moe;
 use pipeline::bench_pipeline;
 
 fn main() {
@@ -534,6 +536,7 @@ fn main() {
         Some("collectives") => return bench_collectives(quick),
         Some("grid") => return bench_async_grid(quick),
         Some("pipeline") => return bench_pipeline(quick),
+        Some("moe") => return bench_moe(quick),
         Some("split") => {
             let split = bench_overlap(quick, OverlapSchedule::Split);
             return print_overlap("3. Overlap: async vs sync (split schedule)", &split);
@@ -576,6 +579,7 @@ fn main() {
     bench_async_grid(quick);
     bench_attention(quick);
     bench_pipeline(quick);
+    bench_moe(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }
 
