@@ -583,3 +583,100 @@ fn moe_training_at_dp_x_ep_gives_the_ep_1_runs_losses_and_parameters() {
         }
     }
 }
+
+/// Full recompute of a MoE Llama (a dense and a MoE block, the aux and z-losses on) gives the
+/// plain backward's loss and gradients: the routers' loss spans the blocks, each recomputed
+/// block's part of its gradient taken with the others held.
+#[test]
+fn recompute_of_a_moe_llama_gives_the_plain_loss_and_gradients() {
+    use super::common::{param_values, token_ids};
+    use burn::module::Module;
+    use burn::optim::GradientsParams;
+    use burn::tensor::{Int, TensorData};
+    use burn_tp::model::LanguageModel;
+    let _lock = super::common::rng_lock();
+    for (n_tp, mode) in [(1, TpMode::AllReduce), (2, TpMode::ReduceScatter)] {
+        super::common::device().seed(5);
+        run_local(n_tp, move |tp| {
+            let device = super::common::device();
+            let model = moe_llama(mode).init(&tp, &device).unwrap();
+            let ids = |add: i64| {
+                let v = token_ids(16, 40, 3, add);
+                Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device)
+            };
+            let loss = LanguageModel::loss(&model, ids(0), ids(1), None).unwrap();
+            let want = f64s(loss.clone())[0];
+            let plain = GradientsParams::from_grads(loss.backward(), &model);
+            let (got, grads) =
+                burn_tp::recompute::loss_and_grads(&model, ids(0), ids(1), None).unwrap();
+            let at = format!("tp {n_tp} {mode:?}");
+            assert_close(&[f64s(got)[0]], &[want], 1e-6, &format!("{at}: loss"));
+            let as_values = |g: &GradientsParams| param_values(&model.clone().map(&mut GradsOf(g)));
+            for (i, (a, b)) in as_values(&grads).iter().zip(&as_values(&plain)).enumerate() {
+                assert_close(a, b, 1e-5, &format!("{at}: gradient {i}"));
+            }
+        })
+        .unwrap();
+    }
+}
+
+/// Every parameter replaced by its gradient in `GradientsParams`.
+struct GradsOf<'a>(&'a burn::optim::GradientsParams);
+
+impl burn::module::ModuleMapper for GradsOf<'_> {
+    fn map_float<const R: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<R>>,
+    ) -> burn::module::Param<Tensor<R>> {
+        let g = self
+            .0
+            .get::<R>(param.id)
+            .expect("every parameter has a gradient");
+        param.map(|_| g)
+    }
+}
+
+/// Through pipeline stages the routers' loss (which spans every stage's MoE layers) is refused
+/// on every stage, before any transfer, naming the settings; with its weights at zero the
+/// pipelined MoE model trains.
+#[test]
+fn a_pipelined_moe_llama_refuses_the_routers_loss_on_every_stage() {
+    use super::common::token_ids;
+    use burn::tensor::{Int, TensorData};
+    use burn_tp::llama::LlamaConfig;
+    use burn_tp::pipeline::{Pipeline, PipelineSchedule, loss_and_grads};
+    let _lock = super::common::rng_lock();
+    let run = |config: LlamaConfig| {
+        run_local(2, move |world| {
+            let device = super::common::device();
+            let solo = world.split(world.rank(), 0).unwrap();
+            let pipe = Pipeline::new(&world).unwrap();
+            let model = config.init_layers(&solo, &device, &[pipe.stage()]).unwrap();
+            let ids = |add: i64| {
+                let v = token_ids(16, 40, 3, add);
+                Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device)
+            };
+            let micro = vec![(ids(0), ids(1))];
+            loss_and_grads(&model, &pipe, &micro, PipelineSchedule::OneFOneB, None)
+                .map(|out| out.loss)
+                .map_err(|e| e.to_string())
+        })
+        .unwrap()
+    };
+    for out in run(moe_llama(TpMode::AllReduce)) {
+        let e = out.unwrap_err();
+        assert!(e.contains("aux_loss_coef") && e.contains("pipeline"), "{e}");
+    }
+    let quiet = moe_llama(TpMode::AllReduce);
+    let experts = quiet
+        .experts
+        .clone()
+        .map(|x| x.with_aux_loss_coef(0.0).with_z_loss_coef(0.0));
+    let losses = run(quiet.with_experts(experts));
+    assert!(losses.iter().all(|l| l.is_ok()), "{losses:?}");
+    let last = losses[1]
+        .as_ref()
+        .unwrap()
+        .expect("the last stage has the loss");
+    assert!(last.is_finite() && last > 0.0, "{last}");
+}

@@ -147,6 +147,12 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         Vec::new()
     }
 
+    /// Whether [`router_loss`](Self::router_loss) adds anything (the config's weights, the same
+    /// on every pipeline stage).
+    fn has_router_loss(&self) -> bool {
+        false
+    }
+
     /// The routers' losses of a forward's MoE layers (their statistics in order), added to the
     /// training loss: none for a dense model.
     fn router_loss(&self, stats: &[crate::moe::RouterStats]) -> Option<Tensor<1>> {

@@ -25,6 +25,7 @@ use burn::tensor::{Gradients, Int, Tensor};
 use crate::Result as TpResult;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
+use crate::moe::RouterStats;
 
 /// The loss of `model` on `ids`, `targets` (`[seq, batch]`) and its parameters' gradients, with
 /// every block recomputed in the backward: the forward keeps one `[s(/tp), batch, d_model]`
@@ -39,28 +40,52 @@ pub fn loss_and_grads<M: LanguageModel>(
     targets: Tensor<2, Int>,
     step: Option<DropoutStep>,
 ) -> TpResult<(Tensor<1>, GradientsParams)> {
-    // The forward, untracked: only the blocks' inputs stay.
+    // The forward, untracked: only the blocks' inputs stay, and each MoE block's router
+    // statistics (constants here), which the routers' loss of the whole forward needs.
     let inner = model.valid();
     let mut inputs = Vec::with_capacity(model.num_layers() + 1);
+    let mut routers: Vec<Vec<RouterStats>> = Vec::with_capacity(model.num_layers());
     let mut x = inner.embed(ids.clone().inner())?;
     for i in model.held_layers() {
-        let next = inner.layer(i, x.clone(), step)?;
+        let (next, stats) = crate::moe::record(|| inner.layer(i, x.clone(), step));
         inputs.push(x);
-        x = next;
+        routers.push(stats.into_iter().map(RouterStats::from_inner).collect());
+        x = next?;
     }
     drop(inner);
 
     let mut total = GradientsParams::new();
     let leaf = |x: Tensor<3>| Tensor::from_inner(x).require_grad();
     let h = leaf(x);
-    let loss = model.head_loss(h.clone(), targets)?;
+    let mut loss = model.head_loss(h.clone(), targets)?;
     let mut grads = loss.backward();
+    let all: Vec<RouterStats> = routers.iter().flatten().cloned().collect();
+    if let Some(aux) = model.router_loss(&all) {
+        loss = loss.clone() + aux.cast(loss.dtype());
+    }
     let mut dy = take_grad(&h, &mut grads);
     merge(&mut total, grads, model);
-    for i in model.held_layers().into_iter().rev() {
+    for (k, i) in model.held_layers().into_iter().enumerate().rev() {
         let x = leaf(inputs.pop().expect("one input per block"));
-        let y = model.layer(i, x.clone(), step)?;
-        let mut grads = seeded_backward(y, Tensor::from_inner(dy));
+        let (y, stats) = crate::moe::record(|| model.layer(i, x.clone(), step));
+        let y = y?;
+        // The routers' loss with this block's statistics tracked and every other block's
+        // held: its gradient is exactly this block's part of the whole loss's (transformers'
+        // load-balancing loss is linear in each layer's probabilities, the counts fixed).
+        let seeded = (y.clone() * Tensor::from_inner(dy).cast(y.dtype())).sum();
+        let seeded = match stats.is_empty() {
+            true => seeded,
+            false => {
+                let mut parts = routers.clone();
+                parts[k] = stats;
+                let parts: Vec<RouterStats> = parts.into_iter().flatten().collect();
+                match model.router_loss(&parts) {
+                    Some(aux) => seeded.clone() + aux.cast(seeded.dtype()),
+                    None => seeded,
+                }
+            }
+        };
+        let mut grads = seeded.backward();
         dy = take_grad(&x, &mut grads);
         merge(&mut total, grads, model);
     }

@@ -528,6 +528,10 @@ impl LanguageModel for Llama {
             .collect()
     }
 
+    fn has_router_loss(&self) -> bool {
+        self.options.router_loss != (0.0, 0.0)
+    }
+
     fn router_loss(&self, stats: &[RouterStats]) -> Option<Tensor<1>> {
         let (aux, z) = self.options.router_loss;
         crate::moe::router_loss(stats, aux, z)

@@ -20,6 +20,18 @@ pub struct RouterStats {
     pub tokens: usize,
 }
 
+impl RouterStats {
+    /// The statistics of an untracked forward (a module's `valid()` view) as constants of the
+    /// tracked one.
+    pub fn from_inner(self) -> Self {
+        Self {
+            prob_sum: Tensor::from_inner(self.prob_sum),
+            z_sum: Tensor::from_inner(self.z_sum),
+            ..self
+        }
+    }
+}
+
 /// transformers' `load_balancing_loss_func` over the layers' statistics:
 /// `experts * sum_e (assignments_e / N) (prob_sum_e / N)`, `N` the tokens over all layers, each
 /// layer's counts and probabilities summed first (as transformers accumulates them). `None`

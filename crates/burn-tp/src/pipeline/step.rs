@@ -131,6 +131,15 @@ fn run_step<M: LanguageModel>(
     recompute: bool,
 ) -> Result<PipelineStep> {
     let started = Instant::now();
+    // The same answer on every stage (it is the config's), before any transfer.
+    if model.has_router_loss() {
+        return Err(crate::TpError::Config(
+            "pipeline: the routers' load-balancing / z-loss spans the stages' MoE layers and is \
+             not computed through a pipeline yet: set the experts' aux_loss_coef and \
+             z_loss_coef to 0, or train without pipeline stages"
+                .into(),
+        ));
+    }
     let mut stage = StageStep::new(model, pipe, micro_batches, schedule, step, reducer)?;
     let inner = recompute.then(|| model.valid());
     for action in actions(schedule, pipe.stage(), pipe.stages(), micro_batches.len()) {
