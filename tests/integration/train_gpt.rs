@@ -558,14 +558,38 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
         let plain = run(&moe(&base)).unwrap().losses;
         let mut with_ep = base.to_vec();
         with_ep.extend_from_slice(&["--ep", ep]);
-        let split = run(&moe(&with_ep)).unwrap().losses;
-        assert_close(
-            &split,
-            &plain,
-            1e-5,
-            &format!("tp {tp} x dp {dp} x ep {ep} {mode}"),
+        let report = run(&moe(&with_ep)).unwrap();
+        let at = format!("tp {tp} x dp {dp} x ep {ep} {mode}");
+        assert_close(&report.losses, &plain, 1e-5, &at);
+        // Every token of every step reached its 2 experts in each of the 2 MoE layers:
+        // 4 steps x batch 4 x seq 8 x 2 x 2, over the 4 experts.
+        assert_eq!(report.expert_tokens.len(), 4, "{at}");
+        assert_eq!(
+            report.expert_tokens.iter().sum::<u64>(),
+            4 * 4 * 8 * 2 * 2,
+            "{at}"
         );
+        let csv = std::fs::read_to_string(out.join("experts.csv")).unwrap();
+        assert!(csv.starts_with("expert,tokens,share\n0,"), "{csv}");
     }
+    // bf16 (the router in f32, the experts' rows in bf16), with dropout.
+    let base = [
+        "--tp",
+        "1",
+        "--dp",
+        "2",
+        "--steps",
+        "3",
+        "--dtype",
+        "bf16",
+        "--dropout",
+        "0.1",
+    ];
+    let plain = run(&moe(&base)).unwrap().losses;
+    let split = run(&moe(&[&base[..], &["--ep", "2"]].concat()))
+        .unwrap()
+        .losses;
+    assert_close(&split, &plain, 1e-3, "bf16, dropout: ep 2 vs ep 1");
     let export = out.join("export-moe");
     run(&moe(&[
         "--tp",

@@ -86,6 +86,9 @@ pub struct Report {
     pub checkpoint_times: CheckpointTimes,
     /// This process's rank (0 when the ranks are threads): only rank 0 writes the files.
     pub rank: usize,
+    /// A MoE model's tokens routed to each expert over the run (all MoE layers and dp ranks;
+    /// also `OUT/experts.csv`); empty for a dense model.
+    pub expert_tokens: Vec<u64>,
     /// With `--pp`: per stage, the seconds it waited for an activation or a gradient and the
     /// seconds of its pipelined steps (rank 0's pipeline; also in `OUT/pipeline.csv`).
     pub stage_idle: Vec<(f64, f64)>,
@@ -154,6 +157,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         profile,
         step_s,
         stage_idle,
+        expert_tokens,
     } = out;
     let sample = codec.decode(&sample)?;
     let elapsed = start.elapsed().as_secs_f64();
@@ -179,6 +183,17 @@ pub fn run(args: &Args) -> Result<Report, String> {
             let mut csv = String::from("stage,idle_s,step_s,idle_fraction\n");
             for (s, (idle, step)) in stage_idle.iter().enumerate() {
                 csv += &format!("{s},{idle:.6},{step:.6},{:.4}\n", idle / step.max(1e-12));
+            }
+            std::fs::write(&path, csv).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        }
+        if !expert_tokens.is_empty() {
+            // The load balance: each expert's share of the routed tokens (1 / experts each when
+            // even), summed over the MoE layers.
+            let path = args.out.join("experts.csv");
+            let total = expert_tokens.iter().sum::<u64>().max(1) as f64;
+            let mut csv = String::from("expert,tokens,share\n");
+            for (e, t) in expert_tokens.iter().enumerate() {
+                csv += &format!("{e},{t},{:.4}\n", *t as f64 / total);
             }
             std::fs::write(&path, csv).map_err(|e| format!("writing {}: {e}", path.display()))?;
         }
@@ -216,6 +231,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         checkpoint_times: timings,
         rank,
         stage_idle,
+        expert_tokens,
     })
 }
 

@@ -41,6 +41,8 @@ pub(super) struct RankOut {
     /// With `--pp`: per stage (of this rank's pipeline), the seconds it waited for an activation
     /// or a gradient and the seconds of its pipelined steps, summed over the run.
     pub(super) stage_idle: Vec<(f64, f64)>,
+    /// A MoE model's tokens routed to each expert over the run, all MoE layers and dp ranks.
+    pub(super) expert_tokens: Vec<u64>,
 }
 
 /// This rank's place in the run: the world, the tp x dp mesh's groups, the device.
@@ -413,11 +415,21 @@ impl<M: Trainable> Rank<'_, M> {
         let mut held_out = vec![(first_step, self.held_out(&model)?)];
         let mut stopped = None;
         let mut step_s = Vec::with_capacity(args.steps);
+        // Tokens routed to each expert (every MoE layer), this rank's batches.
+        let mut expert_tokens: Vec<i64> = Vec::new();
         let end = first_step + args.steps;
         for step in first_step..end {
             let value;
             let step_start = Instant::now();
-            (model, value) = self.step(model, step, optim)?;
+            let (stepped, routers) = burn_tp::moe::record(|| self.step(model, step, optim));
+            (model, value) = stepped?;
+            for r in &routers {
+                expert_tokens.resize(expert_tokens.len().max(r.counts.len()), 0);
+                expert_tokens
+                    .iter_mut()
+                    .zip(&r.counts)
+                    .for_each(|(t, &c)| *t += c as i64);
+            }
             step_s.push(step_start.elapsed().as_secs_f64());
             losses.push(value);
             // Every rank sees the same (dp-averaged) value, so all stop at the same step.
@@ -448,7 +460,13 @@ impl<M: Trainable> Rank<'_, M> {
         if let Some(bar) = progress {
             bar.finish();
         }
+        // Over the dp ranks (every tp rank of a replica routed the same tokens).
+        let expert_tokens = match expert_tokens.is_empty() {
+            true => Vec::new(),
+            false => self.dp_group.all_reduce(expert_tokens, ReduceOp::Sum)?,
+        };
         let out = RankOut {
+            expert_tokens: expert_tokens.into_iter().map(|t| t as u64).collect(),
             stopped,
             profile: self.world.profile(),
             timings: CheckpointTimes::default(),

@@ -14,12 +14,20 @@ thread_local! {
 }
 
 /// Runs `f` and returns, beside its result, the [`RouterStats`] of every MoE layer it ran on
-/// this thread, in order (a scope inside another takes its own).
+/// this thread, in order. A scope inside another takes its own, which the outer one then sees
+/// too (a training loop's record of the model's loss, which records its own).
 pub fn record<R>(f: impl FnOnce() -> R) -> (R, Vec<RouterStats>) {
     let outer = LOG.with(|l| l.borrow_mut().replace(Vec::new()));
     let out = f();
-    let stats = LOG.with(|l| std::mem::replace(&mut *l.borrow_mut(), outer));
-    (out, stats.unwrap_or_default())
+    let stats = LOG
+        .with(|l| std::mem::replace(&mut *l.borrow_mut(), outer))
+        .unwrap_or_default();
+    LOG.with(|l| {
+        if let Some(outer) = l.borrow_mut().as_mut() {
+            outer.extend(stats.iter().cloned());
+        }
+    });
+    (out, stats)
 }
 
 /// Keeps `stats` for the active [`record`], if any.
