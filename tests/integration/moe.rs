@@ -70,10 +70,15 @@ struct Seen {
 /// its own tokens (the whole sequence, or its tp shard in sequence-parallel mode); loss
 /// `sum(y * c) + 0.1 aux`.
 fn run(n_tp: usize, n_ep: usize, mode: TpMode, norm: bool) -> Vec<Seen> {
+    run_from(0, n_tp, n_ep, mode, norm)
+}
+
+/// [`run`] with replicas `first..first + n_ep`.
+fn run_from(first: usize, n_tp: usize, n_ep: usize, mode: TpMode, norm: bool) -> Vec<Seen> {
     let mut seen = run_local(n_tp * n_ep, move |world| {
-        let (q, r) = (world.rank() / n_tp, world.rank() % n_tp);
+        let (q, r) = (first + world.rank() / n_tp, world.rank() % n_tp);
         let tp = world.split(q, r).unwrap();
-        let ep = world.split(n_ep + r, q).unwrap();
+        let ep = world.split(first + n_ep + r, q).unwrap();
         let cfg = config(mode, norm);
         let layer = layer(&cfg, &tp, &ep);
         let (x, c) = tokens(q);
@@ -262,31 +267,7 @@ fn moe_layer_matches_the_f64_reference_and_the_unsplit_gradients_at_every_tp_x_e
 
 /// The tp 1 x ep 1 layer on replica `q`'s tokens alone.
 fn replica_alone(q: usize, norm: bool) -> Seen {
-    let mut seen = run_local(1, move |g| {
-        let cfg = config(TpMode::AllReduce, norm);
-        let layer = layer(&cfg, &g, &g);
-        let (x, c) = tokens(q);
-        let x = tensor(x, [S, B, D], DType::F32).require_grad();
-        let (y, stats) = layer.forward(x.clone());
-        let aux = aux_loss(std::slice::from_ref(&stats)).unwrap();
-        let loss =
-            (y.clone() * tensor(c, [S, B, D], DType::F32)).sum() + aux.clone().mul_scalar(0.1);
-        let grads = loss.backward();
-        let grad = |t: Tensor<3>| f64s(t.grad(&grads).unwrap());
-        Seen {
-            q,
-            r: 0,
-            y: f64s(y),
-            dx: grad(x),
-            d_router: f64s(layer.router.val().grad(&grads).unwrap()),
-            d_gate_up: expert_grads(&layer, &grads, |e| e.gate_up.weight.val()),
-            d_down: expert_grads(&layer, &grads, |e| e.down.weight.val()),
-            aux: f64s(aux)[0],
-            counts: stats.counts,
-        }
-    })
-    .unwrap();
-    seen.remove(0)
+    run_from(q, 1, 1, TpMode::AllReduce, norm).remove(0)
 }
 
 #[test]

@@ -105,6 +105,22 @@ fn init_comm(
     }
 }
 
+/// The first `len` values of `T` in `bytes` (a host copy of a staged output).
+fn values_of<T: CommElement>(bytes: &[u8], len: usize) -> Vec<T> {
+    let mut out = Vec::<T>::with_capacity(len);
+    // Safety: `bytes` holds at least `len` values of T written by NCCL (or zeros), and
+    // CommElement types are plain numbers (any bit pattern valid).
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            out.as_mut_ptr().cast::<u8>(),
+            len * std::mem::size_of::<T>(),
+        );
+        out.set_len(len);
+    }
+    out
+}
+
 /// One rank's NCCL communicator on its GPU (`LOCAL_RANK`).
 pub struct NcclGroup {
     comm: CommCell,
@@ -399,17 +415,7 @@ impl NcclGroup {
         drop((_r, _w));
         work.wait_host()?;
         let out_bytes = self.compute.clone_dtoh(&dev_out).map_err(cuda)?;
-        let mut out = Vec::<T>::with_capacity(out_len);
-        // Safety: `out_bytes` holds `out_len` values of T written by NCCL (or zeros).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                out_bytes.as_ptr(),
-                out.as_mut_ptr().cast::<u8>(),
-                out_len * size,
-            );
-            out.set_len(out_len);
-        }
-        Ok(out)
+        Ok(values_of::<T>(&out_bytes, out_len))
     }
 
     /// The all-to-all of a host buffer with per-peer counts (elements; checked across ranks
@@ -480,17 +486,7 @@ impl NcclGroup {
         drop((_r, _w));
         work.wait_host()?;
         let out_bytes = self.compute.clone_dtoh(&dev_out).map_err(cuda)?;
-        let mut out = Vec::<T>::with_capacity(out_len);
-        // Safety: `out_bytes` holds `out_len` values of T written by NCCL (or zeros).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                out_bytes.as_ptr(),
-                out.as_mut_ptr().cast::<u8>(),
-                out_len * size,
-            );
-            out.set_len(out_len);
-        }
-        Ok(out)
+        Ok(values_of::<T>(&out_bytes, out_len))
     }
 
     /// The sub-group of the ranks that pass the same `color`, ranked by `(key, rank)`: a new
