@@ -622,3 +622,45 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
     assert!(e.contains("no mixture-of-experts"), "{e}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A MoE run at dp 2 x ep 2 checkpoints the whole model (every expert and its AdamW state
+/// gathered over ep): resumed at ep 1 and at ep 2 it continues the uninterrupted run's losses.
+#[test]
+fn a_moe_checkpoint_at_ep_2_resumes_at_any_ep() {
+    let _rng = rng_lock();
+    let root = temp_dir("moe-ckpt");
+    let moe = |extra: &[&str], out: &str| {
+        let mut argv = vec![
+            "--arch",
+            "llama",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--d-ff",
+            "32",
+            "--tp",
+            "1",
+            "--dp",
+            "2",
+        ];
+        argv.extend_from_slice(extra);
+        tiny_args(&argv, &root.join(out))
+    };
+    let whole = run(&moe(&["--steps", "6"], "whole")).unwrap().losses;
+    let first = run(&moe(&["--steps", "3", "--ep", "2"], "first")).unwrap();
+    assert_close(
+        &first.losses,
+        &whole[..3],
+        1e-5,
+        "the first 3 steps at ep 2",
+    );
+    let ckpt = first.checkpoint.display().to_string();
+    for ep in ["1", "2"] {
+        let resumed = run(&moe(&["--steps", "3", "--ep", ep, "--resume", &ckpt], ep))
+            .unwrap()
+            .losses;
+        assert_close(&resumed, &whole[3..], 1e-5, &format!("resumed at ep {ep}"));
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -522,8 +522,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             ("--pp", args.pp > 1),
             ("--overlap-grad-reduce", args.overlap_grad_reduce),
             ("--distributed-optimizer", args.distributed_optimizer),
-            ("--resume", args.resume.is_some()),
-            ("--save-every", args.save_every.is_some()),
         ] {
             if on {
                 return Err(format!("--ep {} does not run with {flag} yet", args.ep));

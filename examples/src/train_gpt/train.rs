@@ -17,6 +17,7 @@ use burn_tp::ops::all_reduce;
 use burn_tp::pipeline::{self, Pipeline, virtual_stage_layers};
 use burn_tp::precision::cast_params;
 use burn_tp::recompute;
+use burn_tp::reshard::move_optimizer_state;
 
 use super::pipelined::{held_out_pipelined, micro_batches, pp_schedule};
 use super::trainable::Trainable;
@@ -125,16 +126,7 @@ pub(super) fn train_rank<M: Trainable>(
         r.world.barrier()?;
     }
     let save_start = Instant::now();
-    // An expert-parallel checkpoint (each rank its experts and their optimizer state) is to
-    // come: at ep > 1 none is written, and the run says so.
-    if r.experts.is_none() {
-        r.save(&mut model, &mut optim, first_step + args.steps)?;
-    } else if r.world.rank() == 0 {
-        eprintln!(
-            "--ep {}: no checkpoint written (expert-parallel checkpoints are to come)",
-            args.ep
-        );
-    }
+    r.save(&mut model, &mut optim, first_step + args.steps)?;
     timings.save_s = save_start.elapsed().as_secs_f64();
     if let (Some(dir), Some(_)) = (&args.export_hf, &r.pipe) {
         r.export_from_checkpoint(dir)?;
@@ -257,11 +249,6 @@ impl<M: Trainable> Rank<'_, M> {
             self.world.barrier()?;
         }
         let model = broadcast_parameters(model, &self.dp_group)?;
-        // With --ep, each rank keeps its experts of the (identical) whole model.
-        let model = match &self.experts {
-            Some((ep, _)) => model.expert_parallel(ep)?,
-            None => model,
-        };
         let mut adamw = AdamWConfig::new().init();
         // A resumed run continues where the checkpoint left off: the optimizer state (resharded
         // to this tp) and the step count, so the batches and the AdamW bias correction go on.
@@ -274,6 +261,24 @@ impl<M: Trainable> Rank<'_, M> {
                 None => checkpoint::load_optimizer(adamw, &model, dir, tp_group)?,
             };
         }
+        // With --ep, each rank keeps its experts of the (identical) whole model, and their
+        // part of a resumed optimizer state.
+        let (model, adamw) = match &self.experts {
+            Some((ep, _)) => {
+                let split = model.clone().expert_parallel(ep)?;
+                let adamw = match &args.resume {
+                    Some(_) => {
+                        let moved = move_optimizer_state(&adamw, &model, &split, |m| {
+                            m.expert_parallel(ep)
+                        })?;
+                        AdamWConfig::new().init().load_record(moved)
+                    }
+                    None => adamw,
+                };
+                (split, adamw)
+            }
+            None => (model, adamw),
+        };
         let bucket_bytes = (args.bucket_mb * (1 << 20) as f64) as usize;
         // A tied embedding's gradient, summed over the first and last stages by the buckets.
         let summed = self.pipe.as_ref().and_then(|p| p.tied_embedding(&model));
@@ -366,6 +371,25 @@ impl<M: Trainable> Rank<'_, M> {
     /// sharded checkpoint (data-parallel replica 0 writes; every rank waits for it). The
     /// distributed optimizer's chunks are gathered over dp first.
     fn save(&self, model: &mut M, optim: &mut DpOptimizer, steps: usize) -> burn_tp::Result<()> {
+        if self.experts.is_none() {
+            return self.save_whole(model, optim, steps);
+        }
+        // Expert parallel: the whole model's checkpoint, every expert and its optimizer state
+        // gathered over ep (collective over ep), so it resumes at any ep.
+        let mut whole = model.clone().gather_experts()?;
+        let adamw = optim.module_optimizer(model)?;
+        let record = move_optimizer_state(adamw, model, &whole, |m| m.gather_experts())?;
+        let mut whole_optim = DpOptimizer::new(AdamWConfig::new().init().load_record(record));
+        self.save_whole(&mut whole, &mut whole_optim, steps)
+    }
+
+    /// [`save`](Self::save) of a model that holds every parameter of its tp shard.
+    fn save_whole(
+        &self,
+        model: &mut M,
+        optim: &mut DpOptimizer,
+        steps: usize,
+    ) -> burn_tp::Result<()> {
         let adamw = optim.module_optimizer(model)?;
         let a = self.args;
         let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config).with_pp(a.pp);

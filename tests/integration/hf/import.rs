@@ -501,6 +501,11 @@ fn moe_configs_read_as_transformers_wrote_them() {
         ),
         ("num_experts", serde_json::Value::Null, "`num_experts`"),
         ("output_router_logits", serde_json::json!(true), ""),
+        (
+            "router_jitter_noise",
+            serde_json::json!(0.01),
+            "`router_jitter_noise` = 0.01",
+        ),
     ] {
         let mut v = base.clone();
         v[field] = value;

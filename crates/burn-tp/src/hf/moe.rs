@@ -82,6 +82,15 @@ pub(super) fn experts(
     } else {
         "moe_intermediate_size"
     })?;
+    // Mixtral's training-time noise on the router's input: not modelled, so refused.
+    if let Some(noise) = v.get("router_jitter_noise").and_then(Value::as_f64)
+        && noise != 0.0
+    {
+        return Err(file_error(
+            path,
+            format!("`router_jitter_noise` = {noise} is not supported (0 is)"),
+        ));
+    }
     // The load-balancing loss counts in the training loss only with `output_router_logits`.
     let aux = match v.get("output_router_logits").and_then(Value::as_bool) {
         Some(true) => v

@@ -136,5 +136,5 @@ mod layout;
 pub(crate) mod optimizer;
 
 pub use layout::{ParamLayout, Piece};
-pub use optimizer::FullOptimizerState;
 pub(crate) use optimizer::IndexedState;
+pub use optimizer::{FullOptimizerState, move_optimizer_state};

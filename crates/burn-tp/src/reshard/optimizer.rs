@@ -38,6 +38,19 @@ pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<u64> {
     ids.0
 }
 
+/// A module's float parameters' tensor ranks, in module order.
+fn param_ranks<M: Module>(module: &M) -> Vec<usize> {
+    struct Ranks(Vec<usize>);
+    impl ModuleVisitor for Ranks {
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
+            self.0.push(D);
+        }
+    }
+    let mut ranks = Ranks(Vec::new());
+    module.visit(&mut ranks);
+    ranks.0
+}
+
 /// A module's float parameters' values, in module order.
 fn param_values<M: Module>(module: &M) -> Vec<TensorData> {
     struct Values(Vec<TensorData>);
@@ -169,6 +182,69 @@ impl IndexedState {
         let bytes = writer.into_bytes().map_err(|e| err("encoding", e))?;
         OptimizerRecord::from_bytes(bytes).map_err(|e| err("decoding", e))
     }
+}
+
+/// `optim`'s state of `model` for `moved`, the model `move_model` makes of it with other
+/// parameters (a MoE model's experts gathered over ep, or split over it): each state field run
+/// through `move_model` as if it were the parameters, and the per-parameter scalars (AdamW's
+/// step count) given to every moved parameter. Collective as `move_model` is.
+///
+/// # Errors
+/// A parameter without state, scalars that differ between parameters, or `move_model`'s.
+pub fn move_optimizer_state<M: Module + Clone>(
+    optim: &ModuleOptimizer,
+    model: &M,
+    moved: &M,
+    move_model: impl Fn(M) -> Result<M>,
+) -> Result<OptimizerRecord> {
+    let local = IndexedState::of(optim, model)?;
+    let n = param_ids(model).len();
+    let mut fields: BTreeMap<String, Vec<Option<TensorData>>> = BTreeMap::new();
+    for ((k, field), data) in local.tensors {
+        fields.entry(field).or_insert_with(|| vec![None; n])[k] = Some(data);
+    }
+    // Each parameter's scalars by key: the same for all (AdamW's step count) but its tensor
+    // rank (`__rank`), which each moved parameter takes from its own shape.
+    const RANK: &str = "__rank";
+    let mut scalars: BTreeMap<usize, BTreeMap<String, Scalar>> = BTreeMap::new();
+    for (name, value) in local.scalars {
+        if let Some((k, rest)) = name.split_once('.')
+            && let Ok(k) = k.parse::<usize>()
+            && rest != RANK
+        {
+            scalars
+                .entry(k)
+                .or_default()
+                .insert(rest.to_string(), value);
+        }
+    }
+    let first = scalars.values().next().cloned().unwrap_or_default();
+    if scalars.values().any(|s| *s != first) {
+        return Err(err(
+            "moving the state needs the same scalars for every parameter",
+            scalars,
+        ));
+    }
+    let m = param_ids(moved).len();
+    let mut state = IndexedState::default();
+    for (field, values) in fields {
+        if values.iter().any(Option::is_none) {
+            return Err(err("a parameter without state", &field));
+        }
+        let carried = move_model(with_values(model.clone(), values))?;
+        for (k, data) in param_values(&carried).into_iter().enumerate() {
+            state.tensors.insert((k, field.clone()), data);
+        }
+    }
+    for (k, rank) in param_ranks(moved).into_iter().enumerate().take(m) {
+        for (rest, value) in &first {
+            state.scalars.insert(format!("{k}.{rest}"), *value);
+        }
+        state
+            .scalars
+            .insert(format!("{k}.{RANK}"), Scalar::UInt(rank as u64));
+    }
+    state.record(moved)
 }
 
 /// The state of a sharded model's optimizer in the full (tp = 1) layout, keyed by parameter index.
