@@ -7,12 +7,13 @@
 #   pip install torch transformers   # the peer
 #   crates/burn-tp/benches/transformers_export/run.sh [FIXTURE ...]
 #
-# Defaults: the Gemma fixtures (gemma2, gemma3, gemma3_capped) and two of the Llama family.
+# Defaults: the Gemma fixtures (gemma2, gemma3, gemma3_capped), two of the Llama family and the
+# three mixtures of experts (mixtral, qwen3_moe, qwen2_moe).
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 here=crates/burn-tp/benches/transformers_export
 fixtures=("$@")
-[ ${#fixtures[@]} -gt 0 ] || fixtures=(gemma2 gemma3 gemma3_capped qwen3 phi3)
+[ ${#fixtures[@]} -gt 0 ] || fixtures=(gemma2 gemma3 gemma3_capped qwen3 phi3 mixtral qwen3_moe qwen2_moe)
 cargo build --release --example train_gpt --example generate -q
 for name in "${fixtures[@]}"; do
   out=/tmp/burn-tp-export-$name
