@@ -384,6 +384,20 @@ fn a_moe_llama_gives_the_unsplit_losses_and_gradients_at_every_tp_x_ep() {
             let got_grads = full_grads(&model, &g);
             let at = format!("tp {n_tp} x ep {n_ep} {mode:?}, replica {q} tp rank {r}");
             assert_close(&[got], &[want], 1e-5, &format!("{at}: loss"));
+            // The experts' parameters divide by ep (and by tp within each expert).
+            let count = |m: &Llama| -> usize {
+                m.blocks
+                    .iter()
+                    .filter_map(|b| b.moe.as_ref())
+                    .flat_map(|m| param_values(&m.experts))
+                    .map(|v| v.len())
+                    .sum()
+            };
+            assert_eq!(
+                count(&model) * n_ep * n_tp,
+                count(&full),
+                "{at}: expert parameters"
+            );
             let same = |a: Vec<Vec<f64>>, b: Vec<Vec<f64>>, what: &str| {
                 for (i, (a, b)) in a.iter().zip(&b).enumerate() {
                     assert_close(a, b, 1e-4, &format!("{at}: {what} {i}"));
