@@ -7,8 +7,11 @@ use burn::tensor::DType;
 use burn_flex::FlexTensor;
 use burn_tp_comm::{CommError, ProcessGroup, SendBuf};
 
-use super::{AttentionSpec, Collective, PendingCollective, TpBackend};
+use super::{
+    AllToAllSpec, AttentionSpec, Collective, CollectiveOutput, PendingCollective, TpBackend,
+};
 use crate::backend::attention::{flash, flash_cpu};
+use crate::backend::collective::all_to_all::host_all_to_all_with;
 use crate::backend::collective::host::{DataRead, HostElement, HostRead, host_start_with};
 
 impl TpBackend for Flex {
@@ -18,6 +21,14 @@ impl TpBackend for Flex {
         group: ProcessGroup,
     ) -> PendingCollective<Self> {
         host_start_with::<Self, _>(x, op, group, |moved| Ok(FlexRead(moved)))
+    }
+
+    fn tp_all_to_all(
+        x: FloatTensor<Self>,
+        spec: AllToAllSpec,
+        group: ProcessGroup,
+    ) -> CollectiveOutput<Self> {
+        host_all_to_all_with::<Self, _>(x, &spec, &group, |t| Ok(FlexRead(t))).into()
     }
 
     /// The CPU kernel (`flash_cpu/`: f32 tiles between GEMM calls) for f32 and half inputs; the

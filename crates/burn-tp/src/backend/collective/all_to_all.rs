@@ -5,7 +5,8 @@ use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{Shape, TensorData};
 use burn_tp_comm::{CommError, ProcessGroup, SendBuf};
 
-use super::host::{DataRead, HostCall, HostElement, with_host_values};
+use super::host::{DataRead, HostCall, HostElement, HostRead, with_host_values};
+use super::pool::PooledBuf;
 
 /// Rows of `[rows, ..]` sent to and received from each rank of the group, in rank order.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,11 +27,28 @@ impl AllToAllSpec {
     }
 }
 
-/// `x` (`[sum(send_rows), ..]`) exchanged into `[sum(recv_rows), ..]`, through host buffers.
+/// `x` (`[sum(send_rows), ..]`) exchanged into `[sum(recv_rows), ..]`, through host buffers
+/// (the values copied out of the backend).
 pub(crate) fn host_all_to_all<B: Backend>(
     x: FloatTensor<B>,
     spec: &AllToAllSpec,
     group: &ProcessGroup,
+) -> Result<FloatTensor<B>, CommError> {
+    host_all_to_all_with::<B, _>(x, spec, group, |t| {
+        burn::tensor::read_sync(B::float_into_data(t))
+            .map(DataRead)
+            .map_err(|e| CommError::Backend(format!("all_to_all: reading the tensor: {e:?}")))
+    })
+}
+
+/// [`host_all_to_all`] with `read` giving the values of `x` (a backend that can reads them in
+/// place); the output is written into a pooled buffer that becomes the tensor's storage, so
+/// each row is copied once, from the sender's storage into the receiver's.
+pub(crate) fn host_all_to_all_with<B: Backend, R: HostRead>(
+    x: FloatTensor<B>,
+    spec: &AllToAllSpec,
+    group: &ProcessGroup,
+    read: impl FnOnce(FloatTensor<B>) -> Result<R, CommError>,
 ) -> Result<FloatTensor<B>, CommError> {
     let (shape, dtype, device) = (x.shape(), x.dtype(), x.device());
     let row: usize = shape.iter().skip(1).product();
@@ -41,10 +59,8 @@ pub(crate) fn host_all_to_all<B: Backend>(
             got: shape[0],
         });
     }
-    let data = burn::tensor::read_sync(B::float_into_data(x))
-        .map_err(|e| CommError::Backend(format!("all_to_all: reading the tensor: {e:?}")))?;
     let call = Exchange { spec, group, row };
-    let out = with_host_values(dtype, shape, DataRead(data), call)??;
+    let out = with_host_values(dtype, shape, read(x)?, call)??;
     Ok(B::float_from_data(out, &device))
 }
 
@@ -63,13 +79,13 @@ impl HostCall for Exchange<'_> {
             elements(&self.spec.send_rows),
             elements(&self.spec.recv_rows),
         );
-        let out = vec![T::default(); recv.iter().sum()];
+        let out = PooledBuf::<T>::new(recv.iter().sum());
         let out = self
             .group
             .all_to_all_async(values, &send, &recv, out)?
             .wait()?;
         let mut dims = shape.to_vec();
         dims[0] = self.spec.recv_rows.iter().sum();
-        Ok(TensorData::new(out, dims))
+        Ok(TensorData::from_bytes(out.into_bytes(), dims, T::dtype()))
     }
 }
