@@ -147,7 +147,7 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
         ("--kv-heads", args.kv_heads),
         ("--layers", args.layers),
     ];
-    crate::train_gpt::refuse_sizes(args.init_from.as_deref(), &sizes)?;
+    crate::train_gpt::check::refuse_sizes(args.init_from.as_deref(), &sizes)?;
     if let Some(p) = args.dropout.filter(|p| !(0.0..1.0).contains(p)) {
         return Err(format!("--dropout must be in [0, 1) (got {p})"));
     }

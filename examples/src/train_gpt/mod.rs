@@ -19,6 +19,7 @@
 
 mod args;
 mod banner;
+pub(crate) mod check;
 mod launch;
 mod pipelined;
 mod train;
@@ -36,6 +37,7 @@ use burn_tp::llama::Llama;
 pub use crate::eval::batch;
 pub use args::*;
 pub use banner::{describe, overlap_path};
+use check::check;
 pub use trainable::Trainable;
 
 use crate::corpus::{self, Codec};

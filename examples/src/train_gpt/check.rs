@@ -1,0 +1,191 @@
+//! The checks of `train_gpt`'s arguments before anything runs: each an error naming the
+//! flags and values.
+
+use std::path::Path;
+
+use super::args::{Arch, Args, DeviceKind, PpSchedule, Transport};
+
+/// With a model imported from `init_from`, the first size flag given among `sizes` (`(flag,
+/// value if given)`) as an error naming it: the sizes are the model's config's (`train_gpt` and
+/// `learner_llama` alike).
+pub(crate) fn refuse_sizes(
+    init_from: Option<&Path>,
+    sizes: &[(&str, Option<usize>)],
+) -> Result<(), String> {
+    let given = sizes.iter().find_map(|(f, v)| v.map(|v| (f, v)));
+    match (init_from, given) {
+        (Some(dir), Some((flag, value))) => Err(format!(
+            "{flag} {value} with --init-from {}: the model's sizes come from its config.json \
+             (drop {flag})",
+            dir.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
+pub(super) fn check(args: &Args) -> Result<(), String> {
+    if let Some(us) = args.link_latency_us {
+        if !(us.is_finite() && us >= 0.0 && args.link_gb_s.is_finite() && args.link_gb_s > 0.0) {
+            return Err(format!(
+                "--link-latency-us must be >= 0 and --link-gb-s > 0 (got {us}, {})",
+                args.link_gb_s
+            ));
+        }
+        if args.device == DeviceKind::Cuda {
+            return Err(
+                "--link-latency-us simulates a link between CPU ranks; with --device \
+                        cuda the ranks talk over NCCL"
+                    .into(),
+            );
+        }
+    }
+    if args.transport == Transport::Mpi && args.device == DeviceKind::Cuda {
+        return Err("--transport mpi runs CPU ranks; --device cuda ranks talk over NCCL".into());
+    }
+    if args.transport == Transport::Mpi && args.link_latency_us.is_some() {
+        return Err(
+            "--link-latency-us simulates a link between ranks as threads; with --transport mpi \
+             the ranks talk over MPI"
+                .into(),
+        );
+    }
+    if args.tp == 0 || args.dp == 0 || args.pp == 0 || args.micro_batches == 0 {
+        return Err(format!(
+            "--tp, --dp, --pp and --micro-batches must be at least 1 (got tp {} dp {} pp {} \
+             micro-batches {})",
+            args.tp, args.dp, args.pp, args.micro_batches
+        ));
+    }
+    if !(args.batch / args.dp.max(1)).is_multiple_of(args.micro_batches) {
+        return Err(format!(
+            "--batch {} / --dp {} is not divisible by --micro-batches {}",
+            args.batch, args.dp, args.micro_batches
+        ));
+    }
+    if args.pp > 1 {
+        let layers = args.layers();
+        let v = match args.pp_schedule {
+            PpSchedule::Interleaved => args.virtual_stages,
+            _ => 1,
+        };
+        if v == 0 {
+            return Err("--virtual-stages must be at least 1".into());
+        }
+        if args.init_from.is_none() && args.pp * v > layers {
+            return Err(format!(
+                "--pp {} x --virtual-stages {v} is more stages than --layers {layers} (each \
+                 stage needs a block)",
+                args.pp
+            ));
+        }
+        if v > 1 && !args.micro_batches.is_multiple_of(args.pp) {
+            return Err(format!(
+                "--pp-schedule interleaved needs --micro-batches ({}) to be a multiple of --pp \
+                 ({})",
+                args.micro_batches, args.pp
+            ));
+        }
+        // What the pipeline does not run yet.
+        let refused = [(args.device == DeviceKind::Cuda, "--device cuda")];
+        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+            return Err(format!(
+                "--pp {} does not run with {flag} yet (CPU ranks)",
+                args.pp
+            ));
+        }
+    }
+    if !args.batch.is_multiple_of(args.dp) {
+        return Err(format!(
+            "--batch {} is not divisible by --dp {}",
+            args.batch, args.dp
+        ));
+    }
+    if args.ep == 0 || !args.dp.is_multiple_of(args.ep) {
+        return Err(format!(
+            "--ep {} must divide --dp {} (experts are split over data-parallel ranks)",
+            args.ep, args.dp
+        ));
+    }
+    if args.ep > 1 {
+        for (flag, on) in [
+            ("--pp", args.pp > 1),
+            ("--overlap-grad-reduce", args.overlap_grad_reduce),
+            ("--distributed-optimizer", args.distributed_optimizer),
+        ] {
+            if on {
+                return Err(format!("--ep {} does not run with {flag} yet", args.ep));
+            }
+        }
+    }
+    if args.experts.is_some() && (args.arch != Arch::Llama || args.init_from.is_some()) {
+        return Err(
+            "--experts builds a fresh MoE Llama (--arch llama, without --init-from: an imported \
+             model brings its own experts)"
+                .into(),
+        );
+    }
+    if let Some(n) = args.experts
+        && (args.top_k == 0 || args.top_k > n)
+    {
+        return Err(format!(
+            "--top-k {} must be between 1 and --experts {n}",
+            args.top_k
+        ));
+    }
+    if args.steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
+        return Err(format!(
+            "--bucket-mb must be a positive number (got {})",
+            args.bucket_mb
+        ));
+    }
+    if args.save_every == Some(0) {
+        return Err("--save-every must be at least 1".into());
+    }
+    if args.arch != Arch::Llama && (args.init_from.is_some() || args.export_hf.is_some()) {
+        return Err(
+            "--init-from and --export-hf read and write Hugging Face models (the Llama \
+                    and Gemma families): use --arch llama"
+                .into(),
+        );
+    }
+    refuse_sizes(args.init_from.as_deref(), &args.size_flags())?;
+    if args.recompute_layers && (args.overlap_grad_reduce || args.distributed_optimizer) {
+        return Err(
+            "--recompute-layers runs one backward per block: its gradients are averaged over dp \
+             after them (drop --overlap-grad-reduce / --distributed-optimizer)"
+                .into(),
+        );
+    }
+    if args.seq == 0 || args.batch == 0 || args.eval_every == 0 {
+        return Err(format!(
+            "--seq, --batch and --eval-every must be at least 1 (got {}, {}, {})",
+            args.seq, args.batch, args.eval_every
+        ));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(format!("--lr must be a positive number (got {})", args.lr));
+    }
+    if let Some(p) = args.dropout {
+        if args.arch == Arch::Gpt && p != 0.0 {
+            return Err(format!(
+                "--dropout {p}: the GPT has no dropout (use --arch llama)"
+            ));
+        }
+        if !(0.0..1.0).contains(&p) {
+            return Err(format!("--dropout must be in [0, 1) (got {p})"));
+        }
+    }
+    if args.arch == Arch::Gpt && (args.kv_heads.is_some() || args.d_ff.is_some()) {
+        return Err("--kv-heads and --d-ff are Llama options (use --arch llama)".into());
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(format!(
+            "--temperature must be a number >= 0 (got {})",
+            args.temperature
+        ));
+    }
+    Ok(())
+}
