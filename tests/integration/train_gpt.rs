@@ -538,7 +538,7 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
     let moe = |extra: &[&str]| {
         let mut argv = vec![
             "--arch",
-            "llama",
+            "moe",
             "--experts",
             "4",
             "--top-k",
@@ -590,6 +590,13 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
         .unwrap()
         .losses;
     assert_close(&split, &plain, 1e-3, "bf16, dropout: ep 2 vs ep 1");
+    // `--arch moe` alone: 8 experts.
+    let report = run(&tiny_args(
+        &["--arch", "moe", "--tp", "1", "--steps", "1"],
+        &out,
+    ))
+    .unwrap();
+    assert_eq!(report.expert_tokens.len(), 8);
     let export = out.join("export-moe");
     run(&moe(&[
         "--tp",

@@ -49,6 +49,9 @@ pub enum Arch {
     /// Llama-class: grouped-query attention (`--kv-heads`), RoPE, RMSNorm, SwiGLU, dropout, an
     /// untied head, the real (padded) vocabulary.
     Llama,
+    /// The Llama with every MLP a mixture of experts (Mixtral's shape): `--experts` (8 by
+    /// default), `--top-k` per token, split over `--ep` of the dp ranks.
+    Moe,
 }
 
 /// Compute dtype, as the command line spells it.
@@ -131,7 +134,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
     /// Llama: every MLP a mixture of this many experts (Mixtral's shape), each as wide as
-    /// `--d-ff`, `--top-k` of them per token.
+    /// `--d-ff`, `--top-k` of them per token (`--arch moe`: 8 by default).
     #[arg(long)]
     pub experts: Option<usize>,
     /// Experts per token (with `--experts`).
@@ -309,6 +312,16 @@ impl Args {
         self.heads.unwrap_or(DEFAULT_HEADS)
     }
 
+    /// Whether the model is the Llama (`--arch llama`, or `moe`: its MLPs mixtures of experts).
+    pub fn is_llama(&self) -> bool {
+        matches!(self.arch, Arch::Llama | Arch::Moe)
+    }
+
+    /// `--experts`, or 8 with `--arch moe`; `None`: dense MLPs.
+    pub fn experts(&self) -> Option<usize> {
+        self.experts.or((self.arch == Arch::Moe).then_some(8))
+    }
+
     /// `--layers`, or its default.
     pub fn layers(&self) -> usize {
         self.layers.unwrap_or(DEFAULT_LAYERS)
@@ -384,7 +397,7 @@ pub fn llama_config(args: &Args, n_vocab: usize) -> LlamaConfig {
     .with_dropout(args.dropout.unwrap_or(DEFAULT_DROPOUT))
     .with_dropout_seed(args.seed)
     .with_experts(
-        args.experts.map(|n| {
+        args.experts().map(|n| {
             ExpertsConfig::new(n, args.top_k, d_ff).with_aux_loss_coef(args.aux_loss_coef)
         }),
     )

@@ -13,10 +13,14 @@ pub fn describe(args: &Args) -> String {
     let arch = match (&args.init_from, args.arch) {
         (Some(dir), _) => describe_imported(args, dir),
         (None, Arch::Gpt) => "tiny GPT".to_string(),
-        (None, Arch::Llama) => format!(
-            "Llama (kv heads {}, dropout {})",
+        (None, Arch::Llama | Arch::Moe) => format!(
+            "Llama (kv heads {}, dropout {}{})",
             args.kv_heads(),
-            args.dropout.unwrap_or(DEFAULT_DROPOUT)
+            args.dropout.unwrap_or(DEFAULT_DROPOUT),
+            match args.experts() {
+                Some(n) => format!(", {n} experts, top {}, ep {}", args.top_k, args.ep),
+                None => String::new(),
+            }
         ),
     };
     let pp = match args.pp {

@@ -117,14 +117,14 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             }
         }
     }
-    if args.experts.is_some() && (args.arch != Arch::Llama || args.init_from.is_some()) {
+    if args.experts().is_some() && (!args.is_llama() || args.init_from.is_some()) {
         return Err(
-            "--experts builds a fresh MoE Llama (--arch llama, without --init-from: an imported \
+            "--experts / --arch moe build a fresh MoE Llama (without --init-from: an imported \
              model brings its own experts)"
                 .into(),
         );
     }
-    if let Some(n) = args.experts
+    if let Some(n) = args.experts()
         && (args.top_k == 0 || args.top_k > n)
     {
         return Err(format!(
@@ -144,7 +144,7 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
     if args.save_every == Some(0) {
         return Err("--save-every must be at least 1".into());
     }
-    if args.arch != Arch::Llama && (args.init_from.is_some() || args.export_hf.is_some()) {
+    if !args.is_llama() && (args.init_from.is_some() || args.export_hf.is_some()) {
         return Err(
             "--init-from and --export-hf read and write Hugging Face models (the Llama \
                     and Gemma families): use --arch llama"

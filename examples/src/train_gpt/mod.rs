@@ -135,7 +135,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
             &data,
             &checkpoint,
         )?,
-        Arch::Llama => match &args.init_from {
+        Arch::Llama | Arch::Moe => match &args.init_from {
             Some(dir) => {
                 let hf = HfConfig::from_dir(dir).map_err(|e| e.to_string())?;
                 corpus::check_fits(&codec, dir, hf.vocab_size)?;
