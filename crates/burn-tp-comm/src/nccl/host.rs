@@ -2,12 +2,33 @@
 //! values (weights at init, ids, barriers, the experts' all-to-all) by staging them through the
 //! GPU: copy in, the collective, copy out, blocking. Tensors on the GPU never come here.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::{NcclGroup, RawDeviceBuffer, RawOp, nccl_err};
 use crate::{CommElement, Result};
 
 impl NcclGroup {
+    /// `input` copied to the GPU and a zeroed output of `out_bytes`, each at least one byte
+    /// (an empty buffer still needs an allocation to point at).
+    fn staged<T: CommElement>(
+        &self,
+        input: &[T],
+        out_bytes: usize,
+    ) -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+        let cuda = |e| nccl_err("host staging", 0, self.rank, e);
+        // Safety: CommElement types are plain numbers (no padding, any bit pattern valid).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(input.as_ptr().cast::<u8>(), std::mem::size_of_val(input))
+        };
+        let bytes = if bytes.is_empty() { &[0u8][..] } else { bytes };
+        let dev_in = self.compute.clone_htod(bytes).map_err(cuda)?;
+        let dev_out = self
+            .compute
+            .alloc_zeros::<u8>(out_bytes.max(1))
+            .map_err(cuda)?;
+        Ok((dev_in, dev_out))
+    }
+
     /// `op` of a host buffer, staged through the GPU (copy in, collective, copy out), blocking:
     /// what a [`ProcessGroup`](crate::ProcessGroup) over NCCL does with host buffers (weights
     /// at init, ids, barriers). Tensors on the GPU never come here.
@@ -23,15 +44,7 @@ impl NcclGroup {
         };
         self.check_len(op, "host collective", input.len(), out_len)?;
         let cuda = |e| nccl_err("host staging", 0, self.rank, e);
-        // Safety: CommElement types are plain numbers (no padding, any bit pattern valid).
-        let bytes = unsafe {
-            std::slice::from_raw_parts(input.as_ptr().cast::<u8>(), std::mem::size_of_val(input))
-        };
-        let dev_in = self.compute.clone_htod(bytes).map_err(cuda)?;
-        let mut dev_out = self
-            .compute
-            .alloc_zeros::<u8>((out_len * size).max(1))
-            .map_err(cuda)?;
+        let (dev_in, mut dev_out) = self.staged(input, out_len * size)?;
         let (pin, _r) = dev_in.device_ptr(&self.compute);
         let (pout, _w) = dev_out.device_ptr_mut(&self.compute);
         // Safety: both are live allocations of the sizes given, held until the host wait below.
@@ -58,17 +71,8 @@ impl NcclGroup {
         let size = std::mem::size_of::<T>();
         let (rank, stream) = (self.rank, self.comm_stream.clone());
         let cuda = |e| nccl_err("all_to_all staging", 0, rank, e);
-        // Safety: CommElement types are plain numbers (no padding, any bit pattern valid).
-        let bytes = unsafe {
-            std::slice::from_raw_parts(input.as_ptr().cast::<u8>(), std::mem::size_of_val(input))
-        };
-        let staged = if bytes.is_empty() { &[0u8][..] } else { bytes };
-        let dev_in = self.compute.clone_htod(staged).map_err(cuda)?;
         let out_len: usize = recv.iter().sum();
-        let mut dev_out = self
-            .compute
-            .alloc_zeros::<u8>((out_len * size).max(1))
-            .map_err(cuda)?;
+        let (dev_in, mut dev_out) = self.staged(input, out_len * size)?;
         let (pin, _r) = dev_in.device_ptr(&self.compute);
         let (pout, _w) = dev_out.device_ptr_mut(&self.compute);
         let (send_at, recv_at) = (
