@@ -487,13 +487,37 @@ fn split_params(model: &burn_tp::llama::Llama, first_expert: usize) -> Split {
     (dense, experts)
 }
 
+/// How [`train_moe`] reduces the gradients over dp.
+#[derive(Clone, Copy, Debug)]
+enum Sync {
+    /// After the backward.
+    After,
+    /// In buckets of this many bytes during the backward.
+    Buckets(usize),
+    /// The distributed optimizer (buckets of this many bytes).
+    Zero(usize),
+}
+
 /// Three AdamW steps of the MoE Llama at tp x dp with the experts over `ep` (of the dp ranks),
 /// each dp rank on its own batches: per world rank, its (dp rank, losses, parameters after).
 fn train_moe(n_tp: usize, dp: usize, ep: usize, mode: TpMode) -> Vec<(usize, Vec<f64>, Split)> {
+    train_moe_with(n_tp, dp, ep, mode, Sync::After)
+}
+
+/// [`train_moe`], the gradients reduced as `sync` says.
+fn train_moe_with(
+    n_tp: usize,
+    dp: usize,
+    ep: usize,
+    mode: TpMode,
+    sync: Sync,
+) -> Vec<(usize, Vec<f64>, Split)> {
     use super::common::token_ids;
     use burn::optim::{AdamWConfig, GradientsParams};
     use burn::tensor::{Int, TensorData};
-    use burn_tp::dp::{DpOptimizer, Experts, broadcast_parameters};
+    use burn_tp::dp::{
+        DistributedAdamW, DpOptimizer, Experts, GradReducer, ReduceGroups, broadcast_parameters,
+    };
     use burn_tp::llama::Llama;
     use burn_tp::mesh::DeviceMesh;
     use burn_tp::model::LanguageModel;
@@ -524,7 +548,22 @@ fn train_moe(n_tp: usize, dp: usize, ep: usize, mode: TpMode) -> Vec<(usize, Vec
             params: model.expert_params().into_iter().collect(),
             group: expert_dp,
         };
-        let mut optim = DpOptimizer::new(AdamWConfig::new().init()).with_experts(experts);
+        let groups = ReduceGroups {
+            summed: None,
+            experts: Some(experts.clone()),
+        };
+        let dp_group = mesh.dp_group();
+        let optim = match sync {
+            Sync::After => DpOptimizer::new(AdamWConfig::new().init()),
+            Sync::Buckets(bytes) => DpOptimizer::new(AdamWConfig::new().init())
+                .with_reducer(GradReducer::with_groups(&model, dp_group, bytes, groups)),
+            Sync::Zero(bytes) => {
+                let config = AdamWConfig::new();
+                let zero = DistributedAdamW::with_groups(&config, &model, dp_group, bytes, groups);
+                DpOptimizer::distributed(config.init(), zero, config)
+            }
+        };
+        let mut optim = optim.with_experts(experts);
         let d = mesh.dp_rank();
         let mut losses = Vec::new();
         for step in 0..3i64 {
@@ -532,7 +571,8 @@ fn train_moe(n_tp: usize, dp: usize, ep: usize, mode: TpMode) -> Vec<(usize, Vec
                 let v = token_ids(16, 40, 5 + step, add + 7 * d as i64);
                 Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device)
             };
-            let loss = LanguageModel::loss(&model, ids(0), ids(1), None).unwrap();
+            let view = optim.attach(model.clone());
+            let loss = LanguageModel::loss(&view, ids(0), ids(1), None).unwrap();
             losses.push(f64s(loss.clone())[0]);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             let working = model.clone();
@@ -574,6 +614,41 @@ fn moe_training_at_dp_x_ep_gives_the_ep_1_runs_losses_and_parameters() {
             for (key, v) in experts {
                 let (_, want) = want_experts.iter().find(|(k, _)| k == key).unwrap();
                 assert_close(v, want, 1e-5, &format!("{at}: dp rank {d} expert {key:?}"));
+            }
+        }
+    }
+}
+
+/// The experts' gradients reduced in buckets during the backward, or sharded by the
+/// distributed optimizer over the ranks holding the same experts, give the ep 1 run's
+/// (reduced after the backward) losses and parameters. Buckets of one parameter each and of
+/// everything: the experts' buckets stay apart from the dense ones either way.
+#[test]
+fn moe_training_with_buckets_or_the_distributed_optimizer_gives_the_ep_1_runs() {
+    let _lock = super::common::rng_lock();
+    for (n_tp, dp, ep, mode) in [
+        (1, 4, 2, TpMode::AllReduce),
+        (2, 2, 2, TpMode::ReduceScatter),
+    ] {
+        let plain = train_moe(n_tp, dp, 1, mode);
+        for sync in [
+            Sync::Buckets(1),
+            Sync::Buckets(1 << 30),
+            Sync::Zero(1 << 30),
+        ] {
+            let at = format!("tp {n_tp} x dp {dp} x ep {ep} {mode:?} {sync:?}");
+            let split = train_moe_with(n_tp, dp, ep, mode, sync);
+            for ((d, want_losses, (want_dense, want_experts)), (_, losses, (dense, experts))) in
+                plain.iter().zip(&split)
+            {
+                assert_close(losses, want_losses, 1e-5, &format!("{at}: dp {d} losses"));
+                for (i, (a, b)) in dense.iter().zip(want_dense).enumerate() {
+                    assert_close(a, b, 1e-5, &format!("{at}: dp {d} parameter {i}"));
+                }
+                for (key, v) in experts {
+                    let (_, want) = want_experts.iter().find(|(k, _)| k == key).unwrap();
+                    assert_close(v, want, 1e-5, &format!("{at}: dp {d} expert {key:?}"));
+                }
             }
         }
     }

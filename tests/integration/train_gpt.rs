@@ -613,9 +613,19 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
     .unwrap();
     let hf = burn_tp::hf::HfConfig::from_dir(&export).unwrap();
     assert_eq!(hf.experts.map(|x| x.n_experts), Some(4));
+    // The experts' gradients reduced in buckets during the backward, or sharded by the
+    // distributed optimizer over the ranks holding the same experts.
+    let base = ["--tp", "1", "--dp", "4", "--steps", "4"];
+    let plain = run(&moe(&base)).unwrap().losses;
+    for flag in ["--overlap-grad-reduce", "--distributed-optimizer"] {
+        let got = run(&moe(&[&base[..], &["--ep", "2", flag]].concat()))
+            .unwrap()
+            .losses;
+        assert_close(&got, &plain, 1e-5, &format!("dp 4 x ep 2 {flag}"));
+    }
     for bad in [
         &["--dp", "2", "--ep", "4"][..],
-        &["--dp", "2", "--ep", "2", "--distributed-optimizer"][..],
+        &["--dp", "2", "--ep", "2", "--pp", "2"][..],
     ] {
         let e = run(&moe(bad)).unwrap_err().to_string();
         assert!(e.contains("--ep"), "{bad:?}: {e}");
@@ -631,7 +641,8 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
 }
 
 /// A MoE run at dp 2 x ep 2 checkpoints the whole model (every expert and its AdamW state
-/// gathered over ep): resumed at ep 1 and at ep 2 it continues the uninterrupted run's losses.
+/// gathered over ep, from the distributed optimizer's shards too): resumed at ep 1 and at ep 2,
+/// with either optimizer, it continues the uninterrupted run's losses.
 #[test]
 fn a_moe_checkpoint_at_ep_2_resumes_at_any_ep() {
     let _rng = rng_lock();
@@ -663,11 +674,27 @@ fn a_moe_checkpoint_at_ep_2_resumes_at_any_ep() {
         "the first 3 steps at ep 2",
     );
     let ckpt = first.checkpoint.display().to_string();
-    for ep in ["1", "2"] {
-        let resumed = run(&moe(&["--steps", "3", "--ep", ep, "--resume", &ckpt], ep))
+    // The distributed optimizer's state (the experts' moments sharded over their own group)
+    // saves the same whole-model state.
+    let zero = ["--steps", "3", "--ep", "2", "--distributed-optimizer"];
+    let first_zero = run(&moe(&zero, "first-zero")).unwrap();
+    assert_close(&first_zero.losses, &whole[..3], 1e-5, "ep 2, distributed");
+    let ckpt_zero = first_zero.checkpoint.display().to_string();
+    for (ep, ckpt, zero) in [
+        ("1", &ckpt, false),
+        ("2", &ckpt, false),
+        ("2", &ckpt, true),
+        ("1", &ckpt_zero, false),
+    ] {
+        let at = format!("resumed at ep {ep} (distributed optimizer: {zero}) from {ckpt}");
+        let mut argv = vec!["--steps", "3", "--ep", ep, "--resume", ckpt];
+        if zero {
+            argv.push("--distributed-optimizer");
+        }
+        let resumed = run(&moe(&argv, &format!("{ep}-{zero}-{}", ckpt.len())))
             .unwrap()
             .losses;
-        assert_close(&resumed, &whole[3..], 1e-5, &format!("resumed at ep {ep}"));
+        assert_close(&resumed, &whole[3..], 1e-5, &at);
     }
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -8,7 +8,9 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp::checkpoint::{self, CheckpointInfo};
 use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
-use burn_tp::dp::{DistributedAdamW, DpOptimizer, Experts, GradReducer, broadcast_parameters};
+use burn_tp::dp::{
+    DistributedAdamW, DpOptimizer, Experts, GradReducer, ReduceGroups, broadcast_parameters,
+};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
@@ -280,16 +282,24 @@ impl<M: Trainable> Rank<'_, M> {
             None => (model, adamw),
         };
         let bucket_bytes = (args.bucket_mb * (1 << 20) as f64) as usize;
-        // A tied embedding's gradient, summed over the first and last stages by the buckets.
-        let summed = self.pipe.as_ref().and_then(|p| p.tied_embedding(&model));
+        let experts = self.experts.as_ref().map(|(_, expert_dp)| Experts {
+            params: model.expert_params().into_iter().collect(),
+            group: expert_dp.clone(),
+        });
+        // A tied embedding's gradient, summed over the first and last stages by the buckets;
+        // the experts' over the ranks holding the same experts.
+        let groups = ReduceGroups {
+            summed: self.pipe.as_ref().and_then(|p| p.tied_embedding(&model)),
+            experts: experts.clone(),
+        };
         let zero = match args.distributed_optimizer {
             true => {
-                let mut zero = DistributedAdamW::new_summed(
+                let mut zero = DistributedAdamW::with_groups(
                     &AdamWConfig::new(),
                     &model,
                     &self.dp_group,
                     bucket_bytes,
-                    summed.clone(),
+                    groups.clone(),
                 );
                 // This rank's chunks of a resumed state (saved at any dp).
                 zero.shard_module_optimizer(&adamw, &model)?;
@@ -305,21 +315,18 @@ impl<M: Trainable> Rank<'_, M> {
             None => {
                 let optim = DpOptimizer::new(adamw).with_replicated(ReplicatedGrads::new(tp_group));
                 match args.overlap_grad_reduce {
-                    true => optim.with_reducer(GradReducer::new_summed(
+                    true => optim.with_reducer(GradReducer::with_groups(
                         &model,
                         &self.dp_group,
                         bucket_bytes,
-                        summed,
+                        groups,
                     )),
                     false => optim,
                 }
             }
         };
-        let optim = match &self.experts {
-            Some((_, expert_dp)) => optim.with_experts(Experts {
-                params: model.expert_params().into_iter().collect(),
-                group: expert_dp.clone(),
-            }),
+        let optim = match experts {
+            Some(experts) => optim.with_experts(experts),
             None => optim,
         };
         Ok((model, first_step, optim))

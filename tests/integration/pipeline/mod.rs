@@ -305,7 +305,7 @@ fn pipelined_losses_and_gradients_equal_the_whole_model() {
 #[test]
 fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
     use burn::optim::AdamWConfig;
-    use burn_tp::dp::{DistributedAdamW, GradReducer};
+    use burn_tp::dp::{DistributedAdamW, GradReducer, ReduceGroups};
     use burn_tp::pipeline::loss_and_grads_overlapped;
     let _rng = rng_lock();
     let solo = LocalGroup::new(1).unwrap().remove(0);
@@ -350,15 +350,22 @@ fn overlapped_buckets_and_the_distributed_optimizer_run_under_a_pipeline() {
             let mut got = Vec::new();
             // Buckets of one parameter each, and of everything at once.
             for bytes in [1, 1 << 30] {
-                let r = GradReducer::new_summed(&model, dp_group, bytes, summed.clone());
+                let groups = ReduceGroups {
+                    summed: summed.clone(),
+                    experts: None,
+                };
+                let r = GradReducer::with_groups(&model, dp_group, bytes, groups);
                 let out =
                     loss_and_grads_overlapped(&model, &pipe, &micro, schedule, step, &r).unwrap();
                 let mut grads = out.grads;
                 r.finish(&model, &mut grads).unwrap();
                 got.push(values(&gathered(&model, &grads).0));
             }
-            let mut zero =
-                DistributedAdamW::new_summed(&config, &model, dp_group, 64, summed.clone());
+            let groups = ReduceGroups {
+                summed: summed.clone(),
+                experts: None,
+            };
+            let mut zero = DistributedAdamW::with_groups(&config, &model, dp_group, 64, groups);
             let out =
                 loss_and_grads_overlapped(&model, &pipe, &micro, schedule, step, zero.reducer())
                     .unwrap();

@@ -44,11 +44,16 @@ impl fmt::Debug for GradTap {
 pub(crate) struct TapShared {
     /// The data-parallel group (weak: graph nodes must not keep a panicking rank in it).
     pub(crate) group: ProcessGroup,
+    /// Expert parallelism: the ranks holding the same experts (weak), which the buckets of
+    /// experts' gradients reduce over instead.
+    pub(crate) expert_group: Option<ProcessGroup>,
+    /// Per bucket: whether it holds experts' gradients (and none else).
+    pub(crate) expert: Vec<bool>,
     /// Per slot: its bucket, `None` for a frozen parameter (no tap).
     pub(crate) bucket_of: Vec<Option<usize>>,
     /// Per bucket: its slots, in the order they are concatenated.
     pub(crate) buckets: Vec<Vec<usize>>,
-    /// Per bucket with `scatter`: its elements, zero-padded to a multiple of the dp size.
+    /// Per bucket with `scatter`: its elements, zero-padded to a multiple of its group's size.
     pub(crate) padded: Vec<usize>,
     /// Reduce-scatter each bucket (the distributed optimizer: rank `r` keeps chunk `r` of the
     /// average) instead of all-reducing it.
@@ -140,17 +145,26 @@ impl TapShared {
             B::float_cat(flat, 0)
         };
         let _scope = burn_tp_comm::profile::scope("dp gradient bucket (overlapped)");
-        let (flat, op) = if self.scatter {
-            // The average as a sum of pre-scaled values (exact for a power-of-two dp).
-            let dp = self.group.world_size() as f64;
-            (
+        let dp = self.group.world_size() as f64;
+        let group = match (self.expert[bucket], &self.expert_group) {
+            (true, Some(experts)) => experts,
+            _ => &self.group,
+        };
+        // An expert's gradient already sums its ep ranks' tokens: the dp average is the sum
+        // over the ranks holding the same expert, over dp. Either average is a sum of
+        // pre-scaled values when scattering (exact for a power-of-two dp).
+        let (flat, op) = match (self.scatter, self.expert[bucket]) {
+            (false, false) => (flat, Collective::AllReduce(ReduceOp::Avg)),
+            (false, true) => (
+                B::float_mul_scalar(flat, (1.0 / dp).into()),
+                Collective::AllReduce(ReduceOp::Sum),
+            ),
+            (true, _) => (
                 B::float_mul_scalar(flat, (1.0 / dp).into()),
                 Collective::ReduceScatter { dim: 0 },
-            )
-        } else {
-            (flat, Collective::AllReduce(ReduceOp::Avg))
+            ),
         };
-        let pending = B::tp_start(flat, op, self.group.clone());
+        let pending = B::tp_start(flat, op, group.clone());
         st.started[bucket] = Some(Box::new(pending));
     }
 

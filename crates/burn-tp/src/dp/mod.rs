@@ -7,7 +7,7 @@ mod reducer;
 mod step;
 mod zero;
 
-pub use reducer::GradReducer;
+pub use reducer::{GradReducer, ReduceGroups};
 pub use step::DpOptimizer;
 pub use zero::DistributedAdamW;
 

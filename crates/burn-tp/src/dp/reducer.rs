@@ -15,6 +15,20 @@ use crate::backend::TpBackend;
 use crate::backend::grad_tap::{GradTap, TapShared, TapState};
 use crate::{Result, TpError};
 
+/// The groups some gradients of a [`GradReducer`] (or [`super::DistributedAdamW`]) reduce over
+/// besides the data-parallel group.
+#[derive(Clone, Debug, Default)]
+pub struct ReduceGroups {
+    /// A parameter whose gradient is also summed over another group after its dp average, in
+    /// a bucket of its own (as in Megatron, so its chunks line up on both stages under the
+    /// distributed optimizer): a tied embedding over a pipeline's first and last stages
+    /// ([`crate::pipeline::Pipeline::tied_embedding`]).
+    pub summed: Option<(ParamId, ProcessGroup)>,
+    /// Expert parallelism: the experts' gradients summed over their own group and divided by
+    /// dp (as [`super::average_gradients_with`]), in buckets of their own.
+    pub experts: Option<super::Experts>,
+}
+
 /// Data-parallel gradient averaging overlapped with the backward, in buckets (PyTorch DDP's and
 /// Megatron's `overlap_grad_reduce`): each bucket's average over the data-parallel group starts
 /// the moment its last gradient is produced, while the backward goes on with earlier layers.
@@ -41,6 +55,8 @@ use crate::{Result, TpError};
 pub struct GradReducer {
     shared: Arc<TapShared>,
     group: ProcessGroup,
+    /// Expert parallelism: the ranks holding the same experts.
+    experts: Option<ProcessGroup>,
     /// A parameter whose gradient is also summed over another group (its slot, in a bucket of
     /// its own): a tied embedding over a pipeline's first and last stages.
     summed: Option<(usize, ProcessGroup)>,
@@ -68,30 +84,36 @@ impl GradReducer {
     /// A reducer for `model`'s trainable parameters over `dp_group`, in buckets of at most
     /// `bucket_bytes`.
     pub fn new<M: Module>(model: &M, dp_group: &ProcessGroup, bucket_bytes: usize) -> Self {
-        Self::build(model, dp_group, bucket_bytes, false, None)
+        Self::build(
+            model,
+            dp_group,
+            bucket_bytes,
+            false,
+            ReduceGroups::default(),
+        )
     }
 
-    /// [`new`](Self::new), with the gradient of parameter `summed.0` also summed over group
-    /// `summed.1` after its average over dp: a tied embedding over a pipeline's first and last
-    /// stages ([`crate::pipeline::Pipeline::tied_embedding`]). It gets a bucket of its own (as
-    /// in Megatron), so its chunks line up on both stages under the distributed optimizer.
-    pub fn new_summed<M: Module>(
+    /// [`new`](Self::new), with some gradients reduced over other groups as well or instead
+    /// ([`ReduceGroups`]: a tied embedding over a pipeline's first and last stages, the
+    /// experts under expert parallelism).
+    pub fn with_groups<M: Module>(
         model: &M,
         dp_group: &ProcessGroup,
         bucket_bytes: usize,
-        summed: Option<(ParamId, ProcessGroup)>,
+        groups: ReduceGroups,
     ) -> Self {
-        Self::build(model, dp_group, bucket_bytes, false, summed)
+        Self::build(model, dp_group, bucket_bytes, false, groups)
     }
 
-    /// With `scatter`, each bucket is reduce-scattered (zero-padded to a multiple of the dp
-    /// size): rank `r` gets chunk `r` of the average ([`super::DistributedAdamW`]).
+    /// With `scatter`, each bucket is reduce-scattered (zero-padded to a multiple of its
+    /// group's size): rank `r` of the group gets chunk `r` of the average
+    /// ([`super::DistributedAdamW`]).
     pub(crate) fn build<M: Module>(
         model: &M,
         dp_group: &ProcessGroup,
         bucket_bytes: usize,
         scatter: bool,
-        summed: Option<(ParamId, ProcessGroup)>,
+        groups: ReduceGroups,
     ) -> Self {
         struct Sizes(Vec<(usize, usize, bool, ParamId)>);
         impl ModuleVisitor for Sizes {
@@ -105,31 +127,41 @@ impl GradReducer {
         let mut sizes = Sizes(Vec::new());
         model.visit(&mut sizes);
         let sizes = sizes.0;
-        let summed = summed.and_then(|(id, group)| {
+        let summed = groups.summed.and_then(|(id, group)| {
             let slot = sizes.iter().position(|s| s.3 == id && s.2)?;
             Some((slot, group))
         });
         let alone = summed.as_ref().map(|s| s.0);
+        let is_expert = |slot: usize| {
+            groups
+                .experts
+                .as_ref()
+                .is_some_and(|x| x.params.contains(&sizes[slot].3))
+        };
         let mut bucket_of = vec![None; sizes.len()];
         let mut buckets: Vec<Vec<usize>> = Vec::new();
-        let mut filled = 0usize;
-        let mut after_alone = false;
+        let mut expert = Vec::new();
+        // Per kind (dense, expert): the bucket being filled and its bytes. Experts' gradients
+        // reduce over another group, so they fill buckets of their own.
+        let mut open: [Option<(usize, usize)>; 2] = [None, None];
         // Reverse visiting order: the backward produces the last layers' gradients first.
         for slot in (0..sizes.len()).rev().filter(|&s| sizes[s].2) {
             let bytes = sizes[slot].1;
+            let kind = usize::from(is_expert(slot));
             let own = alone == Some(slot);
-            if buckets.is_empty()
-                || own
-                || after_alone
-                || (filled > 0 && filled + bytes > bucket_bytes)
-            {
-                buckets.push(Vec::new());
-                filled = 0;
-            }
-            after_alone = own;
-            buckets.last_mut().expect("a bucket").push(slot);
-            bucket_of[slot] = Some(buckets.len() - 1);
-            filled += bytes;
+            let bucket = match open[kind] {
+                Some((b, filled)) if !own && filled + bytes <= bucket_bytes => b,
+                _ => {
+                    buckets.push(Vec::new());
+                    expert.push(kind == 1);
+                    buckets.len() - 1
+                }
+            };
+            buckets[bucket].push(slot);
+            bucket_of[slot] = Some(bucket);
+            let filled = open[kind].filter(|o| o.0 == bucket).map_or(0, |o| o.1) + bytes;
+            // A parameter summed over another group keeps its bucket to itself.
+            open[kind] = (!own).then_some((bucket, filled));
         }
         let mut offset = vec![0; sizes.len()];
         for bucket in &buckets {
@@ -139,10 +171,18 @@ impl GradReducer {
                 at += sizes[slot].0;
             }
         }
-        let dp = dp_group.world_size().max(1);
+        let experts = groups.experts.map(|x| x.group);
+        let size = |b: usize| match (expert[b], &experts) {
+            (true, Some(g)) => g.world_size().max(1),
+            _ => dp_group.world_size().max(1),
+        };
         let padded = buckets
             .iter()
-            .map(|b| b.iter().map(|&s| sizes[s].0).sum::<usize>().div_ceil(dp) * dp)
+            .enumerate()
+            .map(|(b, slots)| {
+                let n: usize = slots.iter().map(|&s| sizes[s].0).sum();
+                n.div_ceil(size(b)) * size(b)
+            })
             .collect();
         let n_buckets = buckets.len();
         let state = TapState {
@@ -154,6 +194,8 @@ impl GradReducer {
         Self {
             shared: Arc::new(TapShared {
                 group: dp_group.weak(),
+                expert_group: experts.as_ref().map(ProcessGroup::weak),
+                expert,
                 bucket_of,
                 buckets,
                 padded,
@@ -161,10 +203,25 @@ impl GradReducer {
                 state: std::sync::Mutex::new(state),
             }),
             group: dp_group.clone(),
+            experts,
             summed,
             numel: sizes.iter().map(|s| s.0).collect(),
             offset,
         }
+    }
+
+    /// The group bucket `bucket` reduces over: the experts' group for a bucket of experts'
+    /// gradients, the data-parallel group otherwise.
+    pub(crate) fn group_of(&self, bucket: usize) -> &ProcessGroup {
+        match (self.shared.expert[bucket], &self.experts) {
+            (true, Some(g)) => g,
+            _ => &self.group,
+        }
+    }
+
+    /// Whether experts' gradients reduce over their own group ([`ReduceGroups::experts`]).
+    pub fn has_experts(&self) -> bool {
+        self.experts.is_some()
     }
 
     /// Whether the coming backward completes its parameters' gradients for the step (each

@@ -54,7 +54,9 @@ impl DpOptimizer {
     }
 
     /// Expert parallelism: `experts`' gradients summed over their own group (divided by dp),
-    /// the rest averaged over dp ([`super::average_gradients_with`]).
+    /// the rest averaged over dp ([`super::average_gradients_with`]). With buckets, the
+    /// reducer or distributed optimizer must have been built with the same experts
+    /// ([`super::ReduceGroups::experts`]).
     pub fn with_experts(mut self, experts: Experts) -> Self {
         self.experts = Some(experts);
         self
@@ -117,10 +119,11 @@ impl DpOptimizer {
         dp_group: &ProcessGroup,
     ) -> Result<M> {
         let lr = lr.into();
-        if self.experts.is_some() && (self.zero.is_some() || self.reducer.is_some()) {
+        if self.experts.is_some() && self.buckets().is_some_and(|b| !b.has_experts()) {
             return Err(crate::TpError::Config(
-                "expert parallelism reduces its gradients after the backward: not yet with the \
-                 bucketed reducer or the distributed optimizer"
+                "expert parallelism with buckets: build the reducer or the distributed optimizer \
+                 with the experts (ReduceGroups::experts), so their gradients reduce over their \
+                 own group"
                     .into(),
             ));
         }

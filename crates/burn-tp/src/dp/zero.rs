@@ -10,7 +10,7 @@
 //!             -> all-gather of the updated chunks -> every rank's full parameters
 //! ```
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{
     AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate,
     ModuleOptimizer, Optimizer,
@@ -19,7 +19,7 @@ use burn::tensor::{Tensor, TensorData};
 use burn_pack::Scalar;
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
-use super::reducer::{GradReducer, first_grad};
+use super::reducer::{GradReducer, ReduceGroups, first_grad};
 use crate::ops::{all_gather, all_gather_async};
 use crate::reshard::optimizer::IndexedState;
 use crate::{Result, TpError};
@@ -29,7 +29,9 @@ use crate::{Result, TpError};
 /// by a reduce-scatter started during the backward (the buckets of [`GradReducer`]), updates it
 /// with Burn's own [`AdamW`] (elementwise, so a chunk steps exactly as the whole would), and the
 /// updated chunks are all-gathered into every rank's parameters. Each rank keeps `1/dp` of the
-/// moments (plus at most `dp - 1` padding elements per bucket).
+/// moments (plus at most `dp - 1` padding elements per bucket). Under expert parallelism
+/// ([`ReduceGroups::experts`]) the experts' buckets are sharded over the `dp / ep` ranks that
+/// hold the same experts instead.
 ///
 /// ```ignore
 /// let mut optim = DistributedAdamW::new(&AdamWConfig::new(), &model, &dp_group, bucket_bytes);
@@ -44,7 +46,6 @@ use crate::{Result, TpError};
 pub struct DistributedAdamW {
     reducer: GradReducer,
     adamw: AdamW,
-    group: ProcessGroup,
     /// Per bucket: the state of this rank's chunk.
     state: Vec<Option<AdamWState<1>>>,
 }
@@ -69,25 +70,31 @@ impl DistributedAdamW {
         dp_group: &ProcessGroup,
         bucket_bytes: usize,
     ) -> Self {
-        Self::new_summed(config, model, dp_group, bucket_bytes, None)
+        Self::with_groups(
+            config,
+            model,
+            dp_group,
+            bucket_bytes,
+            ReduceGroups::default(),
+        )
     }
 
-    /// [`new`](Self::new), with the gradient of parameter `summed.0` also summed over group
-    /// `summed.1` (see [`GradReducer::new_summed`]: a tied embedding over a pipeline's first and
-    /// last stages): its chunk, in a bucket of its own, summed after the reduce-scatter.
-    pub fn new_summed<M: Module>(
+    /// [`new`](Self::new), with some gradients reduced over other groups
+    /// ([`GradReducer::with_groups`]): a tied embedding's chunk, in a bucket of its own, summed
+    /// over the pipeline's first and last stages after the reduce-scatter; the experts' buckets
+    /// reduce-scattered over the ranks holding the same experts, whose moments they shard.
+    pub fn with_groups<M: Module>(
         config: &AdamWConfig,
         model: &M,
         dp_group: &ProcessGroup,
         bucket_bytes: usize,
-        summed: Option<(ParamId, ProcessGroup)>,
+        groups: ReduceGroups,
     ) -> Self {
-        let reducer = GradReducer::build(model, dp_group, bucket_bytes, true, summed);
+        let reducer = GradReducer::build(model, dp_group, bucket_bytes, true, groups);
         let state = (0..reducer.buckets()).map(|_| None).collect();
         Self {
             reducer,
             adamw: config.build(),
-            group: dp_group.clone(),
             state,
         }
     }
@@ -144,17 +151,18 @@ impl DistributedAdamW {
             grad_chunks[bucket] = crate::ops::all_reduce(chunk, ReduceOp::Sum, group)?;
         }
         let flat = self.flat_params(&model);
-        let (r, dp) = (self.group.rank(), self.group.world_size());
         let _scope =
             burn_tp_comm::profile::scope("dp parameter all-gather (distributed optimizer)");
         let mut gathers = Vec::with_capacity(flat.len());
         for (b, (params, grad)) in flat.into_iter().zip(grad_chunks).enumerate() {
-            let c = self.reducer.padded()[b] / dp;
+            let group = self.reducer.group_of(b);
+            let (r, n) = (group.rank(), group.world_size());
+            let c = self.reducer.padded()[b] / n;
             let mine = params.narrow(0, r * c, c);
             let grad = grad.cast(mine.dtype());
             let (updated, state) = self.adamw.step(lr, mine, grad, self.state[b].take());
             self.state[b] = state;
-            gathers.push(all_gather_async(updated, 0, &self.group)?);
+            gathers.push(all_gather_async(updated, 0, group)?);
         }
         let full = gathers
             .into_iter()
@@ -251,8 +259,9 @@ impl DistributedAdamW {
         let mut state = IndexedState::default();
         for (b, slots) in buckets.iter().enumerate() {
             let Some(s) = &self.state[b] else { continue };
-            let m1 = all_gather(s.momentum.moment_1.clone(), 0, &self.group)?;
-            let m2 = all_gather(s.momentum.moment_2.clone(), 0, &self.group)?;
+            let group = self.reducer.group_of(b);
+            let m1 = all_gather(s.momentum.moment_1.clone(), 0, group)?;
+            let m2 = all_gather(s.momentum.moment_2.clone(), 0, group)?;
             for &slot in slots {
                 let (o, n) = (offset[slot], numel[slot]);
                 let shape = shapes[slot].clone();
@@ -286,7 +295,6 @@ impl DistributedAdamW {
         let state = IndexedState::of(optim, model)?;
         let layout = self.reducer.layout();
         let (numel, buckets) = (layout.numel, layout.buckets);
-        let (r, dp) = (self.group.rank(), self.group.world_size());
         let device = first_device(model);
         for (b, slots) in buckets.iter().enumerate() {
             let mut m1 = Vec::new();
@@ -317,6 +325,8 @@ impl DistributedAdamW {
                 self.state[b] = None;
                 continue;
             }
+            let group = self.reducer.group_of(b);
+            let (r, dp) = (group.rank(), group.world_size());
             let c = self.reducer.padded()[b] / dp;
             let chunk = |parts: Vec<Tensor<1>>| {
                 let n: usize = parts.iter().map(|p| p.shape().num_elements()).sum();

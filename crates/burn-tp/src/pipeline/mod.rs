@@ -112,7 +112,7 @@ impl Pipeline {
 
     /// The embedding's table and the group of the first and last stages, on those stages of a
     /// model whose head is tied to the table (its gradient is summed over them): for
-    /// [`GradReducer::new_summed`](crate::dp::GradReducer::new_summed) and [`crate::dp::DistributedAdamW::new_summed`].
+    /// [`GradReducer::with_groups`](crate::dp::GradReducer::with_groups) and [`crate::dp::DistributedAdamW::with_groups`].
     pub fn tied_embedding<M: LanguageModel>(&self, model: &M) -> Option<(ParamId, ProcessGroup)> {
         let ends = self.ends.as_ref()?;
         model

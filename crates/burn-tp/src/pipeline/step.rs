@@ -74,7 +74,7 @@ pub fn loss_and_grads<M: LanguageModel>(
 /// virtual stages are still running. Finish with [`GradReducer::finish`] or
 /// [`crate::dp::DistributedAdamW::step`]: the gradients returned are this rank's own until
 /// then. A tied embedding's sum over the first and last stages is the reducer's: build it with
-/// [`Pipeline::tied_embedding`] ([`GradReducer::new_summed`]). Collective over the pipeline.
+/// [`Pipeline::tied_embedding`] ([`GradReducer::with_groups`]). Collective over the pipeline.
 ///
 /// # Errors
 /// As [`loss_and_grads`].
