@@ -623,13 +623,31 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
             .losses;
         assert_close(&got, &plain, 1e-5, &format!("dp 4 x ep 2 {flag}"));
     }
-    for bad in [
-        &["--dp", "2", "--ep", "4"][..],
-        &["--dp", "2", "--ep", "2", "--pp", "2"][..],
+    // Pipeline stages holding the MoE layers (the routers' loss across them), the experts over
+    // ep, their gradients in buckets; with one micro-batch a step, the unpipelined run's.
+    let base = [
+        "--tp",
+        "1",
+        "--dp",
+        "2",
+        "--steps",
+        "3",
+        "--micro-batches",
+        "1",
+    ];
+    let plain = run(&moe(&base)).unwrap().losses;
+    for extra in [
+        &["--pp", "2"][..],
+        &["--pp", "2", "--ep", "2"][..],
+        &["--pp", "2", "--ep", "2", "--overlap-grad-reduce"][..],
     ] {
-        let e = run(&moe(bad)).unwrap_err().to_string();
-        assert!(e.contains("--ep"), "{bad:?}: {e}");
+        let got = run(&moe(&[&base[..], extra].concat())).unwrap().losses;
+        assert_close(&got, &plain, 1e-5, &format!("dp 2 {extra:?}"));
     }
+    let e = run(&moe(&["--dp", "2", "--ep", "4"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--ep 4") && e.contains("--dp 2"), "{e}");
     let e = run(&tiny_args(
         &["--arch", "llama", "--tp", "1", "--dp", "2", "--ep", "2"],
         &out,
@@ -680,20 +698,21 @@ fn a_moe_checkpoint_at_ep_2_resumes_at_any_ep() {
     let first_zero = run(&moe(&zero, "first-zero")).unwrap();
     assert_close(&first_zero.losses, &whole[..3], 1e-5, "ep 2, distributed");
     let ckpt_zero = first_zero.checkpoint.display().to_string();
-    for (ep, ckpt, zero) in [
-        ("1", &ckpt, false),
-        ("2", &ckpt, false),
-        ("2", &ckpt, true),
-        ("1", &ckpt_zero, false),
-    ] {
-        let at = format!("resumed at ep {ep} (distributed optimizer: {zero}) from {ckpt}");
+    for (k, (ep, ckpt, extra)) in [
+        ("1", &ckpt, &[][..]),
+        ("2", &ckpt, &[][..]),
+        ("2", &ckpt, &["--distributed-optimizer"][..]),
+        ("1", &ckpt_zero, &[][..]),
+        // Pipeline stages, each with its MoE layer's experts over ep.
+        ("2", &ckpt, &["--pp", "2"][..]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let at = format!("resumed at ep {ep} {extra:?} from {ckpt}");
         let mut argv = vec!["--steps", "3", "--ep", ep, "--resume", ckpt];
-        if zero {
-            argv.push("--distributed-optimizer");
-        }
-        let resumed = run(&moe(&argv, &format!("{ep}-{zero}-{}", ckpt.len())))
-            .unwrap()
-            .losses;
+        argv.extend_from_slice(extra);
+        let resumed = run(&moe(&argv, &format!("resumed-{k}"))).unwrap().losses;
         assert_close(&resumed, &whole[3..], 1e-5, &at);
     }
     let _ = std::fs::remove_dir_all(&root);

@@ -25,7 +25,7 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// Its configuration (serializable: a sharded checkpoint records it).
     type Config: Clone + Send + Sync + serde::Serialize + 'static;
     /// Its block (one transformer layer).
-    type Block: DecoderBlock;
+    type Block: DecoderBlock + Module;
     /// The family's name, in errors.
     const NAME: &'static str;
 
@@ -108,9 +108,18 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
     /// Targets outside the vocabulary; a communication error.
     fn logits_loss(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> crate::Result<Tensor<1>>;
 
-    /// How many parameters come before the blocks, in each block, and after them, in visiting
-    /// order (what [`crate::pipeline::stage_map`] places a stage's parameters by).
+    /// How many parameters come before the blocks, in each block (the first held; see
+    /// [`block_params`](Self::block_params)), and after them, in visiting order (what
+    /// [`crate::pipeline::stage_map`] places a stage's parameters by).
     fn param_sections(&self) -> [usize; 3];
+
+    /// The parameters of block `layer` of the whole model, held here or not, with every expert
+    /// of a MoE block (as a checkpoint holds them): a model whose blocks differ (dense and MoE
+    /// layers) says each; by default every block has the first held one's.
+    fn block_params(&self, layer: usize) -> usize {
+        let _ = layer;
+        self.param_sections()[1]
+    }
 
     /// This rank's shards (the same model at every tp for one seed). Collective.
     ///
@@ -147,10 +156,11 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         Vec::new()
     }
 
-    /// Whether [`router_loss`](Self::router_loss) adds anything (the config's weights, the same
-    /// on every pipeline stage).
-    fn has_router_loss(&self) -> bool {
-        false
+    /// The experts each MoE layer's router chooses among when
+    /// [`router_loss`](Self::router_loss) adds anything (the config's weights and experts, the
+    /// same on every pipeline stage, whether it holds MoE layers or not); 0 otherwise.
+    fn router_loss_experts(&self) -> usize {
+        0
     }
 
     /// The routers' losses of a forward's MoE layers (their statistics in order), added to the

@@ -106,11 +106,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             args.ep, args.dp
         ));
     }
-    if args.ep > 1 {
-        if args.pp > 1 {
-            return Err(format!("--ep {} does not run with --pp yet", args.ep));
-        }
-    }
     if args.experts().is_some() && (!args.is_llama() || args.init_from.is_some()) {
         return Err(
             "--experts / --arch moe build a fresh MoE Llama (without --init-from: an imported \

@@ -521,3 +521,72 @@ fn moe_configs_read_as_transformers_wrote_them() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A MoE model imported at tp x ep (`init_llama_expert_parallel`): each rank builds and reads
+/// only its `n / ep` experts, which are bit for bit the whole import's experts of its ep rank,
+/// and every rank's prompt logits are transformers'.
+#[test]
+fn moe_models_import_at_every_tp_x_ep_reading_only_their_experts() {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn_tp::hf::init_llama_expert_parallel;
+    fn bits<M: Module>(m: &M) -> Vec<Vec<u32>> {
+        struct Bits(Vec<Vec<u32>>);
+        impl ModuleVisitor for Bits {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                self.0.push(
+                    f64s(p.val())
+                        .iter()
+                        .map(|&x| (x as f32).to_bits())
+                        .collect(),
+                );
+            }
+        }
+        let mut b = Bits(Vec::new());
+        m.visit(&mut b);
+        b.0
+    }
+    let _rng = rng_lock();
+    for name in ["mixtral", "qwen3_moe", "qwen2_moe"] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        for (tp, ep) in [(1usize, 2usize), (2, 2), (1, 4)] {
+            let tag = format!("{name} at tp {tp} x ep {ep}");
+            let (dir, prompt) = (dir.clone(), want.prompt.clone());
+            let out = run_local(tp * ep, move |world| {
+                let r = world.rank();
+                let tp_group = world.split(r / tp, r).unwrap();
+                let ep_group = world.split(ep + r % tp, r).unwrap();
+                let settings = TpSettings::new();
+                let (model, config) =
+                    init_llama_expert_parallel(&dir, settings, &tp_group, &ep_group, &device())
+                        .unwrap();
+                let (whole, _) = init_llama(&dir, settings, &tp_group, &device()).unwrap();
+                let mine = whole.expert_parallel(&ep_group).unwrap();
+                let s = prompt.len();
+                let ids = TensorData::new(prompt.clone(), [s, 1]);
+                let logits = model
+                    .logits(Tensor::<2, Int>::from_data(ids, &device()))
+                    .unwrap();
+                let logits = gather_from_tp_region(logits, 2, &tp_group).unwrap();
+                let vocab = config.vocab_size;
+                let last = f64s(
+                    logits
+                        .narrow(0, s - 1, 1)
+                        .narrow(2, 0, vocab)
+                        .reshape([vocab]),
+                );
+                (last, bits(&model) == bits(&mine), bits(&model).len())
+            })
+            .unwrap();
+            for (rank, (last, same, params)) in out.into_iter().enumerate() {
+                assert!(same, "{tag}: rank {rank}'s {params} parameters");
+                assert_close(
+                    &last,
+                    &want.last_logits,
+                    1e-4,
+                    &format!("{tag}: rank {rank}"),
+                );
+            }
+        }
+    }
+}

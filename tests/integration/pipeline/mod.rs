@@ -106,10 +106,33 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
     let tag = format!("{what} tp {tp} dp {dp} pp {pp} m {m} {schedule:?}");
     let rows = m * MICRO;
     let (x, y) = (ids(dp * rows, 1), ids(dp * rows, 5));
-    // The reference: the whole batch, the whole model.
-    let loss = full.loss(x.clone(), y.clone(), step).unwrap();
+    // The reference: the whole model, the mean of every micro-batch's loss (the batch's mean
+    // loss for a dense model; a MoE model's routers' loss is each micro-batch's own, as with
+    // gradient accumulation).
+    let n = dp * m;
+    let mean = |model: &M, eval: bool| {
+        micro_batches(&x, &y, 0, n)
+            .into_iter()
+            .enumerate()
+            .map(|(j, (a, b))| {
+                let loss = match eval {
+                    false => {
+                        let step = step.map(|s| s.with_batch(j * MICRO, dp * rows));
+                        model.loss(a, b, step).unwrap()
+                    }
+                    true => {
+                        Tensor::from_inner(model.valid().loss(a.inner(), b.inner(), None).unwrap())
+                    }
+                };
+                loss.div_scalar(n as f64)
+            })
+            .reduce(|a, b| a + b)
+            .unwrap()
+    };
+    let loss = mean(&full, false);
     let grads = GradientsParams::from_grads(loss.backward(), &full);
     let want_loss = f64s(loss)[0];
+    let want_eval = f64s(mean(&full, true))[0];
     // Each stage's blocks (an interleaved stage's several ranges).
     let layers: Vec<Vec<usize>> = (0..pp)
         .map(|s| {
@@ -119,11 +142,6 @@ fn check<M: LanguageModel + Send + Sync + 'static>(
         .collect();
     let ranges = layers.clone();
     let want_full = gathered(&full, &grads).0;
-    let want_eval = f64s(
-        full.valid()
-            .loss(x.clone().inner(), y.clone().inner(), None)
-            .unwrap(),
-    )[0];
     let out = run_local(tp * dp * pp, move |world| {
         let mesh = DeviceMesh::with_pipeline(world, tp, pp).unwrap();
         let (stage, replica) = (mesh.pp_rank(), mesh.dp_rank());
@@ -293,6 +311,44 @@ fn pipelined_losses_and_gradients_equal_the_whole_model() {
                 check("llama dropout", llama, mesh, m, schedule, step);
             }
         }
+    }
+}
+
+/// A MoE Llama (dense and MoE blocks alternating, a shared expert, the load-balancing and
+/// z-losses on) through pipeline stages gives the whole model's loss and gradients: the
+/// routers' loss spans every stage's MoE layers (their counts travel with the activations),
+/// with and without recompute, in evaluation too.
+#[test]
+fn a_pipelined_moe_llama_gives_the_whole_models_loss_with_the_routers_loss() {
+    use burn_tp::moe::ExpertsConfig;
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    for (mesh, schedule) in [
+        ([1, 1, 2], PipelineSchedule::OneFOneB),
+        ([1, 1, 4], PipelineSchedule::GPipe),
+        (
+            [1, 2, 2],
+            PipelineSchedule::Interleaved { virtual_stages: 2 },
+        ),
+        ([2, 1, 2], PipelineSchedule::OneFOneB),
+    ] {
+        device().seed(9);
+        let mode = if mesh[0] == 2 {
+            TpMode::ReduceScatter
+        } else {
+            TpMode::AllReduce
+        };
+        let experts = ExpertsConfig::new(4, 2, 16)
+            .with_shared_expert(Some(16))
+            .with_sparse_step(2)
+            .with_aux_loss_coef(0.5)
+            .with_z_loss_coef(0.1);
+        let llama = LlamaConfig::new(23, SEQ, 16, 4, 2, 8, 32)
+            .with_experts(Some(experts))
+            .with_settings(TpSettings::new().with_mode(mode))
+            .init(&solo, &device())
+            .unwrap();
+        check("moe llama", llama, mesh, 4, schedule, None);
     }
 }
 

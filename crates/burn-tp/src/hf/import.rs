@@ -9,7 +9,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_tp_comm::ProcessGroup;
 use serde_json::Value;
 
-use super::mapping::{Part, Source, expected_shapes, rope_row, sources};
+use super::mapping::{Ep, Part, Source, expected_shapes, rope_row, sources_at};
 use super::{HfConfig, file_error};
 use crate::Result;
 use crate::gemma::Gemma;
@@ -253,7 +253,35 @@ pub fn init_llama(
         ));
     }
     let model = config.llama_config(settings).init(group, device)?;
-    Ok((load_with(model, &config, dir, group)?, config))
+    Ok((load_with(model, &config, dir, group, Ep::WHOLE)?, config))
+}
+
+/// [`init_llama`] of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE) with its
+/// experts split over `ep` as well: the rank builds and reads only its `n_experts / ep`
+/// experts of each MoE layer (`experts.{ep_rank * n / ep ..}`), never the others'. Collective
+/// over `group` (tp) and `ep`; `ep` of size 1 is [`init_llama`].
+///
+/// # Errors
+/// As [`init_llama`]; experts that `ep` does not divide.
+pub fn init_llama_expert_parallel(
+    dir: &Path,
+    settings: TpSettings,
+    group: &ProcessGroup,
+    ep: &ProcessGroup,
+    device: &Device,
+) -> Result<(Llama, HfConfig)> {
+    let config = HfConfig::from_dir(dir)?;
+    if config.architecture.is_gemma() {
+        return init_llama(dir, settings, group, device);
+    }
+    let llama = config.llama_config(settings);
+    let layers: Vec<usize> = (0..llama.n_layers).collect();
+    let model = llama.init_expert_parallel(group, ep, device, &layers)?;
+    let at = Ep {
+        rank: ep.rank(),
+        size: ep.world_size(),
+    };
+    Ok((load_with(model, &config, dir, group, at)?, config))
 }
 
 /// Builds the Hugging Face Gemma in `dir` (`Gemma3ForCausalLM`) as a [`Gemma`] at the tp of
@@ -272,7 +300,7 @@ pub fn init_gemma(
         .gemma_config(settings)
         .map_err(|e| file_error(&dir.join("config.json"), e.to_string()))?;
     let model = gemma.init(group, device)?;
-    Ok((load_with(model, &config, dir, group)?, config))
+    Ok((load_with(model, &config, dir, group, Ep::WHOLE)?, config))
 }
 
 /// Fills `model` (a [`Llama`] or a [`Gemma`] built at the tp of `group` from `dir`'s
@@ -283,17 +311,19 @@ pub fn init_gemma(
 /// As [`init_llama`].
 pub fn load<M: Module + Reshard>(model: M, dir: &Path, group: &ProcessGroup) -> Result<M> {
     let config = HfConfig::from_dir(dir)?;
-    load_with(model, &config, dir, group)
+    load_with(model, &config, dir, group, Ep::WHOLE)
 }
 
+/// `model`'s values from `dir`: those of expert-parallel rank `ep`'s experts.
 fn load_with<M: Module + Reshard>(
     model: M,
     config: &HfConfig,
     dir: &Path,
     group: &ProcessGroup,
+    ep: Ep,
 ) -> Result<M> {
     let layouts = model.layout(group.rank());
-    let sources = sources(config);
+    let sources = sources_at(config, ep);
     if sources.len() != layouts.len() {
         return Err(file_error(
             dir,

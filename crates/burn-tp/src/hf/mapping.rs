@@ -102,6 +102,24 @@ fn fused(c: &HfConfig) -> bool {
 /// The model's parameters in visiting order (the Llama's, or the Gemma's), each with where it
 /// comes from.
 pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
+    sources_at(c, Ep::WHOLE)
+}
+
+/// Which of a MoE layer's experts a model holds: `rank` of `size` ranks of expert parallelism,
+/// each holding `n_experts / size` in order ([`crate::moe`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Ep {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Ep {
+    /// Every expert.
+    pub const WHOLE: Ep = Ep { rank: 0, size: 1 };
+}
+
+/// [`sources`] of a model holding expert-parallel rank `ep`'s experts.
+pub(super) fn sources_at(c: &HfConfig, ep: Ep) -> Vec<Source> {
     let hd = c.head_size();
     let rows = |name: &str, transpose: bool| Source::Rows {
         parts: vec![Part {
@@ -176,7 +194,7 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
             ));
         }
         if let Some(x) = c.experts.as_ref().filter(|x| x.is_sparse(i)) {
-            moe_sources(&mut out, c, &p, x);
+            moe_sources(&mut out, c, &p, x, ep);
             continue;
         }
         let ff = c.intermediate_size;
@@ -214,8 +232,14 @@ pub(super) fn sources(c: &HfConfig) -> Vec<Source> {
 }
 
 /// A MoE layer's parameters in visiting order ([`crate::moe::MoeLayer`]): the router, each
-/// expert's gate / up and down, the shared expert's, its gate.
-fn moe_sources(out: &mut Vec<Source>, c: &HfConfig, p: &str, x: &crate::moe::ExpertsConfig) {
+/// of `ep`'s experts' gate / up and down, the shared expert's, its gate.
+fn moe_sources(
+    out: &mut Vec<Source>,
+    c: &HfConfig,
+    p: &str,
+    x: &crate::moe::ExpertsConfig,
+    ep: Ep,
+) {
     let names = moe::names(c.architecture);
     let m = format!("{p}.{}", names.module);
     let gated = |out: &mut Vec<Source>, prefix: String, [gate, up, down]: [&str; 3], width| {
@@ -237,7 +261,8 @@ fn moe_sources(out: &mut Vec<Source>, c: &HfConfig, p: &str, x: &crate::moe::Exp
     // Replicated `[in, out]` weights whose rows (ours) are HF's columns.
     let router = |name: String| Source::Columns { name };
     out.push(router(format!("{m}.gate.weight")));
-    for e in 0..x.n_experts {
+    let per = x.n_experts / ep.size.max(1);
+    for e in ep.rank * per..(ep.rank + 1) * per {
         gated(out, format!("{m}.experts.{e}"), names.projections, x.d_ff);
     }
     if let Some(w) = x.shared_expert {

@@ -48,4 +48,4 @@ use crate::error::file_error;
 
 pub use config::{HfArchitecture, HfConfig};
 pub use export::save;
-pub use import::{init_gemma, init_llama, load};
+pub use import::{init_gemma, init_llama, init_llama_expert_parallel, load};

@@ -140,6 +140,8 @@ pub struct LlamaOptions {
     pub ignore_index: Option<i64>,
     /// Weights of the routers' load-balancing loss and z-loss in the training loss.
     pub router_loss: (f64, f64),
+    /// The experts each MoE layer routes over (0: a dense model).
+    pub routed_experts: usize,
 }
 
 /// The Llama-class model.
@@ -191,6 +193,10 @@ pub struct Llama {
     /// The whole model's index of each block held.
     #[module(skip)]
     block_ids: Vec<usize>,
+    /// Per block of the whole model, held or not: its parameters as built (every expert), for
+    /// a pipeline stage's place in the whole model (dense and MoE blocks differ).
+    #[module(skip)]
+    block_params: Vec<usize>,
 }
 
 impl LlamaConfig {
@@ -286,6 +292,7 @@ impl LlamaConfig {
         let rope = attn.rotary_table(device);
         // The index of the block being drawn (draw_blocks draws them all, in order).
         let mut next = 0usize;
+        let mut block_params = Vec::with_capacity(self.n_layers);
         let blocks = crate::decoder::draw_blocks("Llama", self.n_layers, layers, || {
             let i = next;
             next += 1;
@@ -307,13 +314,19 @@ impl LlamaConfig {
                         .init(group, device)
                 })
                 .transpose()?;
-            Ok(LlamaBlock {
+            let block = LlamaBlock {
                 attn_norm: norm(group),
                 attn,
                 mlp_norm: norm(group),
                 mlp,
                 moe,
-            })
+            };
+            // Every expert's, as a checkpoint holds them (under ep: times ep).
+            let experts = block.moe.as_ref().map_or(0, |m| {
+                m.experts.iter().map(count_params).sum::<usize>() * (ep.world_size() - 1)
+            });
+            block_params.push(count_params(&block) + experts);
+            Ok(block)
         })?;
         let spec = LinearSpec::new(settings);
         let head = (!self.tie_embeddings)
@@ -328,6 +341,7 @@ impl LlamaConfig {
             head,
             group: group.clone(),
             block_ids: layers.to_vec(),
+            block_params,
             options: LlamaOptions {
                 settings,
                 dropout: self.dropout,
@@ -337,6 +351,7 @@ impl LlamaConfig {
                     .experts
                     .as_ref()
                     .map_or((0.0, 0.0), |x| (x.aux_loss_coef, x.z_loss_coef)),
+                routed_experts: self.experts.as_ref().map_or(0, |x| x.n_experts),
             },
         })
     }
@@ -404,6 +419,7 @@ impl Llama {
             group: self.group,
             options,
             block_ids: self.block_ids,
+            block_params: self.block_params,
         }
     }
 
@@ -528,8 +544,9 @@ impl LanguageModel for Llama {
             .collect()
     }
 
-    fn has_router_loss(&self) -> bool {
-        self.options.router_loss != (0.0, 0.0)
+    fn router_loss_experts(&self) -> usize {
+        let on = self.options.router_loss != (0.0, 0.0);
+        if on { self.options.routed_experts } else { 0 }
     }
 
     fn router_loss(&self, stats: &[RouterStats]) -> Option<Tensor<1>> {
@@ -577,6 +594,10 @@ impl LanguageModel for Llama {
             count_params(&self.norm) + self.head.as_ref().map_or(0, count_params),
         ]
     }
+
+    fn block_params(&self, layer: usize) -> usize {
+        self.block_params[layer]
+    }
 }
 
 crate::reshard::reshard_fields!(LlamaBlock {
@@ -587,4 +608,4 @@ crate::reshard::reshard_fields!(LlamaBlock {
     moe
 });
 
-crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options, block_ids });
+crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options, block_ids, block_params });

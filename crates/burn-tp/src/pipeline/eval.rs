@@ -1,9 +1,10 @@
 //! The pipeline without a backward: the mean loss of a batch (evaluation) and the logits of
 //! ids (generation).
 
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{DType, Int, Tensor};
 
 use super::Pipeline;
+use super::routers;
 use super::schedule::{Action, PipelineSchedule, actions};
 use super::stages::virtual_stage_runs;
 use super::step::MicroBatch;
@@ -33,7 +34,10 @@ pub fn forward_loss<M: LanguageModel>(
     let inner = model.valid();
     let device = first.0.device().without_autodiff();
     let dtype = model.embedding_weight().val().dtype();
-    let mut io = Transfers::new(pipe, model.activation_shape(first.0.dims()), dtype);
+    // A MoE model's routers' loss, as the training loss has it (`routers.rs`).
+    let width = routers::width(model.router_loss_experts());
+    let shape = model.activation_shape(first.0.dims());
+    let mut io = Transfers::with_extra(pipe, shape, dtype, width);
     let mut sum = 0.0f32;
     for action in actions(schedule, stage, p, m) {
         let Action::Forward {
@@ -44,19 +48,32 @@ pub fn forward_loss<M: LanguageModel>(
             continue;
         };
         let (ids, targets) = &micro_batches[i];
-        let mut x = if stage == 0 && c == 0 {
-            inner.embed(ids.clone().inner())?
+        let (x, before) = if stage == 0 && c == 0 {
+            (inner.embed(ids.clone().inner())?, vec![0.0; width])
         } else {
-            io.recv(Side::Prev, &device)?
+            io.recv_with(Side::Prev, &device)?
         };
-        for l in runs[c].clone() {
-            x = inner.layer(l, x, None)?;
-        }
+        let blocks = runs[c].clone();
+        let (x, stats) = crate::moe::record(|| {
+            blocks
+                .into_iter()
+                .try_fold(x, |x, l| inner.layer(l, x, None))
+        });
+        let x = x?;
+        let after = match width {
+            0 => Vec::new(),
+            _ => routers::add(&before, &stats, 1.0)?,
+        };
         if stage == p - 1 && c == v - 1 {
-            let loss = inner.head_loss(x, targets.clone().inner())?;
+            let mut loss = inner.head_loss(x, targets.clone().inner())?;
+            if width > 0
+                && let Some(r) = model.router_loss(&[routers::held(&after, &device, DType::F32)])
+            {
+                loss = loss.clone() + r.cast(loss.dtype());
+            }
             sum += loss.into_scalar::<f32>();
         } else {
-            io.send(Side::Next, x)?;
+            io.send_with(Side::Next, x, &after)?;
         }
     }
     io.finish()?;

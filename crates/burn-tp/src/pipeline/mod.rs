@@ -39,6 +39,9 @@
 //! [`crate::dp::average_gradients`]), or overlapped with the backwards in buckets
 //! ([`loss_and_grads_overlapped`], with [`GradReducer`](crate::dp::GradReducer) or the distributed optimizer).
 //!
+//! A MoE model's routers' loss spans every stage's MoE layers: their statistics travel beside
+//! the activations and gradients (`routers.rs` has the diagram).
+//!
 //! Limits of this first cut: activations move as f32 (a bf16 model's widened, then cast back).
 //!
 //! | file          | what                                                                     |
@@ -47,10 +50,12 @@
 //! | `schedule.rs` | the schedules as data: [`actions`] lists a stage's forwards and backwards, [`virtual_stage_layers`] / [`stage_layers`] cut the blocks |
 //! | `stages.rs`   | a stage's model: [`stage_map`] (its parameters in the whole model's checkpoint), [`drop_unused_ends`] |
 //! | `transfer.rs` | activations and gradients between stages: received, the wait timed, cast |
+//! | `routers.rs`  | the routers' statistics that travel beside them (a MoE model's routers' loss spans the stages) |
 //! | `step.rs`     | one training step: the loop over [`actions`] and each action's step function |
 //! | `eval.rs`     | [`forward_loss`], [`forward_logits`]: evaluation and generation          |
 
 mod eval;
+mod routers;
 mod schedule;
 mod stages;
 mod step;

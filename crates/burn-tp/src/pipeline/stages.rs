@@ -22,17 +22,30 @@ pub fn stage_map<M: LanguageModel>(
     stages: usize,
 ) -> Result<crate::checkpoint::StageMap> {
     check_stage("stage_map", stage, stages)?;
-    let [pre, per, post] = model.param_sections();
+    let [pre, _, post] = model.param_sections();
+    // Where each block of the whole model starts.
+    let mut start = Vec::with_capacity(n_layers + 1);
+    start.push(pre);
+    for b in 0..n_layers {
+        start.push(start[b] + model.block_params(b));
+    }
     let held = model.held_layers();
     let mut global = Vec::new();
     let mut writes = Vec::new();
     global.extend(0..pre);
     writes.extend(std::iter::repeat_n(stage == 0, pre));
-    for &b in &held {
-        global.extend(pre + b * per..pre + (b + 1) * per);
-        writes.extend(std::iter::repeat_n(true, per));
+    for (&b, block) in held.iter().zip(held_block_params(model)) {
+        if block != start[b + 1] - start[b] {
+            return Err(TpError::Config(format!(
+                "stage_map: block {b} holds {block} parameters, the whole model's {} (a MoE \
+                 block's experts split over ep: gather them first)",
+                start[b + 1] - start[b]
+            )));
+        }
+        global.extend(start[b]..start[b + 1]);
+        writes.extend(std::iter::repeat_n(true, block));
     }
-    let after = pre + n_layers * per;
+    let after = start[n_layers];
     global.extend(after..after + post);
     writes.extend(std::iter::repeat_n(stage + 1 == stages, post));
     Ok(crate::checkpoint::StageMap {
@@ -103,7 +116,7 @@ fn used_params<M: LanguageModel>(model: &M, stage: usize, stages: usize) -> Vec<
             self.slot += 1;
         }
     }
-    let [pre, per, post] = model.param_sections();
+    let [pre, _, post] = model.param_sections();
     let (first, last) = (stage == 0, stage + 1 == stages);
     let mut find = Find {
         id: model.embedding_weight().id,
@@ -116,7 +129,8 @@ fn used_params<M: LanguageModel>(model: &M, stage: usize, stages: usize) -> Vec<
     let mut used: Vec<bool> = (0..pre)
         .map(|k| first || (last && tied && Some(k) == table))
         .collect();
-    used.extend(std::iter::repeat_n(true, per * model.num_layers()));
+    let blocks: usize = held_block_params(model).into_iter().sum();
+    used.extend(std::iter::repeat_n(true, blocks));
     used.extend(std::iter::repeat_n(last, post));
     used
 }
@@ -143,4 +157,13 @@ pub(super) fn virtual_stage_runs<M: LanguageModel>(model: &M, v: usize) -> Resul
         )));
     }
     Ok(runs)
+}
+
+/// The parameters of each block held, in order.
+fn held_block_params<M: LanguageModel>(model: &M) -> Vec<usize> {
+    model
+        .blocks()
+        .iter()
+        .map(crate::model::count_params)
+        .collect()
 }

@@ -12,12 +12,14 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_tp_comm::ReduceOp;
 
 use super::Pipeline;
+use super::routers;
 use super::schedule::{Action, PipelineSchedule, actions};
 use super::stages::virtual_stage_runs;
 use super::transfer::{Side, Transfers};
 use crate::dp::GradReducer;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
+use crate::moe::RouterStats;
 use crate::recompute::{merge, seeded_backward};
 use crate::{Result, TpError};
 
@@ -131,15 +133,6 @@ fn run_step<M: LanguageModel>(
     recompute: bool,
 ) -> Result<PipelineStep> {
     let started = Instant::now();
-    // The same answer on every stage (it is the config's), before any transfer.
-    if model.has_router_loss() {
-        return Err(crate::TpError::Config(
-            "pipeline: the routers' load-balancing / z-loss spans the stages' MoE layers and is \
-             not computed through a pipeline yet: set the experts' aux_loss_coef and \
-             z_loss_coef to 0, or train without pipeline stages"
-                .into(),
-        ));
-    }
     let mut stage = StageStep::new(model, pipe, micro_batches, schedule, step, reducer)?;
     let inner = recompute.then(|| model.valid());
     for action in actions(schedule, pipe.stage(), pipe.stages(), micro_batches.len()) {
@@ -249,6 +242,13 @@ struct StageStep<'a, M: LanguageModel> {
     outputs: Vec<Option<Tensor<3>>>,
     losses: Vec<Option<Tensor<1>>>,
     kept: Vec<Vec<Tensor<3>>>,
+    /// The routers' loss (a MoE model's; `routers.rs`): its total's width (0: none); per
+    /// (virtual stage, micro-batch) this stage's statistics (tracked; recomputing, per block
+    /// and held) and, on the last virtual stage, the micro-batch's total.
+    router_width: usize,
+    own: Vec<Vec<RouterStats>>,
+    kept_stats: Vec<Vec<Vec<RouterStats>>>,
+    totals: Vec<Option<Vec<f32>>>,
     total: GradientsParams,
     loss_sum: f32,
     held: usize,
@@ -276,6 +276,8 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         }
         // Activations travel as f32; a half-precision model gets them back in its dtype.
         let dtype = model.embedding_weight().val().dtype();
+        let router_width = routers::width(model.router_loss_experts());
+        let shape = model.activation_shape(dims);
         Ok(Self {
             model,
             micro_batches,
@@ -285,12 +287,16 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             virtual_stages: virtual_stage_runs(model, v)?,
             first_virtual: (stage == 0).then_some(0),
             last_virtual: (stage == p - 1).then_some(v - 1),
-            io: Transfers::new(pipe, model.activation_shape(dims), dtype),
+            io: Transfers::with_extra(pipe, shape, dtype, router_width),
             device: micro_batches[0].0.device(),
             inputs: vec![None; v * m],
             outputs: vec![None; v * m],
             losses: vec![None; v * m],
             kept: vec![Vec::new(); v * m],
+            router_width,
+            own: vec![Vec::new(); v * m],
+            kept_stats: vec![Vec::new(); v * m],
+            totals: vec![None; v * m],
             total: GradientsParams::new(),
             loss_sum: 0.0,
             held: 0,
@@ -331,23 +337,72 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let tapped = self.reducer.map(|r| r.view(self.model.clone()));
         let model = tapped.as_ref().unwrap_or(self.model);
         let at = self.at(c, i);
-        let mut x = if self.first_virtual == Some(c) {
-            model.embed(ids.clone())?
+        let (x, before) = if self.first_virtual == Some(c) {
+            (model.embed(ids.clone())?, vec![0.0; self.router_width])
         } else {
-            let x = self.io.recv(Side::Prev, &self.device)?.require_grad();
+            let (x, before) = self.io.recv_with(Side::Prev, &self.device)?;
+            let x = x.require_grad();
             self.inputs[at] = Some(x.clone());
-            x
+            (x, before)
         };
-        for l in self.virtual_stages[c].clone() {
-            x = model.layer(l, x, self.micro_step(i))?;
-        }
+        let (blocks, step) = (self.virtual_stages[c].clone(), self.micro_step(i));
+        let (x, stats) = crate::moe::record(|| {
+            blocks
+                .into_iter()
+                .try_fold(x, |x, l| model.layer(l, x, step))
+        });
+        let x = x?;
+        let after = self.add_stats(&before, &stats, 1.0)?;
         if self.last_virtual == Some(c) {
-            self.losses[at] = Some(self.share(model.head_loss(x, targets.clone())?));
+            let mut loss = model.head_loss(x, targets.clone())?;
+            if let Some(r) = self.router_loss(stats, &before) {
+                loss = loss.clone() + r.cast(loss.dtype());
+            }
+            self.losses[at] = Some(self.share(loss));
+            self.totals[at] = Some(after);
         } else {
-            self.io.send(Side::Next, x.clone().detach())?;
+            self.io.send_with(Side::Next, x.clone().detach(), &after)?;
             self.outputs[at] = Some(x);
+            self.own[at] = stats;
         }
         Ok(())
+    }
+
+    /// `total` plus (`sign` 1) or minus (-1) `stats`, with a routers' loss; else empty.
+    fn add_stats(&self, total: &[f32], stats: &[RouterStats], sign: f32) -> Result<Vec<f32>> {
+        match self.router_width {
+            0 => Ok(Vec::new()),
+            _ => routers::add(total, stats, sign),
+        }
+    }
+
+    /// The routers' loss of `own` (tracked) with the other MoE layers' total `others` held:
+    /// the whole loss's value with all of them, and `own`'s part of its gradient.
+    fn router_loss(&self, own: Vec<RouterStats>, others: &[f32]) -> Option<Tensor<1>> {
+        if self.router_width == 0 {
+            return None;
+        }
+        let all = routers::with_held(own, others, &self.device);
+        self.model.router_loss(&all)
+    }
+
+    /// The backward of `y` seeded with `dy`, and of the micro-batch's share of the routers'
+    /// loss of `own` (tracked) with the other MoE layers' total `others` held.
+    fn seeded_with_routers(
+        &self,
+        y: Tensor<3>,
+        dy: Tensor<3>,
+        own: Vec<RouterStats>,
+        others: &[f32],
+    ) -> Result<burn::tensor::Gradients> {
+        if own.is_empty() || self.router_width == 0 {
+            return Ok(seeded_backward(y, dy));
+        }
+        let seeded = (y.clone() * dy.cast(y.dtype())).sum();
+        Ok(match self.router_loss(own, others) {
+            Some(r) => (seeded.clone() + self.share(r).cast(seeded.dtype())).backward(),
+            None => seeded.backward(),
+        })
     }
 
     /// Backward of virtual stage `c` on micro-batch `i`: from its loss, or its output seeded with the
@@ -359,22 +414,26 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             r.set_last_micro_batch(i + 1 == self.micro_batches.len());
         }
         let at = self.at(c, i);
-        let mut grads = match self.losses[at].take() {
+        let (mut grads, total) = match self.losses[at].take() {
             Some(loss) => {
                 self.loss_sum += loss.clone().into_scalar::<f32>();
-                loss.backward()
+                let total = self.totals[at].take().unwrap_or_default();
+                (loss.backward(), total)
             }
             None => {
-                let dy = self.io.recv(Side::Next, &self.device)?;
+                let (dy, total) = self.io.recv_with(Side::Next, &self.device)?;
                 let y = self.outputs[at].take().expect("the forward ran first");
-                seeded_backward(y, dy)
+                let own = std::mem::take(&mut self.own[at]);
+                let others = self.add_stats(&total, &own, -1.0)?;
+                (self.seeded_with_routers(y, dy, own, &others)?, total)
             }
         };
         if let Some(x) = self.inputs[at].take() {
             let dx = x
                 .grad_remove(&mut grads)
                 .expect("a stage's input takes part in its output");
-            self.io.send(Side::Prev, Tensor::from_inner(dx))?;
+            self.io
+                .send_with(Side::Prev, Tensor::from_inner(dx), &total)?;
         }
         merge(&mut self.total, grads, self.model);
         Ok(())
@@ -385,21 +444,29 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
     fn forward_kept(&mut self, inner: &M, c: usize, i: usize) -> Result<()> {
         self.in_flight(1);
         let at = self.at(c, i);
-        let mut x = if self.first_virtual == Some(c) {
-            inner.embed(self.micro_batches[i].0.clone().inner())?
+        let (mut x, before) = if self.first_virtual == Some(c) {
+            let x = inner.embed(self.micro_batches[i].0.clone().inner())?;
+            (x, vec![0.0; self.router_width])
         } else {
             self.io
-                .recv(Side::Prev, &self.device.clone().without_autodiff())?
+                .recv_with(Side::Prev, &self.device.clone().without_autodiff())?
         };
+        let mut stats = Vec::new();
         for l in self.virtual_stages[c].clone() {
-            let next = inner.layer(l, x.clone(), self.micro_step(i))?;
+            let (next, block) =
+                crate::moe::record(|| inner.layer(l, x.clone(), self.micro_step(i)));
             self.kept[at].push(x);
-            x = next;
+            stats.push(block.into_iter().map(RouterStats::from_inner).collect());
+            x = next?;
         }
+        let all: Vec<RouterStats> = stats.iter().flatten().cloned().collect();
+        let after = self.add_stats(&before, &all, 1.0)?;
+        self.kept_stats[at] = stats;
         if self.last_virtual == Some(c) {
             self.kept[at].push(x);
+            self.totals[at] = Some(after);
         } else {
-            self.io.send(Side::Next, x)?;
+            self.io.send_with(Side::Next, x, &after)?;
         }
         Ok(())
     }
@@ -411,23 +478,34 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let at = self.at(c, i);
         let model = self.model;
         let mut inputs = std::mem::take(&mut self.kept[at]);
+        let mut stats = std::mem::take(&mut self.kept_stats[at]);
         let leaf = |x: Tensor<3>| Tensor::<3>::from_inner(x).require_grad();
-        let mut dy = if self.last_virtual == Some(c) {
+        let (mut dy, total) = if self.last_virtual == Some(c) {
+            let total = self.totals[at].take().unwrap_or_default();
             let h = leaf(inputs.pop().expect("the head's input"));
             let loss = model.head_loss(h.clone(), self.micro_batches[i].1.clone())?;
-            let loss = self.share(loss);
-            self.loss_sum += loss.clone().into_scalar::<f32>();
-            let mut grads = loss.backward();
+            let mut grads = self.share(loss.clone()).backward();
+            // The routers' loss's value, every MoE layer's held: its gradient reaches each
+            // block through the block's own term below.
+            let loss = match self.router_loss(Vec::new(), &total) {
+                Some(r) => loss.clone() + r.cast(loss.dtype()),
+                None => loss,
+            };
+            self.loss_sum += self.share(loss).into_scalar::<f32>();
             let dy = h.grad_remove(&mut grads).expect("the head uses its input");
             merge(&mut self.total, grads, model);
-            Tensor::from_inner(dy)
+            (Tensor::from_inner(dy), total)
         } else {
-            self.io.recv(Side::Next, &self.device)?
+            self.io.recv_with(Side::Next, &self.device)?
         };
         for l in self.virtual_stages[c].clone().into_iter().rev() {
             let x = leaf(inputs.pop().expect("one input per block"));
-            let y = model.layer(l, x.clone(), self.micro_step(i))?;
-            let mut grads = seeded_backward(y, dy);
+            let held = stats.pop().unwrap_or_default();
+            let (y, own) = crate::moe::record(|| model.layer(l, x.clone(), self.micro_step(i)));
+            // This block's part of the routers' loss: its statistics tracked, every other
+            // MoE layer's (the total less this block's kept ones) held.
+            let others = self.add_stats(&total, &held, -1.0)?;
+            let mut grads = self.seeded_with_routers(y?, dy, own, &others)?;
             dy = Tensor::from_inner(
                 x.grad_remove(&mut grads)
                     .expect("a block's input takes part in its output"),
@@ -439,7 +517,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             let grads = seeded_backward(model.embed(ids)?, dy);
             merge(&mut self.total, grads, model);
         } else {
-            self.io.send(Side::Prev, dy)?;
+            self.io.send_with(Side::Prev, dy, &total)?;
         }
         Ok(())
     }

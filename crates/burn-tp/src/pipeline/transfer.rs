@@ -19,10 +19,12 @@ pub(super) enum Side {
     Next,
 }
 
-/// One step's transfers of one stage, of activations of one shape.
+/// One step's transfers of one stage, of activations of one shape, each followed by `extra`
+/// values (the routers' statistics so far, [`super::routers`]).
 pub(super) struct Transfers<'a> {
     pipe: &'a Pipeline,
     shape: [usize; 3],
+    extra: usize,
     dtype: DType,
     idle: Duration,
     sends: Vec<Transfer<f32>>,
@@ -31,9 +33,20 @@ pub(super) struct Transfers<'a> {
 impl<'a> Transfers<'a> {
     /// Transfers of `shape` (`[s(/tp), batch, d_model]`) activations, received as `dtype`.
     pub(super) fn new(pipe: &'a Pipeline, shape: [usize; 3], dtype: DType) -> Self {
+        Self::with_extra(pipe, shape, dtype, 0)
+    }
+
+    /// [`new`](Self::new), each tensor followed by `extra` values.
+    pub(super) fn with_extra(
+        pipe: &'a Pipeline,
+        shape: [usize; 3],
+        dtype: DType,
+        extra: usize,
+    ) -> Self {
         Self {
             pipe,
             shape,
+            extra,
             dtype,
             idle: Duration::ZERO,
             sends: Vec::new(),
@@ -42,7 +55,16 @@ impl<'a> Transfers<'a> {
 
     /// The tensor `from` sends next, on `device` in the model's dtype; the wait counted idle.
     pub(super) fn recv(&mut self, from: Side, device: &Device) -> Result<Tensor<3>> {
-        let len = self.shape.iter().product();
+        self.recv_with(from, device).map(|(x, _)| x)
+    }
+
+    /// [`recv`](Self::recv), and the `extra` values that follow the tensor.
+    pub(super) fn recv_with(
+        &mut self,
+        from: Side,
+        device: &Device,
+    ) -> Result<(Tensor<3>, Vec<f32>)> {
+        let len = self.shape.iter().product::<usize>() + self.extra;
         let links = &self.pipe.links;
         let waiting = Instant::now();
         let values = in_profile(|| {
@@ -52,12 +74,23 @@ impl<'a> Transfers<'a> {
             })
         })?;
         self.idle += waiting.elapsed();
-        Ok(Tensor::<3>::from_data(TensorData::new(values, self.shape), device).cast(self.dtype))
+        let mut values = values;
+        let extra = values.split_off(len - self.extra);
+        let x =
+            Tensor::<3>::from_data(TensorData::new(values, self.shape), device).cast(self.dtype);
+        Ok((x, extra))
     }
 
     /// Posts `x` (its values; no graph travels) to `to`; waited for by [`finish`](Self::finish).
     pub(super) fn send(&mut self, to: Side, x: Tensor<3>) -> Result<()> {
-        let values = to_vec(x)?;
+        self.send_with(to, x, &vec![0.0; self.extra])
+    }
+
+    /// [`send`](Self::send), `extra` (the `extra` values) after the tensor.
+    pub(super) fn send_with(&mut self, to: Side, x: Tensor<3>, extra: &[f32]) -> Result<()> {
+        debug_assert_eq!(extra.len(), self.extra, "a message's extra values");
+        let mut values = to_vec(x)?;
+        values.extend_from_slice(extra);
         let links = &self.pipe.links;
         let send = in_profile(|| {
             Ok(match to {

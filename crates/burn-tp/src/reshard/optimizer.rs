@@ -227,16 +227,32 @@ pub fn move_optimizer_state<M: Module + Clone>(
     }
     let m = param_ids(moved).len();
     let mut state = IndexedState::default();
-    for (field, values) in fields {
-        if values.iter().any(Option::is_none) {
-            return Err(err("a parameter without state", &field));
+    let (frozen, moved_frozen) = (frozen_params(model), frozen_params(moved));
+    // A frozen parameter (a pipeline stage's unused ends) has no state: it moves as zeros and
+    // gets none back.
+    for (field, mut values) in fields {
+        let like = values.iter().flatten().next().map(|d| d.dtype());
+        for ((k, v), shape) in values.iter_mut().enumerate().zip(param_shapes(model)) {
+            match (v.is_none(), frozen[k], like) {
+                (false, _, _) => {}
+                (true, true, Some(dtype)) => {
+                    let zeros = TensorData::zeros::<f32, _>(shape).convert_dtype(dtype);
+                    *v = Some(zeros);
+                }
+                _ => return Err(err("a parameter without state", &field)),
+            }
         }
         let carried = move_model(with_values(model.clone(), values))?;
         for (k, data) in param_values(&carried).into_iter().enumerate() {
-            state.tensors.insert((k, field.clone()), data);
+            if !moved_frozen[k] {
+                state.tensors.insert((k, field.clone()), data);
+            }
         }
     }
     for (k, rank) in param_ranks(moved).into_iter().enumerate().take(m) {
+        if moved_frozen[k] {
+            continue;
+        }
         for (rest, value) in &first {
             state.scalars.insert(format!("{k}.{rest}"), *value);
         }
@@ -371,4 +387,30 @@ impl FullOptimizerState {
         }
         Ok(Self(state))
     }
+}
+
+/// Per parameter (visiting order): whether it is frozen (no gradient, no optimizer state).
+fn frozen_params<M: Module>(module: &M) -> Vec<bool> {
+    struct Frozen(Vec<bool>);
+    impl ModuleVisitor for Frozen {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(!param.val().is_require_grad());
+        }
+    }
+    let mut f = Frozen(Vec::new());
+    module.visit(&mut f);
+    f.0
+}
+
+/// Per parameter (visiting order): its shape.
+fn param_shapes<M: Module>(module: &M) -> Vec<Vec<usize>> {
+    struct Shapes(Vec<Vec<usize>>);
+    impl ModuleVisitor for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.val().shape().to_vec());
+        }
+    }
+    let mut s = Shapes(Vec::new());
+    module.visit(&mut s);
+    s.0
 }
