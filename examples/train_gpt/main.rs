@@ -57,6 +57,18 @@ fn main() {
                     each.join(", ")
                 );
             }
+            if !report.expert_tokens.is_empty() {
+                let routed: u64 = report.expert_tokens.iter().sum();
+                let (min, max) = report
+                    .expert_tokens
+                    .iter()
+                    .fold((u64::MAX, 0), |(a, b), &t| (a.min(t), b.max(t)));
+                println!(
+                    "experts: {routed} assignments, {min} to {max} per expert (experts.csv); \
+                     {} dropped by the capacity",
+                    report.expert_dropped
+                );
+            }
             if let Some(profile) = &report.profile {
                 println!("communication of rank 0 (also in comm.csv):\n{profile}");
             }

@@ -18,9 +18,27 @@ const K: usize = 2;
 const S: usize = 4;
 const B: usize = 3;
 
-fn config(mode: TpMode, norm: bool) -> MoeConfig {
+/// How the layer under test routes.
+#[derive(Clone, Copy, Debug)]
+struct Routing {
+    /// `norm_topk_prob`.
+    norm: bool,
+    /// The experts' capacity factor (`None`: dropless).
+    capacity: Option<f64>,
+}
+
+/// Renormalized top-k, or not; dropless.
+fn norm(norm: bool) -> Routing {
+    Routing {
+        norm,
+        capacity: None,
+    }
+}
+
+fn config(mode: TpMode, routing: Routing) -> MoeConfig {
     MoeConfig::new(D, E, K, F)
-        .with_norm_topk_prob(norm)
+        .with_norm_topk_prob(routing.norm)
+        .with_capacity_factor(routing.capacity)
         .with_settings(TpSettings::new().with_mode(mode))
 }
 
@@ -64,22 +82,23 @@ struct Seen {
     d_down: Vec<f64>,
     aux: f64,
     counts: Vec<usize>,
+    dropped: usize,
 }
 
 /// The layer at `tp` x `ep` (world rank `q tp + r`: replica `q`, tp rank `r`), each replica on
 /// its own tokens (the whole sequence, or its tp shard in sequence-parallel mode); loss
 /// `sum(y * c) + 0.1 aux`.
-fn run(n_tp: usize, n_ep: usize, mode: TpMode, norm: bool) -> Vec<Seen> {
-    run_from(0, n_tp, n_ep, mode, norm)
+fn run(n_tp: usize, n_ep: usize, mode: TpMode, routing: Routing) -> Vec<Seen> {
+    run_from(0, n_tp, n_ep, mode, routing)
 }
 
 /// [`run`] with replicas `first..first + n_ep`.
-fn run_from(first: usize, n_tp: usize, n_ep: usize, mode: TpMode, norm: bool) -> Vec<Seen> {
+fn run_from(first: usize, n_tp: usize, n_ep: usize, mode: TpMode, routing: Routing) -> Vec<Seen> {
     let mut seen = run_local(n_tp * n_ep, move |world| {
         let (q, r) = (first + world.rank() / n_tp, world.rank() % n_tp);
         let tp = world.split(q, r).unwrap();
         let ep = world.split(first + n_ep + r, q).unwrap();
-        let cfg = config(mode, norm);
+        let cfg = config(mode, routing);
         let layer = layer(&cfg, &tp, &ep);
         let (x, c) = tokens(q);
         let shard = |v: Vec<f32>| -> Tensor<3> {
@@ -106,6 +125,7 @@ fn run_from(first: usize, n_tp: usize, n_ep: usize, mode: TpMode, norm: bool) ->
             d_down: expert_grads(&layer, &grads, |e| e.down.weight.val()),
             aux: f64s(aux)[0],
             counts: stats.counts,
+            dropped: stats.dropped,
         }
     })
     .unwrap();
@@ -130,8 +150,15 @@ fn silu(v: f64) -> f64 {
     v / (1.0 + (-v).exp())
 }
 
-/// The layer in f64 on replica `q`'s tokens, from the full weights: `[S B D]` and the aux loss.
-fn reference(q: usize, norm: bool) -> (Vec<f64>, f64, Vec<usize>) {
+/// The layer in f64 on replica `q`'s tokens, from the full weights: `[S B D]`, the aux loss,
+/// the counts (before the capacity) and the assignments dropped (each expert keeps its first
+/// `ceil(capacity * S B K / E)` in token order).
+fn reference(q: usize, routing: Routing) -> (Vec<f64>, f64, Vec<usize>, usize) {
+    let norm = routing.norm;
+    let capacity = routing
+        .capacity
+        .map(|c| (c * (S * B * K) as f64 / E as f64).ceil() as usize);
+    let (mut kept, mut dropped) = (vec![0usize; E], 0);
     let (router, gate_up, down) = full_weights();
     let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
     let (router, gate_up, down) = (f(&router), f(&gate_up), f(&down));
@@ -152,6 +179,11 @@ fn reference(q: usize, norm: bool) -> (Vec<f64>, f64, Vec<usize>) {
         let total: f64 = chosen.iter().map(|&e| p[e]).sum();
         for &e in chosen {
             counts[e] += 1;
+            if capacity.is_some_and(|c| kept[e] == c) {
+                dropped += 1;
+                continue;
+            }
+            kept[e] += 1;
             let w = if norm { p[e] / total } else { p[e] };
             let g = &gate_up[e * D * 2 * F..(e + 1) * D * 2 * F];
             let h: Vec<f64> = (0..F)
@@ -175,7 +207,7 @@ fn reference(q: usize, norm: bool) -> (Vec<f64>, f64, Vec<usize>) {
             .zip(&probs_sum)
             .map(|(&c, &p)| c as f64 / n * (p / n))
             .sum::<f64>();
-    (y, aux, counts)
+    (y, aux, counts, dropped)
 }
 
 /// Rows `range` of dim 0 of a `[S, B, D]` buffer, as the sequence-parallel shard holds them.
@@ -203,7 +235,12 @@ fn gate_up_slice(full: &[f64], q: usize, r: usize, n_ep: usize, n_tp: usize) -> 
 #[test]
 fn moe_layer_matches_the_f64_reference_and_the_unsplit_gradients_at_every_tp_x_ep() {
     let _lock = super::common::rng_lock();
-    for norm in [true, false] {
+    // A capacity factor of 1 drops some of the 24 assignments (each expert keeps 6).
+    let capped = Routing {
+        norm: true,
+        capacity: Some(1.0),
+    };
+    for routing in [norm(true), norm(false), capped] {
         for (n_tp, n_ep, mode) in [
             (1, 1, TpMode::AllReduce),
             (1, 2, TpMode::AllReduce),
@@ -213,10 +250,10 @@ fn moe_layer_matches_the_f64_reference_and_the_unsplit_gradients_at_every_tp_x_e
             (2, 2, TpMode::ReduceScatter),
             (4, 1, TpMode::ReduceScatter),
         ] {
-            let what = format!("tp {n_tp} x ep {n_ep} {mode:?} norm {norm}");
-            let seen = run(n_tp, n_ep, mode, norm);
+            let what = format!("tp {n_tp} x ep {n_ep} {mode:?} {routing:?}");
+            let seen = run(n_tp, n_ep, mode, routing);
             // The unsplit layer's expert gradients: the sum over the replicas' tokens.
-            let replicas: Vec<Seen> = (0..n_ep).map(|q| replica_alone(q, norm)).collect();
+            let replicas: Vec<Seen> = (0..n_ep).map(|q| replica_alone(q, routing)).collect();
             let summed = |pick: fn(&Seen) -> &Vec<f64>| -> Vec<f64> {
                 let mut acc = vec![0.0; pick(&replicas[0]).len()];
                 for s in &replicas {
@@ -226,7 +263,7 @@ fn moe_layer_matches_the_f64_reference_and_the_unsplit_gradients_at_every_tp_x_e
             };
             let (dg, dd) = (summed(|s| &s.d_gate_up), summed(|s| &s.d_down));
             for s in &seen {
-                let (y, aux, counts) = reference(s.q, norm);
+                let (y, aux, counts, dropped) = reference(s.q, routing);
                 let alone = &replicas[s.q];
                 let (want_y, want_dx) = if mode == TpMode::ReduceScatter {
                     (seq_shard(&y, s.r, n_tp), seq_shard(&alone.dx, s.r, n_tp))
@@ -237,6 +274,8 @@ fn moe_layer_matches_the_f64_reference_and_the_unsplit_gradients_at_every_tp_x_e
                 assert_close(&s.y, &want_y, 1e-5, &format!("{at}: y"));
                 assert_close(&[s.aux], &[aux], 1e-5, &format!("{at}: aux"));
                 assert_eq!(s.counts, counts, "{at}: counts");
+                assert_eq!(s.dropped, dropped, "{at}: dropped");
+                assert_eq!(dropped > 0, routing.capacity.is_some(), "{at}: dropped");
                 assert_close(&s.dx, &want_dx, 1e-5, &format!("{at}: dx"));
                 assert_close(
                     &s.d_router,
@@ -266,8 +305,8 @@ fn moe_layer_matches_the_f64_reference_and_the_unsplit_gradients_at_every_tp_x_e
 }
 
 /// The tp 1 x ep 1 layer on replica `q`'s tokens alone.
-fn replica_alone(q: usize, norm: bool) -> Seen {
-    run_from(q, 1, 1, TpMode::AllReduce, norm).remove(0)
+fn replica_alone(q: usize, routing: Routing) -> Seen {
+    run_from(q, 1, 1, TpMode::AllReduce, routing).remove(0)
 }
 
 #[test]
@@ -287,6 +326,14 @@ fn moe_config_errors_name_the_values() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("width 6") && e.contains("tp = 4"), "{e}");
+    for bad in [0.0, -1.0, f64::NAN] {
+        let e = MoeConfig::new(D, 4, 2, F)
+            .with_capacity_factor(Some(bad))
+            .validate(1, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("capacity_factor = {bad}")), "{e}");
+    }
 }
 
 #[test]
@@ -302,7 +349,7 @@ fn moe_layer_passes_a_finite_difference_gradcheck_over_ep() {
                 gate_up: tensor(g, [E, D, 2 * F], DType::F64),
                 down: tensor(d, [E, F, D], DType::F64),
             };
-            let layer = config(TpMode::AllReduce, true)
+            let layer = config(TpMode::AllReduce, norm(true))
                 .init_with(full, None, &solo, &ep)
                 .unwrap();
             let (x, c) = tokens(ep.rank());

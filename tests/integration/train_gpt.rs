@@ -644,6 +644,32 @@ fn train_gpt_moe_at_ep_gives_the_ep_1_losses() {
         let got = run(&moe(&[&base[..], extra].concat())).unwrap().losses;
         assert_close(&got, &plain, 1e-5, &format!("dp 2 {extra:?}"));
     }
+    // A capacity below the even share drops assignments, counted; the same at ep 2.
+    let capped = [
+        "--tp",
+        "1",
+        "--dp",
+        "4",
+        "--steps",
+        "2",
+        "--capacity-factor",
+        "0.5",
+    ];
+    let plain = run(&moe(&capped)).unwrap();
+    let split = run(&moe(&[&capped[..], &["--ep", "2"]].concat())).unwrap();
+    assert_close(&split.losses, &plain.losses, 1e-5, "capacity 0.5: ep 2");
+    // 2 steps x batch 4 x seq 8 x 2 layers x top 2 assignments, each expert keeps at most
+    // half of its even share: at least half of them dropped.
+    assert!(
+        plain.expert_dropped >= 2 * 4 * 8 * 2 * 2 / 2,
+        "{}",
+        plain.expert_dropped
+    );
+    assert_eq!(split.expert_dropped, plain.expert_dropped);
+    let e = run(&tiny_args(&["--capacity-factor", "1.5"], &out))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--capacity-factor"), "{e}");
     let e = run(&moe(&["--dp", "2", "--ep", "4"]))
         .unwrap_err()
         .to_string();

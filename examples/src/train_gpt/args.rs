@@ -143,6 +143,11 @@ pub struct Args {
     /// Weight of the routers' load-balancing loss in the training loss (with `--experts`).
     #[arg(long, default_value_t = 0.01)]
     pub aux_loss_coef: f64,
+    /// Each expert takes at most this times its even share of a rank's assignments (`tokens x
+    /// top-k / experts`), the first in token order; the rest are dropped and counted (a fresh
+    /// MoE model or an imported one). Unset: dropless.
+    #[arg(long)]
+    pub capacity_factor: Option<f64>,
     /// Pipeline stages: the blocks cut into this many stages, one per rank of a pipeline group
     /// (world = tp x dp x pp; CPU ranks, threads or MPI processes, for now).
     #[arg(long, default_value_t = 1)]
@@ -396,18 +401,21 @@ pub fn llama_config(args: &Args, n_vocab: usize) -> LlamaConfig {
     )
     .with_dropout(args.dropout.unwrap_or(DEFAULT_DROPOUT))
     .with_dropout_seed(args.seed)
-    .with_experts(
-        args.experts().map(|n| {
-            ExpertsConfig::new(n, args.top_k, d_ff).with_aux_loss_coef(args.aux_loss_coef)
-        }),
-    )
+    .with_experts(args.experts().map(|n| {
+        ExpertsConfig::new(n, args.top_k, d_ff)
+            .with_aux_loss_coef(args.aux_loss_coef)
+            .with_capacity_factor(args.capacity_factor)
+    }))
     .with_settings(settings(args))
 }
 
 /// The Llama of an imported model's configuration `hf` (`--init-from`): its sizes and dropout
 /// the config's, `--dropout` (when given) replacing both of its dropout rates.
 pub fn imported_llama_config(args: &Args, hf: &HfConfig) -> LlamaConfig {
-    let config = hf.llama_config(settings(args)).with_dropout_seed(args.seed);
+    let mut config = hf.llama_config(settings(args)).with_dropout_seed(args.seed);
+    if let Some(x) = &mut config.experts {
+        x.capacity_factor = args.capacity_factor;
+    }
     match args.dropout {
         Some(p) => config.with_dropout(p).with_attention_dropout(None),
         None => config,

@@ -113,6 +113,13 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
                 .into(),
         );
     }
+    if args.capacity_factor.is_some() && args.experts().is_none() && args.init_from.is_none() {
+        return Err(
+            "--capacity-factor limits a mixture of experts' tokens: with --experts / --arch moe \
+             or an imported MoE model"
+                .into(),
+        );
+    }
     if let Some(n) = args.experts()
         && (args.top_k == 0 || args.top_k > n)
     {

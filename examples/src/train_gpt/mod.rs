@@ -91,6 +91,9 @@ pub struct Report {
     /// A MoE model's tokens routed to each expert over the run (all MoE layers and dp ranks;
     /// also `OUT/experts.csv`); empty for a dense model.
     pub expert_tokens: Vec<u64>,
+    /// The assignments the experts' capacity dropped over the run (`--capacity-factor`; 0
+    /// dropless), all MoE layers and dp ranks, as `expert_tokens` counts them.
+    pub expert_dropped: u64,
     /// With `--pp`: per stage, the seconds it waited for an activation or a gradient and the
     /// seconds of its pipelined steps (rank 0's pipeline; also in `OUT/pipeline.csv`).
     pub stage_idle: Vec<(f64, f64)>,
@@ -160,6 +163,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         step_s,
         stage_idle,
         expert_tokens,
+        expert_dropped,
     } = out;
     let sample = codec.decode(&sample)?;
     let elapsed = start.elapsed().as_secs_f64();
@@ -234,6 +238,7 @@ pub fn run(args: &Args) -> Result<Report, String> {
         rank,
         stage_idle,
         expert_tokens,
+        expert_dropped,
     })
 }
 

@@ -46,6 +46,8 @@ pub(super) struct RankOut {
     pub(super) stage_idle: Vec<(f64, f64)>,
     /// A MoE model's tokens routed to each expert over the run, all MoE layers and dp ranks.
     pub(super) expert_tokens: Vec<u64>,
+    /// The assignments the experts' capacity dropped, over the run and the dp ranks.
+    pub(super) expert_dropped: u64,
 }
 
 /// This rank's place in the run: the world, the tp x dp mesh's groups, the device.
@@ -448,6 +450,7 @@ impl<M: Trainable> Rank<'_, M> {
         let mut step_s = Vec::with_capacity(args.steps);
         // Tokens routed to each expert (every MoE layer), this rank's batches.
         let mut expert_tokens: Vec<i64> = Vec::new();
+        let mut dropped = 0i64;
         let end = first_step + args.steps;
         for step in first_step..end {
             let value;
@@ -455,6 +458,7 @@ impl<M: Trainable> Rank<'_, M> {
             let (stepped, routers) = burn_tp::moe::record(|| self.step(model, step, optim));
             (model, value) = stepped?;
             for r in &routers {
+                dropped += r.dropped as i64;
                 expert_tokens.resize(expert_tokens.len().max(r.counts.len()), 0);
                 expert_tokens
                     .iter_mut()
@@ -491,13 +495,22 @@ impl<M: Trainable> Rank<'_, M> {
         if let Some(bar) = progress {
             bar.finish();
         }
-        // Over the dp ranks (every tp rank of a replica routed the same tokens).
+        // Over the dp ranks (every tp rank of a replica routed the same tokens); the dropped
+        // assignments last.
         let expert_tokens = match expert_tokens.is_empty() {
             true => Vec::new(),
-            false => self.dp_group.all_reduce(expert_tokens, ReduceOp::Sum)?,
+            false => {
+                expert_tokens.push(dropped);
+                self.dp_group.all_reduce(expert_tokens, ReduceOp::Sum)?
+            }
+        };
+        let (expert_tokens, dropped) = match expert_tokens.split_last() {
+            Some((d, tokens)) => (tokens.to_vec(), *d as u64),
+            None => (Vec::new(), 0),
         };
         let out = RankOut {
             expert_tokens: expert_tokens.into_iter().map(|t| t as u64).collect(),
+            expert_dropped: dropped,
             stopped,
             profile: self.world.profile(),
             timings: CheckpointTimes::default(),

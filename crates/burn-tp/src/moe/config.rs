@@ -48,6 +48,13 @@ pub struct ExpertsConfig {
     /// Weight of the router z-loss (0: off).
     #[config(default = 0.0)]
     pub z_loss_coef: f64,
+    /// Each expert takes at most `capacity_factor * tokens * top_k / n_experts` (rounded up)
+    /// of a rank's assignments, the first in token order (Megatron's
+    /// `--moe-expert-capacity-factor` with the position drop policy); the others are dropped
+    /// (the token keeps its residual) and counted ([`super::RouterStats::dropped`]). `None`:
+    /// dropless.
+    #[config(default = "None")]
+    pub capacity_factor: Option<f64>,
 }
 
 impl ExpertsConfig {
@@ -63,6 +70,7 @@ impl ExpertsConfig {
         MoeConfig::new(d_model, self.n_experts, self.top_k, self.d_ff)
             .with_norm_topk_prob(self.norm_topk_prob)
             .with_shared_expert(self.shared_expert)
+            .with_capacity_factor(self.capacity_factor)
             .with_settings(settings)
     }
 }
@@ -85,6 +93,9 @@ pub struct MoeConfig {
     /// Width of Qwen2-MoE's shared expert (with its sigmoid gate), if any.
     #[config(default = "None")]
     pub shared_expert: Option<usize>,
+    /// The experts' capacity ([`ExpertsConfig::capacity_factor`]); `None`: dropless.
+    #[config(default = "None")]
+    pub capacity_factor: Option<f64>,
     /// The experts' activation (SwiGLU's SiLU).
     #[config(default = "GluActivation::Silu")]
     pub activation: GluActivation,
@@ -102,7 +113,8 @@ impl MoeConfig {
     ///
     /// # Errors
     /// [`TpError::Config`] naming the values: experts not divisible by ep, `top_k` of zero or
-    /// above the experts, an expert width or shared width not divisible by tp.
+    /// above the experts, an expert width or shared width not divisible by tp, a capacity
+    /// factor that is not a positive number.
     pub fn validate(&self, tp: usize, ep: usize) -> TpResult<()> {
         let fail = |m: String| Err(TpError::Config(format!("MoE: {m}")));
         if self.n_experts == 0 || !self.n_experts.is_multiple_of(ep) {
@@ -121,6 +133,13 @@ impl MoeConfig {
             return fail(format!(
                 "the experts' width {} is not divisible by tp = {tp}",
                 self.d_ff
+            ));
+        }
+        if let Some(c) = self.capacity_factor
+            && !(c.is_finite() && c > 0.0)
+        {
+            return fail(format!(
+                "capacity_factor = {c} must be a positive number (None: dropless)"
             ));
         }
         if let Some(w) = self.shared_expert
@@ -253,6 +272,7 @@ impl MoeConfig {
                 n_experts: e,
                 top_k: self.top_k,
                 norm_topk_prob: self.norm_topk_prob,
+                capacity_factor: self.capacity_factor,
                 activation: self.activation,
                 mode: self.settings.mode,
             },

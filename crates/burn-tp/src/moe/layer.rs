@@ -22,6 +22,7 @@ pub(crate) struct MoeOptions {
     pub n_experts: usize,
     pub top_k: usize,
     pub norm_topk_prob: bool,
+    pub capacity_factor: Option<f64>,
     pub activation: GluActivation,
     pub mode: TpMode,
 }
@@ -103,6 +104,7 @@ impl MoeLayer {
                 prob_sum: reduce_from_tp_region(s.prob_sum, tp)?,
                 z_sum: reduce_from_tp_region(s.z_sum, tp)?,
                 tokens: s.tokens * n_tp,
+                dropped: 0,
             };
             (tokens, weights, experts, stats)
         } else {
@@ -110,7 +112,9 @@ impl MoeLayer {
             let weights = copy_to_tp_region(routing.weights, tp);
             (tokens, weights, routing.experts, routing.stats)
         };
-        let y = self.experts(tokens, weights.cast(dtype), &experts)?;
+        let (y, dropped) = self.experts(tokens, weights.cast(dtype), &experts)?;
+        // Of the tp group's tokens, as the counts (every tp rank routed them all).
+        let stats = RouterStats { dropped, ..stats };
         let mut y = if sequence_parallel {
             reduce_scatter(y.reshape([n_tp * a, b, d]), 0, tp)?
         } else {
@@ -194,23 +198,41 @@ impl MoeLayer {
 
     /// The routed part of the layer on `x` (`[tokens, d]`), each token's `top_k` experts in
     /// `experts` (`[tokens * top_k]`) weighted by `weights` (`[tokens, top_k]`):
-    /// `[tokens, d]`, partial over tp (each rank ran its columns of every expert).
-    fn experts(&self, x: Tensor<2>, weights: Tensor<2>, experts: &[usize]) -> Result<Tensor<2>> {
+    /// `[tokens, d]`, partial over tp (each rank ran its columns of every expert), and the
+    /// assignments the capacity dropped.
+    fn experts(
+        &self,
+        x: Tensor<2>,
+        weights: Tensor<2>,
+        experts: &[usize],
+    ) -> Result<(Tensor<2>, usize)> {
         let [t, d] = x.dims();
         let (k, e) = (self.options.top_k, self.options.n_experts);
         let device = x.device();
-        // The assignments sorted by expert (stably: within an expert, in token order).
+        // The assignments sorted by expert (stably: within an expert, in token order), each
+        // expert's first `capacity` kept.
+        let capacity = self
+            .options
+            .capacity_factor
+            .map(|c| (c * (t * k) as f64 / e as f64).ceil() as usize);
         let mut order: Vec<usize> = (0..t * k).collect();
         order.sort_by_key(|&a| experts[a]);
         let mut counts = vec![0usize; e];
-        experts.iter().for_each(|&x| counts[x] += 1);
+        order.retain(|&a| {
+            let x = experts[a];
+            let keep = capacity.is_none_or(|c| counts[x] < c);
+            counts[x] += usize::from(keep);
+            keep
+        });
+        let dropped = t * k - order.len();
         let token_of: Vec<usize> = order.iter().map(|a| a / k).collect();
         let sorted = x.clone().select(0, indices(&token_of, &device));
         let w = weights.reshape([t * k]).select(0, indices(&order, &device));
         let y = self.dispatch_and_run(sorted, &counts)?;
         let y = y * w.unsqueeze_dim(1);
         let zeros = Tensor::<2>::zeros([t, d], (&device, x.dtype()));
-        Ok(zeros.select_assign(0, indices(&token_of, &device), y, IndexingUpdateOp::Add))
+        let y = zeros.select_assign(0, indices(&token_of, &device), y, IndexingUpdateOp::Add);
+        Ok((y, dropped))
     }
 
     /// Rows sorted by expert (`counts[e]` rows of expert `e`) through their experts, wherever

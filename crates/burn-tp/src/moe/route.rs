@@ -18,6 +18,9 @@ pub struct RouterStats {
     pub z_sum: Tensor<1>,
     /// Tokens routed.
     pub tokens: usize,
+    /// Assignments the experts' capacity dropped (0 dropless), of the same tokens as
+    /// `counts`.
+    pub dropped: usize,
 }
 
 impl RouterStats {
@@ -119,6 +122,7 @@ pub(crate) fn route(logits: Tensor<2>, top_k: usize, norm: bool) -> Result<Routi
         prob_sum: probs.sum_dim(0).reshape([n_experts]),
         z_sum: lse.powi_scalar(2).sum(),
         tokens,
+        dropped: 0,
     };
     Ok(Routing {
         experts,

@@ -66,6 +66,7 @@ pub(super) fn held(total: &[f32], device: &Device, dtype: DType) -> RouterStats 
         prob_sum: tensor(&total[e..2 * e]),
         z_sum: tensor(&total[2 * e + 1..]),
         tokens: total[2 * e].round().max(0.0) as usize,
+        dropped: 0,
     }
 }
 
