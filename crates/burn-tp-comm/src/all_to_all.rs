@@ -102,7 +102,10 @@ impl ProcessGroup {
             }
         }
         let recv = recv_counts.to_vec();
-        Ok(self.post(desc, payload(input), move |posts| {
+        // A simulated link delays it by what comes from the peers.
+        let from_peers: usize = (0..n).filter(|&p| p != rank).map(|p| recv[p]).sum();
+        let bytes = from_peers * T::DTYPE.size();
+        let work = self.post(desc, payload(input), move |posts| {
             let mut out = out;
             let dst = out.as_mut_slice();
             let at = displacements(&recv);
@@ -111,7 +114,8 @@ impl ProcessGroup {
                 dst[at[p]..at[p] + recv[p]].copy_from_slice(src);
             }
             out
-        }))
+        });
+        Ok(work.with_recv_bytes(bytes))
     }
 
     /// Blocking all-to-all into a new buffer; see [`all_to_all_async`](Self::all_to_all_async).

@@ -56,7 +56,8 @@ impl OpDesc {
             OpKind::AllReduce(_) => 2 * bytes / world * (world - 1),
             OpKind::Broadcast { root } if root != rank => bytes,
             OpKind::Broadcast { .. } | OpKind::Barrier => 0,
-            // Counts differ per rank and are not in the descriptor: not simulated.
+            // Counts differ per rank and are not in the descriptor: the call says its own
+            // (`Work::with_recv_bytes`).
             OpKind::AllToAll => 0,
         }
     }

@@ -37,6 +37,9 @@ struct LocalCall<T> {
     /// With profiling on: the label the call was issued under, and when it was posted.
     profiled: Option<(&'static str, Instant)>,
     consumed: bool,
+    /// The bytes this rank receives, where the descriptor cannot say (an all-to-all's counts
+    /// differ per rank): what the simulated link delays it by.
+    recv_bytes: Option<usize>,
 }
 
 impl<T> fmt::Debug for Work<T> {
@@ -77,6 +80,7 @@ impl<T> Work<T> {
             finish: Some(finish),
             profiled,
             consumed: false,
+            recv_bytes: None,
         });
         Work {
             group,
@@ -110,6 +114,30 @@ impl<T> Work<T> {
             seq,
             desc,
             state: InFlight::Done(Some(result)),
+        }
+    }
+
+    /// This local call receives `bytes` (for the simulated link), where the descriptor is the
+    /// same on every rank but the bytes are not.
+    pub(crate) fn with_recv_bytes(mut self, bytes: usize) -> Self {
+        // Without features `mpi` and `nccl` every call is local.
+        #[allow(irrefutable_let_patterns)]
+        if let InFlight::Local(call) = &mut self.state {
+            call.recv_bytes = Some(bytes);
+        }
+        self
+    }
+
+    /// The bytes this rank receives.
+    fn recv_bytes(&self) -> usize {
+        match &self.state {
+            InFlight::Local(LocalCall {
+                recv_bytes: Some(b),
+                ..
+            }) => *b,
+            _ => self
+                .desc
+                .recv_bytes(self.group.rank(), self.group.world_size()),
         }
     }
 
@@ -201,9 +229,7 @@ impl<T> Work<T> {
         let ready = Instant::now();
         // Without blocking, the data was complete when the last rank posted plus the simulated
         // link's delivery time, if any (before this wait began).
-        let bytes = self
-            .desc
-            .recv_bytes(self.group.rank(), self.group.world_size());
+        let bytes = self.recv_bytes();
         let completed = if ready - entered > Duration::from_micros(50) {
             ready
         } else {
@@ -364,7 +390,7 @@ impl<T> Work<T> {
                     .filter_map(|(_, p)| p.as_ref().map(|p| p.at))
                     .max();
                 if let Some(last) = last {
-                    let ready = last + link.delay(self.desc.recv_bytes(rank, st.gone.len()));
+                    let ready = last + link.delay(self.recv_bytes());
                     if Instant::now() < ready {
                         return Ok(Ready::No {
                             missing,

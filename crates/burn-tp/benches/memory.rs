@@ -13,12 +13,14 @@
 //!
 //! Section 2 counts each pipeline stage's bytes alone: its rank thread's allocations carry a
 //! tag, kept in a header in front of each block, so a block freed on another thread still comes
-//! off the right count.
+//! off the right count. Section 3 counts a MoE model's rank the same way at ep 1, 2, 4: the
+//! parameters and AdamW state it holds after a step.
 //!
 //! ```text
 //! cargo bench -p burn-tp --bench memory            # the issue's shapes
 //! cargo bench -p burn-tp --bench memory -- --quick # small shapes (CI smoke)
 //! cargo bench -p burn-tp --bench memory -- --only=pipeline # section 2 alone
+//! cargo bench -p burn-tp --bench memory -- --only=moe      # section 3 alone
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -309,6 +311,10 @@ fn main() {
         pipeline_memory(quick);
         return;
     }
+    if std::env::args().any(|a| a == "--only=moe") {
+        moe_memory(quick);
+        return;
+    }
     let (seq, batch) = if quick { (128, 2) } else { (1024, 8) };
     let mut cases = Vec::new();
     for dtype in [FloatDType::F32, FloatDType::BF16] {
@@ -370,6 +376,122 @@ fn main() {
         );
     }
     pipeline_memory(quick);
+    moe_memory(quick);
+}
+
+/// Section 3: a MoE Llama's rank at dp = ep = 1, 2, 4 (each rank a thread with its own tag):
+/// its parameters' bytes beside what the split promises (the dense parameters whole, the
+/// experts' `1 / ep`); the bytes its allocations hold once built, and after one AdamW step (the
+/// parameters, their two moments, and what the step left: the collectives' buffer pool keeps
+/// freed blocks for reuse, whose free bytes are the last column).
+fn moe_memory(quick: bool) {
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn_tp::dp::{DpOptimizer, Experts};
+    use burn_tp::mesh::DeviceMesh;
+    use burn_tp::moe::ExpertsConfig;
+    let (d, ff, experts, layers, seq) = if quick {
+        (64, 128, 8, 2, 16)
+    } else {
+        (256, 512, 8, 4, 64)
+    };
+    let vocab = 1024;
+    let config = LlamaConfig::new(vocab, seq, d, 4, 2, layers, ff)
+        .with_experts(Some(ExpertsConfig::new(experts, 2, ff)));
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let whole = config.init(&solo, &Device::flex()).unwrap();
+    let expert_ids: std::collections::HashSet<_> = whole.expert_params().into_iter().collect();
+    let (mut dense, mut expert) = (0usize, 0usize);
+    param_sizes(&whole)
+        .into_iter()
+        .for_each(|(id, n)| match expert_ids.contains(&id) {
+            true => expert += n * 4,
+            false => dense += n * 4,
+        });
+    println!(
+        "
+## Mixture of experts: bytes per rank after one AdamW step (MB; Llama d {d}, {layers}          MoE blocks of {experts} experts of width {ff}, f32; dp = ep ranks as threads)
+"
+    );
+    println!(
+        "unsplit: dense parameters {} MB, experts {} MB; with AdamW's two moments, x 3
+",
+        mb(dense as f64),
+        mb(expert as f64)
+    );
+    println!(
+        "| ep | parameters | dense + experts / ep | ratio | held after building | held after \
+         the step | collectives' pool (free, per rank) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for ep in [1usize, 2, 4] {
+        let config = config.clone();
+        let options = RunOptions {
+            threads_per_rank: Some(1),
+            keep_freed_memory: Some(false),
+        };
+        let out = run_ranks_with(LocalGroup::new(ep).unwrap(), options, move |world| {
+            let rank = world.rank();
+            TAG.set(rank);
+            let before = TAGGED[rank].load(Ordering::SeqCst);
+            let device = Device::flex().autodiff();
+            let mesh = DeviceMesh::new(world.clone(), 1).unwrap();
+            let (ep_group, expert_dp) = mesh.expert_groups(ep).unwrap();
+            let tp = world.split(rank, 0).unwrap();
+            let all: Vec<usize> = (0..layers).collect();
+            let model = config
+                .init_expert_parallel(&tp, &ep_group, &device, &all)
+                .unwrap();
+            let built = TAGGED[rank].load(Ordering::SeqCst) - before;
+            let mut optim = DpOptimizer::new(AdamWConfig::new().init()).with_experts(Experts {
+                params: model.expert_params().into_iter().collect(),
+                group: expert_dp,
+            });
+            let v: Vec<i64> = (0..seq * 2)
+                .map(|j| ((rank * 31 + j * 7) % vocab) as i64)
+                .collect();
+            let ids = Tensor::<2, Int>::from_data(TensorData::new(v, [seq, 2]), &device);
+            let loss = LanguageModel::loss(&model, ids.clone(), ids, None).unwrap();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let working = model.clone();
+            let model = optim
+                .step(1e-3, model, &working, grads, mesh.dp_group())
+                .unwrap();
+            drop(working);
+            let held = TAGGED[rank].load(Ordering::SeqCst) - before;
+            let params: usize = param_sizes(&model).iter().map(|p| p.1 * 4).sum();
+            drop((model, optim));
+            TAG.set(usize::MAX);
+            (params as f64, built as f64, held as f64)
+        })
+        .unwrap();
+        // The largest rank's (they hold the same shapes).
+        let most = |f: fn(&(f64, f64, f64)) -> f64| out.iter().map(f).fold(0.0, f64::max);
+        let (params, built, held) = (most(|o| o.0), most(|o| o.1), most(|o| o.2));
+        let want = dense as f64 + expert as f64 / ep as f64;
+        let pool = burn_tp::backend::pool_free_bytes() as f64 / ep as f64;
+        println!(
+            "| {ep} | {} | {} | {:.3} | {} | {} | {} |",
+            mb(params),
+            mb(want),
+            params / want,
+            mb(built),
+            mb(held),
+            mb(pool)
+        );
+    }
+}
+
+/// Each float parameter's id and elements, in visiting order.
+fn param_sizes<M: Module>(m: &M) -> Vec<(burn::module::ParamId, usize)> {
+    struct Sizes(Vec<(burn::module::ParamId, usize)>);
+    impl burn::module::ModuleVisitor for Sizes {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+            self.0.push((p.id, p.val().shape().num_elements()));
+        }
+    }
+    let mut s = Sizes(Vec::new());
+    m.visit(&mut s);
+    s.0
 }
 
 /// Section 2: bytes per pipeline stage over one step, each stage a rank thread whose

@@ -3,10 +3,10 @@
 //! (each rank its own tokens, as data-parallel replicas), against its floor: the expert GEMMs
 //! alone (gate / up and down forward, their dgrad and wgrad) on each local expert's rows of a
 //! balanced load, on the same ranks and threads. Then the all-to-all against memcpy of the
-//! bytes it moves. PyTorch's side of the same layer is `benches/pytorch_moe/run.sh`.
+//! bytes it moves, and over a simulated link against the link's own time for them. PyTorch's side of the same layer is `benches/pytorch_moe/run.sh`.
 
 use burn::tensor::{Distribution, Tensor};
-use burn_tp::comm::{LocalGroup, LocalGroupOptions};
+use burn_tp::comm::{LinkModel, LocalGroup, LocalGroupOptions};
 use burn_tp::moe::MoeConfig;
 use burn_tp::ops::all_to_all;
 
@@ -101,6 +101,37 @@ pub(crate) fn bench_moe(quick: bool) {
             a2a * 1e3,
             copy * 1e3,
             a2a / copy
+        );
+    }
+    // An inter-node link, as the pipeline section's: the floor is its delivery time for the
+    // bytes a rank receives from its peers (`latency + bytes / bandwidth`).
+    let link = LinkModel::new(25.0, 5.0);
+    println!(
+        "\nThe same all-to-all over a simulated link of 25 GB/s and 5 us, against the link's \
+         time for the bytes a rank receives from its peers:\n"
+    );
+    println!("| ep | all-to-all ms | link floor ms | ratio |");
+    println!("|---:|---:|---:|---:|");
+    for ep in [2usize, 4] {
+        let rows = t * k;
+        let options = LocalGroupOptions {
+            link: Some(link),
+            ..LocalGroupOptions::default()
+        };
+        let a2a = ranks(ep, options, 1, move |g| {
+            let x = Tensor::<2>::ones([rows, d], &device());
+            let parts = vec![rows / ep; ep];
+            timed(&g, reps, || {
+                drop(all_to_all(x.clone(), &parts, &parts, &g).unwrap());
+            })
+        })[0];
+        let from_peers = rows / ep * (ep - 1) * d * 4;
+        let floor = link.latency.as_secs_f64() + from_peers as f64 / link.bandwidth;
+        println!(
+            "| {ep} | {:.2} | {:.2} | {:.2} |",
+            a2a * 1e3,
+            floor * 1e3,
+            a2a / floor
         );
     }
 }
