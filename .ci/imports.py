@@ -19,7 +19,7 @@ FLOORS = [
     ["linear", "embedding", "loss", "dropout", "norm", "attention", "transformer", "moe"],
     ["decoder", "gpt", "llama", "gemma", "model"],
     ["generate", "checkpoint", "hf", "dp", "mesh", "precision", "recompute", "pipeline",
-     "train", "testing"],
+     "train", "testing", "lora"],
 ]
 
 

@@ -16,6 +16,7 @@ mod hf;
 mod learner;
 mod linear;
 mod llama;
+mod lora;
 mod loss;
 mod moe;
 mod mpi;

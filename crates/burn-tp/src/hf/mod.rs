@@ -43,9 +43,11 @@ mod gemma;
 mod import;
 mod mapping;
 mod moe;
+mod peft;
 
 use crate::error::file_error;
 
 pub use config::{HfArchitecture, HfConfig};
 pub use export::save;
 pub use import::{init_gemma, init_llama, init_llama_expert_parallel, load};
+pub use peft::{load_peft, save_peft};

@@ -6,6 +6,7 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use super::lora::ColumnLora;
 use super::parts::{
     FusedPart, PartPlacement, place, replica_group, shard_columns, unshard_columns, with_replicas,
 };
@@ -13,7 +14,7 @@ use super::{
     INIT_GAIN, LinearSpec, OverlapSchedule, TpMode, TpSettings, column_parallel_linear, init_full,
 };
 use crate::TpError;
-use crate::init::{owned, shard};
+use crate::init::{init_replicated, owned, shard};
 use crate::ops::all_gather;
 use crate::reshard::{ParamLayout, Piece, Reshard, solo};
 
@@ -51,6 +52,8 @@ pub struct ColumnParallelLinear {
     pub weight: Param<Tensor<2>>,
     /// `[d_output / tp]`.
     pub bias: Option<Param<Tensor<1>>>,
+    /// Low-rank adapters, if any ([`with_lora`](Self::with_lora)).
+    pub lora: Option<ColumnLora>,
     #[module(skip)]
     group: ProcessGroup,
     #[module(skip)]
@@ -146,6 +149,7 @@ impl ColumnParallelLinear {
                 .bias
                 .as_ref()
                 .map(|b| Param::from_tensor(cut_bias(b.val(), &placement, parts, group))),
+            lora: None,
             group: group.clone(),
             spec,
             parts: parts.to_vec(),
@@ -157,6 +161,203 @@ impl ColumnParallelLinear {
     /// The contiguous parts of the output features (empty: one).
     pub fn parts(&self) -> &[FusedPart] {
         &self.parts
+    }
+
+    /// Where part `p` starts in the full output features.
+    fn part_start(&self, p: usize) -> usize {
+        self.parts[..p.min(self.parts.len())]
+            .iter()
+            .map(|c| c.width)
+            .sum()
+    }
+
+    /// Part `p`'s width (`d_output` for an unfused layer).
+    fn part_width(&self, p: usize, d_output: usize) -> usize {
+        self.parts.get(p).map_or(d_output, |c| c.width)
+    }
+
+    /// The layer with low-rank adapters of rank `rank` on parts `parts` (indices into
+    /// [`parts`](Self::parts); `[0]` for an unfused layer), scaled by `alpha / rank`: each `A`
+    /// drawn as PEFT draws `lora_A` (Kaiming-uniform over `d_input`), the same at every tp
+    /// (drawn on rank 0, broadcast), each `B` zero, so the layer's output is unchanged. The
+    /// weight and bias are frozen. Collective over the layer's group.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming the values: a rank of 0, a part the layer does not have,
+    /// `gather_output`; a communication error.
+    pub fn with_lora(self, parts: &[usize], rank: usize, alpha: f64) -> crate::Result<Self> {
+        let n_parts = self.parts.len().max(1);
+        if rank == 0 || parts.is_empty() || parts.iter().any(|&p| p >= n_parts) {
+            return Err(TpError::Config(format!(
+                "ColumnParallelLinear LoRA: rank {rank} on parts {parts:?} of a layer of \
+                 {n_parts} part(s) (a rank of at least 1, on parts it has)"
+            )));
+        }
+        if self.spec.gather_output {
+            return Err(TpError::Config(
+                "ColumnParallelLinear LoRA: not on a layer with gather_output".into(),
+            ));
+        }
+        let [d_input, _] = self.weight.dims();
+        let device = self.weight.device();
+        let dtype = self.weight.val().dtype();
+        let d_output: usize = match self.parts.is_empty() {
+            true => self.weight.dims()[1] * self.group.world_size(),
+            false => self.parts.iter().map(|c| c.width).sum(),
+        };
+        let init = super::lora_init();
+        let mut a = Vec::with_capacity(parts.len());
+        let mut b = Vec::with_capacity(parts.len());
+        for &p in parts {
+            let draw = init_replicated(
+                &init,
+                [d_input, rank],
+                Some(d_input),
+                Some(rank),
+                &self.group,
+                &device,
+            )?;
+            a.push(draw.cast(dtype));
+            b.push(Tensor::<2>::zeros(
+                [rank, self.part_width(p, d_output)],
+                (&device, dtype),
+            ));
+        }
+        let lora = self.shard_lora(a, b, parts.to_vec(), alpha / rank as f64);
+        Ok(self.frozen().with_adapters(lora))
+    }
+
+    /// The layer with adapters of the given full factors (`A [d_input, r]`, `B [r, part
+    /// width]` per adapted part: a PEFT adapter read from disk), this rank keeping its columns
+    /// of each B; the weight and bias frozen. No communication.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming the shapes: factors that do not fit the layer's parts.
+    pub fn with_lora_factors(
+        self,
+        parts: Vec<usize>,
+        a: Vec<Tensor<2>>,
+        b: Vec<Tensor<2>>,
+        scale: f64,
+    ) -> crate::Result<Self> {
+        let [d_input, _] = self.weight.dims();
+        let d_output: usize = match self.parts.is_empty() {
+            true => self.weight.dims()[1] * self.group.world_size(),
+            false => self.parts.iter().map(|c| c.width).sum(),
+        };
+        let n_parts = self.parts.len().max(1);
+        let rank = a.first().map_or(0, |a| a.dims()[1]);
+        for ((a, b), &p) in a.iter().zip(&b).zip(&parts) {
+            let width = self.part_width(p.min(n_parts - 1), d_output);
+            if p >= n_parts || a.dims() != [d_input, rank] || b.dims() != [rank, width] {
+                return Err(TpError::Config(format!(
+                    "ColumnParallelLinear LoRA: factors {:?} and {:?} on part {p} of a layer \
+                     whose part is [{d_input} -> {width}] (A [{d_input}, r], B [r, {width}], \
+                     r = {rank})",
+                    a.dims(),
+                    b.dims()
+                )));
+            }
+        }
+        if rank == 0 || a.len() != parts.len() || b.len() != parts.len() {
+            return Err(TpError::Config(format!(
+                "ColumnParallelLinear LoRA: {} A and {} B factors for parts {parts:?}, rank {rank}",
+                a.len(),
+                b.len()
+            )));
+        }
+        let lora = self.shard_lora(a, b, parts, scale);
+        Ok(self.frozen().with_adapters(lora))
+    }
+
+    /// This layer's adapters from full factors (`A [d_input, r]`, `B [r, part width]` per
+    /// adapter): A whole, this rank's columns of B.
+    fn shard_lora(
+        &self,
+        a: Vec<Tensor<2>>,
+        b: Vec<Tensor<2>>,
+        parts: Vec<usize>,
+        scale: f64,
+    ) -> ColumnLora {
+        let b = b
+            .into_iter()
+            .zip(&parts)
+            .map(|(full, &p)| {
+                let local = match self.parts.is_empty() {
+                    true => shard(full, 1, &self.group),
+                    false => {
+                        let piece = &self.placement[p];
+                        let start = self.part_start(p);
+                        owned(full.narrow(1, piece.full.start - start, piece.full.len()))
+                    }
+                };
+                Param::from_tensor(local)
+            })
+            .collect();
+        ColumnLora {
+            a: a.into_iter()
+                .map(|t| Param::from_tensor(owned(t)))
+                .collect(),
+            b,
+            parts,
+            scale,
+        }
+    }
+
+    /// The adapters' full factors (A, B's columns gathered over tp, their parts and scale),
+    /// detached. Collective.
+    #[allow(clippy::type_complexity)]
+    fn full_lora(
+        &self,
+    ) -> crate::Result<Option<(Vec<Tensor<2>>, Vec<Tensor<2>>, Vec<usize>, f64)>> {
+        let Some(l) = &self.lora else {
+            return Ok(None);
+        };
+        let placements = (!self.parts.is_empty())
+            .then(|| self.placements())
+            .transpose()?;
+        let b = l
+            .b
+            .iter()
+            .zip(&l.parts)
+            .map(|(b, &p)| -> crate::Result<_> {
+                let b = b.val();
+                let full = match &placements {
+                    None => owned(all_gather(b, 1, &self.group)?),
+                    Some(all) => {
+                        // This rank's columns of the part, gathered with every rank's and
+                        // placed as the weight's are; then the part's own columns.
+                        let [rank, _] = b.dims();
+                        let local = self.placement.iter().map(|q| q.local.len()).sum();
+                        let cols = self.placement[p].local.clone();
+                        let padded = Tensor::<2>::zeros([rank, local], (&b.device(), b.dtype()))
+                            .slice_assign([0..rank, cols], b);
+                        let whole = gather_columns(padded, 1, &self.group, Some(all))?;
+                        let start = self.part_start(p);
+                        owned(whole.narrow(1, start, self.parts[p].width))
+                    }
+                };
+                Ok(full)
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+        let a = l.a.iter().map(|a| owned(a.val())).collect();
+        Ok(Some((a, b, l.parts.clone(), l.scale)))
+    }
+
+    /// The layer with its weight and bias frozen (no gradient, no optimizer state).
+    fn frozen(self) -> Self {
+        Self {
+            weight: self.weight.set_require_grad(false),
+            bias: self.bias.map(|b| b.set_require_grad(false)),
+            ..self
+        }
+    }
+
+    fn with_adapters(self, lora: ColumnLora) -> Self {
+        Self {
+            lora: Some(lora),
+            ..self
+        }
     }
 
     fn compute_weights(&self) -> (Tensor<2>, Option<Tensor<1>>) {
@@ -244,10 +445,24 @@ fn cut_bias(
 
 impl Reshard for ColumnParallelLinear {
     fn to_full_module(&self) -> crate::Result<Self> {
-        Self::shard(&self.to_full()?, &solo(), self.spec, &self.parts)
+        let full = Self::shard(&self.to_full()?, &solo(), self.spec, &self.parts)?;
+        Ok(match self.full_lora()? {
+            Some((a, b, parts, scale)) => {
+                let lora = full.shard_lora(a, b, parts, scale);
+                full.frozen().with_adapters(lora)
+            }
+            None => full,
+        })
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
-        Self::shard(&full.to_full()?, group, full.spec, &full.parts)
+        let shard = Self::shard(&full.to_full()?, group, full.spec, &full.parts)?;
+        Ok(match full.full_lora()? {
+            Some((a, b, parts, scale)) => {
+                let lora = shard.shard_lora(a, b, parts, scale);
+                shard.frozen().with_adapters(lora)
+            }
+            None => shard,
+        })
     }
     fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
         let (r, tp) = (self.group.rank(), self.group.world_size());
@@ -279,9 +494,32 @@ impl Reshard for ColumnParallelLinear {
         let bias = self.bias.as_ref().map(|_| ParamLayout {
             global_shape: vec![d_output],
             dim: 0,
-            pieces,
+            pieces: pieces.clone(),
         });
-        std::iter::once(weight).chain(bias).collect()
+        // Each adapter: A whole, B this rank's columns of its part (of the part's own columns).
+        let pieces = &pieces;
+        let lora = self.lora.iter().flat_map(|l| {
+            let rank = l.rank();
+            let a = l
+                .parts
+                .iter()
+                .map(move |_| ParamLayout::replicated(vec![d_input, rank], r));
+            let b = l.parts.iter().map(move |&p| {
+                let start = self.part_start(p);
+                let piece = &pieces[p];
+                ParamLayout {
+                    global_shape: vec![rank, self.part_width(p, d_output)],
+                    dim: 1,
+                    pieces: vec![Piece {
+                        local: 0..piece.local.len(),
+                        global: piece.global.start - start..piece.global.end - start,
+                        writes: piece.writes,
+                    }],
+                }
+            });
+            a.chain(b).collect::<Vec<_>>()
+        });
+        std::iter::once(weight).chain(bias).chain(lora).collect()
     }
 }
 
@@ -316,6 +554,18 @@ impl ColumnParallelLinear {
     /// As `forward`'s panics.
     pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
         let (weight, bias) = self.compute_weights();
-        column_parallel_linear(x, weight, bias, self.spec, &self.group)
+        let Some(lora) = &self.lora else {
+            return column_parallel_linear(x, weight, bias, self.spec, &self.group);
+        };
+        let y = column_parallel_linear(x.clone(), weight, bias, self.spec, &self.group)?;
+        let term = lora.term(
+            x,
+            y.dims(),
+            self.spec.settings.mode,
+            &self.group,
+            &self.placement,
+            self.replicas.as_ref(),
+        )?;
+        Ok(y + term)
     }
 }

@@ -18,10 +18,13 @@
 //! - `parts.rs`: a column layer's parts of a fused projection ([`FusedPart`]: fused q / k / v of
 //!   grouped-query attention, gate / up of SwiGLU), each sharded on its own;
 //! - `functional.rs`: [`column_parallel_linear`] / [`row_parallel_linear`] on tensors, the one
-//!   forward both modules (and the tied lm-head of the GPT) run.
+//!   forward both modules (and the tied lm-head of the GPT) run;
+//! - `lora.rs`: their low-rank adapters ([`ColumnLora`], [`RowLora`]): which factor is split
+//!   where, and what crosses the ranks.
 
 mod column;
 mod functional;
+mod lora;
 mod parts;
 mod row;
 
@@ -36,6 +39,7 @@ use crate::init::init_replicated;
 pub use crate::backend::types::{LinearSpec, OverlapSchedule, TpMode, TpSettings};
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use functional::{column_parallel_linear, row_parallel_linear};
+pub use lora::{ColumnLora, RowLora};
 pub use parts::FusedPart;
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
@@ -74,6 +78,15 @@ impl InMode for RowParallelLinear {
 
 /// Burn's `LinearConfig` default gain, `1 / sqrt(3)`.
 pub(crate) const INIT_GAIN: f64 = 0.577_350_269_189_625_8;
+
+/// How a LoRA `A` is drawn: PEFT's `kaiming_uniform_(a = sqrt(5))` of `lora_A`, bound
+/// `1 / sqrt(d_input)` (Burn's Kaiming-uniform of gain `1 / sqrt(3)` over the fan-in).
+pub(crate) fn lora_init() -> Initializer {
+    Initializer::KaimingUniform {
+        gain: INIT_GAIN,
+        fan_out_only: false,
+    }
+}
 
 /// The full `Linear` that Burn's `LinearConfig::init` gives, drawn on rank 0 and broadcast
 /// (see [`init_replicated`]): same draws, same order (weight, then bias).

@@ -6,9 +6,10 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
+use super::lora::RowLora;
 use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpSettings, init_full, row_parallel_linear};
 use crate::error::check_divisible;
-use crate::init::{owned, shard};
+use crate::init::{init_replicated, owned, shard};
 use crate::ops::all_gather;
 use crate::reshard::{ParamLayout, Reshard, solo};
 
@@ -40,6 +41,8 @@ pub struct RowParallelLinear {
     pub weight: Param<Tensor<2>>,
     /// `[d_output]`, replicated on every rank.
     pub bias: Option<Param<Tensor<1>>>,
+    /// A low-rank adapter, if any ([`with_lora`](Self::with_lora)).
+    pub lora: Option<RowLora>,
     #[module(skip)]
     group: ProcessGroup,
     #[module(skip)]
@@ -98,9 +101,97 @@ impl RowParallelLinear {
                 .bias
                 .as_ref()
                 .map(|b| Param::from_tensor(owned(b.val()))),
+            lora: None,
             group: group.clone(),
             spec,
         })
+    }
+
+    /// The layer with a low-rank adapter of rank `rank` scaled by `alpha / rank`: `A` drawn as
+    /// PEFT draws `lora_A` (Kaiming-uniform over `d_input`) whole on rank 0, each rank keeping
+    /// its rows, so tp n starts from tp 1's adapter; `B` zero, so the output is unchanged. The
+    /// weight and bias are frozen. Collective over the layer's group.
+    ///
+    /// # Errors
+    /// [`TpError::Config`](crate::TpError::Config) for a rank of 0; a communication error.
+    pub fn with_lora(self, rank: usize, alpha: f64) -> crate::Result<Self> {
+        if rank == 0 {
+            return Err(crate::TpError::Config(
+                "RowParallelLinear LoRA: rank 0 (at least 1)".into(),
+            ));
+        }
+        let [local, d_output] = self.weight.dims();
+        let d_input = local * self.group.world_size();
+        let device = self.weight.device();
+        let dtype = self.weight.val().dtype();
+        let a = init_replicated(
+            &super::lora_init(),
+            [d_input, rank],
+            Some(d_input),
+            Some(rank),
+            &self.group,
+            &device,
+        )?
+        .cast(dtype);
+        let b = Tensor::<2>::zeros([rank, d_output], (&device, dtype));
+        let lora = self.shard_lora(a, b, alpha / rank as f64);
+        Ok(self.frozen().with_adapter(lora))
+    }
+
+    /// The layer with an adapter of the given full factors (`A [d_input, r]`, `B [r,
+    /// d_output]`: a PEFT adapter read from disk), this rank keeping its rows of A; the weight
+    /// and bias frozen. No communication.
+    ///
+    /// # Errors
+    /// [`TpError::Config`](crate::TpError::Config) naming the shapes: factors that do not fit.
+    pub fn with_lora_factors(self, a: Tensor<2>, b: Tensor<2>, scale: f64) -> crate::Result<Self> {
+        let [local, d_output] = self.weight.dims();
+        let d_input = local * self.group.world_size();
+        let rank = a.dims()[1];
+        if rank == 0 || a.dims() != [d_input, rank] || b.dims() != [rank, d_output] {
+            return Err(crate::TpError::Config(format!(
+                "RowParallelLinear LoRA: factors {:?} and {:?} for a layer [{d_input} -> \
+                 {d_output}] (A [{d_input}, r], B [r, {d_output}])",
+                a.dims(),
+                b.dims()
+            )));
+        }
+        let lora = self.shard_lora(a, b, scale);
+        Ok(self.frozen().with_adapter(lora))
+    }
+
+    /// This layer's adapter from the full factors (`A [d_input, r]`, `B [r, d_output]`).
+    fn shard_lora(&self, a: Tensor<2>, b: Tensor<2>, scale: f64) -> RowLora {
+        RowLora {
+            a: Param::from_tensor(shard(a, 0, &self.group)),
+            b: Param::from_tensor(owned(b)),
+            scale,
+        }
+    }
+
+    /// The adapter's full factors (A's rows gathered over tp) and scale, detached. Collective.
+    fn full_lora(&self) -> crate::Result<Option<(Tensor<2>, Tensor<2>, f64)>> {
+        let Some(l) = &self.lora else {
+            return Ok(None);
+        };
+        let a = owned(all_gather(l.a.val(), 0, &self.group)?);
+        Ok(Some((a, owned(l.b.val()), l.scale)))
+    }
+
+    /// The layer with its weight and bias frozen (no gradient, no optimizer state).
+    fn frozen(self) -> Self {
+        Self {
+            weight: self.weight.set_require_grad(false),
+            bias: self.bias.map(|b| b.set_require_grad(false)),
+            ..self
+        }
+    }
+
+    fn with_adapter(self, lora: RowLora) -> Self {
+        Self {
+            lora: Some(lora),
+            ..self
+        }
     }
 
     /// Gathers the shards into the full Burn `Linear` on every rank (detached). Collective.
@@ -140,10 +231,24 @@ impl RowParallelLinear {
 
 impl Reshard for RowParallelLinear {
     fn to_full_module(&self) -> crate::Result<Self> {
-        Self::shard(&self.to_full()?, &solo(), self.spec)
+        let full = Self::shard(&self.to_full()?, &solo(), self.spec)?;
+        Ok(match self.full_lora()? {
+            Some((a, b, scale)) => {
+                let lora = full.shard_lora(a, b, scale);
+                full.frozen().with_adapter(lora)
+            }
+            None => full,
+        })
     }
     fn shard_module(full: &Self, group: &ProcessGroup) -> crate::Result<Self> {
-        Self::shard(&full.to_full()?, group, full.spec)
+        let shard = Self::shard(&full.to_full()?, group, full.spec)?;
+        Ok(match full.full_lora()? {
+            Some((a, b, scale)) => {
+                let lora = shard.shard_lora(a, b, scale);
+                shard.frozen().with_adapter(lora)
+            }
+            None => shard,
+        })
     }
     fn layout(&self, _rank: usize) -> Vec<ParamLayout> {
         let (r, tp) = (self.group.rank(), self.group.world_size());
@@ -153,7 +258,15 @@ impl Reshard for RowParallelLinear {
             .bias
             .as_ref()
             .map(|_| ParamLayout::replicated(vec![d_output], r));
-        std::iter::once(weight).chain(bias).collect()
+        // The adapter: A this rank's rows, B whole.
+        let lora = self.lora.iter().flat_map(|l| {
+            let rank = l.rank();
+            [
+                ParamLayout::block(vec![local * tp, rank], 0, r, tp),
+                ParamLayout::replicated(vec![rank, d_output], r),
+            ]
+        });
+        std::iter::once(weight).chain(bias).chain(lora).collect()
     }
 }
 
@@ -188,6 +301,11 @@ impl RowParallelLinear {
     /// As `forward`'s panics.
     pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
         let (weight, bias) = self.compute_weights();
-        row_parallel_linear(x, weight, bias, self.spec, &self.group)
+        let Some(lora) = &self.lora else {
+            return row_parallel_linear(x, weight, bias, self.spec, &self.group);
+        };
+        let y = row_parallel_linear(x.clone(), weight, bias, self.spec, &self.group)?;
+        let term = lora.term(x, y.dims(), self.spec.settings.mode, &self.group)?;
+        Ok(y + term)
     }
 }

@@ -197,6 +197,9 @@ pub struct Llama {
     /// a pipeline stage's place in the whole model (dense and MoE blocks differ).
     #[module(skip)]
     block_params: Vec<usize>,
+    /// Per block of the whole model: whether it is a mixture of experts.
+    #[module(skip)]
+    block_moe: Vec<bool>,
 }
 
 impl LlamaConfig {
@@ -293,6 +296,7 @@ impl LlamaConfig {
         // The index of the block being drawn (draw_blocks draws them all, in order).
         let mut next = 0usize;
         let mut block_params = Vec::with_capacity(self.n_layers);
+        let mut block_moe = Vec::with_capacity(self.n_layers);
         let blocks = crate::decoder::draw_blocks("Llama", self.n_layers, layers, || {
             let i = next;
             next += 1;
@@ -326,6 +330,7 @@ impl LlamaConfig {
                 m.experts.iter().map(count_params).sum::<usize>() * (ep.world_size() - 1)
             });
             block_params.push(count_params(&block) + experts);
+            block_moe.push(block.moe.is_some());
             Ok(block)
         })?;
         let spec = LinearSpec::new(settings);
@@ -342,6 +347,7 @@ impl LlamaConfig {
             group: group.clone(),
             block_ids: layers.to_vec(),
             block_params,
+            block_moe,
             options: LlamaOptions {
                 settings,
                 dropout: self.dropout,
@@ -420,7 +426,17 @@ impl Llama {
             options,
             block_ids: self.block_ids,
             block_params: self.block_params,
+            block_moe: self.block_moe,
         }
+    }
+
+    /// The whole model's blocks' parameter counts with `dense` more in each dense block and
+    /// `sparse` more in each MoE block (LoRA's adapters, [`crate::lora`]).
+    pub(crate) fn with_added_block_params(mut self, dense: usize, sparse: usize) -> Self {
+        for (n, &moe) in self.block_params.iter_mut().zip(&self.block_moe) {
+            *n += if moe { sparse } else { dense };
+        }
+        self
     }
 
     /// Vocab-sharded logits without dropout (evaluation).
@@ -608,4 +624,4 @@ crate::reshard::reshard_fields!(LlamaBlock {
     moe
 });
 
-crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options, block_ids, block_params });
+crate::reshard::reshard_fields!(Llama { tok, blocks, norm, head }, group: group, keep: { options, block_ids, block_params, block_moe });

@@ -76,21 +76,21 @@ macro_rules! reshard_fields {
     ($ty:ident { $($field:ident),+ $(,)? }, group: $g:ident, keep: { $($kept:ident),* $(,)? }) => {
         impl $crate::reshard::Reshard for $ty {
             fn to_full_module(&self) -> $crate::Result<Self> {
-                Ok(Self {
+                Ok($crate::reshard::keep_frozen(self, Self {
                     $($field: $crate::reshard::Reshard::to_full_module(&self.$field)?,)+
                     $g: $crate::reshard::solo(),
                     $($kept: self.$kept.clone(),)*
-                })
+                }))
             }
             fn shard_module(
                 full: &Self,
                 group: &burn_tp_comm::ProcessGroup,
             ) -> $crate::Result<Self> {
-                Ok(Self {
+                Ok($crate::reshard::keep_frozen(full, Self {
                     $($field: $crate::reshard::Reshard::shard_module(&full.$field, group)?,)+
                     $g: group.clone(),
                     $($kept: full.$kept.clone(),)*
-                })
+                }))
             }
             fn layout(&self, _rank: usize) -> Vec<$crate::reshard::ParamLayout> {
                 let rank = self.$g.rank();
@@ -103,19 +103,19 @@ macro_rules! reshard_fields {
     ($ty:ident { $($field:ident),+ $(,)? } $(, keep: { $($kept:ident),* $(,)? })?) => {
         impl $crate::reshard::Reshard for $ty {
             fn to_full_module(&self) -> $crate::Result<Self> {
-                Ok(Self {
+                Ok($crate::reshard::keep_frozen(self, Self {
                     $($field: $crate::reshard::Reshard::to_full_module(&self.$field)?,)+
                     $($($kept: self.$kept.clone(),)*)?
-                })
+                }))
             }
             fn shard_module(
                 full: &Self,
                 group: &burn_tp_comm::ProcessGroup,
             ) -> $crate::Result<Self> {
-                Ok(Self {
+                Ok($crate::reshard::keep_frozen(full, Self {
                     $($field: $crate::reshard::Reshard::shard_module(&full.$field, group)?,)+
                     $($($kept: full.$kept.clone(),)*)?
-                })
+                }))
             }
             fn layout(&self, rank: usize) -> Vec<$crate::reshard::ParamLayout> {
                 let mut out = Vec::new();
@@ -126,6 +126,36 @@ macro_rules! reshard_fields {
     };
 }
 pub(crate) use reshard_fields;
+
+/// `to` (a resharded `from`: the same parameters in the same order) with `from`'s frozen
+/// parameters frozen too (a LoRA model's base, a pipeline stage's unused ends).
+pub fn keep_frozen<M: burn::module::Module>(from: &M, to: M) -> M {
+    use burn::module::{ModuleMapper, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct Flags(Vec<bool>);
+    impl ModuleVisitor for Flags {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push(p.val().is_require_grad());
+        }
+    }
+    struct Set(Vec<bool>, usize);
+    impl ModuleMapper for Set {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let k = self.1;
+            self.1 += 1;
+            match self.0.get(k) {
+                Some(false) if p.val().is_require_grad() => p.set_require_grad(false),
+                _ => p,
+            }
+        }
+    }
+    let mut flags = Flags(Vec::new());
+    from.visit(&mut flags);
+    if flags.0.iter().all(|&f| f) {
+        return to;
+    }
+    to.map(&mut Set(flags.0, 0))
+}
 
 /// A group of one: where a full (tp = 1) module lives.
 pub(crate) fn solo() -> ProcessGroup {

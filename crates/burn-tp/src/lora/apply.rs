@@ -1,0 +1,140 @@
+//! [`apply_lora`]: the adapters put on a model's parallel linears, everything else frozen.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::Tensor;
+
+use super::LoraConfig;
+use crate::attention::ParallelAttention;
+use crate::llama::Llama;
+use crate::transformer::ParallelSwiGlu;
+use crate::{Result, TpError};
+
+/// A module whose parallel linears can take LoRA adapters.
+pub trait ApplyLora: Sized {
+    /// The module with adapters on the linears `targets` names (short names: `q`, `k`, `v`,
+    /// `o`, `gate`, `up`, `down`), of rank `rank` scaled by `alpha / rank`; the adapters it
+    /// took. Collective over the tensor-parallel group.
+    ///
+    /// # Errors
+    /// A communication error.
+    fn lora_targets(self, targets: &[&str], rank: usize, alpha: f64) -> Result<(Self, usize)>;
+}
+
+/// `model` for LoRA fine-tuning: every parameter frozen (no gradient, no optimizer state),
+/// then adapters on the linears `config` names, the same at every tp (`A` as PEFT draws it,
+/// `B` zero: the model's output is unchanged). Collective over the model's tp group.
+///
+/// # Errors
+/// [`TpError::Config`] naming the values: a rank of 0, an unknown target, targets that match
+/// no linear of the model (a MoE model's experts take none); a communication error.
+pub fn apply_lora<M: ApplyLora + Module>(model: M, config: &LoraConfig) -> Result<M> {
+    let targets = config.short_targets()?;
+    let model = freeze(model);
+    let (model, adapted) = model.lora_targets(&targets, config.rank, config.alpha)?;
+    if adapted == 0 {
+        return Err(TpError::Config(format!(
+            "LoRA: the targets {:?} match no linear of the model",
+            config.targets
+        )));
+    }
+    Ok(model)
+}
+
+/// `model` with every float parameter frozen (no gradient, no optimizer state).
+pub fn freeze<M: Module>(model: M) -> M {
+    model.map(&mut Freeze)
+}
+
+/// Sets every float parameter's `require_grad` to false.
+struct Freeze;
+
+impl ModuleMapper for Freeze {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.set_require_grad(false)
+    }
+}
+
+impl ApplyLora for ParallelAttention {
+    fn lora_targets(self, targets: &[&str], rank: usize, alpha: f64) -> Result<(Self, usize)> {
+        let on = |t: &str| targets.contains(&t);
+        let names = ["q", "k", "v"];
+        let mut adapted = 0;
+        let mut this = self;
+        let qkv = std::mem::take(&mut this.qkv);
+        this.qkv = match qkv.len() {
+            // Fused: one adapter per part.
+            1 => {
+                let parts: Vec<usize> = (0..3).filter(|&p| on(names[p])).collect();
+                adapted += parts.len();
+                qkv.into_iter()
+                    .map(|l| match parts.is_empty() {
+                        true => Ok(l),
+                        false => l.with_lora(&parts, rank, alpha),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+            _ => qkv
+                .into_iter()
+                .zip(names)
+                .map(|(l, name)| match on(name) {
+                    true => {
+                        adapted += 1;
+                        l.with_lora(&[0], rank, alpha)
+                    }
+                    false => Ok(l),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
+        if on("o") {
+            adapted += 1;
+            this.out = this.out.with_lora(rank, alpha)?;
+        }
+        Ok((this, adapted))
+    }
+}
+
+impl ApplyLora for ParallelSwiGlu {
+    fn lora_targets(self, targets: &[&str], rank: usize, alpha: f64) -> Result<(Self, usize)> {
+        let on = |t: &str| targets.contains(&t);
+        let parts: Vec<usize> = (0..2).filter(|&p| on(["gate", "up"][p])).collect();
+        let mut adapted = parts.len();
+        let mut this = self;
+        if !parts.is_empty() {
+            this.gate_up = this.gate_up.with_lora(&parts, rank, alpha)?;
+        }
+        if on("down") {
+            adapted += 1;
+            this.down = this.down.with_lora(rank, alpha)?;
+        }
+        Ok((this, adapted))
+    }
+}
+
+impl ApplyLora for Llama {
+    fn lora_targets(self, targets: &[&str], rank: usize, alpha: f64) -> Result<(Self, usize)> {
+        let mut adapted = 0;
+        let mut model = self;
+        let blocks = std::mem::take(&mut model.blocks);
+        let mut out = Vec::with_capacity(blocks.len());
+        // Two parameters (A, B) per adapter, per kind of block: a MoE block's MLP takes none.
+        let (mut dense, mut sparse) = (0, 0);
+        for block in blocks {
+            let (attn, n) = block.attn.lora_targets(targets, rank, alpha)?;
+            let (mlp, m) = match block.mlp {
+                Some(mlp) => {
+                    let (mlp, m) = mlp.lora_targets(targets, rank, alpha)?;
+                    (Some(mlp), m)
+                }
+                None => (None, 0),
+            };
+            match block.moe.is_some() {
+                true => sparse = 2 * n,
+                false => dense = 2 * (n + m),
+            }
+            adapted += n + m;
+            out.push(crate::llama::LlamaBlock { attn, mlp, ..block });
+        }
+        model.blocks = out;
+        Ok((model.with_added_block_params(dense, sparse), adapted))
+    }
+}

@@ -1,0 +1,258 @@
+//! LoRA at tensor parallelism (`burn_tp::lora`): a fine-tune at tp 2 and 4, in both modes and
+//! with dp, gives the tp 1 run's losses and adapters, the base untouched; bad input names the
+//! values.
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_tp::linear::{TpMode, TpSettings};
+use burn_tp::llama::{Llama, LlamaConfig};
+use burn_tp::local::run_local;
+use burn_tp::lora::{LoraConfig, apply_lora};
+use burn_tp::mesh::DeviceMesh;
+use burn_tp::model::LanguageModel;
+use burn_tp::reshard::Reshard;
+
+use super::common::{assert_close, device, f64s, param_values, rng_lock, token_ids};
+
+/// A Llama whose key / value heads (2) are replicated at tp 4.
+fn llama(mode: TpMode) -> LlamaConfig {
+    LlamaConfig::new(40, 16, 16, 4, 2, 2, 32)
+        .with_settings(TpSettings::new().with_mode(mode).with_attention_tile(4))
+}
+
+fn lora() -> LoraConfig {
+    LoraConfig::new(4, 8.0).with_targets(
+        ["q", "k", "v", "o", "gate", "up", "down"]
+            .map(String::from)
+            .to_vec(),
+    )
+}
+
+/// A model's frozen parameters (the base) and trainable ones (the adapters), in visiting order.
+type Split = (Vec<Vec<f64>>, Vec<Vec<f64>>);
+
+fn split<M: Module>(m: &M) -> Split {
+    use burn::module::{ModuleVisitor, Param};
+    struct Both(Split);
+    impl ModuleVisitor for Both {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let v = f64s(p.val());
+            match p.val().is_require_grad() {
+                true => self.0.1.push(v),
+                false => self.0.0.push(v),
+            }
+        }
+    }
+    let mut both = Both((Vec::new(), Vec::new()));
+    m.visit(&mut both);
+    both.0
+}
+
+/// Three AdamW steps of the LoRA fine-tune of `full` (a tp 1 model with its adapters) at tp x
+/// dp, each dp rank on its own batches: dp rank 0's losses and the whole model after
+/// (gathered to tp 1), its base and its adapters.
+fn fine_tune(full: &Llama, tp: usize, dp: usize) -> (Vec<f64>, Split) {
+    let full = full.clone();
+    let out = run_local(tp * dp, move |world| {
+        let mesh = DeviceMesh::new(world.clone(), tp).unwrap();
+        let mut model = Llama::shard_module(&full, mesh.tp_group()).unwrap();
+        // A large epsilon makes the step follow the gradient's size, not only its sign (which
+        // rounding decides for a gradient near zero).
+        let mut optim = AdamWConfig::new().with_epsilon(1.0).init();
+        let d = mesh.dp_rank() as i64;
+        let mut losses = Vec::new();
+        for step in 0..3i64 {
+            let ids = |add: i64| {
+                let v = token_ids(16, 40, 5 + step, add + 7 * d);
+                Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device())
+            };
+            let loss = LanguageModel::loss(&model, ids(0), ids(1), None).unwrap();
+            losses.push(f64s(loss.clone())[0]);
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            burn_tp::dp::average_gradients(&model, &mut grads, mesh.dp_group()).unwrap();
+            model = optim.step(0.5, model, grads);
+        }
+        let whole = split(&model.to_full_module().unwrap());
+        (losses, whole)
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_lora_fine_tune_at_tp_2_and_4_gives_the_tp_1_runs_losses_and_adapters() {
+    let _lock = rng_lock();
+    let solo = burn_tp::comm::LocalGroup::new(1).unwrap().remove(0);
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        device().seed(21);
+        let base = llama(mode).init(&solo, &device()).unwrap();
+        let before = param_values(&base);
+        let full = apply_lora(base, &lora()).unwrap();
+        // Only the adapters train: 2 blocks x (q, k, v, o, gate, up, down) x (A, B).
+        let (frozen, adapters) = split(&full);
+        assert_eq!(frozen, before, "{mode:?}: the base, frozen");
+        assert_eq!(adapters.len(), 2 * 7 * 2, "{mode:?}: adapters");
+        for dp in [1, 2] {
+            let (want_losses, (want_base, want)) = fine_tune(&full, 1, dp);
+            assert_eq!(
+                want_base, before,
+                "{mode:?} dp {dp}: the base after the fine-tune"
+            );
+            // B moved from zero: the fine-tune trained the adapters.
+            let b_moved = want.iter().skip(1).step_by(2).flatten().any(|&v| v != 0.0);
+            assert!(b_moved, "{mode:?} dp {dp}");
+            for tp in [2, 4] {
+                let at = format!("{mode:?} tp {tp} x dp {dp}");
+                let (losses, (base, got)) = fine_tune(&full, tp, dp);
+                assert_eq!(base, before, "{at}: the base after the fine-tune");
+                assert_close(&losses, &want_losses, 1e-5, &format!("{at}: losses"));
+                assert_eq!(got.len(), want.len(), "{at}");
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_close(g, w, 1e-5, &format!("{at}: adapter factor {i}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn lora_errors_name_the_values() {
+    let _lock = rng_lock();
+    let solo = burn_tp::comm::LocalGroup::new(1).unwrap().remove(0);
+    let model = || llama(TpMode::AllReduce).init(&solo, &device()).unwrap();
+    let e = apply_lora(model(), &LoraConfig::new(0, 8.0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 0"), "{e}");
+    let bad = LoraConfig::new(4, 8.0).with_targets(vec!["q".into(), "wq".into()]);
+    let e = apply_lora(model(), &bad).unwrap_err().to_string();
+    assert!(e.contains("`wq`"), "{e}");
+    let e = apply_lora(model(), &LoraConfig::new(4, 8.0).with_targets(Vec::new()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no target"), "{e}");
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/hf")
+        .join(name)
+}
+
+/// The last position's logits over the real vocabulary of `model` on `prompt` (every rank).
+fn last_logits(
+    model: &Llama,
+    prompt: &[i64],
+    vocab: usize,
+    g: &burn_tp::comm::ProcessGroup,
+) -> Vec<f64> {
+    let s = prompt.len();
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(prompt.to_vec(), [s, 1]), &device());
+    let logits = model.logits(ids).unwrap();
+    let logits = burn_tp::ops::gather_from_tp_region(logits, 2, g).unwrap();
+    f64s(
+        logits
+            .narrow(0, s - 1, 1)
+            .narrow(2, 0, vocab)
+            .reshape([vocab]),
+    )
+}
+
+/// A PEFT adapter made by `peft` for the `llama_tied` fixture (`make_peft_fixture.py`: every
+/// projection, r 4, B drawn) gives peft's logits at tp 1, 2 and 4 (the key / value heads
+/// replicated at 4); saved back as a PEFT folder from tp 2 and read again, its factors are bit
+/// for bit the same; an adapter whose shapes do not fit the base is an error naming the tensor.
+#[test]
+fn a_peft_adapter_gives_peft_logits_at_every_tp_and_round_trips() {
+    use burn_tp::hf::{init_llama, load_peft, save_peft};
+    let _lock = rng_lock();
+    let (base, adapter) = (fixture("llama_tied"), fixture("llama_tied_lora"));
+    let text = std::fs::read_to_string(adapter.join("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let floats = |k: &str| -> Vec<f64> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let prompt: Vec<i64> = v["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect();
+    let (want, want_base) = (floats("last_logits"), floats("base_last_logits"));
+    let out = std::env::temp_dir().join(format!("burn-tp-peft-{}", std::process::id()));
+    for tp in [1usize, 2, 4] {
+        let (base, adapter, prompt, out) =
+            (base.clone(), adapter.clone(), prompt.clone(), out.clone());
+        let got = run_local(tp, move |g| {
+            let (model, hf) = init_llama(&base, TpSettings::new(), &g, &device()).unwrap();
+            let plain = last_logits(&model, &prompt, hf.vocab_size, &g);
+            let model = load_peft(model, &adapter, &hf).unwrap();
+            let tuned = last_logits(&model, &prompt, hf.vocab_size, &g);
+            let full = model.to_full_module().unwrap();
+            if tp == 2 && g.rank() == 0 {
+                save_peft(&full, &out, &hf, Some("llama_tied")).unwrap();
+            }
+            (plain, tuned, split(&full).1)
+        })
+        .unwrap();
+        for (rank, (plain, tuned, _)) in got.iter().enumerate() {
+            let at = format!("tp {tp} rank {rank}");
+            assert_close(plain, &want_base, 1e-4, &format!("{at}: the base's logits"));
+            assert_close(tuned, &want, 1e-4, &format!("{at}: with the adapter"));
+        }
+        // The adapter changes the logits well beyond the tolerance.
+        assert!(
+            want.iter()
+                .zip(&want_base)
+                .any(|(a, b)| (a - b).abs() > 0.1)
+        );
+    }
+    // Export -> import: the same factors, bit for bit.
+    let (base2, adapter2, out2) = (base.clone(), adapter.clone(), out.clone());
+    let both = run_local(1, move |g| {
+        let (model, hf) = init_llama(&base2, TpSettings::new(), &g, &device()).unwrap();
+        let first = split(&load_peft(model.clone(), &adapter2, &hf).unwrap()).1;
+        let again = split(&load_peft(model, &out2, &hf).unwrap()).1;
+        (first, again)
+    })
+    .unwrap()
+    .remove(0);
+    assert_eq!(both.0.len(), 2 * 7 * 2);
+    assert_eq!(both.0, both.1, "export -> import");
+    let config = std::fs::read_to_string(out.join("adapter_config.json")).unwrap();
+    assert!(
+        config.contains("\"lora_alpha\": 8.0") && config.contains("\"r\": 4"),
+        "{config}"
+    );
+    // An adapter of another rank than its tensors': the first tensor named, both shapes.
+    let bad = out.join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(
+        adapter.join("adapter_model.safetensors"),
+        bad.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap();
+    std::fs::write(
+        bad.join("adapter_config.json"),
+        text.replace("\"r\": 4", "\"r\": 3"),
+    )
+    .unwrap();
+    let (base3, bad2) = (base.clone(), bad.clone());
+    let e = run_local(1, move |g| {
+        let (model, hf) = init_llama(&base3, TpSettings::new(), &g, &device()).unwrap();
+        load_peft(model, &bad2, &hf).unwrap_err().to_string()
+    })
+    .unwrap()
+    .remove(0);
+    assert!(
+        e.contains("lora_A.weight") && e.contains("[4, 32]") && e.contains("[3, 32]"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
