@@ -263,6 +263,26 @@ pub struct Args {
     /// llama`.
     #[arg(long, value_name = "DIR")]
     pub export_hf: Option<PathBuf>,
+    /// LoRA fine-tuning: adapters of this rank on `--lora-targets`, everything else frozen (no
+    /// gradient, no optimizer state); the same at every tp. A Llama-family model.
+    #[arg(long, value_name = "R")]
+    pub lora_rank: Option<usize>,
+    /// The adapters' output is scaled by this over the rank (PEFT's `lora_alpha`; default: twice
+    /// the rank).
+    #[arg(long, value_name = "ALPHA")]
+    pub lora_alpha: Option<f64>,
+    /// The projections LoRA adapts, comma separated (PEFT's `target_modules`: `q_proj` or `q`).
+    #[arg(long, value_delimiter = ',', default_value = "q,k,v,o,gate,up,down")]
+    pub lora_targets: Vec<String>,
+    /// Start from the PEFT LoRA adapter in DIR (`adapter_config.json`,
+    /// `adapter_model.safetensors`) over `--init-from`'s model, sliced to this tp; its rank,
+    /// alpha and targets are the adapter's.
+    #[arg(long, value_name = "DIR")]
+    pub peft_from: Option<PathBuf>,
+    /// At the end, write the adapters as a PEFT folder into DIR (for `PeftModel.from_pretrained`
+    /// over `--init-from`'s model). `--export-hf` of a LoRA run writes the merged model.
+    #[arg(long, value_name = "DIR")]
+    pub export_peft: Option<PathBuf>,
     /// Held-out loss every this many steps (and before the first, and after the last), on the
     /// last tenth of the text, which is never trained on.
     #[arg(long, default_value_t = 50)]
@@ -320,6 +340,19 @@ impl Args {
     /// Whether the model is the Llama (`--arch llama`, or `moe`: its MLPs mixtures of experts).
     pub fn is_llama(&self) -> bool {
         matches!(self.arch, Arch::Llama | Arch::Moe)
+    }
+
+    /// The LoRA adapters to put on (`--lora-rank`); `None`: a full fine-tune (or `--peft-from`'s).
+    pub fn lora(&self) -> Option<burn_tp::lora::LoraConfig> {
+        self.lora_rank.map(|r| {
+            burn_tp::lora::LoraConfig::new(r, self.lora_alpha.unwrap_or(2.0 * r as f64))
+                .with_targets(self.lora_targets.clone())
+        })
+    }
+
+    /// Whether the run trains LoRA adapters (new, or a PEFT adapter's).
+    pub fn is_lora(&self) -> bool {
+        self.lora_rank.is_some() || self.peft_from.is_some()
     }
 
     /// `--experts`, or 8 with `--arch moe`; `None`: dense MLPs.

@@ -113,6 +113,26 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
                 .into(),
         );
     }
+    if args.is_lora() && !args.is_llama() {
+        return Err(
+            "--lora-rank / --peft-from fine-tune a Llama-family model (--arch llama)".into(),
+        );
+    }
+    if args.lora_rank.is_some() && args.peft_from.is_some() {
+        return Err(
+            "--lora-rank and --peft-from both given: a PEFT adapter brings its own rank".into(),
+        );
+    }
+    if args.peft_from.is_some() && args.init_from.is_none() {
+        return Err("--peft-from reads an adapter over --init-from's model".into());
+    }
+    if args.export_peft.is_some() && !args.is_lora() {
+        return Err("--export-peft writes LoRA adapters: with --lora-rank or --peft-from".into());
+    }
+    if let Some(c) = args.lora() {
+        c.short_targets()
+            .map_err(|e| format!("--lora-rank / --lora-targets: {e}"))?;
+    }
     if args.capacity_factor.is_some() && args.experts().is_none() && args.init_from.is_none() {
         return Err(
             "--capacity-factor limits a mixture of experts' tokens: with --experts / --arch moe \

@@ -12,6 +12,7 @@ use burn_tp::dp::{
     DistributedAdamW, DpOptimizer, Experts, GradReducer, ReduceGroups, broadcast_parameters,
 };
 use burn_tp::dropout::DropoutStep;
+use burn_tp::hf::HfConfig;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::norm::ReplicatedGrads;
@@ -124,8 +125,26 @@ pub(super) fn train_rank<M: Trainable>(
             Some(_) => model.clone().gather_experts()?,
             None => model.clone(),
         };
+        // A LoRA run's export is the merged model (each rank its own shards).
+        let whole = match args.is_lora() {
+            true => whole.merge_lora(),
+            false => whole,
+        };
         if r.dp_rank == 0 {
             whole.save_hf(config, args.init_from.as_deref(), dir, &r.tp_group)?;
+        }
+        r.world.barrier()?;
+    }
+    if let Some(dir) = &args.export_peft {
+        // The adapters gathered to tp 1 (collective over tp), written once.
+        let whole = burn_tp::reshard::Reshard::to_full_module(&model)?;
+        if r.dp_rank == 0 && r.tp_group.rank() == 0 {
+            let hf = match &args.init_from {
+                Some(from) => HfConfig::from_dir(from)?,
+                None => M::hf_config(config)?,
+            };
+            let base = args.init_from.as_ref().map(|p| p.display().to_string());
+            whole.save_peft(&hf, dir, base.as_deref())?;
         }
         r.world.barrier()?;
     }
@@ -225,6 +244,18 @@ impl<M: Trainable> Rank<'_, M> {
             (Some(held), Some(dir)) => fresh.load_hf(dir, tp_group)?.keep_layers(held),
             (None, Some(dir)) => fresh.load_hf(dir, tp_group)?,
             (_, None) => fresh,
+        };
+        // LoRA: the adapters on (drawn by dp replica 0, broadcast below), the rest frozen.
+        let fresh = match args.is_lora() {
+            true => {
+                let hf = match &args.init_from {
+                    Some(dir) => Some(HfConfig::from_dir(dir)?),
+                    None => None,
+                };
+                let peft = args.peft_from.as_deref().zip(hf.as_ref());
+                fresh.with_lora(args.lora().as_ref(), peft)?
+            }
+            false => fresh,
         };
         // A stage keeps the embedding and the head only where it uses them.
         let fresh = match &self.pipe {

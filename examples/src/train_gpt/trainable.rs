@@ -48,6 +48,38 @@ pub trait Trainable: LanguageModel {
         Ok(self)
     }
 
+    /// With LoRA: adapters on (`config`), or a PEFT adapter's (`peft`: its folder and the
+    /// base's Hugging Face config), the rest frozen. Collective over tp.
+    ///
+    /// # Errors
+    /// A model family without LoRA; LoRA's and the PEFT reader's errors.
+    fn with_lora(
+        self,
+        config: Option<&burn_tp::lora::LoraConfig>,
+        peft: Option<(&Path, &HfConfig)>,
+    ) -> burn_tp::Result<Self> {
+        let _ = (config, peft);
+        Err(burn_tp::TpError::Config(
+            "LoRA: the Llama family's models only".into(),
+        ))
+    }
+
+    /// The model with its adapters merged into its weights (for a Hugging Face export).
+    fn merge_lora(self) -> Self {
+        self
+    }
+
+    /// Writes the adapters of this whole (tp 1) model as a PEFT folder into `dir`.
+    ///
+    /// # Errors
+    /// A model family without LoRA; the writer's errors.
+    fn save_peft(&self, hf: &HfConfig, dir: &Path, base: Option<&str>) -> burn_tp::Result<()> {
+        let _ = (hf, dir, base);
+        Err(burn_tp::TpError::Config(
+            "LoRA: the Llama family's models only".into(),
+        ))
+    }
+
     /// Writes the model in Hugging Face's format into `dir`, as the architecture of the model
     /// in `from` (the folder it was imported from: a fine-tuned Phi-3 is written back as a Phi-3,
     /// its fused tensors) if any, else the one `config` implies. Collective.
@@ -100,6 +132,26 @@ impl Trainable for Llama {
 
     fn gather_experts(self) -> burn_tp::Result<Self> {
         Llama::gather_experts(self)
+    }
+
+    fn with_lora(
+        self,
+        config: Option<&burn_tp::lora::LoraConfig>,
+        peft: Option<(&Path, &HfConfig)>,
+    ) -> burn_tp::Result<Self> {
+        match (config, peft) {
+            (_, Some((dir, hf))) => burn_tp::hf::load_peft(self, dir, hf),
+            (Some(config), None) => burn_tp::lora::apply_lora(self, config),
+            (None, None) => Ok(self),
+        }
+    }
+
+    fn merge_lora(self) -> Self {
+        burn_tp::lora::merge_lora(self)
+    }
+
+    fn save_peft(&self, hf: &HfConfig, dir: &Path, base: Option<&str>) -> burn_tp::Result<()> {
+        burn_tp::hf::save_peft(self, dir, hf, base)
     }
 }
 

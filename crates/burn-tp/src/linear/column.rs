@@ -344,6 +344,35 @@ impl ColumnParallelLinear {
         Ok(Some((a, b, l.parts.clone(), l.scale)))
     }
 
+    /// The layer with its adapters merged into its weight (`W + scale * A B`, this rank's
+    /// columns of each part) and removed: a plain layer, as PEFT's `merge_and_unload` (the
+    /// weight frozen as it was). No communication.
+    pub fn merge_lora(self) -> Self {
+        let Some(lora) = &self.lora else {
+            return self;
+        };
+        let weight = self.weight.val().detach();
+        let mut merged = weight.clone();
+        for ((a, b), &p) in lora.a.iter().zip(&lora.b).zip(&lora.parts) {
+            let cols = self.placement[p].local.clone();
+            let delta = a
+                .val()
+                .detach()
+                .matmul(b.val().detach())
+                .mul_scalar(lora.scale);
+            let [d_input, _] = weight.dims();
+            let part = merged.clone().slice([0..d_input, cols.clone()]) + delta;
+            merged = merged.slice_assign([0..d_input, cols], part);
+        }
+        // Frozen (or not) as the base was.
+        let grad = self.weight.val().is_require_grad();
+        Self {
+            weight: Param::from_tensor(owned(merged)).set_require_grad(grad),
+            lora: None,
+            ..self
+        }
+    }
+
     /// The layer with its weight and bias frozen (no gradient, no optimizer state).
     fn frozen(self) -> Self {
         Self {

@@ -178,6 +178,28 @@ impl RowParallelLinear {
         Ok(Some((a, owned(l.b.val()), l.scale)))
     }
 
+    /// The layer with its adapter merged into its weight (`W + scale * A B`, this rank's rows)
+    /// and removed: a plain layer (the weight frozen as it was). No communication.
+    pub fn merge_lora(self) -> Self {
+        let Some(lora) = &self.lora else {
+            return self;
+        };
+        let delta = lora
+            .a
+            .val()
+            .detach()
+            .matmul(lora.b.val().detach())
+            .mul_scalar(lora.scale);
+        let merged = self.weight.val().detach() + delta;
+        // Frozen (or not) as the base was.
+        let grad = self.weight.val().is_require_grad();
+        Self {
+            weight: Param::from_tensor(owned(merged)).set_require_grad(grad),
+            lora: None,
+            ..self
+        }
+    }
+
     /// The layer with its weight and bias frozen (no gradient, no optimizer state).
     fn frozen(self) -> Self {
         Self {

@@ -439,6 +439,14 @@ impl Llama {
         self
     }
 
+    /// [`with_added_block_params`](Self::with_added_block_params) taking them off again.
+    pub(crate) fn with_removed_block_params(mut self, dense: usize, sparse: usize) -> Self {
+        for (n, &moe) in self.block_params.iter_mut().zip(&self.block_moe) {
+            *n -= if moe { sparse } else { dense };
+        }
+        self
+    }
+
     /// Vocab-sharded logits without dropout (evaluation).
     ///
     /// # Shapes

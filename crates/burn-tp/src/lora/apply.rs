@@ -18,6 +18,10 @@ pub trait ApplyLora: Sized {
     /// # Errors
     /// A communication error.
     fn lora_targets(self, targets: &[&str], rank: usize, alpha: f64) -> Result<(Self, usize)>;
+
+    /// The module with every adapter merged into its weight and removed (PEFT's
+    /// `merge_and_unload`): the plain module a Hugging Face export writes. No communication.
+    fn merge_lora(self) -> Self;
 }
 
 /// `model` for LoRA fine-tuning: every parameter frozen (no gradient, no optimizer state),
@@ -38,6 +42,12 @@ pub fn apply_lora<M: ApplyLora + Module>(model: M, config: &LoraConfig) -> Resul
         )));
     }
     Ok(model)
+}
+
+/// `model` with every adapter merged into its weight and removed ([`ApplyLora::merge_lora`]);
+/// the parameters frozen as they were.
+pub fn merge_lora<M: ApplyLora>(model: M) -> M {
+    model.merge_lora()
 }
 
 /// `model` with every float parameter frozen (no gradient, no optimizer state).
@@ -91,6 +101,16 @@ impl ApplyLora for ParallelAttention {
         }
         Ok((this, adapted))
     }
+
+    fn merge_lora(self) -> Self {
+        let mut this = self;
+        this.qkv = std::mem::take(&mut this.qkv)
+            .into_iter()
+            .map(|l| l.merge_lora())
+            .collect();
+        this.out = this.out.merge_lora();
+        this
+    }
 }
 
 impl ApplyLora for ParallelSwiGlu {
@@ -107,6 +127,13 @@ impl ApplyLora for ParallelSwiGlu {
             this.down = this.down.with_lora(rank, alpha)?;
         }
         Ok((this, adapted))
+    }
+
+    fn merge_lora(self) -> Self {
+        let mut this = self;
+        this.gate_up = this.gate_up.merge_lora();
+        this.down = this.down.merge_lora();
+        this
     }
 }
 
@@ -136,5 +163,33 @@ impl ApplyLora for Llama {
         }
         model.blocks = out;
         Ok((model.with_added_block_params(dense, sparse), adapted))
+    }
+
+    fn merge_lora(self) -> Self {
+        let mut model = self;
+        let before = model
+            .blocks
+            .iter()
+            .map(crate::model::count_params)
+            .collect::<Vec<_>>();
+        let blocks = std::mem::take(&mut model.blocks);
+        model.blocks = blocks
+            .into_iter()
+            .map(|b| crate::llama::LlamaBlock {
+                attn: b.attn.merge_lora(),
+                mlp: b.mlp.map(ParallelSwiGlu::merge_lora),
+                ..b
+            })
+            .collect();
+        // Each kind of block drops what its adapters added.
+        let (mut dense, mut sparse) = (0, 0);
+        for (b, n) in model.blocks.iter().zip(before) {
+            let removed = n - crate::model::count_params(b);
+            match b.moe.is_some() {
+                true => sparse = removed,
+                false => dense = removed,
+            }
+        }
+        model.with_removed_block_params(dense, sparse)
     }
 }
