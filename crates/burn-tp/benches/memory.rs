@@ -14,13 +14,15 @@
 //! Section 2 counts each pipeline stage's bytes alone: its rank thread's allocations carry a
 //! tag, kept in a header in front of each block, so a block freed on another thread still comes
 //! off the right count. Section 3 counts a MoE model's rank the same way at ep 1, 2, 4: the
-//! parameters and AdamW state it holds after a step.
+//! parameters and AdamW state it holds after a step. Section 4 sets a LoRA fine-tune beside the
+//! full one (`--only=lora`).
 //!
 //! ```text
 //! cargo bench -p burn-tp --bench memory            # the issue's shapes
 //! cargo bench -p burn-tp --bench memory -- --quick # small shapes (CI smoke)
 //! cargo bench -p burn-tp --bench memory -- --only=pipeline # section 2 alone
 //! cargo bench -p burn-tp --bench memory -- --only=moe      # section 3 alone
+//! cargo bench -p burn-tp --bench memory -- --only=lora     # section 4 alone
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -315,6 +317,10 @@ fn main() {
         moe_memory(quick);
         return;
     }
+    if std::env::args().any(|a| a == "--only=lora") {
+        lora_memory(quick);
+        return;
+    }
     let (seq, batch) = if quick { (128, 2) } else { (1024, 8) };
     let mut cases = Vec::new();
     for dtype in [FloatDType::F32, FloatDType::BF16] {
@@ -377,6 +383,100 @@ fn main() {
     }
     pipeline_memory(quick);
     moe_memory(quick);
+    lora_memory(quick);
+}
+
+/// Section 4: a Llama's rank fine-tuned in full and with LoRA (r 16 on every projection), at
+/// tp 1 and 2 (each rank a thread with its own tag): the bytes its allocations hold after one
+/// AdamW step (the parameters, and the moments of the trainable ones), and the most they held
+/// during the step above what they held before it (activations, gradients, temporaries).
+fn lora_memory(quick: bool) {
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn_tp::lora::{LoraConfig, apply_lora};
+    let (d, ff, layers, seq, batch) = if quick {
+        (64, 128, 2, 32, 2)
+    } else {
+        (512, 1408, 4, 256, 4)
+    };
+    let vocab = 4096;
+    let config = LlamaConfig::new(vocab, seq, d, 8, 2, layers, ff);
+    let targets = ["q", "k", "v", "o", "gate", "up", "down"]
+        .map(String::from)
+        .to_vec();
+    let lora = LoraConfig::new(16, 32.0).with_targets(targets);
+    println!(
+        "\n## LoRA against the full fine-tune: bytes per rank (MB; Llama vocab {vocab}, d {d}, \
+         {layers} blocks, d_ff {ff}, seq {seq}, batch {batch}, f32; LoRA r 16 on every \
+         projection; ranks as threads)\n"
+    );
+    println!(
+        "| tp | fine-tune | parameters | trainable | held after one AdamW step | step peak above \
+         what it held before |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|");
+    for tp in [1usize, 2] {
+        for with_lora in [false, true] {
+            let (config, lora) = (config.clone(), lora.clone());
+            let options = RunOptions {
+                threads_per_rank: Some(1),
+                keep_freed_memory: Some(false),
+            };
+            let out = run_ranks_with(LocalGroup::new(tp).unwrap(), options, move |g| {
+                let rank = g.rank();
+                TAG.set(rank);
+                let before = TAGGED[rank].load(Ordering::SeqCst);
+                let device = Device::flex().autodiff();
+                let model = config.init(&g, &device).unwrap();
+                let model = match with_lora {
+                    true => apply_lora(model, &lora).unwrap(),
+                    false => model,
+                };
+                let sizes = param_sizes(&model);
+                let params: usize = sizes.iter().map(|p| p.1 * 4).sum();
+                let trainable = {
+                    struct T(usize);
+                    impl burn::module::ModuleVisitor for T {
+                        fn visit_float<const D: usize>(
+                            &mut self,
+                            p: &burn::module::Param<Tensor<D>>,
+                        ) {
+                            if p.val().is_require_grad() {
+                                self.0 += p.val().shape().num_elements() * 4;
+                            }
+                        }
+                    }
+                    let mut t = T(0);
+                    model.visit(&mut t);
+                    t.0
+                };
+                let mut optim = AdamWConfig::new().init();
+                let v: Vec<i64> = (0..seq * batch)
+                    .map(|j| ((j * 7 + 3) % vocab) as i64)
+                    .collect();
+                let ids = Tensor::<2, Int>::from_data(TensorData::new(v, [seq, batch]), &device);
+                g.barrier().unwrap();
+                let held_before = start_peak(rank);
+                let loss = LanguageModel::loss(&model, ids.clone(), ids, None).unwrap();
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                let model = optim.step(1e-3, model, grads);
+                let peak = TAGGED_PEAK[rank].load(Ordering::SeqCst) - held_before;
+                let held = TAGGED[rank].load(Ordering::SeqCst) - before;
+                drop((model, optim));
+                TAG.set(usize::MAX);
+                (params as f64, trainable as f64, held as f64, peak as f64)
+            })
+            .unwrap();
+            let (params, trainable, held, peak) = out[0];
+            println!(
+                "| {tp} | {} | {} | {} | {} | {} |",
+                if with_lora { "LoRA" } else { "full" },
+                mb(params),
+                mb(trainable),
+                mb(held),
+                mb(peak)
+            );
+        }
+    }
 }
 
 /// Section 3: a MoE Llama's rank at dp = ep = 1, 2, 4 (each rank a thread with its own tag):

@@ -504,12 +504,14 @@ fn bench_scaling(quick: bool) {
 mod attention;
 mod floor;
 mod grid;
+mod lora;
 mod moe;
 mod pipeline;
 
 use attention::bench_attention;
 use floor::bench_layer_floor;
 use grid::bench_async_grid;
+use lora::bench_lora;
 use moe::bench_moe;
 use pipeline::bench_pipeline;
 
@@ -537,6 +539,7 @@ fn main() {
         Some("grid") => return bench_async_grid(quick),
         Some("pipeline") => return bench_pipeline(quick),
         Some("moe") => return bench_moe(quick),
+        Some("lora") => return bench_lora(quick),
         Some("split") => {
             let split = bench_overlap(quick, OverlapSchedule::Split);
             return print_overlap("3. Overlap: async vs sync (split schedule)", &split);
@@ -580,6 +583,7 @@ fn main() {
     bench_attention(quick);
     bench_pipeline(quick);
     bench_moe(quick);
+    bench_lora(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }
 

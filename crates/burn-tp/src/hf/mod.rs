@@ -35,6 +35,7 @@
 //! | `mapping.rs`| which HF tensors (names, rows, rotary order) make each of the Llama's parameters |
 //! | `import.rs` | [`load`], [`init_llama`], [`init_gemma`]: each rank reads its own slices of the safetensors files |
 //! | `export.rs` | [`save`]: the model gathered, rank 0 writes HF's names and layouts        |
+//! | `peft.rs`   | [`load_peft`], [`save_peft`]: PEFT's LoRA adapter folders, read at any tp  |
 
 mod arch;
 mod config;
