@@ -527,6 +527,33 @@ fn train_gpt_fine_tunes_with_lora_and_exports_the_adapter_and_the_merged_model()
             .any(|(a, b)| (a - b).abs() > 1e-3),
         "the adapter changed nothing"
     );
+    // A LoRA run's checkpoint (the adapters and their AdamW state, the frozen base) resumes at
+    // tp 1 and through 2 pipeline stages where the uninterrupted run goes on.
+    let whole = run(&args_with(
+        &["--lora-rank", "4", "--steps", "6"],
+        &["--tp", "2"],
+        "whole",
+    ))
+    .unwrap()
+    .losses;
+    let first = run(&args_with(
+        &["--lora-rank", "4", "--steps", "3"],
+        &["--tp", "2"],
+        "first",
+    ))
+    .unwrap();
+    let ckpt = first.checkpoint.to_str().unwrap().to_string();
+    for (k, extra) in [&["--tp", "1"][..], &["--tp", "1", "--pp", "2"][..]]
+        .into_iter()
+        .enumerate()
+    {
+        let mut adapter = vec!["--lora-rank", "4", "--steps", "3", "--resume", &ckpt];
+        adapter.extend_from_slice(extra);
+        let resumed = run(&args_with(&adapter, &[], &format!("resumed-{k}")))
+            .unwrap()
+            .losses;
+        assert_close(&resumed, &whole[3..], 1e-5, &format!("resumed {extra:?}"));
+    }
     // `--peft-from` the exported adapter: it starts at the run's last held-out loss.
     let peft_from = ["--peft-from", peft.to_str().unwrap(), "--steps", "1"];
     let resumed = run(&args_with(&peft_from, &["--tp", "2"], "resumed")).unwrap();
