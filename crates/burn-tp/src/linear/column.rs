@@ -6,7 +6,7 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use super::lora::ColumnLora;
+use super::lora::{ColumnLora, dense, quantized};
 use super::parts::{
     FusedPart, PartPlacement, place, replica_group, shard_columns, unshard_columns, with_replicas,
 };
@@ -200,7 +200,7 @@ impl ColumnParallelLinear {
         }
         let [d_input, _] = self.weight.dims();
         let device = self.weight.device();
-        let dtype = self.weight.val().dtype();
+        let dtype = dense(self.weight.val()).dtype();
         let d_output: usize = match self.parts.is_empty() {
             true => self.weight.dims()[1] * self.group.world_size(),
             false => self.parts.iter().map(|c| c.width).sum(),
@@ -351,7 +351,7 @@ impl ColumnParallelLinear {
         let Some(lora) = &self.lora else {
             return self;
         };
-        let weight = self.weight.val().detach();
+        let weight = dense(self.weight.val()).detach();
         let mut merged = weight.clone();
         for ((a, b), &p) in lora.a.iter().zip(&lora.b).zip(&lora.parts) {
             let cols = self.placement[p].local.clone();
@@ -373,6 +373,19 @@ impl ColumnParallelLinear {
         }
     }
 
+    /// QLoRA: the frozen weight held quantized with `scheme` (this rank's shard over its own
+    /// range), dequantized at each use; the adapters stay as they are. No communication.
+    pub fn quantize_base(self, scheme: &burn::tensor::quantization::QuantScheme) -> Self {
+        let scheme = *scheme;
+        Self {
+            weight: self
+                .weight
+                .map(|t| quantized(t.detach(), &scheme))
+                .set_require_grad(false),
+            ..self
+        }
+    }
+
     /// The layer with its weight and bias frozen (no gradient, no optimizer state).
     fn frozen(self) -> Self {
         Self {
@@ -390,7 +403,10 @@ impl ColumnParallelLinear {
     }
 
     fn compute_weights(&self) -> (Tensor<2>, Option<Tensor<1>>) {
-        let (weight, bias) = (self.weight.val(), self.bias.as_ref().map(|b| b.val()));
+        let (weight, bias) = (
+            dense(self.weight.val()),
+            self.bias.as_ref().map(|b| b.val()),
+        );
         match &self.replicas {
             None => (weight, bias),
             Some(replicas) => (
@@ -417,7 +433,12 @@ impl ColumnParallelLinear {
         let placements = (!self.parts.is_empty())
             .then(|| self.placements())
             .transpose()?;
-        let weight = gather_columns(self.weight.val(), 1, &self.group, placements.as_deref())?;
+        let weight = gather_columns(
+            dense(self.weight.val()),
+            1,
+            &self.group,
+            placements.as_deref(),
+        )?;
         let bias = self
             .bias
             .as_ref()

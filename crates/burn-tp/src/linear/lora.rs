@@ -165,3 +165,22 @@ fn rows<const D: usize>(x: Tensor<D>) -> Tensor<2> {
     let n = dims[..D - 1].iter().product();
     x.reshape([n, d])
 }
+
+/// `t` as a dense float tensor: a QLoRA base held quantized is dequantized for its use (a
+/// transient copy; what the model holds stays packed).
+pub(crate) fn dense<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    match t.dtype().is_float() {
+        true => t,
+        false => t.dequantize(),
+    }
+}
+
+/// `t` quantized with `scheme` over its own range (a rank's shard: its own scale).
+pub(crate) fn quantized<const D: usize>(
+    t: Tensor<D>,
+    scheme: &burn::tensor::quantization::QuantScheme,
+) -> Tensor<D> {
+    use burn::tensor::quantization::{Calibration, compute_q_params, compute_range};
+    let range = compute_range(scheme, &t, &Calibration::MinMax);
+    t.quantize(scheme, compute_q_params(scheme, range))
+}

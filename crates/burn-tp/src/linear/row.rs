@@ -6,7 +6,7 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use super::lora::RowLora;
+use super::lora::{RowLora, dense, quantized};
 use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpSettings, init_full, row_parallel_linear};
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
@@ -123,7 +123,7 @@ impl RowParallelLinear {
         let [local, d_output] = self.weight.dims();
         let d_input = local * self.group.world_size();
         let device = self.weight.device();
-        let dtype = self.weight.val().dtype();
+        let dtype = dense(self.weight.val()).dtype();
         let a = init_replicated(
             &super::lora_init(),
             [d_input, rank],
@@ -190,12 +190,25 @@ impl RowParallelLinear {
             .detach()
             .matmul(lora.b.val().detach())
             .mul_scalar(lora.scale);
-        let merged = self.weight.val().detach() + delta;
+        let merged = dense(self.weight.val()).detach() + delta;
         // Frozen (or not) as the base was.
         let grad = self.weight.val().is_require_grad();
         Self {
             weight: Param::from_tensor(owned(merged)).set_require_grad(grad),
             lora: None,
+            ..self
+        }
+    }
+
+    /// QLoRA: the frozen weight held quantized with `scheme` (this rank's shard over its own
+    /// range), dequantized at each use; the adapters stay as they are. No communication.
+    pub fn quantize_base(self, scheme: &burn::tensor::quantization::QuantScheme) -> Self {
+        let scheme = *scheme;
+        Self {
+            weight: self
+                .weight
+                .map(|t| quantized(t.detach(), &scheme))
+                .set_require_grad(false),
             ..self
         }
     }
@@ -221,7 +234,7 @@ impl RowParallelLinear {
     /// # Errors
     /// A communication error.
     pub fn to_full(&self) -> crate::Result<Linear> {
-        let weight = owned(all_gather(self.weight.val(), 0, &self.group)?);
+        let weight = owned(all_gather(dense(self.weight.val()), 0, &self.group)?);
         let bias = self.bias.as_ref().map(|b| owned(b.val()));
         Ok(Linear {
             weight: Param::from_tensor(weight),
@@ -247,7 +260,10 @@ impl RowParallelLinear {
 
 impl RowParallelLinear {
     fn compute_weights(&self) -> (Tensor<2>, Option<Tensor<1>>) {
-        (self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+        (
+            dense(self.weight.val()),
+            self.bias.as_ref().map(|b| b.val()),
+        )
     }
 }
 

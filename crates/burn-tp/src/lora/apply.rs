@@ -2,6 +2,7 @@
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
+use burn::tensor::quantization::{QuantScheme, QuantValue};
 
 use super::LoraConfig;
 use crate::attention::ParallelAttention;
@@ -22,6 +23,10 @@ pub trait ApplyLora: Sized {
     /// The module with every adapter merged into its weight and removed (PEFT's
     /// `merge_and_unload`): the plain module a Hugging Face export writes. No communication.
     fn merge_lora(self) -> Self;
+
+    /// QLoRA: the frozen weights of the adapted linears held quantized with `scheme` (each
+    /// rank its own shard), dequantized at each use. No communication.
+    fn quantize_base(self, scheme: &QuantScheme) -> Self;
 }
 
 /// `model` for LoRA fine-tuning: every parameter frozen (no gradient, no optimizer state),
@@ -42,6 +47,28 @@ pub fn apply_lora<M: ApplyLora + Module>(model: M, config: &LoraConfig) -> Resul
         )));
     }
     Ok(model)
+}
+
+/// QLoRA ([`apply_lora`], then the adapted linears' frozen weights held quantized to `value`:
+/// Burn's quantization, symmetric over each rank's own shard, `QuantValue::Q8S` for 8 bits,
+/// `Q4S` for 4), dequantized at each use (a transient dense copy, as Burn's own QLoRA). The
+/// adapters stay in the model's dtype. Collective over the model's tp group (the draws).
+///
+/// # Errors
+/// As [`apply_lora`].
+pub fn apply_qlora<M: ApplyLora + Module>(
+    model: M,
+    config: &LoraConfig,
+    value: QuantValue,
+) -> Result<M> {
+    let model = apply_lora(model, config)?;
+    let device = model
+        .devices()
+        .into_iter()
+        .next()
+        .ok_or_else(|| TpError::Config("QLoRA: a model without parameters".into()))?;
+    let scheme = device.settings().quantization.scheme.with_value(value);
+    Ok(model.quantize_base(&scheme))
 }
 
 /// `model` with every adapter merged into its weight and removed ([`ApplyLora::merge_lora`]);
@@ -111,6 +138,21 @@ impl ApplyLora for ParallelAttention {
         this.out = this.out.merge_lora();
         this
     }
+
+    fn quantize_base(self, scheme: &QuantScheme) -> Self {
+        let mut this = self;
+        this.qkv = std::mem::take(&mut this.qkv)
+            .into_iter()
+            .map(|l| match l.lora.is_some() {
+                true => l.quantize_base(scheme),
+                false => l,
+            })
+            .collect();
+        if this.out.lora.is_some() {
+            this.out = this.out.quantize_base(scheme);
+        }
+        this
+    }
 }
 
 impl ApplyLora for ParallelSwiGlu {
@@ -133,6 +175,17 @@ impl ApplyLora for ParallelSwiGlu {
         let mut this = self;
         this.gate_up = this.gate_up.merge_lora();
         this.down = this.down.merge_lora();
+        this
+    }
+
+    fn quantize_base(self, scheme: &QuantScheme) -> Self {
+        let mut this = self;
+        if this.gate_up.lora.is_some() {
+            this.gate_up = this.gate_up.quantize_base(scheme);
+        }
+        if this.down.lora.is_some() {
+            this.down = this.down.quantize_base(scheme);
+        }
         this
     }
 }
@@ -191,5 +244,19 @@ impl ApplyLora for Llama {
             }
         }
         model.with_removed_block_params(dense, sparse)
+    }
+
+    fn quantize_base(self, scheme: &QuantScheme) -> Self {
+        let mut model = self;
+        let blocks = std::mem::take(&mut model.blocks);
+        model.blocks = blocks
+            .into_iter()
+            .map(|b| crate::llama::LlamaBlock {
+                attn: b.attn.quantize_base(scheme),
+                mlp: b.mlp.map(|m| m.quantize_base(scheme)),
+                ..b
+            })
+            .collect();
+        model
     }
 }
