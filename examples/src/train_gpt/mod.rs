@@ -14,13 +14,15 @@
 //! | `banner.rs` | [`describe`], [`overlap_path`]: what the run says of itself              |
 //! | `launch.rs` | the ranks as threads, MPI processes or CUDA processes                   |
 //! | `train.rs`  | one rank's training: start or resume, the steps, the checkpoint         |
+//! | `optimizer.rs` | its optimizer: AdamW after the dp average, buckets, ZeRO, the experts' groups |
 //! | `pipelined.rs` | its pipeline pieces: micro-batches, the held-out loss through the stages |
-//! | `trainable.rs` | [`Trainable`]: a model's Hugging Face form                          |
+//! | `trainable.rs` | [`Trainable`]: a model's Hugging Face form, its LoRA adapters       |
 
 mod args;
 mod banner;
 pub(crate) mod check;
 mod launch;
+mod optimizer;
 mod pipelined;
 mod train;
 mod trainable;

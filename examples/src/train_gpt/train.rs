@@ -8,14 +8,11 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp::checkpoint::{self, CheckpointInfo};
 use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
-use burn_tp::dp::{
-    DistributedAdamW, DpOptimizer, Experts, GradReducer, ReduceGroups, broadcast_parameters,
-};
+use burn_tp::dp::{DpOptimizer, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::hf::HfConfig;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
-use burn_tp::norm::ReplicatedGrads;
 use burn_tp::ops::all_reduce;
 use burn_tp::pipeline::{self, Pipeline, virtual_stage_layers};
 use burn_tp::precision::cast_params;
@@ -246,17 +243,7 @@ impl<M: Trainable> Rank<'_, M> {
             (_, None) => fresh,
         };
         // LoRA: the adapters on (drawn by dp replica 0, broadcast below), the rest frozen.
-        let fresh = match args.is_lora() {
-            true => {
-                let hf = match &args.init_from {
-                    Some(dir) => Some(HfConfig::from_dir(dir)?),
-                    None => None,
-                };
-                let peft = args.peft_from.as_deref().zip(hf.as_ref());
-                fresh.with_lora(args.lora().as_ref(), peft)?
-            }
-            false => fresh,
-        };
+        let fresh = super::trainable::lora_from_args(fresh, args)?;
         // A stage keeps the embedding and the head only where it uses them.
         let fresh = match &self.pipe {
             Some(pipe) => pipeline::drop_unused_ends(fresh, pipe.stage(), pipe.stages())?,
@@ -314,54 +301,14 @@ impl<M: Trainable> Rank<'_, M> {
             }
             None => (model, adamw),
         };
-        let bucket_bytes = (args.bucket_mb * (1 << 20) as f64) as usize;
-        let experts = self.experts.as_ref().map(|(_, expert_dp)| Experts {
-            params: model.expert_params().into_iter().collect(),
-            group: expert_dp.clone(),
-        });
-        // A tied embedding's gradient, summed over the first and last stages by the buckets;
-        // the experts' over the ranks holding the same experts.
-        let groups = ReduceGroups {
-            summed: self.pipe.as_ref().and_then(|p| p.tied_embedding(&model)),
-            experts: experts.clone(),
-        };
-        let zero = match args.distributed_optimizer {
-            true => {
-                let mut zero = DistributedAdamW::with_groups(
-                    &AdamWConfig::new(),
-                    &model,
-                    &self.dp_group,
-                    bucket_bytes,
-                    groups.clone(),
-                );
-                // This rank's chunks of a resumed state (saved at any dp).
-                zero.shard_module_optimizer(&adamw, &model)?;
-                Some(zero)
-            }
-            false => None,
-        };
-        let optim = match zero {
-            Some(zero) => DpOptimizer::distributed(adamw, zero, AdamWConfig::new()),
-            // The distributed optimizer reduces its gradients inside the backward, so it keeps
-            // the replicated parameters' per-use all-reduces; the others take one coalesced
-            // tp all-reduce per step (sequence parallel).
-            None => {
-                let optim = DpOptimizer::new(adamw).with_replicated(ReplicatedGrads::new(tp_group));
-                match args.overlap_grad_reduce {
-                    true => optim.with_reducer(GradReducer::with_groups(
-                        &model,
-                        &self.dp_group,
-                        bucket_bytes,
-                        groups,
-                    )),
-                    false => optim,
-                }
-            }
-        };
-        let optim = match experts {
-            Some(experts) => optim.with_experts(experts),
-            None => optim,
-        };
+        let optim = super::optimizer::build(
+            args,
+            &model,
+            adamw,
+            (tp_group, &self.dp_group),
+            self.pipe.as_ref(),
+            self.experts.as_ref().map(|(_, expert_dp)| expert_dp),
+        )?;
         Ok((model, first_step, optim))
     }
 

@@ -160,3 +160,21 @@ impl Trainable for Gemma {
         HfConfig::from_gemma(config)
     }
 }
+
+/// `model` with `args`' LoRA adapters (`--lora-rank`, or `--peft-from`'s over `--init-from`'s
+/// model), the rest frozen; itself without them.
+///
+/// # Errors
+/// LoRA's and the PEFT reader's errors.
+pub(super) fn lora_from_args<M: Trainable>(model: M, args: &super::Args) -> burn_tp::Result<M> {
+    if !args.is_lora() {
+        return Ok(model);
+    }
+    let hf = args
+        .init_from
+        .as_deref()
+        .map(HfConfig::from_dir)
+        .transpose()?;
+    let peft = args.peft_from.as_deref().zip(hf.as_ref());
+    model.with_lora(args.lora().as_ref(), peft)
+}
