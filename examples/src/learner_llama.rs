@@ -82,6 +82,16 @@ pub struct LearnerArgs {
     /// its weights and tokenizer).
     #[arg(long)]
     pub init_from: Option<PathBuf>,
+    /// LoRA fine-tuning: adapters of this rank on `--lora-targets`, everything else frozen
+    /// (`burn_tp::lora::apply_lora`).
+    #[arg(long, value_name = "R")]
+    pub lora_rank: Option<usize>,
+    /// The adapters' output is scaled by this over the rank (default: twice the rank).
+    #[arg(long, value_name = "ALPHA")]
+    pub lora_alpha: Option<f64>,
+    /// The projections LoRA adapts, comma separated (`q_proj` or `q`, ...).
+    #[arg(long, value_delimiter = ',', default_value = "q,k,v,o,gate,up,down")]
+    pub lora_targets: Vec<String>,
     /// At most this many training sequences per epoch (a short run).
     #[arg(long)]
     pub max_sequences: Option<usize>,
@@ -196,10 +206,22 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
         .map_err(|e| e.to_string())?;
     device.seed(args.seed);
     let init_from = init_from.map(Path::to_path_buf);
+    let lora = args.lora_rank.map(|r| {
+        burn_tp::lora::LoraConfig::new(r, args.lora_alpha.unwrap_or(2.0 * r as f64))
+            .with_targets(args.lora_targets.clone())
+    });
+    if let Some(c) = &lora {
+        c.short_targets()
+            .map_err(|e| format!("--lora-rank / --lora-targets: {e}"))?;
+    }
     let build = move |tp_group: &ProcessGroup, device: &Device| {
         let model = config.init(tp_group, device)?;
         let model = match &init_from {
             Some(dir) => burn_tp::hf::load(model, dir, tp_group)?,
+            None => model,
+        };
+        let model = match &lora {
+            Some(c) => burn_tp::lora::apply_lora(model, c)?,
             None => model,
         };
         Ok(LmLearner::new(model))

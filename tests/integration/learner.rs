@@ -417,6 +417,29 @@ fn learner_llama_runs_to_completion_and_resumes_at_another_tp() {
         1e-5,
         "epoch 2 resumed at tp 1",
     );
+    // LoRA through the Learner: only the adapters train; the validation loss falls, and a
+    // resume at tp 1 gives epoch 2's training loss again.
+    let lora = ["--lora-rank", "4", "--lr", "1e-2"];
+    device().seed(7);
+    let tuned = run(&args(&lora)).unwrap();
+    assert!(tuned.valid_loss[1] < tuned.valid_loss[0], "{tuned:?}");
+    assert!(
+        tuned.train_loss != first.train_loss,
+        "LoRA trains other parameters"
+    );
+    device().seed(7);
+    let resumed = run(&args(
+        &[&lora[..], &["--tp", "1", "--resume", "1"]].concat(),
+    ))
+    .unwrap();
+    assert_close(
+        &resumed.train_loss,
+        &tuned.train_loss[1..],
+        1e-5,
+        "LoRA: epoch 2 resumed at tp 1",
+    );
+    let e = run(&args(&["--lora-rank", "4", "--lora-targets", "wq"])).unwrap_err();
+    assert!(e.contains("`wq`"), "{e}");
     let e = run(&args(&["--batch", "64"])).unwrap_err();
     assert!(
         e.contains("32 training sequences") && e.contains("--batch 64"),
