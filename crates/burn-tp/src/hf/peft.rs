@@ -181,20 +181,13 @@ impl Reader<'_> {
         let a_hf = take(format!("{m}.lora_A.weight"), [r, d_in])?;
         let b_hf = take(format!("{m}.lora_B.weight"), [d_out, r])?;
         // A = lora_A^T; B = lora_B^T, its columns in the weight's rotary order for q and k.
-        let mut a = vec![0f32; d_in * r];
-        for i in 0..r {
-            for j in 0..d_in {
-                a[j * r + i] = a_hf[i * d_in + j];
-            }
-        }
-        let rope = matches!(short, "q" | "k");
-        let mut b = vec![0f32; r * d_out];
-        for c in 0..d_out {
-            let row = if rope { rope_row(c, self.head_dim) } else { c };
-            for i in 0..r {
-                b[i * d_out + c] = b_hf[row * r + i];
-            }
-        }
+        let a = transpose(&a_hf, r, d_in);
+        let rows = b_rows(short, d_out, self.head_dim);
+        let permuted: Vec<f32> = rows
+            .iter()
+            .flat_map(|&row| b_hf[row * r..(row + 1) * r].iter().copied())
+            .collect();
+        let b = transpose(&permuted, d_out, r);
         let tensor = |v: Vec<f32>, shape: [usize; 2]| {
             Tensor::<2>::from_data(TensorData::new(v, shape), &self.device).cast(self.dtype)
         };
@@ -347,19 +340,11 @@ pub fn save_peft(model: &Llama, dir: &Path, hf: &HfConfig, base: Option<&str>) -
         let [_, d_out] = b.dims();
         let a = host(a);
         let b = host(b);
-        let mut a_hf = vec![0f32; r * d_in];
-        for j in 0..d_in {
-            for i in 0..r {
-                a_hf[i * d_in + j] = a[j * r + i];
-            }
-        }
-        let rope = matches!(short, "q" | "k");
+        let a_hf = transpose(&a, d_in, r);
+        let bt = transpose(&b, r, d_out);
         let mut b_hf = vec![0f32; d_out * r];
-        for c in 0..d_out {
-            let row = if rope { rope_row(c, hd) } else { c };
-            for i in 0..r {
-                b_hf[row * r + i] = b[i * d_out + c];
-            }
+        for (c, row) in b_rows(short, d_out, hd).into_iter().enumerate() {
+            b_hf[row * r..(row + 1) * r].copy_from_slice(&bt[c * r..(c + 1) * r]);
         }
         let m = module_name(layer, short);
         tensors.push((format!("{m}.lora_A.weight"), vec![r, d_in], a_hf));
@@ -446,6 +431,26 @@ pub fn save_peft(model: &Llama, dir: &Path, hf: &HfConfig, base: Option<&str>) -
     let path = dir.join("adapter_config.json");
     let text = serde_json::to_string_pretty(&json).expect("a JSON value");
     std::fs::write(&path, text).map_err(|e| file_error(&path, format!("writing: {e}")))
+}
+
+/// `v` (`[rows, cols]`, row-major) transposed: `[cols, rows]`.
+fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    for i in 0..rows {
+        for j in 0..cols {
+            out[j * rows + i] = v[i * cols + j];
+        }
+    }
+    out
+}
+
+/// Per column `c` of Burn's B (module `short`, `d_out` columns): the row of PEFT's `lora_B`
+/// it is, the q / k projections' in the rotary order the import gives their weights.
+fn b_rows(short: &str, d_out: usize, head_dim: usize) -> Vec<usize> {
+    let rope = matches!(short, "q" | "k");
+    (0..d_out)
+        .map(|c| if rope { rope_row(c, head_dim) } else { c })
+        .collect()
 }
 
 fn host(t: Tensor<2>) -> Vec<f32> {

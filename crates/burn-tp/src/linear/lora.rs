@@ -22,6 +22,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
+use burn::tensor::quantization::QuantScheme;
 use burn_tp_comm::ProcessGroup;
 
 use super::TpMode;
@@ -175,11 +176,22 @@ pub(crate) fn dense<const D: usize>(t: Tensor<D>) -> Tensor<D> {
     }
 }
 
+/// A base weight with its adapters merged in: `merged`, frozen (or not) as `base` was.
+pub(crate) fn merged_param(base: &Param<Tensor<2>>, merged: Tensor<2>) -> Param<Tensor<2>> {
+    let grad = base.val().is_require_grad();
+    Param::from_tensor(crate::init::owned(merged)).set_require_grad(grad)
+}
+
+/// QLoRA: a frozen base weight held quantized with `scheme` (this rank's shard over its own
+/// range), dequantized at each use ([`dense`]).
+pub(crate) fn quantized_param(base: Param<Tensor<2>>, scheme: &QuantScheme) -> Param<Tensor<2>> {
+    let scheme = *scheme;
+    base.map(|t| quantized(t.detach(), &scheme))
+        .set_require_grad(false)
+}
+
 /// `t` quantized with `scheme` over its own range (a rank's shard: its own scale).
-pub(crate) fn quantized<const D: usize>(
-    t: Tensor<D>,
-    scheme: &burn::tensor::quantization::QuantScheme,
-) -> Tensor<D> {
+fn quantized<const D: usize>(t: Tensor<D>, scheme: &QuantScheme) -> Tensor<D> {
     use burn::tensor::quantization::{Calibration, compute_q_params, compute_range};
     let range = compute_range(scheme, &t, &Calibration::MinMax);
     t.quantize(scheme, compute_q_params(scheme, range))

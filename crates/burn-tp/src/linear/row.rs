@@ -6,7 +6,7 @@ use burn::nn::{Initializer, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_tp_comm::ProcessGroup;
 
-use super::lora::{RowLora, dense, quantized};
+use super::lora::{RowLora, dense, merged_param, quantized_param};
 use super::{INIT_GAIN, LinearSpec, OverlapSchedule, TpSettings, init_full, row_parallel_linear};
 use crate::error::check_divisible;
 use crate::init::{init_replicated, owned, shard};
@@ -191,10 +191,8 @@ impl RowParallelLinear {
             .matmul(lora.b.val().detach())
             .mul_scalar(lora.scale);
         let merged = dense(self.weight.val()).detach() + delta;
-        // Frozen (or not) as the base was.
-        let grad = self.weight.val().is_require_grad();
         Self {
-            weight: Param::from_tensor(owned(merged)).set_require_grad(grad),
+            weight: merged_param(&self.weight, merged),
             lora: None,
             ..self
         }
@@ -203,12 +201,8 @@ impl RowParallelLinear {
     /// QLoRA: the frozen weight held quantized with `scheme` (this rank's shard over its own
     /// range), dequantized at each use; the adapters stay as they are. No communication.
     pub fn quantize_base(self, scheme: &burn::tensor::quantization::QuantScheme) -> Self {
-        let scheme = *scheme;
         Self {
-            weight: self
-                .weight
-                .map(|t| quantized(t.detach(), &scheme))
-                .set_require_grad(false),
+            weight: quantized_param(self.weight, scheme),
             ..self
         }
     }

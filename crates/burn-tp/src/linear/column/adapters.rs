@@ -8,7 +8,7 @@ use burn::tensor::Tensor;
 use super::{ColumnParallelLinear, gather_columns};
 use crate::TpError;
 use crate::init::{init_replicated, owned, shard};
-use crate::linear::lora::{ColumnLora, dense, quantized};
+use crate::linear::lora::{ColumnLora, dense, merged_param, quantized_param};
 use crate::ops::all_gather;
 
 impl ColumnParallelLinear {
@@ -200,10 +200,8 @@ impl ColumnParallelLinear {
             let part = merged.clone().slice([0..d_input, cols.clone()]) + delta;
             merged = merged.slice_assign([0..d_input, cols], part);
         }
-        // Frozen (or not) as the base was.
-        let grad = self.weight.val().is_require_grad();
         Self {
-            weight: Param::from_tensor(owned(merged)).set_require_grad(grad),
+            weight: merged_param(&self.weight, merged),
             lora: None,
             ..self
         }
@@ -212,12 +210,8 @@ impl ColumnParallelLinear {
     /// QLoRA: the frozen weight held quantized with `scheme` (this rank's shard over its own
     /// range), dequantized at each use; the adapters stay as they are. No communication.
     pub fn quantize_base(self, scheme: &burn::tensor::quantization::QuantScheme) -> Self {
-        let scheme = *scheme;
         Self {
-            weight: self
-                .weight
-                .map(|t| quantized(t.detach(), &scheme))
-                .set_require_grad(false),
+            weight: quantized_param(self.weight, scheme),
             ..self
         }
     }
