@@ -37,7 +37,11 @@ fn split<M: Module>(m: &M) -> Split {
     struct Both(Split);
     impl ModuleVisitor for Both {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let v = f64s(p.val());
+            // A QLoRA base's packed values: none.
+            let v = match p.val().dtype().is_float() {
+                true => f64s(p.val()),
+                false => Vec::new(),
+            };
             match p.val().is_require_grad() {
                 true => self.0.1.push(v),
                 false => self.0.0.push(v),
@@ -312,4 +316,140 @@ fn a_qlora_fine_tune_holds_the_base_quantized_and_follows_lora() {
         assert!(losses.last() < losses.first(), "tp {tp}: {losses:?}");
         assert!(losses != plain, "tp {tp}: the quantized base computes");
     }
+}
+
+/// A LoRA model's checkpoint (`CheckpointInfo::with_frozen_base`) holds the adapters and their
+/// AdamW moments alone: saved at tp 2 after one step, its index names exactly the trainable
+/// parameters; loaded at tp 1 and 4 into the same base with freshly drawn adapters, the adapters
+/// are the saved ones and the base the model's own, and one more step gives the uninterrupted
+/// run's loss; a QLoRA model takes it with its base still packed. A model that trains its base
+/// is refused, naming the missing tensor.
+#[test]
+fn a_lora_checkpoint_holds_the_adapters_alone_and_resumes_at_another_tp() {
+    use burn::tensor::quantization::QuantValue;
+    use burn_tp::checkpoint::{self, CheckpointInfo, INDEX};
+    use burn_tp::lora::apply_qlora;
+    let _lock = rng_lock();
+    let dir = std::env::temp_dir().join(format!("burn-tp-lora-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let solo = burn_tp::comm::LocalGroup::new(1).unwrap().remove(0);
+    let config = llama(TpMode::ReduceScatter);
+    device().seed(31);
+    let base = config.init(&solo, &device()).unwrap();
+    device().seed(32);
+    let full = apply_lora(base.clone(), &lora()).unwrap();
+    fn step(model: Llama, optim: &mut burn::optim::ModuleOptimizer, s: i64) -> (Llama, f64) {
+        let ids = |add: i64| {
+            let v = token_ids(16, 40, 5 + s, add);
+            Tensor::<2, Int>::from_data(TensorData::new(v, [8, 2]), &device())
+        };
+        let loss = LanguageModel::loss(&model, ids(0), ids(1), None).unwrap();
+        let value = f64s(loss.clone())[0];
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        (optim.step(0.5, model, grads), value)
+    }
+    let (f, d, c) = (full.clone(), dir.clone(), config.clone());
+    let (saved, next_loss) = run_local(2, move |g| {
+        let model = Llama::shard_module(&f, &g).unwrap();
+        let mut optim = AdamWConfig::new().with_epsilon(1.0).init();
+        let (model, _) = step(model, &mut optim, 0);
+        let info = CheckpointInfo::new(1, 2, 1, &c).with_frozen_base("the seed-31 draw");
+        checkpoint::save(&model, Some(&optim), &d, &info, &g, 0).unwrap();
+        let saved = split(&model.to_full_module().unwrap());
+        let (_, next) = step(model, &mut optim, 1);
+        (saved, next)
+    })
+    .unwrap()
+    .remove(0);
+    let (saved_base, saved_adapters) = saved;
+    assert_eq!(saved_base, split(&full).0, "one step keeps the base");
+
+    // The index: parameter k and its two moments for the 28 trainable k, nothing else.
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX)).unwrap()).unwrap();
+    let names: std::collections::BTreeSet<String> = index["tensors"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    let trainable: Vec<usize> = {
+        use burn::module::{ModuleVisitor, Param};
+        struct Flags(Vec<bool>);
+        impl ModuleVisitor for Flags {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                self.0.push(p.val().is_require_grad());
+            }
+        }
+        let mut flags = Flags(Vec::new());
+        full.visit(&mut flags);
+        (0..flags.0.len()).filter(|&k| flags.0[k]).collect()
+    };
+    assert_eq!(trainable.len(), 2 * 7 * 2);
+    let want: std::collections::BTreeSet<String> = trainable
+        .iter()
+        .flat_map(|k| ["", ".momentum.moment_1", ".momentum.moment_2"].map(|f| format!("p{k}{f}")))
+        .collect();
+    assert_eq!(names, want, "the checkpoint's tensors");
+    assert_eq!(index["info"]["frozen_base"], "the seed-31 draw");
+
+    for tp in [1usize, 4] {
+        let (b, d, c) = (base.clone(), dir.clone(), config.clone());
+        // The same base, other adapters: the load must replace the adapters only.
+        device().seed(99);
+        let other = apply_lora(b, &lora()).unwrap();
+        let out = run_local(tp, move |g| {
+            let fresh = Llama::shard_module(&other, &g).unwrap();
+            let (model, info) = checkpoint::load(fresh, &d, Some(&c), &g).unwrap();
+            let optim = AdamWConfig::new().with_epsilon(1.0).init();
+            let mut optim = checkpoint::load_optimizer(optim, &model, &d, &g).unwrap();
+            let loaded = split(&model.to_full_module().unwrap());
+            let (_, next) = step(model, &mut optim, info.step as i64);
+            (loaded, next)
+        })
+        .unwrap()
+        .remove(0);
+        let ((loaded_base, loaded_adapters), next) = out;
+        assert_eq!(loaded_base, saved_base, "tp {tp}: the model's own base");
+        assert_eq!(loaded_adapters, saved_adapters, "tp {tp}: the saved adapters");
+        assert_close(&[next], &[next_loss], 1e-5, &format!("tp {tp}: the next loss"));
+    }
+
+    // QLoRA: the base stays packed; the adapters are the saved ones.
+    let (b, d, c) = (base.clone(), dir.clone(), config.clone());
+    let (packed, adapters) = run_local(1, move |g| {
+        let model = apply_qlora(b.clone(), &lora(), QuantValue::Q8S).unwrap();
+        let (model, _) = checkpoint::load(model, &d, Some(&c), &g).unwrap();
+        let packed = !model.blocks[0].attn.out.weight.val().dtype().is_float();
+        (packed, split(&model).1)
+    })
+    .unwrap()
+    .remove(0);
+    assert!(packed, "the QLoRA base after the load");
+    assert_eq!(adapters, saved_adapters, "QLoRA: the saved adapters");
+
+    // A model that trains its base finds no base in the checkpoint.
+    let (f, d) = (full.clone(), dir.clone());
+    let e = run_local(1, move |g| {
+        struct Thaw;
+        impl burn::module::ModuleMapper for Thaw {
+            fn map_float<const D: usize>(
+                &mut self,
+                p: burn::module::Param<Tensor<D>>,
+            ) -> burn::module::Param<Tensor<D>> {
+                p.set_require_grad(true)
+            }
+        }
+        let thawed = Llama::shard_module(&f, &g).unwrap().map(&mut Thaw);
+        checkpoint::load(thawed, &d, Some(&config), &g).map(|_| ())
+    })
+    .unwrap()
+    .remove(0)
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("p0 is missing") && e.contains("the seed-31 draw"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -8,7 +8,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 
 /// `module` with every float parameter in `dtype`: fresh leaves (detached), with the same
 /// parameter ids and the same requires-grad, so gradients of the cast module apply to the
@@ -19,7 +19,8 @@ pub fn cast_params<M: Module>(module: M, dtype: FloatDType) -> M {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let dtype = self.0;
             param.map(|t| {
-                if FloatDType::from(t.dtype()) == dtype {
+                // A QLoRA base stays packed: its use dequantizes it.
+                if matches!(t.dtype(), DType::QFloat(_)) || FloatDType::from(t.dtype()) == dtype {
                     return t;
                 }
                 let requires_grad = t.is_require_grad();

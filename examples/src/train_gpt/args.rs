@@ -280,9 +280,18 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub peft_from: Option<PathBuf>,
     /// At the end, write the adapters as a PEFT folder into DIR (for `PeftModel.from_pretrained`
-    /// over `--init-from`'s model). `--export-hf` of a LoRA run writes the merged model.
+    /// over `--init-from`'s model).
     #[arg(long, value_name = "DIR")]
     pub export_peft: Option<PathBuf>,
+    /// With `--export-hf DIR` of a LoRA run: merge the adapters into the base weights (PEFT's
+    /// `merge_and_unload`) and write that model there. A LoRA run's `--export-hf` needs it.
+    #[arg(long)]
+    pub merge_lora: bool,
+    /// QLoRA: the adapted projections' frozen base weights held in 8 bits (Burn's symmetric
+    /// quantization, each rank its own shard), dequantized at each use; the adapters in f32.
+    /// With `--lora-rank` or `--peft-from`, `--dtype f32`.
+    #[arg(long)]
+    pub qlora: bool,
     /// Held-out loss every this many steps (and before the first, and after the last), on the
     /// last tenth of the text, which is never trained on.
     #[arg(long, default_value_t = 50)]

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use super::args::{Arch, Args, DeviceKind, PpSchedule, Transport};
+use super::args::{Arch, Args, DeviceKind, PpSchedule, Precision, Transport};
 
 /// With a model imported from `init_from`, the first size flag given among `sizes` (`(flag,
 /// value if given)`) as an error naming it: the sizes are the model's config's (`train_gpt` and
@@ -128,6 +128,29 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
     }
     if args.export_peft.is_some() && !args.is_lora() {
         return Err("--export-peft writes LoRA adapters: with --lora-rank or --peft-from".into());
+    }
+    if args.merge_lora && (!args.is_lora() || args.export_hf.is_none()) {
+        return Err(
+            "--merge-lora writes a LoRA run's merged model: with --lora-rank or --peft-from, and \
+             --export-hf DIR"
+                .into(),
+        );
+    }
+    if args.is_lora() && args.export_hf.is_some() && !args.merge_lora {
+        return Err(
+            "--export-hf of a LoRA run: add --merge-lora to write the base with the adapters \
+             merged in (or --export-peft DIR for the adapters alone)"
+                .into(),
+        );
+    }
+    if args.qlora && !args.is_lora() {
+        return Err("--qlora quantizes a LoRA run's base: with --lora-rank or --peft-from".into());
+    }
+    if args.qlora && args.dtype != Precision::F32 {
+        return Err(
+            "--qlora with --dtype bf16: the dequantized base is f32 (run it with --dtype f32)"
+                .into(),
+        );
     }
     if let Some(c) = args.lora() {
         c.short_targets()

@@ -5,12 +5,11 @@ use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor};
-use burn_tp::checkpoint::{self, CheckpointInfo};
+use burn_tp::checkpoint;
 use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::dp::{DpOptimizer, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
-use burn_tp::hf::HfConfig;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::all_reduce;
@@ -23,6 +22,8 @@ use super::pipelined::{held_out_pipelined, micro_batches, pp_schedule};
 use super::trainable::Trainable;
 use super::{Args, CheckpointTimes};
 use crate::eval::{Data, batch, dp_slice, generate, generate_pipelined, held_out_loss};
+
+mod saving;
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -116,41 +117,11 @@ pub(super) fn train_rank<M: Trainable>(
         // No checkpoint or sample of a diverged model: only the curve up to there.
         return Ok(RankOut { timings, ..out });
     }
-    if let (Some(dir), None) = (&args.export_hf, &r.pipe) {
-        // Every expert on every ep rank again, for the export (collective over ep).
-        let whole = match r.experts {
-            Some(_) => model.clone().gather_experts()?,
-            None => model.clone(),
-        };
-        // A LoRA run's export is the merged model (each rank its own shards).
-        let whole = match args.is_lora() {
-            true => whole.merge_lora(),
-            false => whole,
-        };
-        if r.dp_rank == 0 {
-            whole.save_hf(config, args.init_from.as_deref(), dir, &r.tp_group)?;
-        }
-        r.world.barrier()?;
-    }
-    if let Some(dir) = &args.export_peft {
-        // The adapters gathered to tp 1 (collective over tp), written once.
-        let whole = burn_tp::reshard::Reshard::to_full_module(&model)?;
-        if r.dp_rank == 0 && r.tp_group.rank() == 0 {
-            let hf = match &args.init_from {
-                Some(from) => HfConfig::from_dir(from)?,
-                None => M::hf_config(config)?,
-            };
-            let base = args.init_from.as_ref().map(|p| p.display().to_string());
-            whole.save_peft(&hf, dir, base.as_deref())?;
-        }
-        r.world.barrier()?;
-    }
+    r.export(&model)?;
     let save_start = Instant::now();
     r.save(&mut model, &mut optim, first_step + args.steps)?;
     timings.save_s = save_start.elapsed().as_secs_f64();
-    if let (Some(dir), Some(_)) = (&args.export_hf, &r.pipe) {
-        r.export_from_checkpoint(dir)?;
-    }
+    r.export_from_checkpoint()?;
     // Each stage's idle time, for rank 0 to report; with --profile each stage's first rank
     // writes its own profile (rank 0's is comm.csv).
     let stage_idle = match &r.pipe {
@@ -263,6 +234,18 @@ impl<M: Trainable> Rank<'_, M> {
                     }
                     None => checkpoint::load(fresh, dir, Some(self.config), tp_group)?,
                 };
+                // A LoRA checkpoint holds the adapters alone: they only fit the same base.
+                if info.frozen_base != self.frozen_base() {
+                    let what = |b: &Option<String>| b.clone().unwrap_or("no base (a full model)".into());
+                    return Err(format!(
+                        "--resume {}: its adapters were trained over {}, this run's base is {}: \
+                         resume with the run's --init-from (or --seed) and LoRA flags",
+                        dir.display(),
+                        what(&info.frozen_base),
+                        what(&self.frozen_base())
+                    )
+                    .into());
+                }
                 (model, info.step as usize)
             }
             None => (fresh, 0),
@@ -271,6 +254,11 @@ impl<M: Trainable> Rank<'_, M> {
             self.world.barrier()?;
         }
         let model = broadcast_parameters(model, &self.dp_group)?;
+        // QLoRA: every replica quantizes the same values (after the broadcast, which moves floats).
+        let model = match args.qlora {
+            true => model.quantize_lora_base()?,
+            false => model,
+        };
         let mut adamw = AdamWConfig::new().init();
         // A resumed run continues where the checkpoint left off: the optimizer state (resharded
         // to this tp) and the step count, so the batches and the AdamW bias correction go on.
@@ -312,20 +300,6 @@ impl<M: Trainable> Rank<'_, M> {
         Ok((model, first_step, optim))
     }
 
-    /// `--export-hf` of a pipelined run: the checkpoint just saved (the whole model's, every
-    /// stage's blocks) read back whole on world rank 0 and written as Hugging Face's; as the
-    /// export without a pipeline (the whole model gathered on one rank), once. Collective.
-    fn export_from_checkpoint(&self, dir: &Path) -> BoxResult<()> {
-        if self.world.rank() == 0 {
-            let solo = burn_tp::comm::LocalGroup::new(1)?.remove(0);
-            let whole = M::init(self.config, &solo, &self.device)?;
-            let (whole, _) = checkpoint::load(whole, self.checkpoint, Some(self.config), &solo)?;
-            whole.save_hf(self.config, self.args.init_from.as_deref(), dir, &solo)?;
-        }
-        self.world.barrier()?;
-        Ok(())
-    }
-
     /// The model the forward and backward run: the master weights, or a bf16 copy of them.
     fn compute(&self, model: &M) -> M {
         cast_params(model.clone(), self.args.dtype.dtype())
@@ -352,57 +326,6 @@ impl<M: Trainable> Rank<'_, M> {
             &self.dp_group,
             &self.device,
         )
-    }
-
-    /// This rank's slices of the model and the AdamW state after `steps` steps, into the
-    /// sharded checkpoint (data-parallel replica 0 writes; every rank waits for it). The
-    /// distributed optimizer's chunks are gathered over dp first.
-    fn save(&self, model: &mut M, optim: &mut DpOptimizer, steps: usize) -> burn_tp::Result<()> {
-        if self.experts.is_none() {
-            return self.save_whole(model, optim, steps);
-        }
-        // Expert parallel: the whole model's checkpoint, every expert and its optimizer state
-        // gathered over ep (collective over ep), so it resumes at any ep.
-        let mut whole = model.clone().gather_experts()?;
-        let adamw = optim.module_optimizer(model)?;
-        let record = move_optimizer_state(adamw, model, &whole, |m| m.gather_experts())?;
-        let mut whole_optim = DpOptimizer::new(AdamWConfig::new().init().load_record(record));
-        self.save_whole(&mut whole, &mut whole_optim, steps)
-    }
-
-    /// [`save`](Self::save) of a model that holds every parameter of its tp shard.
-    fn save_whole(
-        &self,
-        model: &mut M,
-        optim: &mut DpOptimizer,
-        steps: usize,
-    ) -> burn_tp::Result<()> {
-        let adamw = optim.module_optimizer(model)?;
-        let a = self.args;
-        let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config).with_pp(a.pp);
-        match self.stage_map.get() {
-            // Every stage its blocks, under the whole model's indices: one checkpoint.
-            Some(map) => checkpoint::save_stage(
-                model,
-                Some(adamw),
-                self.checkpoint,
-                &info,
-                self.tp_group.rank(),
-                &self.replica,
-                self.dp_rank,
-                map,
-            )?,
-            None => checkpoint::save(
-                model,
-                Some(adamw),
-                self.checkpoint,
-                &info,
-                &self.tp_group,
-                self.dp_rank,
-            )?,
-        }
-        self.world.barrier()?;
-        Ok(())
     }
 
     /// The steps from `first_step`: the losses, the held-out losses, and why it stopped early.

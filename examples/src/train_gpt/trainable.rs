@@ -69,6 +69,16 @@ pub trait Trainable: LanguageModel {
         self
     }
 
+    /// QLoRA: the adapted linears' frozen base held in 8 bits (each rank its shard).
+    ///
+    /// # Errors
+    /// A model family without LoRA.
+    fn quantize_lora_base(self) -> burn_tp::Result<Self> {
+        Err(burn_tp::TpError::Config(
+            "QLoRA: the Llama family's models only".into(),
+        ))
+    }
+
     /// Writes the adapters of this whole (tp 1) model as a PEFT folder into `dir`.
     ///
     /// # Errors
@@ -148,6 +158,11 @@ impl Trainable for Llama {
 
     fn merge_lora(self) -> Self {
         burn_tp::lora::merge_lora(self)
+    }
+
+    fn quantize_lora_base(self) -> burn_tp::Result<Self> {
+        use burn::tensor::quantization::QuantValue;
+        burn_tp::lora::quantize_base(self, QuantValue::Q8S)
     }
 
     fn save_peft(&self, hf: &HfConfig, dir: &Path, base: Option<&str>) -> burn_tp::Result<()> {

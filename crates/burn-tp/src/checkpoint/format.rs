@@ -32,6 +32,12 @@ pub struct CheckpointInfo {
     /// checkpoint resumes in any mode or schedule): [`load`](super::load) refuses a checkpoint of
     /// another configuration.
     pub config: serde_json::Value,
+    /// Where the frozen parameters come from when the checkpoint holds only the trainable ones
+    /// (a LoRA run's: the adapters and their optimizer state, not the base), e.g. the Hugging
+    /// Face folder the run started from; [`load`](super::load) then keeps the model's own
+    /// values of its frozen parameters. `None`: every parameter is in the checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_base: Option<String>,
 }
 
 /// `config` as JSON, without a top-level `settings` (burn-tp's configs keep how the layers run
@@ -53,6 +59,17 @@ impl CheckpointInfo {
             dp,
             pp: 1,
             config: model_json(config),
+            frozen_base: None,
+        }
+    }
+
+    /// The same, holding only the trainable parameters (and their optimizer state): the frozen
+    /// ones are `base`'s (a description for the reader, e.g. the folder they were imported
+    /// from), not saved, and a load keeps the model's own.
+    pub fn with_frozen_base(self, base: impl Into<String>) -> Self {
+        Self {
+            frozen_base: Some(base.into()),
+            ..self
         }
     }
 
@@ -155,16 +172,24 @@ impl safetensors::View for &Stored {
     }
 }
 
-/// The float parameters of a module with `dim` of each moved first, in visiting order.
-pub(super) fn dim_first_values<M: Module>(module: &M, layouts: &[ParamLayout]) -> Vec<TensorData> {
-    struct Collect<'a>(Vec<TensorData>, &'a [ParamLayout]);
+/// The float parameters of a module with `dim` of each moved first, in visiting order; with
+/// `trainable_only`, `None` for a frozen one (not even read: a quantized base stays packed).
+pub(super) fn dim_first_values<M: Module>(
+    module: &M,
+    layouts: &[ParamLayout],
+    trainable_only: bool,
+) -> Vec<Option<TensorData>> {
+    struct Collect<'a>(Vec<Option<TensorData>>, &'a [ParamLayout], bool);
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let dim = self.1.get(self.0.len()).map_or(0, |l| l.dim);
-            self.0.push(param.val().swap_dims(0, dim).into_data());
+            let t = param.val();
+            let skip = self.2 && !t.is_require_grad();
+            self.0
+                .push((!skip).then(|| t.swap_dims(0, dim).into_data()));
         }
     }
-    let mut c = Collect(Vec::new(), layouts);
+    let mut c = Collect(Vec::new(), layouts, trainable_only);
     module.visit(&mut c);
     c.0
 }

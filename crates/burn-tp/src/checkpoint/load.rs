@@ -180,10 +180,16 @@ fn entry_for(
     layout: &ParamLayout,
     dtype: DType,
 ) -> Result<TensorEntry> {
-    let entry = index
-        .tensors
-        .get(name)
-        .ok_or_else(|| file_error(index_path, format!("{name} is missing")))?;
+    let entry = index.tensors.get(name).ok_or_else(|| {
+        let why = match &index.info.frozen_base {
+            Some(base) => format!(
+                "{name} is missing: the checkpoint holds the trainable parameters alone (the \
+                 frozen ones are {base}'s), and this model trains {name}"
+            ),
+            None => format!("{name} is missing"),
+        };
+        file_error(index_path, why)
+    })?;
     if entry.shape != layout.global_shape || entry.dim != layout.dim {
         return Err(file_error(
             index_path,
@@ -243,13 +249,19 @@ pub fn load_stage<M: Module + Reshard>(
         dir: dir.to_path_buf(),
         maps: BTreeMap::new(),
     };
+    // A checkpoint of the trainable parameters alone: the frozen ones keep the model's values
+    // (the base it was built from).
+    let trainable = crate::reshard::trainable(&model);
     let mut values = Vec::with_capacity(layouts.len());
     for (k, (layout, (shape, dtype))) in layouts.iter().zip(&shapes).enumerate() {
-        if !map.held[k] {
+        let name = format!("p{}", map.global[k]);
+        let frozen_kept = index.info.frozen_base.is_some()
+            && !trainable[k]
+            && !index.tensors.contains_key(&name);
+        if !map.held[k] || frozen_kept {
             values.push(None);
             continue;
         }
-        let name = format!("p{}", map.global[k]);
         let entry = entry_for(&index, &index_path, &name, layout, *dtype)?;
         let mut dim_first_shape = shape.clone();
         dim_first_shape.swap(0, layout.dim);

@@ -15,6 +15,10 @@
 //!   shard folder is written under a temporary name and renamed into place before the index
 //!   points at it; the folders of older saves are removed after.
 //!
+//! A checkpoint [`with_frozen_base`](CheckpointInfo::with_frozen_base) (a LoRA run's) holds the
+//! trainable parameters and their state alone: the frozen base is where the run built it from,
+//! and [`load`] keeps the model's own values of it (a QLoRA base stays quantized).
+//!
 //! A crash at any point leaves the previous `index.json` pointing at its own intact shards.
 //! Data-parallel replicas hold the same tensors: only replica 0 writes.
 //!

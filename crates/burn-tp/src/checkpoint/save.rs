@@ -108,8 +108,9 @@ pub fn save_stage<M: Module + Reshard>(
         });
         Ok(())
     };
-    for (k, data) in dim_first_values(model, &layouts).into_iter().enumerate() {
-        if map.writes[k] {
+    let values = dim_first_values(model, &layouts, info.frozen_base.is_some());
+    for (k, data) in values.into_iter().enumerate() {
+        if let (true, Some(data)) = (map.writes[k], data) {
             store(format!("p{}", map.global[k]), data, &layouts[k])?;
         }
     }

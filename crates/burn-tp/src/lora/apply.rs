@@ -61,7 +61,16 @@ pub fn apply_qlora<M: ApplyLora + Module>(
     config: &LoraConfig,
     value: QuantValue,
 ) -> Result<M> {
-    let model = apply_lora(model, config)?;
+    quantize_base(apply_lora(model, config)?, value)
+}
+
+/// `model` (with adapters: [`apply_lora`], or a PEFT adapter's) with its adapted linears'
+/// frozen weights held quantized to `value` (as [`apply_qlora`]). No communication: each rank
+/// quantizes its own shard, so data-parallel replicas that hold the same values stay equal.
+///
+/// # Errors
+/// [`TpError::Config`] for a model without parameters.
+pub fn quantize_base<M: ApplyLora + Module>(model: M, value: QuantValue) -> Result<M> {
     let device = model
         .devices()
         .into_iter()

@@ -22,7 +22,7 @@
 
 mod apply;
 
-pub use apply::{ApplyLora, apply_lora, apply_qlora, freeze, merge_lora};
+pub use apply::{ApplyLora, apply_lora, apply_qlora, freeze, merge_lora, quantize_base};
 
 use burn::config::Config;
 

@@ -130,14 +130,8 @@ pub(crate) use reshard_fields;
 /// `to` (a resharded `from`: the same parameters in the same order) with `from`'s frozen
 /// parameters frozen too (a LoRA model's base, a pipeline stage's unused ends).
 pub fn keep_frozen<M: burn::module::Module>(from: &M, to: M) -> M {
-    use burn::module::{ModuleMapper, ModuleVisitor, Param};
+    use burn::module::{ModuleMapper, Param};
     use burn::tensor::Tensor;
-    struct Flags(Vec<bool>);
-    impl ModuleVisitor for Flags {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0.push(p.val().is_require_grad());
-        }
-    }
     struct Set(Vec<bool>, usize);
     impl ModuleMapper for Set {
         fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -149,12 +143,26 @@ pub fn keep_frozen<M: burn::module::Module>(from: &M, to: M) -> M {
             }
         }
     }
-    let mut flags = Flags(Vec::new());
-    from.visit(&mut flags);
-    if flags.0.iter().all(|&f| f) {
+    let flags = trainable(from);
+    if flags.iter().all(|&f| f) {
         return to;
     }
-    to.map(&mut Set(flags.0, 0))
+    to.map(&mut Set(flags, 0))
+}
+
+/// Whether each of a module's float parameters is trainable, in visiting order.
+pub(crate) fn trainable<M: burn::module::Module>(module: &M) -> Vec<bool> {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct Flags(Vec<bool>);
+    impl ModuleVisitor for Flags {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push(p.val().is_require_grad());
+        }
+    }
+    let mut flags = Flags(Vec::new());
+    module.visit(&mut flags);
+    flags.0
 }
 
 /// A group of one: where a full (tp = 1) module lives.

@@ -188,7 +188,9 @@ impl TensorParallel {
     /// After each epoch, `strategy` (Burn's `KeepLastNCheckpoints`, `MetricCheckpointingStrategy`,
     /// ...) decides what to save and delete: each rank writes its shard of the model and of the
     /// optimizer state into `dir/epoch-N` (burn-tp's sharded checkpoint, [`crate::checkpoint`]).
-    /// `SupervisedTraining::checkpoint(N)` resumes from `dir/epoch-N`, at any tp and dp.
+    /// `SupervisedTraining::checkpoint(N)` resumes from `dir/epoch-N`, at any tp and dp. A model
+    /// with frozen parameters (a LoRA model's base) saves its trainable ones alone: the resumed
+    /// run's model must hold the same frozen values (built as the first run built it).
     pub fn with_checkpoints(
         mut self,
         dir: impl Into<PathBuf>,

@@ -139,6 +139,12 @@ where
         if save && let Some(dir) = &shared.checkpoints {
             let dir = TensorParallel::checkpoint_dir(dir, epoch);
             let info = CheckpointInfo::new(step, shared.tp, shared.dp, &());
+            // A model with frozen parameters (LoRA's base) saves what it trains, alone: a resume
+            // builds the same frozen values first, as the run did.
+            let info = match crate::reshard::trainable(&model).contains(&false) {
+                true => info.with_frozen_base("the model the Learner was given"),
+                false => info,
+            };
             let state = optim.module_optimizer(&model)?;
             checkpoint::save(&model, Some(&state), &dir, &info, &tp_group, replica)?;
             world.barrier()?;
