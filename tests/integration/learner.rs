@@ -427,6 +427,22 @@ fn learner_llama_runs_to_completion_and_resumes_at_another_tp() {
         tuned.train_loss != first.train_loss,
         "LoRA trains other parameters"
     );
+    // Its checkpoint: the adapters (and their moments) alone, fewer than the model's parameters.
+    let dir = TensorParallel::checkpoint_dir(&out.join("checkpoints"), 1);
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(checkpoint::INDEX)).unwrap())
+            .unwrap();
+    assert_eq!(
+        index["info"]["frozen_base"], "the model the Learner was given",
+        "{dir:?}"
+    );
+    let stored = index["tensors"].as_object().unwrap();
+    let params = stored.keys().filter(|k| !k.contains('.')).count();
+    assert!(
+        params > 0 && 3 * params == stored.len() && (params as u64) < index["params"].as_u64().unwrap(),
+        "{params} of {} stored",
+        index["params"]
+    );
     device().seed(7);
     let resumed = run(&args(
         &[&lora[..], &["--tp", "1", "--resume", "1"]].concat(),

@@ -3,7 +3,7 @@
 use super::*;
 
 /// A fresh scratch folder for test `name`, and in it the small text the fine-tunes train on.
-fn scratch(name: &str) -> (PathBuf, PathBuf) {
+pub(super) fn scratch(name: &str) -> (PathBuf, PathBuf) {
     let root = std::env::temp_dir().join(format!("burn-tp-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).unwrap();
@@ -13,7 +13,7 @@ fn scratch(name: &str) -> (PathBuf, PathBuf) {
 }
 
 /// `train_gpt` with `flags`, writing to `root/out`.
-fn train_gpt_args(flags: &[&str], root: &Path, out: &str) -> burn_tp_examples::train_gpt::Args {
+pub(super) fn train_gpt_args(flags: &[&str], root: &Path, out: &str) -> burn_tp_examples::train_gpt::Args {
     use clap::Parser;
     let out = root.join(out);
     let argv = ["train_gpt"].iter().chain(flags).copied();
@@ -428,153 +428,4 @@ fn train_gpt_fine_tunes_imported_models_the_same_at_every_tp() {
         }
     }
     std::fs::remove_dir_all(&root).unwrap();
-}
-
-/// LoRA through `train_gpt --init-from DIR --lora-rank 4`: tp 2 in both modes gives the tp 1
-/// run's losses (dp 2); the loss falls with only the adapters training; `--export-peft` writes
-/// an adapter that `load_peft` reads over the base and `--export-hf` the merged model, which
-/// give the same logits, other than the base's; `--peft-from` that adapter starts where the
-/// run ended (its held-out loss); LoRA on the GPT is an error naming it.
-#[test]
-fn train_gpt_fine_tunes_with_lora_and_exports_the_adapter_and_the_merged_model() {
-    use burn_tp::hf::load_peft;
-    use burn_tp_examples::train_gpt::run;
-    let _rng = rng_lock();
-    let (root, data) = scratch("lora");
-    let base = fixture("llama_tied");
-    // `adapter`: `--lora-rank 4`, or the flags that bring one.
-    let args_with = |adapter: &[&str], extra: &[&str], out: &str| {
-        let mut flags = vec![
-            "--quiet",
-            "--init-from",
-            base.to_str().unwrap(),
-            "--batch",
-            "4",
-            "--seq",
-            "8",
-            "--dp",
-            "2",
-            "--lr",
-            "1e-2",
-            "--dropout",
-            "0",
-            "--sample-len",
-            "8",
-            "--eval-every",
-            "6",
-            "--data",
-            data.to_str().unwrap(),
-        ];
-        flags.extend_from_slice(adapter);
-        flags.extend_from_slice(extra);
-        train_gpt_args(&flags, &root, out)
-    };
-    let args =
-        |extra: &[&str], out: &str| args_with(&["--lora-rank", "4", "--steps", "6"], extra, out);
-    let want = run(&args(&["--tp", "1"], "tp1")).unwrap();
-    assert!(
-        want.losses.last().unwrap() < want.losses.first().unwrap(),
-        "{:?}",
-        want.losses
-    );
-    let (peft, merged) = (root.join("peft"), root.join("merged"));
-    let mut last_held_out = f64::NAN;
-    for (tp, mode) in [("2", "all-reduce"), ("2", "reduce-scatter")] {
-        let mut extra = vec!["--tp", tp, "--mode", mode];
-        if mode == "reduce-scatter" {
-            extra.extend([
-                "--export-peft",
-                peft.to_str().unwrap(),
-                "--export-hf",
-                merged.to_str().unwrap(),
-            ]);
-        }
-        let got = run(&args(&extra, mode)).unwrap();
-        assert_close(&got.losses, &want.losses, 1e-5, &format!("tp {tp} {mode}"));
-        last_held_out = got.held_out.last().unwrap().1;
-    }
-    // The adapter over the base and the merged model: the same logits, not the base's.
-    let prompt = vec![1i64, 5, 9, 13, 2, 7];
-    let (base2, peft2, merged2) = (base.clone(), peft.clone(), merged.clone());
-    let logits = run_local(1, move |g| {
-        let last = |model: &burn_tp::llama::Llama, vocab: usize| {
-            let s = prompt.len();
-            let ids = TensorData::new(prompt.clone(), [s, 1]);
-            let logits = model
-                .logits(Tensor::<2, Int>::from_data(ids, &device()))
-                .unwrap();
-            f64s(
-                logits
-                    .narrow(0, s - 1, 1)
-                    .narrow(2, 0, vocab)
-                    .reshape([vocab]),
-            )
-        };
-        let (model, hf) = init_llama(&base2, TpSettings::new(), &g, &device()).unwrap();
-        let plain = last(&model, hf.vocab_size);
-        let adapted = last(&load_peft(model, &peft2, &hf).unwrap(), hf.vocab_size);
-        let (merged, hf) = init_llama(&merged2, TpSettings::new(), &g, &device()).unwrap();
-        (plain, adapted, last(&merged, hf.vocab_size))
-    })
-    .unwrap()
-    .remove(0);
-    let (plain, adapted, merged_logits) = logits;
-    assert_close(&merged_logits, &adapted, 1e-4, "merged vs base + adapter");
-    assert!(
-        plain
-            .iter()
-            .zip(&adapted)
-            .any(|(a, b)| (a - b).abs() > 1e-3),
-        "the adapter changed nothing"
-    );
-    // A LoRA run's checkpoint (the adapters and their AdamW state, the frozen base) resumes at
-    // tp 1 and through 2 pipeline stages where the uninterrupted run goes on.
-    let whole = run(&args_with(
-        &["--lora-rank", "4", "--steps", "6"],
-        &["--tp", "2"],
-        "whole",
-    ))
-    .unwrap()
-    .losses;
-    let first = run(&args_with(
-        &["--lora-rank", "4", "--steps", "3"],
-        &["--tp", "2"],
-        "first",
-    ))
-    .unwrap();
-    let ckpt = first.checkpoint.to_str().unwrap().to_string();
-    for (k, extra) in [&["--tp", "1"][..], &["--tp", "1", "--pp", "2"][..]]
-        .into_iter()
-        .enumerate()
-    {
-        let mut adapter = vec!["--lora-rank", "4", "--steps", "3", "--resume", &ckpt];
-        adapter.extend_from_slice(extra);
-        let resumed = run(&args_with(&adapter, &[], &format!("resumed-{k}")))
-            .unwrap()
-            .losses;
-        assert_close(&resumed, &whole[3..], 1e-5, &format!("resumed {extra:?}"));
-    }
-    // `--peft-from` the exported adapter: it starts at the run's last held-out loss.
-    let peft_from = ["--peft-from", peft.to_str().unwrap(), "--steps", "1"];
-    let resumed = run(&args_with(&peft_from, &["--tp", "2"], "resumed")).unwrap();
-    assert_close(
-        &[resumed.held_out[0].1],
-        &[last_held_out],
-        1e-4,
-        "--peft-from: the held-out loss it starts at",
-    );
-    let both = [&peft_from[..], &["--lora-rank", "4"]].concat();
-    let e = run(&args_with(&both, &["--tp", "1"], "both"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("--lora-rank and --peft-from"), "{e}");
-    let e = run(&train_gpt_args(
-        &["--quiet", "--arch", "gpt", "--lora-rank", "4"],
-        &root,
-        "gpt",
-    ))
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("--lora-rank") && e.contains("Llama"), "{e}");
-    let _ = std::fs::remove_dir_all(&root);
 }

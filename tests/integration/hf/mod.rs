@@ -9,11 +9,13 @@
 //! | `export.rs`    | import -> export -> import, bit exact                     |
 //! | `generate.rs`  | the KV cache, the generate example, decoding views        |
 //! | `fine_tune.rs` | `train_gpt --init-from`, export, tokenizer                |
+//! | `lora.rs`      | `train_gpt --lora-rank`, `--qlora`: checkpoint, exports   |
 
 mod export;
 mod fine_tune;
 mod generate;
 mod import;
+mod lora;
 
 use crate::common::{assert_close, device, f64s, rng_lock};
 use burn::tensor::{Int, Tensor, TensorData};

@@ -114,13 +114,15 @@ pub(super) fn moe_memory(quick: bool) {
     }
 }
 
-/// Section 4: a Llama's rank fine-tuned in full and with LoRA (r 16 on every projection), at
+/// Section 4: a Llama's rank fine-tuned in full, with LoRA (r 16 on every projection) and with
+/// QLoRA (that, the adapted projections' base in 8 bits), at
 /// tp 1 and 2 (each rank a thread with its own tag): the bytes its allocations hold after one
 /// AdamW step (the parameters, and the moments of the trainable ones), and the most they held
 /// during the step above what they held before it (activations, gradients, temporaries).
 pub(super) fn lora_memory(quick: bool) {
     use burn::optim::{AdamWConfig, GradientsParams};
-    use burn_tp::lora::{LoraConfig, apply_lora};
+    use burn::tensor::quantization::QuantValue;
+    use burn_tp::lora::{LoraConfig, apply_lora, quantize_base};
     let (d, ff, layers, seq, batch) = if quick {
         (64, 128, 2, 32, 2)
     } else {
@@ -143,7 +145,7 @@ pub(super) fn lora_memory(quick: bool) {
     );
     println!("|---:|---|---:|---:|---:|---:|");
     for tp in [1usize, 2] {
-        for with_lora in [false, true] {
+        for kind in ["full", "LoRA", "QLoRA"] {
             let (config, lora) = (config.clone(), lora.clone());
             let options = RunOptions {
                 threads_per_rank: Some(1),
@@ -155,12 +157,27 @@ pub(super) fn lora_memory(quick: bool) {
                 let before = TAGGED[rank].load(Ordering::SeqCst);
                 let device = Device::flex().autodiff();
                 let model = config.init(&g, &device).unwrap();
-                let model = match with_lora {
-                    true => apply_lora(model, &lora).unwrap(),
-                    false => model,
+                let model = match kind {
+                    "full" => model,
+                    "LoRA" => apply_lora(model, &lora).unwrap(),
+                    _ => quantize_base(apply_lora(model, &lora).unwrap(), QuantValue::Q8S).unwrap(),
                 };
-                let sizes = param_sizes(&model);
-                let params: usize = sizes.iter().map(|p| p.1 * 4).sum();
+                // Bytes as held: a QLoRA base one byte a value.
+                let params: usize = {
+                    struct B(usize);
+                    impl burn::module::ModuleVisitor for B {
+                        fn visit_float<const D: usize>(
+                            &mut self,
+                            p: &burn::module::Param<Tensor<D>>,
+                        ) {
+                            let t = p.val();
+                            self.0 += t.shape().num_elements() * t.dtype().size();
+                        }
+                    }
+                    let mut b = B(0);
+                    model.visit(&mut b);
+                    b.0
+                };
                 let trainable = {
                     struct T(usize);
                     impl burn::module::ModuleVisitor for T {
@@ -197,7 +214,7 @@ pub(super) fn lora_memory(quick: bool) {
             let (params, trainable, held, peak) = out[0];
             println!(
                 "| {tp} | {} | {} | {} | {} | {} |",
-                if with_lora { "LoRA" } else { "full" },
+                kind,
                 mb(params),
                 mb(trainable),
                 mb(held),
