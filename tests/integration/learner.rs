@@ -439,7 +439,9 @@ fn learner_llama_runs_to_completion_and_resumes_at_another_tp() {
     let stored = index["tensors"].as_object().unwrap();
     let params = stored.keys().filter(|k| !k.contains('.')).count();
     assert!(
-        params > 0 && 3 * params == stored.len() && (params as u64) < index["params"].as_u64().unwrap(),
+        params > 0
+            && 3 * params == stored.len()
+            && (params as u64) < index["params"].as_u64().unwrap(),
         "{params} of {} stored",
         index["params"]
     );

@@ -411,8 +411,16 @@ fn a_lora_checkpoint_holds_the_adapters_alone_and_resumes_at_another_tp() {
         .remove(0);
         let ((loaded_base, loaded_adapters), next) = out;
         assert_eq!(loaded_base, saved_base, "tp {tp}: the model's own base");
-        assert_eq!(loaded_adapters, saved_adapters, "tp {tp}: the saved adapters");
-        assert_close(&[next], &[next_loss], 1e-5, &format!("tp {tp}: the next loss"));
+        assert_eq!(
+            loaded_adapters, saved_adapters,
+            "tp {tp}: the saved adapters"
+        );
+        assert_close(
+            &[next],
+            &[next_loss],
+            1e-5,
+            &format!("tp {tp}: the next loss"),
+        );
     }
 
     // QLoRA: the base stays packed; the adapters are the saved ones.

@@ -236,7 +236,8 @@ impl<M: Trainable> Rank<'_, M> {
                 };
                 // A LoRA checkpoint holds the adapters alone: they only fit the same base.
                 if info.frozen_base != self.frozen_base() {
-                    let what = |b: &Option<String>| b.clone().unwrap_or("no base (a full model)".into());
+                    let what =
+                        |b: &Option<String>| b.clone().unwrap_or("no base (a full model)".into());
                     return Err(format!(
                         "--resume {}: its adapters were trained over {}, this run's base is {}: \
                          resume with the run's --init-from (or --seed) and LoRA flags",

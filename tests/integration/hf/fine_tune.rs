@@ -13,7 +13,11 @@ pub(super) fn scratch(name: &str) -> (PathBuf, PathBuf) {
 }
 
 /// `train_gpt` with `flags`, writing to `root/out`.
-pub(super) fn train_gpt_args(flags: &[&str], root: &Path, out: &str) -> burn_tp_examples::train_gpt::Args {
+pub(super) fn train_gpt_args(
+    flags: &[&str],
+    root: &Path,
+    out: &str,
+) -> burn_tp_examples::train_gpt::Args {
     use clap::Parser;
     let out = root.join(out);
     let argv = ["train_gpt"].iter().chain(flags).copied();

@@ -126,7 +126,11 @@ fn train_gpt_fine_tunes_with_lora_and_exports_the_adapter_and_the_merged_model()
     .unwrap();
     let tensors = index["tensors"].as_object().unwrap();
     let params = tensors.keys().filter(|k| !k.contains('.')).count();
-    assert_eq!((params, tensors.len()), (2 * 7 * 2, 3 * 2 * 7 * 2), "stored");
+    assert_eq!(
+        (params, tensors.len()),
+        (2 * 7 * 2, 3 * 2 * 7 * 2),
+        "stored"
+    );
     let frozen_base = index["info"]["frozen_base"].as_str().unwrap();
     assert!(frozen_base.contains("llama_tied"), "{frozen_base}");
     // Over another base (the same model in another folder): an error naming both.
@@ -136,7 +140,11 @@ fn train_gpt_fine_tunes_with_lora_and_exports_the_adapter_and_the_merged_model()
         let p = e.unwrap().path();
         std::fs::copy(&p, moved.join(p.file_name().unwrap())).unwrap();
     }
-    let mut over_moved = args_with(&["--lora-rank", "4", "--steps", "1", "--resume", &ckpt], &[], "moved");
+    let mut over_moved = args_with(
+        &["--lora-rank", "4", "--steps", "1", "--resume", &ckpt],
+        &[],
+        "moved",
+    );
     over_moved.init_from = Some(moved.clone());
     let e = run(&over_moved).unwrap_err().to_string();
     assert!(e.contains("llama_tied") && e.contains("moved-base"), "{e}");
@@ -183,12 +191,19 @@ fn train_gpt_fine_tunes_with_lora_and_exports_the_adapter_and_the_merged_model()
     for (extra, want) in [
         (&["--export-hf", merged_s][..], "add --merge-lora"),
         (&["--merge-lora"][..], "--merge-lora writes"),
-        (&["--qlora", "--dtype", "bf16"][..], "--qlora with --dtype bf16"),
+        (
+            &["--qlora", "--dtype", "bf16"][..],
+            "--qlora with --dtype bf16",
+        ),
     ] {
-        let e = run(&args_with(&lora4, extra, "bad")).unwrap_err().to_string();
+        let e = run(&args_with(&lora4, extra, "bad"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(want), "{extra:?}: {e}");
     }
-    let e = run(&args_with(&["--qlora"], &[], "bad")).unwrap_err().to_string();
+    let e = run(&args_with(&["--qlora"], &[], "bad"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("--qlora quantizes a LoRA run"), "{e}");
     let e = run(&train_gpt_args(
         &["--quiet", "--arch", "gpt", "--lora-rank", "4"],
@@ -216,7 +231,12 @@ fn last_logits(dir: &Path, peft: Option<&Path>) -> Vec<f64> {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(prompt, [s, 1]), &device());
         let logits = model.logits(ids).unwrap();
         let vocab = hf.vocab_size;
-        f64s(logits.narrow(0, s - 1, 1).narrow(2, 0, vocab).reshape([vocab]))
+        f64s(
+            logits
+                .narrow(0, s - 1, 1)
+                .narrow(2, 0, vocab)
+                .reshape([vocab]),
+        )
     })
     .unwrap()
     .remove(0)
@@ -268,21 +288,32 @@ fn train_gpt_fine_tunes_with_qlora_resumes_and_merges_into_the_full_precision_ba
         merged.to_str().unwrap(),
         "--merge-lora",
     ];
-    let qlora = run(&args(&[&["--qlora", "--steps", "6"][..], &exports].concat(), "q"))
-        .unwrap()
-        .losses;
+    let qlora = run(&args(
+        &[&["--qlora", "--steps", "6"][..], &exports].concat(),
+        "q",
+    ))
+    .unwrap()
+    .losses;
     assert_close(&qlora, &lora, 2e-2, "QLoRA vs LoRA");
     assert!(qlora != lora, "the quantized base computes");
     assert!(qlora.last() < qlora.first(), "{qlora:?}");
     // Resumed from the adapters-only checkpoint at step 3, over the base quantized again.
     let first = run(&args(&["--qlora", "--steps", "3"], "first")).unwrap();
     let ckpt = first.checkpoint.to_str().unwrap().to_string();
-    let resumed = run(&args(&["--qlora", "--steps", "3", "--resume", &ckpt], "resumed"))
-        .unwrap()
-        .losses;
+    let resumed = run(&args(
+        &["--qlora", "--steps", "3", "--resume", &ckpt],
+        "resumed",
+    ))
+    .unwrap()
+    .losses;
     assert_close(&resumed, &qlora[3..], 1e-5, "QLoRA resumed at tp 2");
     let (adapted, merged_logits) = (last_logits(&base, Some(&peft)), last_logits(&merged, None));
-    assert_close(&merged_logits, &adapted, 1e-4, "merged vs f32 base + adapter");
+    assert_close(
+        &merged_logits,
+        &adapted,
+        1e-4,
+        "merged vs f32 base + adapter",
+    );
     let _ = std::fs::remove_dir_all(&root);
 }
 

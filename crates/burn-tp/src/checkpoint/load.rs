@@ -255,9 +255,8 @@ pub fn load_stage<M: Module + Reshard>(
     let mut values = Vec::with_capacity(layouts.len());
     for (k, (layout, (shape, dtype))) in layouts.iter().zip(&shapes).enumerate() {
         let name = format!("p{}", map.global[k]);
-        let frozen_kept = index.info.frozen_base.is_some()
-            && !trainable[k]
-            && !index.tensors.contains_key(&name);
+        let frozen_kept =
+            index.info.frozen_base.is_some() && !trainable[k] && !index.tensors.contains_key(&name);
         if !map.held[k] || frozen_kept {
             values.push(None);
             continue;

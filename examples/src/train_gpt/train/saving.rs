@@ -60,7 +60,11 @@ impl<M: Trainable> Rank<'_, M> {
             Some(from) => HfConfig::from_dir(from)?,
             None => M::hf_config(self.config)?,
         };
-        let base = self.args.init_from.as_ref().map(|p| p.display().to_string());
+        let base = self
+            .args
+            .init_from
+            .as_ref()
+            .map(|p| p.display().to_string());
         whole.save_peft(&hf, dir, base.as_deref())?;
         Ok(())
     }
@@ -117,7 +121,12 @@ impl<M: Trainable> Rank<'_, M> {
     /// This rank's slices of the model and the AdamW state after `steps` steps, into the
     /// sharded checkpoint (data-parallel replica 0 writes; every rank waits for it). The
     /// distributed optimizer's chunks are gathered over dp first.
-    pub(super) fn save(&self, model: &mut M, optim: &mut DpOptimizer, steps: usize) -> burn_tp::Result<()> {
+    pub(super) fn save(
+        &self,
+        model: &mut M,
+        optim: &mut DpOptimizer,
+        steps: usize,
+    ) -> burn_tp::Result<()> {
         if self.experts.is_none() {
             return self.save_whole(model, optim, steps);
         }
