@@ -36,17 +36,28 @@ pub(crate) fn bench_moe(quick: bool) {
     );
     println!("| ep | threads / rank | layer ms | floor ms | layer / floor |");
     println!("|---:|---:|---:|---:|---:|");
+    let mut unfused_ep1 = None;
     for ep in [1usize, 2, 4] {
         let threads = (cores / ep).max(1);
-        let (layer, floor) = ranks(ep, LocalGroupOptions::default(), threads, move |g| {
+        let (layer, floor, unfused) = ranks(ep, LocalGroupOptions::default(), threads, move |g| {
             let dev = device();
             let solo = LocalGroup::new(1).unwrap().remove(0);
             let moe = MoeConfig::new(d, e, k, f).init(&solo, &g, &dev).unwrap();
             let normal = Distribution::Normal(0.0, 1.0);
             let x = Tensor::<3>::random([t, 1, d], normal, &dev).require_grad();
-            let layer = timed(&g, reps, || {
-                let (y, _) = moe.forward(x.clone());
-                drop(y.sum().backward());
+            let run = || {
+                timed(&g, reps, || {
+                    let (y, _) = moe.forward(x.clone());
+                    drop(y.sum().backward());
+                })
+            };
+            let layer = run();
+            // The same layer on Burn's tensor ops for the experts' gate (the unfused path).
+            let unfused = (ep == 1).then(|| {
+                burn_tp::backend::set_cpu_kernels(false);
+                let t = run();
+                burn_tp::backend::set_cpu_kernels(true);
+                t
             });
             // Each local expert's rows when the router spreads the ep ranks' tokens evenly.
             let rows = ep * t * k / e;
@@ -68,7 +79,7 @@ pub(crate) fn bench_moe(quick: bool) {
                     .unwrap();
                 drop(loss.backward());
             });
-            (layer, floor)
+            (layer, floor, unfused)
         })
         .remove(0);
         println!(
@@ -76,6 +87,17 @@ pub(crate) fn bench_moe(quick: bool) {
             layer * 1e3,
             floor * 1e3,
             layer / floor
+        );
+        if let Some(unfused) = unfused {
+            unfused_ep1 = Some((unfused, floor));
+        }
+    }
+    if let Some((unfused, floor)) = unfused_ep1 {
+        println!(
+            "\nep 1 with the experts' gate on Burn's tensor ops (`set_cpu_kernels(false)`, the \
+             unfused path): {:.1} ms, {:.2} x the floor",
+            unfused * 1e3,
+            unfused / floor
         );
     }
     println!(

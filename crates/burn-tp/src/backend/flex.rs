@@ -10,9 +10,13 @@ use burn_tp_comm::{CommError, ProcessGroup, SendBuf};
 use super::{
     AllToAllSpec, AttentionSpec, Collective, CollectiveOutput, PendingCollective, TpBackend,
 };
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use crate::backend::attention::{flash, flash_cpu};
 use crate::backend::collective::all_to_all::host_all_to_all_with;
 use crate::backend::collective::host::{DataRead, HostElement, HostRead, host_start_with};
+use crate::backend::fused::glu_cpu;
+use crate::backend::fused::swiglu::{self, GluActivation};
 
 impl TpBackend for Flex {
     fn tp_start(
@@ -31,8 +35,28 @@ impl TpBackend for Flex {
         host_all_to_all_with::<Self, _>(x, &spec, &group, |t| Ok(FlexRead(t))).into()
     }
 
+    /// The CPU kernel (`fused/glu_cpu.rs`: one pass) for f32 and half inputs; the tensor ops
+    /// for f64 or with [`set_cpu_kernels`]`(false)`.
+    fn tp_glu(y: FloatTensor<Self>, act: GluActivation) -> FloatTensor<Self> {
+        match cpu_kernel(&y) {
+            true => glu_cpu::forward(y, act),
+            false => swiglu::forward::<Self>(y, act),
+        }
+    }
+
+    fn tp_glu_backward(
+        y: FloatTensor<Self>,
+        dz: FloatTensor<Self>,
+        act: GluActivation,
+    ) -> FloatTensor<Self> {
+        match cpu_kernel(&y) {
+            true => glu_cpu::backward(y, dz, act),
+            false => swiglu::backward::<Self>(y, dz, act),
+        }
+    }
+
     /// The CPU kernel (`flash_cpu/`: f32 tiles between GEMM calls) for f32 and half inputs; the
-    /// tensor-op tiles for f64.
+    /// tensor-op tiles for f64 or with [`set_cpu_kernels`]`(false)`.
     fn tp_attention_kernel(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -61,9 +85,33 @@ impl TpBackend for Flex {
     }
 }
 
-/// Whether the CPU kernel runs `q`'s attention: f32 and half (computed in f32), not f64.
-fn cpu_kernel(q: &FlexTensor) -> bool {
-    matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16)
+/// Whether a CPU kernel runs the op on `x`: f32 and half (computed in f32), not f64, unless
+/// they are switched off ([`set_cpu_kernels`]).
+fn cpu_kernel(x: &FlexTensor) -> bool {
+    matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) && cpu_kernels()
+}
+
+/// 0: not read yet, 1: on, 2: off.
+static CPU_KERNELS: AtomicU8 = AtomicU8::new(0);
+
+/// Whether Flex runs burn-tp's CPU kernels (the attention's tiles, the gated MLP's gate) or
+/// the same ops composed of Burn's tensor ops (the unfused path, kept for comparison). On by
+/// default; `BURN_TP_CPU_KERNELS=0` in the environment starts the process with them off.
+pub fn cpu_kernels() -> bool {
+    match CPU_KERNELS.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("BURN_TP_CPU_KERNELS").map_or(true, |v| v != "0");
+            CPU_KERNELS.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+            on
+        }
+        v => v == 1,
+    }
+}
+
+/// Switches burn-tp's CPU kernels on or off for the whole process ([`cpu_kernels`]): benches
+/// time both paths in one run, tests hold one to the other.
+pub fn set_cpu_kernels(on: bool) {
+    CPU_KERNELS.store(if on { 1 } else { 2 }, Ordering::Relaxed);
 }
 
 /// A Flex tensor's values: its storage itself when it is laid out as the flat buffer (contiguous,

@@ -59,6 +59,7 @@ use fused::dropout::DropoutSpec;
 
 pub use attention::mask::{AttentionDropout, AttentionSpec};
 pub use collective::all_to_all::AllToAllSpec;
+pub use flex::{cpu_kernels, set_cpu_kernels};
 pub use fused::norm::NormSpec;
 pub use fused::swiglu::GluActivation;
 pub use types::Collective;
@@ -211,6 +212,17 @@ pub trait TpBackend: Backend {
     /// keeps only `y`.
     fn tp_glu(y: FloatTensor<Self>, act: GluActivation) -> FloatTensor<Self> {
         fused::swiglu::forward::<Self>(y, act)
+    }
+
+    /// The gradient of [`tp_glu`](TpBackend::tp_glu)'s input `y` (`[.., 2 f]`: `[d_gate |
+    /// d_up]`, in y's dtype) from the upstream `dz` (`[.., f]`): the gate's activation
+    /// recomputed from `y`.
+    fn tp_glu_backward(
+        y: FloatTensor<Self>,
+        dz: FloatTensor<Self>,
+        act: GluActivation,
+    ) -> FloatTensor<Self> {
+        fused::swiglu::backward::<Self>(y, dz, act)
     }
 
     /// One GEMM of the parallel layers (forward, dgrad, wgrad, each block of the split / ring

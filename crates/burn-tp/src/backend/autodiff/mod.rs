@@ -12,7 +12,7 @@ use burn_tp_comm::{ProcessGroup, ReduceOp};
 use crate::backend::attention::mask::AttentionSpec;
 use crate::backend::fused::dropout::{DropoutSpec, apply_mask};
 use crate::backend::fused::norm::{self, NormSpec};
-use crate::backend::fused::swiglu::{self, GluActivation};
+use crate::backend::fused::swiglu::GluActivation;
 use crate::backend::matmul::overlap::{column_forward, row_forward};
 use crate::backend::{
     AllToAllSpec, Bias, Collective, CollectiveOutput, GradTap, LinearSpec, PendingCollective,
@@ -267,7 +267,7 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
     fn tp_glu(y: FloatTensor<Self>, act: GluActivation) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct GluBackward;
-        impl<B: Backend> Backward<B, 1> for GluBackward {
+        impl<B: TpBackend> Backward<B, 1> for GluBackward {
             type State = (FloatTensor<B>, GluActivation);
             fn backward(
                 self,
@@ -277,11 +277,11 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
             ) {
                 let (y, act) = ops.state;
                 unary::<B, _>(ops.parents, ops.node, grads, |dz| {
-                    swiglu::backward::<B>(y, dz, act)
+                    B::tp_glu_backward(y, dz, act)
                 });
             }
         }
-        let z = swiglu::forward::<B>(y.primitive().clone(), act);
+        let z = B::tp_glu(y.primitive().clone(), act);
         match GluBackward
             .prepare::<C>([y.node()])
             .compute_bound()

@@ -34,8 +34,8 @@ pub enum GluActivation {
 }
 
 /// `sqrt(2 / pi)` and the cubic's coefficient of the tanh GELU.
-const GELU_C: f64 = 0.797_884_560_802_865_4;
-const GELU_A: f64 = 0.044_715;
+pub(crate) const GELU_C: f64 = 0.797_884_560_802_865_4;
+pub(crate) const GELU_A: f64 = 0.044_715;
 
 /// `act(gate)` and its derivative `act'(gate)` (the latter only with `slope`).
 fn activation<B: Backend>(

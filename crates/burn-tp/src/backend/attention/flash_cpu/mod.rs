@@ -21,6 +21,7 @@ use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
 use crate::backend::attention::mask::{AttentionSpec, tiles};
+use crate::backend::fused::cpu_math::exp;
 use crate::backend::fused::dropout::dropout_mask_values;
 
 /// A 4-d f32 view: storage, offset and strides in elements.
@@ -93,28 +94,6 @@ impl View {
             }
         }
     }
-}
-
-/// `e^x`, vectorizable (Cephes' `expf`: `2^n e^r` with `|r| <= ln 2 / 2`, a degree-5
-/// polynomial; relative error ~1e-7); 0 for `x` below -87.
-#[inline(always)]
-fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(-87.0, 88.0);
-    // Round to nearest through the 1.5 * 2^23 trick (no SSE4.1 `round` needed).
-    let n = (xc * LOG2E + 12_582_912.0) - 12_582_912.0;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 0.166_666_66;
-    let p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
-    let scaled = e * f32::from_bits(((n as i32 + 127) << 23) as u32);
-    if x < -87.0 { 0.0 } else { scaled }
 }
 
 /// Eight lanes, so the reductions below vectorize (a single f32 accumulator is a chain the

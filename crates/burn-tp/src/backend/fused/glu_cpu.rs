@@ -1,0 +1,238 @@
+//! Flex's gated-MLP gate (picked in `backend/flex.rs`): `act(gate) * up` of `y = [gate | up]`
+//! and its backward, each one pass over Flex's storage on the calling rank's rayon pool, instead
+//! of [`super::swiglu`]'s chain of tensor ops (the halves' strided views, the sigmoid, the
+//! products: four passes forward, ten backward, each a read and a write of an activation).
+//!
+//! f32 in its own precision; half inputs widened to f32 and the output cast back (as
+//! [`super::swiglu`]); f64 stays on the tensor ops. The exponential is [`exp`] (vectorized, ~1e-7
+//! relative), so values differ from the tensor ops' in the last bits.
+//!
+//! ```text
+//!  y row:  [ g_0 .. g_{f-1} | u_0 .. u_{f-1} ]      forward:  z_j = act(g_j) u_j
+//!  dy row: [ dz_j u_j act'(g_j) | dz_j act(g_j) ]   backward, from dz [.., f]
+//! ```
+
+use burn::backend::Flex;
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, FloatDType, TensorData};
+use burn_flex::FlexTensor;
+use rayon::prelude::*;
+
+use super::cpu_math::exp;
+use super::swiglu::{GELU_A, GELU_C, GluActivation};
+
+/// Elements a task handles at least (rows are grouped up to it): enough to amortize the task.
+const TASK_ELEMS: usize = 1 << 14;
+
+/// `t` as contiguous f32 values, and its dtype before.
+fn f32_contiguous(t: FlexTensor) -> (FlexTensor, DType) {
+    let dtype = t.dtype();
+    let t = match dtype {
+        DType::F32 => t,
+        _ => Flex::float_cast(t, FloatDType::F32),
+    };
+    match t.is_contiguous() {
+        true => (t, dtype),
+        false => (t.to_contiguous(), dtype),
+    }
+}
+
+/// `values` (f32, `shape`) as a Flex tensor of `dtype`.
+fn output(values: Vec<f32>, shape: Vec<usize>, dtype: DType) -> FlexTensor {
+    let t = FlexTensor::from_data(TensorData::new(values, shape));
+    match dtype {
+        DType::F32 => t,
+        other => Flex::float_cast(t, other.into()),
+    }
+}
+
+/// `rows` rows of `width` values, written in parallel by `row(i, out)` for row `i`, grouped so
+/// that a task has at least [`TASK_ELEMS`] values; no zero-fill before.
+fn rows_of(rows: usize, width: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let n = rows * width;
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    let per_task = TASK_ELEMS.div_ceil(width.max(1)).max(1);
+    // Safety: every element is written below before the vector is read (each row is written
+    // whole by `row`, whose slice is all of that row).
+    #[allow(clippy::uninit_vec)]
+    unsafe {
+        out.set_len(n)
+    };
+    if width > 0 {
+        out.par_chunks_mut(per_task * width)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                for (r, dst) in chunk.chunks_mut(width).enumerate() {
+                    row(c * per_task + r, dst);
+                }
+            });
+    }
+    out
+}
+
+/// `(act(g), act'(g))`. The tanh GELU through the sigmoid: with `z = c (g + a g^3)`,
+/// `(1 + tanh z) / 2 = sig(2 z)` and `1 - tanh^2 z = 4 sig(2 z) (1 - sig(2 z))`, which keeps the
+/// tails exact where `1 - t^2` would cancel.
+#[inline(always)]
+fn act_and_slope(g: f32, act: GluActivation) -> (f32, f32) {
+    match act {
+        GluActivation::Silu => {
+            let sig = sigmoid(g);
+            (g * sig, sig * (1.0 + g * (1.0 - sig)))
+        }
+        GluActivation::GeluTanh => {
+            let (c, a) = (GELU_C as f32, GELU_A as f32);
+            let s = sigmoid(2.0 * c * g * (1.0 + a * g * g));
+            (
+                g * s,
+                s + 2.0 * g * s * (1.0 - s) * c * (1.0 + 3.0 * a * g * g),
+            )
+        }
+    }
+}
+
+#[inline(always)]
+fn act_only(g: f32, act: GluActivation) -> f32 {
+    match act {
+        GluActivation::Silu => g * sigmoid(g),
+        GluActivation::GeluTanh => {
+            let (c, a) = (GELU_C as f32, GELU_A as f32);
+            g * sigmoid(2.0 * c * g * (1.0 + a * g * g))
+        }
+    }
+}
+
+/// `1 / (1 + e^-x)` through [`exp`] (which saturates, so no infinity).
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
+/// `act(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`), in y's dtype.
+pub(crate) fn forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
+    let (y, dtype) = f32_contiguous(y);
+    let mut shape = y.layout().shape().to_vec();
+    let two_f = *shape.last().expect("a GLU input has a last dim");
+    let f = two_f / 2;
+    let rows = shape
+        .iter()
+        .product::<usize>()
+        .checked_div(two_f)
+        .unwrap_or(0);
+    let data = y.as_slice::<f32>().expect("contiguous f32");
+    let out = rows_of(rows, f, |i, dst| {
+        let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
+        for ((z, &g), &u) in dst.iter_mut().zip(g).zip(u) {
+            *z = act_only(g, act) * u;
+        }
+    });
+    *shape.last_mut().expect("checked") = f;
+    output(out, shape, dtype)
+}
+
+/// The gradient of `y` (`[.., 2 f]`: `[d_gate | d_up]`) from the upstream `dz` (`[.., f]`), in
+/// y's dtype.
+pub(crate) fn backward(y: FlexTensor, dz: FlexTensor, act: GluActivation) -> FlexTensor {
+    let (y, dtype) = f32_contiguous(y);
+    let (dz, _) = f32_contiguous(dz);
+    let shape = y.layout().shape().to_vec();
+    let two_f = *shape.last().expect("a GLU input has a last dim");
+    let f = two_f / 2;
+    let rows = shape
+        .iter()
+        .product::<usize>()
+        .checked_div(two_f)
+        .unwrap_or(0);
+    let (data, dz) = (
+        y.as_slice::<f32>().expect("contiguous f32"),
+        dz.as_slice::<f32>().expect("contiguous f32"),
+    );
+    let out = rows_of(rows, two_f, |i, dst| {
+        let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
+        let dz = &dz[i * f..(i + 1) * f];
+        let (d_gate, d_up) = dst.split_at_mut(f);
+        for j in 0..f {
+            let (a, slope) = act_and_slope(g[j], act);
+            d_gate[j] = dz[j] * u[j] * slope;
+            d_up[j] = dz[j] * a;
+        }
+    });
+    output(out, shape, dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fused::swiglu;
+
+    fn flex(values: Vec<f32>, shape: Vec<usize>, dtype: DType) -> FlexTensor {
+        let t = FlexTensor::from_data(TensorData::new(values, shape));
+        match dtype {
+            DType::F32 => t,
+            other => Flex::float_cast(t, other.into()),
+        }
+    }
+
+    fn f64s(t: FlexTensor) -> Vec<f64> {
+        t.into_data().convert::<f64>().try_to_vec::<f64>().unwrap()
+    }
+
+    /// Values in [-8, 8) (both tails of the activations), from a fixed sequence.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
+                ((h >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
+            })
+            .collect()
+    }
+
+    /// The kernel against the tensor ops ([`swiglu`], f64 for the reference) over odd shapes
+    /// (one row, widths not a multiple of the vector, more rows than a task), both activations,
+    /// f32 and bf16, forward and backward; and a transposed (non-contiguous) input.
+    #[test]
+    fn the_kernel_gives_the_tensor_ops_values_and_gradients() {
+        for act in [GluActivation::Silu, GluActivation::GeluTanh] {
+            for (rows, f) in [(1, 1), (3, 5), (7, 17), (2, 64), (300, 70)] {
+                let y = values(rows * 2 * f, 1);
+                let dz = values(rows * f, 2);
+                let reference = |dtype: DType| {
+                    let y64 = flex(y.clone(), vec![rows, 2 * f], dtype);
+                    let y64 = Flex::float_cast(y64, FloatDType::F64);
+                    let dz64 =
+                        Flex::float_cast(flex(dz.clone(), vec![rows, f], dtype), FloatDType::F64);
+                    (
+                        f64s(swiglu::forward::<Flex>(y64.clone(), act)),
+                        f64s(swiglu::backward::<Flex>(y64, dz64, act)),
+                    )
+                };
+                for (dtype, tol) in [(DType::F32, 2e-6), (DType::BF16, 1e-2)] {
+                    let (want_z, want_dy) = reference(dtype);
+                    let yt = flex(y.clone(), vec![rows, 2 * f], dtype);
+                    let z = forward(yt.clone(), act);
+                    assert_eq!(z.dtype(), dtype);
+                    assert_eq!(z.layout().shape().to_vec(), vec![rows, f]);
+                    let dy = backward(yt, flex(dz.clone(), vec![rows, f], dtype), act);
+                    assert_eq!(dy.layout().shape().to_vec(), vec![rows, 2 * f]);
+                    for (what, got, want) in [("z", f64s(z), want_z), ("dy", f64s(dy), want_dy)] {
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert!(
+                                (g - w).abs() <= tol * (1.0 + w.abs()),
+                                "{act:?} {dtype:?} [{rows}, {f}] {what}[{i}]: {g} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // A transposed input: read through a contiguous copy.
+        let y = values(6 * 4, 3);
+        let t = flex(y, vec![4, 6], DType::F32).transpose(0, 1);
+        let contiguous = t.to_contiguous();
+        let want = f64s(swiglu::forward::<Flex>(contiguous, GluActivation::Silu));
+        let got = f64s(forward(t, GluActivation::Silu));
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 2e-6 * (1.0 + w.abs()), "{g} vs {w}");
+        }
+    }
+}
