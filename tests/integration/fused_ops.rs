@@ -348,3 +348,44 @@ fn fused_swiglu_matches_the_composed_ops() {
         }
     }
 }
+
+/// The GPT's GELU (`ops::gelu`, the exact erf GELU with its exact derivative): its values are
+/// Burn's `gelu`'s in f64, f32 and bf16, its f64 gradient passes a finite-difference gradcheck
+/// (Burn's own backward differentiates the tanh approximation: off by up to ~1e-3), and the f32
+/// and bf16 gradients (Flex's one-pass kernel; f64 runs the tensor ops) are the f64 one's.
+#[test]
+fn the_gelu_is_burns_forward_with_the_exact_derivative() {
+    use burn::tensor::activation::gelu;
+    let _rng = rng_lock();
+    let n = 3 * 5 * 7;
+    let x = move || uniform(n, 41).iter().map(|v| v * 8.0).collect::<Vec<f32>>();
+    let w = move || uniform(n, 42);
+    let report = run_local(1, move |g| {
+        let inputs = [tensor(x(), [n], DType::F64)];
+        let wt = tensor(w(), [n], DType::F64);
+        gradcheck(
+            &g,
+            &inputs,
+            LossKind::Replicated,
+            GradcheckOptions::default(),
+            |p| (burn_tp::ops::gelu(p[0].clone()) * wt.clone()).sum(),
+        )
+    })
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    assert!(report.checked > 0, "{report:?}");
+    let grad = |dtype: DType| {
+        let xt = tensor(x(), [3, 5, 7], dtype).require_grad();
+        let y = burn_tp::ops::gelu(xt.clone());
+        let burn_y = gelu(xt.clone().detach());
+        let g = (y.clone() * tensor(w(), [3, 5, 7], dtype)).sum().backward();
+        (f64s(y), f64s(burn_y), f64s(xt.grad(&g).unwrap()))
+    };
+    let (_, _, want) = grad(DType::F64);
+    for (dtype, rtol) in [(DType::F64, 1e-12), (DType::F32, 2e-5), (DType::BF16, 3e-2)] {
+        let (y, burn_y, dx) = grad(dtype);
+        assert_close(&y, &burn_y, rtol, &format!("{dtype:?}: values"));
+        assert_close(&dx, &want, rtol.max(1e-5), &format!("{dtype:?}: gradient"));
+    }
+}

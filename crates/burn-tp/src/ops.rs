@@ -287,3 +287,10 @@ pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
         b.into_dispatch(),
     ))
 }
+
+/// The exact GELU, `x Phi(x)` (Burn's `gelu`: the GPT's MLP), with its exact derivative in the
+/// backward ([`TpBackend::tp_gelu`]; Burn's own backward differentiates the tanh
+/// approximation); on Flex each is one pass over the tensor. Any shape, in x's dtype.
+pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as TpBackend>::tp_gelu(x.into_dispatch()))
+}

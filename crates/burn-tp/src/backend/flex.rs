@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use crate::backend::attention::{flash, flash_cpu};
 use crate::backend::collective::all_to_all::host_all_to_all_with;
 use crate::backend::collective::host::{DataRead, HostElement, HostRead, host_start_with};
-use crate::backend::fused::glu_cpu;
 use crate::backend::fused::swiglu::{self, GluActivation};
+use crate::backend::fused::{activation_cpu, gelu};
 
 impl TpBackend for Flex {
     fn tp_start(
@@ -35,11 +35,11 @@ impl TpBackend for Flex {
         host_all_to_all_with::<Self, _>(x, &spec, &group, |t| Ok(FlexRead(t))).into()
     }
 
-    /// The CPU kernel (`fused/glu_cpu.rs`: one pass) for f32 and half inputs; the tensor ops
+    /// The CPU kernel (`fused/activation_cpu.rs`: one pass) for f32 and half inputs; the tensor ops
     /// for f64 or with [`set_cpu_kernels`]`(false)`.
     fn tp_glu(y: FloatTensor<Self>, act: GluActivation) -> FloatTensor<Self> {
         match cpu_kernel(&y) {
-            true => glu_cpu::forward(y, act),
+            true => activation_cpu::glu_forward(y, act),
             false => swiglu::forward::<Self>(y, act),
         }
     }
@@ -50,8 +50,24 @@ impl TpBackend for Flex {
         act: GluActivation,
     ) -> FloatTensor<Self> {
         match cpu_kernel(&y) {
-            true => glu_cpu::backward(y, dz, act),
+            true => activation_cpu::glu_backward(y, dz, act),
             false => swiglu::backward::<Self>(y, dz, act),
+        }
+    }
+
+    /// The CPU kernel (`fused/activation_cpu.rs`: one pass, a vectorized normal CDF) for f32
+    /// and half inputs; Burn's `gelu` for f64 or with [`set_cpu_kernels`]`(false)`.
+    fn tp_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match cpu_kernel(&x) {
+            true => activation_cpu::gelu_forward(x),
+            false => <Self as burn::backend::ops::ActivationOps<Self>>::gelu(x),
+        }
+    }
+
+    fn tp_gelu_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        match cpu_kernel(&x) {
+            true => activation_cpu::gelu_backward(x, dy),
+            false => gelu::backward::<Self>(x, dy),
         }
     }
 

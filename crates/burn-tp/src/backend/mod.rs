@@ -225,6 +225,18 @@ pub trait TpBackend: Backend {
         fused::swiglu::backward::<Self>(y, dz, act)
     }
 
+    /// The exact GELU, `x Phi(x)` (`Phi` the standard normal CDF; Burn's `gelu`, the GPT's
+    /// MLP), in x's dtype. On `Autodiff` its backward keeps only `x`.
+    fn tp_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gelu(x)
+    }
+
+    /// The gradient of [`tp_gelu`](TpBackend::tp_gelu)'s input: `dy (Phi(x) + x phi(x))`, the
+    /// exact GELU's own derivative (`fused/gelu.rs`).
+    fn tp_gelu_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        fused::gelu::backward::<Self>(x, dy)
+    }
+
     /// One GEMM of the parallel layers (forward, dgrad, wgrad, each block of the split / ring
     /// schedules) and of the attention's blocks: `a [.., m, k] · b [.., k, n] -> [.., m, n]`.
     /// The default is the backend's own matmul; a backend with a faster GEMM (cuBLAS on CUDA,

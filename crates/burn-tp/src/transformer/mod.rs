@@ -10,7 +10,6 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::Device;
 use burn::tensor::Tensor;
-use burn::tensor::activation::gelu;
 use burn_tp_comm::ProcessGroup;
 
 use crate::Result as TpResult;
@@ -72,7 +71,8 @@ impl ParallelMlp {
     /// # Errors
     /// As [`forward`](Self::forward)'s panics.
     pub fn try_forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
-        self.fc2.try_forward(gelu(self.fc1.try_forward(x)?))
+        self.fc2
+            .try_forward(crate::ops::gelu(self.fc1.try_forward(x)?))
     }
 }
 

@@ -293,6 +293,34 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         }
     }
 
+    fn tp_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct GeluBackward;
+        impl<B: TpBackend> Backward<B, 1> for GeluBackward {
+            type State = FloatTensor<B>;
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let x = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |dy| {
+                    B::tp_gelu_backward(x, dy)
+                });
+            }
+        }
+        let y = B::tp_gelu(x.primitive().clone());
+        match GeluBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(x.into_primitive(), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
     fn tp_column_linear(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

@@ -1,11 +1,16 @@
-//! Flex's gated-MLP gate (picked in `backend/flex.rs`): `act(gate) * up` of `y = [gate | up]`
-//! and its backward, each one pass over Flex's storage on the calling rank's rayon pool, instead
-//! of [`super::swiglu`]'s chain of tensor ops (the halves' strided views, the sigmoid, the
-//! products: four passes forward, ten backward, each a read and a write of an activation).
+//! Flex's activation kernels (picked in `backend/flex.rs`), each one pass over Flex's storage on
+//! the calling rank's rayon pool instead of a chain of tensor ops (each a read and a write of an
+//! activation):
+//! - the gated MLP's gate, `act(gate) * up` of `y = [gate | up]`, and its backward
+//!   ([`super::swiglu`]'s tensor ops: the halves' strided views, the sigmoid, the products; four
+//!   passes forward, ten backward);
+//! - the exact (erf) GELU of the GPT's MLP and its exact derivative (Burn's own: a pass per op,
+//!   libm's scalar `erff`, and a backward that differentiates the tanh approximation instead).
 //!
 //! f32 in its own precision; half inputs widened to f32 and the output cast back (as
 //! [`super::swiglu`]); f64 stays on the tensor ops. The exponential is [`exp`] (vectorized, ~1e-7
-//! relative), so values differ from the tensor ops' in the last bits.
+//! relative) and the normal CDF a rational `erfc` (~1.2e-7 relative), so values differ from the
+//! tensor ops' in the last bits.
 //!
 //! ```text
 //!  y row:  [ g_0 .. g_{f-1} | u_0 .. u_{f-1} ]      forward:  z_j = act(g_j) u_j
@@ -17,6 +22,7 @@ use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, FloatDType, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 use super::cpu_math::exp;
 use super::swiglu::{GELU_A, GELU_C, GluActivation};
@@ -46,28 +52,39 @@ fn output(values: Vec<f32>, shape: Vec<usize>, dtype: DType) -> FlexTensor {
     }
 }
 
-/// `rows` rows of `width` values, written in parallel by `row(i, out)` for row `i`, grouped so
-/// that a task has at least [`TASK_ELEMS`] values; no zero-fill before.
-fn rows_of(rows: usize, width: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
-    let n = rows * width;
+/// `n` values written in parallel, `chunk` at a time: `fill(start, dst)` writes every element
+/// of `dst`, values `start..start + dst.len()`. No zero-fill before.
+fn par_fill(
+    n: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
     let mut out: Vec<f32> = Vec::with_capacity(n);
-    let per_task = TASK_ELEMS.div_ceil(width.max(1)).max(1);
-    // Safety: every element is written below before the vector is read (each row is written
-    // whole by `row`, whose slice is all of that row).
-    #[allow(clippy::uninit_vec)]
-    unsafe {
-        out.set_len(n)
-    };
-    if width > 0 {
-        out.par_chunks_mut(per_task * width)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                for (r, dst) in chunk.chunks_mut(width).enumerate() {
-                    row(c * per_task + r, dst);
-                }
-            });
-    }
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(chunk.max(1))
+        .enumerate()
+        .for_each(|(c, dst)| fill(c * chunk.max(1), dst));
+    // Safety: the chunks cover `0..n` and `fill` writes every element of each.
+    unsafe { out.set_len(n) };
     out
+}
+
+/// `rows` rows of `width` values, written in parallel by `row(i, dst)` for row `i` (every
+/// element of `dst`), grouped so that a task has at least [`TASK_ELEMS`] values.
+fn rows_of(
+    rows: usize,
+    width: usize,
+    row: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    if width == 0 {
+        return Vec::new();
+    }
+    let per_task = TASK_ELEMS.div_ceil(width).max(1);
+    par_fill(rows * width, per_task * width, |start, dst| {
+        for (r, dst) in dst.chunks_mut(width).enumerate() {
+            row(start / width + r, dst);
+        }
+    })
 }
 
 /// `(act(g), act'(g))`. The tanh GELU through the sigmoid: with `z = c (g + a g^3)`,
@@ -109,7 +126,7 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 /// `act(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`), in y's dtype.
-pub(crate) fn forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
+pub(crate) fn glu_forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
     let (y, dtype) = f32_contiguous(y);
     let mut shape = y.layout().shape().to_vec();
     let two_f = *shape.last().expect("a GLU input has a last dim");
@@ -123,7 +140,7 @@ pub(crate) fn forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
     let out = rows_of(rows, f, |i, dst| {
         let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
         for ((z, &g), &u) in dst.iter_mut().zip(g).zip(u) {
-            *z = act_only(g, act) * u;
+            z.write(act_only(g, act) * u);
         }
     });
     *shape.last_mut().expect("checked") = f;
@@ -132,7 +149,7 @@ pub(crate) fn forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
 
 /// The gradient of `y` (`[.., 2 f]`: `[d_gate | d_up]`) from the upstream `dz` (`[.., f]`), in
 /// y's dtype.
-pub(crate) fn backward(y: FlexTensor, dz: FlexTensor, act: GluActivation) -> FlexTensor {
+pub(crate) fn glu_backward(y: FlexTensor, dz: FlexTensor, act: GluActivation) -> FlexTensor {
     let (y, dtype) = f32_contiguous(y);
     let (dz, _) = f32_contiguous(dz);
     let shape = y.layout().shape().to_vec();
@@ -153,8 +170,67 @@ pub(crate) fn backward(y: FlexTensor, dz: FlexTensor, act: GluActivation) -> Fle
         let (d_gate, d_up) = dst.split_at_mut(f);
         for j in 0..f {
             let (a, slope) = act_and_slope(g[j], act);
-            d_gate[j] = dz[j] * u[j] * slope;
-            d_up[j] = dz[j] * a;
+            d_gate[j].write(dz[j] * u[j] * slope);
+            d_up[j].write(dz[j] * a);
+        }
+    });
+    output(out, shape, dtype)
+}
+
+/// The standard normal CDF `Phi(x) = erfc(-x / sqrt 2) / 2`, with Numerical Recipes' `erfcc`
+/// (a Chebyshev fit, fractional error below 1.2e-7 everywhere): accurate in both tails, where
+/// `(1 + erf) / 2` would cancel.
+// The published coefficients, as written (f32 rounds them).
+#[allow(clippy::excessive_precision)]
+#[inline(always)]
+fn normal_cdf(x: f32) -> f32 {
+    let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let p = 0.170_872_77f32;
+    let p = p * t - 0.822_152_23;
+    let p = p * t + 1.488_515_87;
+    let p = p * t - 1.135_203_98;
+    let p = p * t + 0.278_868_07;
+    let p = p * t - 0.186_288_06;
+    let p = p * t + 0.096_784_18;
+    let p = p * t + 0.374_091_96;
+    let p = p * t + 1.000_023_68;
+    let p = p * t - 1.265_512_23;
+    // erfc(z) for z = |x| / sqrt 2: the lower tail's CDF, or one minus it.
+    let half_erfc = 0.5 * t * exp(p - z * z);
+    if x >= 0.0 { 1.0 - half_erfc } else { half_erfc }
+}
+
+/// `1 / sqrt(2 pi)`.
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// `x Phi(x)` elementwise (the exact GELU), in x's dtype.
+pub(crate) fn gelu_forward(x: FlexTensor) -> FlexTensor {
+    let (x, dtype) = f32_contiguous(x);
+    let shape = x.layout().shape().to_vec();
+    let data = x.as_slice::<f32>().expect("contiguous f32");
+    let out = par_fill(data.len(), TASK_ELEMS, |start, dst| {
+        for (y, &x) in dst.iter_mut().zip(&data[start..]) {
+            y.write(x * normal_cdf(x));
+        }
+    });
+    output(out, shape, dtype)
+}
+
+/// The gradient of the exact GELU's input `x` from the upstream `dy`: `dy (Phi(x) + x phi(x))`,
+/// in x's dtype.
+pub(crate) fn gelu_backward(x: FlexTensor, dy: FlexTensor) -> FlexTensor {
+    let (x, dtype) = f32_contiguous(x);
+    let (dy, _) = f32_contiguous(dy);
+    let shape = x.layout().shape().to_vec();
+    let (data, dy) = (
+        x.as_slice::<f32>().expect("contiguous f32"),
+        dy.as_slice::<f32>().expect("contiguous f32"),
+    );
+    let out = par_fill(data.len(), TASK_ELEMS, |start, dst| {
+        for ((g, &x), &d) in dst.iter_mut().zip(&data[start..]).zip(&dy[start..]) {
+            let pdf = INV_SQRT_2PI * exp(-0.5 * x * x);
+            g.write(d * (normal_cdf(x) + x * pdf));
         }
     });
     output(out, shape, dtype)
@@ -209,10 +285,10 @@ mod tests {
                 for (dtype, tol) in [(DType::F32, 2e-6), (DType::BF16, 1e-2)] {
                     let (want_z, want_dy) = reference(dtype);
                     let yt = flex(y.clone(), vec![rows, 2 * f], dtype);
-                    let z = forward(yt.clone(), act);
+                    let z = glu_forward(yt.clone(), act);
                     assert_eq!(z.dtype(), dtype);
                     assert_eq!(z.layout().shape().to_vec(), vec![rows, f]);
-                    let dy = backward(yt, flex(dz.clone(), vec![rows, f], dtype), act);
+                    let dy = glu_backward(yt, flex(dz.clone(), vec![rows, f], dtype), act);
                     assert_eq!(dy.layout().shape().to_vec(), vec![rows, 2 * f]);
                     for (what, got, want) in [("z", f64s(z), want_z), ("dy", f64s(dy), want_dy)] {
                         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -225,12 +301,37 @@ mod tests {
                 }
             }
         }
+        // The GELU against the f64 reference (Burn's erf GELU; the exact derivative on tensor
+        // ops), over lengths around a task's.
+        for n in [1, 7, TASK_ELEMS - 1, TASK_ELEMS + 3] {
+            let x = values(n, 5);
+            let dy = values(n, 6);
+            for (dtype, tol) in [(DType::F32, 2e-6), (DType::BF16, 1e-2)] {
+                let xt = flex(x.clone(), vec![n], dtype);
+                let x64 = Flex::float_cast(xt.clone(), FloatDType::F64);
+                let dy64 = Flex::float_cast(flex(dy.clone(), vec![n], dtype), FloatDType::F64);
+                use burn::backend::ops::ActivationOps;
+                let want_y = f64s(<Flex as ActivationOps<Flex>>::gelu(x64.clone()));
+                let want_dx = f64s(super::super::gelu::backward::<Flex>(x64, dy64));
+                let y = gelu_forward(xt.clone());
+                assert_eq!(y.dtype(), dtype);
+                let dx = gelu_backward(xt, flex(dy.clone(), vec![n], dtype));
+                for (what, got, want) in [("y", f64s(y), want_y), ("dx", f64s(dx), want_dx)] {
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= tol * (1.0 + w.abs()),
+                            "GELU {dtype:?} [{n}] {what}[{i}]: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
         // A transposed input: read through a contiguous copy.
         let y = values(6 * 4, 3);
         let t = flex(y, vec![4, 6], DType::F32).transpose(0, 1);
         let contiguous = t.to_contiguous();
         let want = f64s(swiglu::forward::<Flex>(contiguous, GluActivation::Silu));
-        let got = f64s(forward(t, GluActivation::Silu));
+        let got = f64s(glu_forward(t, GluActivation::Silu));
         for (g, w) in got.iter().zip(&want) {
             assert!((g - w).abs() <= 2e-6 * (1.0 + w.abs()), "{g} vs {w}");
         }
