@@ -24,7 +24,7 @@ use burn_flex::FlexTensor;
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
-use super::cpu_math::exp;
+use super::cpu_math::{exp, simd};
 use super::swiglu::{GELU_A, GELU_C, GluActivation};
 
 /// Elements a task handles at least (rows are grouped up to it): enough to amortize the task.
@@ -63,7 +63,7 @@ fn par_fill(
     out.spare_capacity_mut()[..n]
         .par_chunks_mut(chunk.max(1))
         .enumerate()
-        .for_each(|(c, dst)| fill(c * chunk.max(1), dst));
+        .for_each(|(c, dst)| simd(|| fill(c * chunk.max(1), dst)));
     // Safety: the chunks cover `0..n` and `fill` writes every element of each.
     unsafe { out.set_len(n) };
     out

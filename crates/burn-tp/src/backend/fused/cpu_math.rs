@@ -8,9 +8,13 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(-87.0, 88.0);
-    // Round to nearest through the 1.5 * 2^23 trick (no SSE4.1 `round` needed).
-    let n = (xc * LOG2E + 12_582_912.0) - 12_582_912.0;
+    // `max` / `min`, not `clamp` (whose NaN and order checks keep the loop scalar).
+    let xc = x.max(-87.0).min(88.0);
+    // Round to nearest through the 1.5 * 2^23 trick (no SSE4.1 `round` needed): `t`'s low
+    // mantissa bits hold n, so 2^n is integer arithmetic on its bits (no float-to-int
+    // conversion, whose saturating semantics keep the loop scalar).
+    let t = xc * LOG2E + 12_582_912.0;
+    let n = t - 12_582_912.0;
     let r = xc - n * LN2_HI - n * LN2_LO;
     let p = 1.987_569_1e-4;
     let p = p * r + 1.398_199_9e-3;
@@ -19,6 +23,40 @@ pub(crate) fn exp(x: f32) -> f32 {
     let p = p * r + 0.166_666_66;
     let p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
-    let scaled = e * f32::from_bits(((n as i32 + 127) << 23) as u32);
+    let scaled = e * f32::from_bits((t.to_bits().wrapping_sub(0x4B40_0000 - 127)) << 23);
     if x < -87.0 { 0.0 } else { scaled }
+}
+
+/// Runs `f` compiled for the widest vector unit this CPU has (AVX-512, else AVX2 with FMA, else
+/// the build's baseline, SSE2 on x86-64): the kernels' loops, inlined into it, vectorize to that
+/// width without building for one CPU (`-C target-cpu`), as gemm and Flex pick their kernels at
+/// run time. The results do not depend on the width: Rust neither contracts `a * b + c` into
+/// an FMA nor reassociates float sums, so each element's arithmetic is the same.
+#[inline(always)]
+pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // Safety: the CPU has the features the function is compiled for (checked above).
+            return unsafe { avx512(f) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // Safety: as above.
+            return unsafe { avx2(f) };
+        }
+    }
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma")]
+unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+    f()
 }

@@ -58,6 +58,7 @@ impl View {
     }
 
     /// Offset of element `[i0, i1, i2, 0]`.
+    #[inline(always)]
     fn at(&self, i0: usize, i1: usize, i2: usize) -> usize {
         (self.offset as isize
             + i0 as isize * self.strides[0]
@@ -67,6 +68,7 @@ impl View {
 
     /// Rows `rows` of heads `heads` of batch `bi`, as `[heads * rows, hd]` row-major in `dst`,
     /// times `scale`.
+    #[inline(always)]
     fn pack(
         &self,
         bi: usize,
@@ -101,6 +103,7 @@ impl View {
 const LANES: usize = 8;
 
 /// The largest element (`-inf` for none).
+#[inline(always)]
 fn max(row: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
@@ -115,6 +118,7 @@ fn max(row: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |a, &x| if x > a { x } else { a })
 }
 
+#[inline(always)]
 fn sum(row: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = row.chunks_exact(LANES);
@@ -128,6 +132,7 @@ fn sum(row: &[f32]) -> f32 {
 }
 
 /// `row[i] = e^(row[i] - shift)`.
+#[inline(always)]
 fn exp_shifted(row: &mut [f32], shift: f32) {
     for x in row.iter_mut() {
         *x = exp(*x - shift);
@@ -189,6 +194,7 @@ impl Out {
 
 /// The scores of one tile with the keys a query does not see (its future, those before its
 /// window) set to `-inf`.
+#[inline(always)]
 fn mask_hidden(
     s: &mut [f32],
     [bi, g]: [usize; 2],
@@ -223,6 +229,7 @@ fn mask_hidden(
 /// where the spec says (then, with `slope`, each capped score's derivative `1 - tanh^2` into
 /// it, for the backward), with the keys a query does not see at `-inf`.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn tile_scores(
     tile: &mut [f32],
     slope: Option<&mut [f32]>,
