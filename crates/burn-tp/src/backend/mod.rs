@@ -15,9 +15,9 @@
 //! | `collective/`  | the host transport (`host.rs`: one dtype switch, dim-first moves, slicing; `pool.rs`: pooled output buffers) |
 //! | `matmul/`      | the parallel-linear math and its overlap schedules (`overlap.rs`, with diagram), [`gemm`] (a row-major strided product as a column-major BLAS call), the GEMM hook on CUDA (`cublas.rs`) |
 //! | `attention/`   | causal attention by tiles (`flash.rs`, with diagram), its CPU kernel on Flex's storage (`flash_cpu.rs`), which keys a query sees (`mask.rs`) |
-//! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `act(gate) * up`: SwiGLU, GeGLU (`swiglu.rs`), dropout (`dropout.rs`) |
+//! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `act(gate) * up`: SwiGLU, GeGLU (`swiglu.rs`), the exact GELU's derivative (`gelu.rs`), dropout (`dropout.rs`); Flex's one-pass gate and GELU (`activation_cpu.rs`) and the vectorized loops' helpers (`cpu_math.rs`) |
 //! | `grad_tap.rs`  | the data-parallel gradient tap                                     |
-//! | `flex.rs`      | `TpBackend` for Flex (the defaults)                               |
+//! | `flex.rs`      | `TpBackend` for Flex: its CPU kernels (attention, gate, GELU; [`set_cpu_kernels`] turns them off) |
 //! | `autodiff/`    | `TpBackend` for `Autodiff<B>`: each op's forward, its backward node |
 //! | `cuda.rs`      | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
 //!
