@@ -9,6 +9,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     // `max` / `min`, not `clamp` (whose NaN and order checks keep the loop scalar).
+    #[allow(clippy::manual_clamp)]
     let xc = x.max(-87.0).min(88.0);
     // Round to nearest through the 1.5 * 2^23 trick (no SSE4.1 `round` needed): `t`'s low
     // mantissa bits hold n, so 2^n is integer arithmetic on its bits (no float-to-int
