@@ -125,17 +125,23 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp(-x))
 }
 
-/// `act(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`), in y's dtype.
-pub(crate) fn glu_forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
-    let (y, dtype) = f32_contiguous(y);
-    let mut shape = y.layout().shape().to_vec();
-    let two_f = *shape.last().expect("a GLU input has a last dim");
-    let f = two_f / 2;
+/// `y`'s shape, its rows (all dims but the last) and the last dim's size.
+fn rows_and_width(y: &FlexTensor) -> (Vec<usize>, usize, usize) {
+    let shape = y.layout().shape().to_vec();
+    let width = *shape.last().expect("a GLU input has a last dim");
     let rows = shape
         .iter()
         .product::<usize>()
-        .checked_div(two_f)
+        .checked_div(width)
         .unwrap_or(0);
+    (shape, rows, width)
+}
+
+/// `act(gate) * up` of `y = [gate | up]` (`[.., 2 f] -> [.., f]`), in y's dtype.
+pub(crate) fn glu_forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
+    let (y, dtype) = f32_contiguous(y);
+    let (mut shape, rows, two_f) = rows_and_width(&y);
+    let f = two_f / 2;
     let data = y.as_slice::<f32>().expect("contiguous f32");
     let out = rows_of(rows, f, |i, dst| {
         let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
@@ -152,14 +158,8 @@ pub(crate) fn glu_forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
 pub(crate) fn glu_backward(y: FlexTensor, dz: FlexTensor, act: GluActivation) -> FlexTensor {
     let (y, dtype) = f32_contiguous(y);
     let (dz, _) = f32_contiguous(dz);
-    let shape = y.layout().shape().to_vec();
-    let two_f = *shape.last().expect("a GLU input has a last dim");
+    let (shape, rows, two_f) = rows_and_width(&y);
     let f = two_f / 2;
-    let rows = shape
-        .iter()
-        .product::<usize>()
-        .checked_div(two_f)
-        .unwrap_or(0);
     let (data, dz) = (
         y.as_slice::<f32>().expect("contiguous f32"),
         dz.as_slice::<f32>().expect("contiguous f32"),
