@@ -37,7 +37,12 @@ pub(crate) fn exp(x: f32) -> f32 {
 pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
             // Safety: the CPU has the features the function is compiled for (checked above).
             return unsafe { avx512(f) };
         }
