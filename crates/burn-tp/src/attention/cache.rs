@@ -65,7 +65,12 @@ impl DecodeCache {
 /// last `w - 1` positions are kept (all the next query sees besides itself).
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
+    /// Keys and values `[b, h, capacity, hd]`, the first `kept` positions filled: the buffers
+    /// grow by doubling and take each new position in place, instead of being copied whole at
+    /// every step (a concatenation per token).
     pub(super) kv: Option<(Tensor<4>, Tensor<4>)>,
+    /// Positions filled.
+    kept: usize,
     /// Positions dropped from the front (outside every later query's window).
     pub(super) dropped: usize,
     /// Left padding of each sequence (the [`DecodeCache`]'s, which sets it).
@@ -85,7 +90,7 @@ impl KvCache {
 
     /// Positions kept.
     pub fn kept(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2])
+        self.kept
     }
 
     /// Whether nothing is cached.
@@ -93,27 +98,52 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// Appends new positions' keys and values; returns all those kept and how many of them come
-    /// before the new ones.
+    /// Appends new positions' keys and values; returns all those kept (views of the buffers)
+    /// and how many of them come before the new ones.
     pub(super) fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>, usize) {
-        let before = self.kept();
-        let (k, v) = match self.kv.take() {
-            Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
-            None => (k, v),
+        let before = self.kept;
+        let [b, h, s, hd] = k.dims();
+        let need = before + s;
+        let (kb, vb) = match self.kv.take() {
+            // Room left: written in place (the buffers' only owner once the last step's views
+            // are dropped; Flex copies otherwise, as a concatenation would).
+            Some((kb, vb)) if kb.dims()[2] >= need => {
+                let at = [0..b, 0..h, before..need, 0..hd];
+                (kb.slice_assign(at.clone(), k), vb.slice_assign(at, v))
+            }
+            // Grown to twice what is needed: one copy of what is kept, amortized over the
+            // steps that fill the rest.
+            held => {
+                let grow = |old: Option<Tensor<4>>, new: Tensor<4>| {
+                    let spare = Tensor::<4>::zeros([b, h, need, hd], (&new.device(), new.dtype()));
+                    let mut parts = Vec::with_capacity(3);
+                    if let Some(old) = old {
+                        parts.push(old.narrow(2, 0, before));
+                    }
+                    parts.extend([new, spare]);
+                    Tensor::cat(parts, 2)
+                };
+                let (k0, v0) = held.unzip();
+                (grow(k0, k), grow(v0, v))
+            }
         };
-        self.kv = Some((k.clone(), v.clone()));
+        self.kept = need;
+        let view = |t: &Tensor<4>| t.clone().narrow(2, 0, need);
+        let (k, v) = (view(&kb), view(&vb));
+        self.kv = Some((kb, vb));
         (k, v, before)
     }
 
     /// Keeps the last `n` positions only.
     pub(super) fn keep_last(&mut self, n: usize) {
-        let kept = self.kept();
+        let kept = self.kept;
         if kept > n
             && let Some((k, v)) = self.kv.take()
         {
-            // Copies, so the dropped positions' memory goes.
+            // Copies, so the dropped positions' memory goes (the next append grows them again).
             let last = |x: Tensor<4>| crate::init::owned(x.narrow(2, kept - n, n));
             self.kv = (n > 0).then(|| (last(k), last(v)));
+            self.kept = n;
             self.dropped += kept - n;
         }
     }
@@ -125,4 +155,60 @@ pub(super) struct Padding {
     pub(super) rows: Vec<usize>,
     /// Position of the first key kept (a sliding window's cache drops the earlier ones).
     pub(super) first_key: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, TensorData};
+
+    fn positions(start: usize, s: usize) -> Tensor<4> {
+        let v: Vec<f32> = (0..2 * 3 * s * 4)
+            .map(|i| (start * 1000 + i) as f32)
+            .collect();
+        Tensor::from_data(TensorData::new(v, [2, 3, s, 4]), &Device::flex())
+    }
+
+    fn values(t: Tensor<4>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// Appends (a prompt, then one position at a time, past each growth) give what
+    /// concatenating gives; a clone taken midway keeps its own positions while the original
+    /// goes on writing in place; a sliding window keeps the last positions.
+    #[test]
+    fn appends_in_place_equal_concatenation_and_clones_do_not_share_writes() {
+        let mut cache = KvCache::new();
+        let mut want_k = positions(0, 5);
+        let (k, _, before) = cache.append(want_k.clone(), want_k.clone() * 2.0);
+        assert_eq!((before, cache.kept()), (0, 5));
+        assert_eq!(values(k), values(want_k.clone()));
+        let mut snapshot = None;
+        for step in 1..=12 {
+            let new = positions(step, 1);
+            want_k = Tensor::cat(vec![want_k, new.clone()], 2);
+            let (k, v, before) = cache.append(new.clone(), new * 2.0);
+            assert_eq!(before, 4 + step);
+            assert_eq!(values(k), values(want_k.clone()), "keys after step {step}");
+            assert_eq!(
+                values(v),
+                values(want_k.clone() * 2.0),
+                "values after step {step}"
+            );
+            if step == 3 {
+                snapshot = Some((cache.clone(), want_k.clone()));
+            }
+        }
+        let (mut clone, at_3) = snapshot.unwrap();
+        let (k, _, before) = clone.append(positions(99, 1), positions(99, 1));
+        assert_eq!(before, 8);
+        let want = Tensor::cat(vec![at_3, positions(99, 1)], 2);
+        assert_eq!(values(k), values(want), "the clone's own positions");
+        cache.keep_last(4);
+        assert_eq!((cache.kept(), cache.len()), (4, 17));
+        let (k, _, before) = cache.append(positions(50, 1), positions(50, 1));
+        assert_eq!(before, 4);
+        let want = Tensor::cat(vec![want_k.narrow(2, 13, 4), positions(50, 1)], 2);
+        assert_eq!(values(k), values(want), "the window's positions");
+    }
 }
