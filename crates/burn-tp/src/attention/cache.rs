@@ -65,11 +65,14 @@ impl DecodeCache {
 /// last `w - 1` positions are kept (all the next query sees besides itself).
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
-    /// Keys and values `[b, h, capacity, hd]`, the first `kept` positions filled: the buffers
-    /// grow by doubling and take each new position in place, instead of being copied whole at
-    /// every step (a concatenation per token).
+    /// Keys and values `[b, h, capacity, hd]`, positions `first..first + kept` filled: the
+    /// buffers grow by doubling and take each new position in place, instead of being copied
+    /// whole at every step (a concatenation per token); a sliding window moves `first` on, and
+    /// the kept positions move to the front only when the buffers are full.
     pub(super) kv: Option<(Tensor<4>, Tensor<4>)>,
-    /// Positions filled.
+    /// The buffers' first kept position.
+    first: usize,
+    /// Positions kept.
     kept: usize,
     /// Positions dropped from the front (outside every later query's window).
     pub(super) dropped: usize,
@@ -101,50 +104,51 @@ impl KvCache {
     /// Appends new positions' keys and values; returns all those kept (views of the buffers)
     /// and how many of them come before the new ones.
     pub(super) fn append(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>, usize) {
-        let before = self.kept;
+        let (first, before) = (self.first, self.kept);
         let [b, h, s, hd] = k.dims();
         let need = before + s;
         let (kb, vb) = match self.kv.take() {
             // Room left: written in place (the buffers' only owner once the last step's views
             // are dropped; Flex copies otherwise, as a concatenation would).
-            Some((kb, vb)) if kb.dims()[2] >= need => {
-                let at = [0..b, 0..h, before..need, 0..hd];
+            Some((kb, vb)) if kb.dims()[2] >= first + need => {
+                let at = [0..b, 0..h, first + before..first + need, 0..hd];
                 (kb.slice_assign(at.clone(), k), vb.slice_assign(at, v))
             }
-            // Grown to twice what is needed: one copy of what is kept, amortized over the
-            // steps that fill the rest.
+            // Full: what is kept and the new positions moved to the front of buffers twice
+            // that size, one copy amortized over the steps that fill the rest.
             held => {
                 let grow = |old: Option<Tensor<4>>, new: Tensor<4>| {
                     let spare = Tensor::<4>::zeros([b, h, need, hd], (&new.device(), new.dtype()));
                     let mut parts = Vec::with_capacity(3);
                     if let Some(old) = old {
-                        parts.push(old.narrow(2, 0, before));
+                        parts.push(old.narrow(2, first, before));
                     }
                     parts.extend([new, spare]);
                     Tensor::cat(parts, 2)
                 };
                 let (k0, v0) = held.unzip();
+                self.first = 0;
                 (grow(k0, k), grow(v0, v))
             }
         };
         self.kept = need;
-        let view = |t: &Tensor<4>| t.clone().narrow(2, 0, need);
+        let view = |t: &Tensor<4>| t.clone().narrow(2, self.first, need);
         let (k, v) = (view(&kb), view(&vb));
         self.kv = Some((kb, vb));
         (k, v, before)
     }
 
-    /// Keeps the last `n` positions only.
+    /// Keeps the last `n` positions only (no copy: the buffers' front is reused when they
+    /// fill, so they stay within twice the window).
     pub(super) fn keep_last(&mut self, n: usize) {
-        let kept = self.kept;
-        if kept > n
-            && let Some((k, v)) = self.kv.take()
-        {
-            // Copies, so the dropped positions' memory goes (the next append grows them again).
-            let last = |x: Tensor<4>| crate::init::owned(x.narrow(2, kept - n, n));
-            self.kv = (n > 0).then(|| (last(k), last(v)));
+        if self.kept > n {
+            let drop = self.kept - n;
+            self.first += drop;
             self.kept = n;
-            self.dropped += kept - n;
+            self.dropped += drop;
+            if n == 0 {
+                (self.kv, self.first) = (None, 0);
+            }
         }
     }
 }
@@ -175,7 +179,8 @@ mod tests {
 
     /// Appends (a prompt, then one position at a time, past each growth) give what
     /// concatenating gives; a clone taken midway keeps its own positions while the original
-    /// goes on writing in place; a sliding window keeps the last positions.
+    /// goes on writing in place; a sliding window keeps the last positions, step after step
+    /// (through the moves to the buffers' front), in buffers of at most twice the window.
     #[test]
     fn appends_in_place_equal_concatenation_and_clones_do_not_share_writes() {
         let mut cache = KvCache::new();
@@ -208,7 +213,19 @@ mod tests {
         assert_eq!((cache.kept(), cache.len()), (4, 17));
         let (k, _, before) = cache.append(positions(50, 1), positions(50, 1));
         assert_eq!(before, 4);
-        let want = Tensor::cat(vec![want_k.narrow(2, 13, 4), positions(50, 1)], 2);
-        assert_eq!(values(k), values(want), "the window's positions");
+        let mut want = Tensor::cat(vec![want_k.narrow(2, 13, 4), positions(50, 1)], 2);
+        assert_eq!(values(k), values(want.clone()), "the window's positions");
+        for step in 51..80 {
+            cache.keep_last(4);
+            want = want.narrow(2, 1, 4);
+            let new = positions(step, 1);
+            want = Tensor::cat(vec![want, new.clone()], 2);
+            let (k, _, before) = cache.append(new.clone(), new);
+            assert_eq!(before, 4);
+            assert_eq!(values(k), values(want.clone()), "window keys at {step}");
+        }
+        assert_eq!(cache.len(), 17 + 30);
+        // Moved to the front of buffers of twice the window and its new position.
+        assert_eq!(cache.kv.as_ref().unwrap().0.dims()[2], 2 * 5);
     }
 }
