@@ -289,6 +289,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
                 batch: 2..4,
                 heads_total: 8,
                 heads: 4..8,
+                positions: None,
             }),
             start: 0,
             // With tiles of 2, a window too: dropout's mask inside the band.

@@ -4,6 +4,7 @@ mod attention;
 mod checkpoint;
 mod collectives;
 mod common;
+mod context;
 mod dp;
 mod dtype;
 mod embedding;

@@ -274,6 +274,7 @@ impl ParallelAttention {
                     batch,
                     heads_total: self.n_heads,
                     heads: rank * hq..(rank + 1) * hq,
+                    positions: None,
                 }
             }),
             window: self.window,

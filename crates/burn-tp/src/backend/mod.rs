@@ -14,7 +14,7 @@
 //! | `types.rs`     | [`Collective`], [`PendingCollective`], [`CollectiveOutput`], [`LinearSpec`] |
 //! | `collective/`  | the host transport (`host.rs`: one dtype switch, dim-first moves, slicing; `pool.rs`: pooled output buffers) |
 //! | `matmul/`      | the parallel-linear math and its overlap schedules (`overlap.rs`, with diagram), [`gemm`] (a row-major strided product as a column-major BLAS call), the GEMM hook on CUDA (`cublas.rs`) |
-//! | `attention/`   | causal attention by tiles (`flash.rs`, with diagram), its CPU kernel on Flex's storage (`flash_cpu.rs`), which keys a query sees (`mask.rs`) |
+//! | `attention/`   | causal attention by tiles (`flash.rs`, with diagram), its CPU kernel on Flex's storage (`flash_cpu.rs`), which keys a query sees (`mask.rs`), ring attention over context-parallel ranks (`ring.rs`, with diagram) |
 //! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `act(gate) * up`: SwiGLU, GeGLU (`swiglu.rs`), the exact GELU's derivative (`gelu.rs`), dropout (`dropout.rs`); Flex's one-pass gate and GELU (`activation_cpu.rs`) and the vectorized loops' helpers (`cpu_math.rs`) |
 //! | `grad_tap.rs`  | the data-parallel gradient tap                                     |
 //! | `flex.rs`      | `TpBackend` for Flex: its CPU kernels (attention, gate, GELU; [`set_cpu_kernels`] turns them off) |
@@ -57,7 +57,8 @@ use burn_tp_comm::ProcessGroup;
 
 use fused::dropout::DropoutSpec;
 
-pub use attention::mask::{AttentionDropout, AttentionSpec};
+pub use attention::mask::{AttentionDropout, AttentionSpec, MaskPositions};
+pub use attention::ring::RingSpec;
 pub use collective::all_to_all::AllToAllSpec;
 pub use flex::{cpu_kernels, set_cpu_kernels};
 pub use fused::norm::NormSpec;
@@ -187,6 +188,22 @@ pub trait TpBackend: Backend {
         spec: AttentionSpec,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         attention::flash::backward::<Self>(q, k, v, out, lse, d_out, &spec)
+    }
+
+    /// Causal attention over a ring of context-parallel ranks (`attention/ring.rs`): `q`
+    /// (`[b, hq, s, hd]`), `k`, `v` (`[b, hkv, s, hd]`) this rank's chunks of the sequence
+    /// (`spec.chunks`), attending to every rank's keys before them: `[b, hq, s, hd]`. On
+    /// `Autodiff` its backward passes the key / value blocks and their gradients around the
+    /// ring again.
+    fn tp_ring_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spec: RingSpec,
+    ) -> CollectiveOutput<Self> {
+        attention::ring::forward::<Self>(q, k, v, &spec)
+            .map(|(out, _)| out)
+            .into()
     }
 
     /// Layer norm or RMSNorm (`spec`) of `x` (`[.., d]`) over the last dim, with `gamma` (and

@@ -148,8 +148,9 @@ fn dropout_tile<B: Backend>(
     device: &B::Device,
     dtype: burn::tensor::DType,
 ) -> FloatTensor<B> {
-    let full = [d.batch_total, d.heads_total, geo.s, geo.t];
-    let region = [d.batch.clone(), d.heads.clone(), rows.clone(), cols.clone()];
+    let ([s, t], rows_at, cols_at) = d.place([geo.s, geo.t], rows, cols);
+    let full = [d.batch_total, d.heads_total, s, t];
+    let region = [d.batch.clone(), d.heads.clone(), rows_at, cols_at];
     let values = dropout_mask_values(d.key, d.site, full, region, d.p);
     let shape = [geo.b, geo.hkv, geo.group() * rows.len(), cols.len()];
     let mask = B::float_from_data(TensorData::new(values, shape), device);
@@ -230,13 +231,32 @@ pub(crate) fn forward<B: TpBackend>(
             };
             state = Some((m_new, l, acc));
         }
-        let (m, l, acc) = state.expect("every query sees its own key");
-        let out = B::float_div(acc, l.clone());
-        outs.push(B::float_cast(
-            geo.unstack::<B>(out, rows.len()),
-            dtype.into(),
-        ));
-        lses.push(B::float_add(m, B::float_log(l)));
+        let n = rows.len();
+        let Some((m, l, acc)) = state else {
+            // No key of this call is visible to the tile (a ring step's block outside its
+            // window): output 0, log-sum-exp -inf, which the ring's merge weighs 0.
+            let wide = widen::<B>(slice_dim::<B>(q.clone(), 2, rows.clone())).dtype();
+            let zeros = B::float_zeros(
+                Shape::from(vec![geo.b, geo.hq, n, geo.hd]),
+                &device,
+                dtype.into(),
+            );
+            outs.push(zeros);
+            let lse = B::float_full(
+                Shape::from(vec![geo.b, geo.hq, n]),
+                Scalar::Float(f64::NEG_INFINITY),
+                &device,
+                wide.into(),
+            );
+            lses.push(lse);
+            continue;
+        };
+        // A row that saw no key (its window after the call's keys) has `l = 0` and `acc = 0`:
+        // output 0 rather than 0 / 0 (every other row's `l` is at least 1).
+        let out = B::float_div(acc, B::float_clamp_min(l.clone(), Scalar::Float(1e-30)));
+        outs.push(B::float_cast(geo.unstack::<B>(out, n), dtype.into()));
+        let lse = B::float_add(m, B::float_log(l));
+        lses.push(B::float_reshape(lse, Shape::from(vec![geo.b, geo.hq, n])));
     }
     // Laid out as `[s, b, hq, hd]` in memory: the attention layer's `permute([2, 0, 1, 3])` and
     // reshape before its output projection are then views, and the projection keeps this same
@@ -245,7 +265,7 @@ pub(crate) fn forward<B: TpBackend>(
         .into_iter()
         .map(|o| B::float_permute(o, &[2, 0, 1, 3]))
         .collect();
-    // The query tiles' log-sum-exps `[b, hkv, g * Bq, 1]` end to end: `[b, hkv, g * s, 1]`.
+    // The query tiles' log-sum-exps end to end: `[b, hq, s]`, as Flex's kernel's.
     (
         B::float_permute(B::float_cat(outs, 0), &[1, 2, 0, 3]),
         B::float_cat(lses, 2),
@@ -266,10 +286,14 @@ pub(crate) fn backward<B: TpBackend>(
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let geo = Geometry::of::<B>(&q, &k);
     let g = geo.group();
-    // Each query tile's rows of the forward's log-sum-exps.
+    // Each query tile's rows of the log-sum-exps (`[b, hq, s]`), stacked as its scores' rows.
     let lse: Vec<FloatTensor<B>> = tiles(geo.s, spec.tile)
         .into_iter()
-        .map(|rows| slice_dim::<B>(lse.clone(), 2, g * rows.start..g * rows.end))
+        .map(|rows| {
+            let n = rows.len();
+            let tile = slice_dim::<B>(lse.clone(), 2, rows);
+            B::float_reshape(tile, Shape::from(vec![geo.b, geo.hkv, g * n, 1]))
+        })
         .collect();
     let (q_dtype, k_dtype, v_dtype) = (q.dtype(), k.dtype(), v.dtype());
     let scale = spec.scale_for(geo.hd);
@@ -354,9 +378,14 @@ pub(crate) fn backward<B: TpBackend>(
     let dq = dq
         .into_iter()
         .zip(&q_tiles)
-        .map(|(g, rows)| {
-            let g = g.expect("every query sees its own key");
-            B::float_cast(geo.unstack::<B>(g, rows.len()), q_dtype.into())
+        .map(|(g, rows)| match g {
+            Some(g) => B::float_cast(geo.unstack::<B>(g, rows.len()), q_dtype.into()),
+            // No key visible to the tile (a ring step's block): no gradient.
+            None => B::float_zeros(
+                Shape::from(vec![geo.b, geo.hq, rows.len(), geo.hd]),
+                &device,
+                q_dtype.into(),
+            ),
         })
         .collect();
     (

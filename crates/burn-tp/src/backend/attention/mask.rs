@@ -53,6 +53,41 @@ pub struct AttentionDropout {
     pub heads_total: usize,
     /// This rank's query heads among them.
     pub heads: Range<usize>,
+    /// Where the call's queries and keys sit in the mask's `[s, t]`; `None` when they are all
+    /// of it (every call but a ring step of context parallelism, `crate::context`).
+    pub positions: Option<MaskPositions>,
+}
+
+/// The place of one call's queries and keys in a longer sequence's dropout mask: query `i` is
+/// row `queries + i` of the mask `[.., length, length]`, key `j` its column `keys + j`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaskPositions {
+    /// The first query's position.
+    pub queries: usize,
+    /// The first key's position.
+    pub keys: usize,
+    /// The whole sequence's length.
+    pub length: usize,
+}
+
+impl AttentionDropout {
+    /// The mask's `[s, t]` and the region of it that query tile `rows` and key tile `cols` of a
+    /// call of `s` queries and `t` keys cover.
+    pub(crate) fn place(
+        &self,
+        [s, t]: [usize; 2],
+        rows: &Range<usize>,
+        cols: &Range<usize>,
+    ) -> ([usize; 2], Range<usize>, Range<usize>) {
+        match self.positions {
+            None => ([s, t], rows.clone(), cols.clone()),
+            Some(p) => (
+                [p.length, p.length],
+                p.queries + rows.start..p.queries + rows.end,
+                p.keys + cols.start..p.keys + cols.end,
+            ),
+        }
+    }
 }
 
 impl AttentionSpec {

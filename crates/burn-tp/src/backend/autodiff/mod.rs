@@ -10,6 +10,7 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, tensor::
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use crate::backend::attention::mask::AttentionSpec;
+use crate::backend::attention::ring::{self, RingSpec};
 use crate::backend::fused::dropout::{DropoutSpec, apply_mask};
 use crate::backend::fused::norm::{self, NormSpec};
 use crate::backend::fused::swiglu::GluActivation;
@@ -194,6 +195,69 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
             }
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
+    }
+
+    fn tp_ring_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        spec: RingSpec,
+    ) -> CollectiveOutput<Self> {
+        #[derive(Debug)]
+        struct RingBackward;
+        impl<B: TpBackend> Backward<B, 3> for RingBackward {
+            type State = (AttentionState<B>, RingSpec);
+            fn backward(
+                self,
+                ops: Ops<Self::State, 3>,
+                grads: &mut Gradients,
+                _ck: &mut Checkpointer,
+            ) {
+                let (
+                    AttentionState {
+                        q, k, v, out, lse, ..
+                    },
+                    ring,
+                ) = ops.state;
+                let d_out = grads.consume::<B>(&ops.node);
+                let (dq, dk, dv) = ring::backward::<B>(q, k, v, out, lse, d_out, &ring)
+                    .unwrap_or_else(|e| panic!("burn-tp: ring attention backward failed: {e}"));
+                for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+                    if let Some(node) = parent {
+                        grads.register::<B>(node.id, grad);
+                    }
+                }
+            }
+        }
+        let (out, lse) = match ring::forward::<B>(
+            q.primitive().clone(),
+            k.primitive().clone(),
+            v.primitive().clone(),
+            &spec,
+        ) {
+            Ok(r) => r,
+            Err(e) => return CollectiveOutput::Failed(e),
+        };
+        let out = match RingBackward
+            .prepare::<C>([q.node(), k.node(), v.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                // As the one-rank kernel: this rank's q, k, v, output and log-sum-exps.
+                let state = AttentionState {
+                    q: q.into_primitive(),
+                    k: k.into_primitive(),
+                    v: v.into_primitive(),
+                    out: out.clone(),
+                    lse,
+                    spec: spec.attention.clone(),
+                };
+                prep.finish((state, spec), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        CollectiveOutput::Done(out)
     }
 
     fn tp_norm(

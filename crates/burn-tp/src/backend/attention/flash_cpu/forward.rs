@@ -87,7 +87,9 @@ pub(crate) fn forward(
             }
             for r in 0..gn {
                 let (h, qi) = (heads.start + r / n, rows.start + r % n);
-                let inv = 1.0 / l[r];
+                // A row that saw no key (its window after the call's keys: a ring step's
+                // block) has `l = 0`: output 0, log-sum-exp -inf.
+                let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
                 // Safety: row (qi, bi, h) of the output and of the lse belong to this task only.
                 unsafe {
                     let o = out_ptr.get().add(((qi * b + bi) * hq + h) * hd);

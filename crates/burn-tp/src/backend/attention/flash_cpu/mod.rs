@@ -286,10 +286,11 @@ fn keep_tile(
     cols: &std::ops::Range<usize>,
 ) -> Option<Vec<f32>> {
     let d = spec.dropout.as_ref()?;
+    let ([s, t], rows_at, cols_at) = d.place([s, t], rows, cols);
     let full = [d.batch_total, d.heads_total, s, t];
     let b0 = d.batch.start + bi;
     let h0 = d.heads.start + heads.start;
-    let region = [b0..b0 + 1, h0..h0 + heads.len(), rows.clone(), cols.clone()];
+    let region = [b0..b0 + 1, h0..h0 + heads.len(), rows_at, cols_at];
     Some(dropout_mask_values(d.key, d.site, full, region, d.p))
 }
 

@@ -1,0 +1,213 @@
+//! Context parallelism: the ring attention (`burn_tp::context`) at cp 2 and 4, both layouts,
+//! against the unsplit kernel over the whole sequence: the output and dq, dk, dv of each rank's
+//! chunks, in f64 (the tensor-op tiles) and f32 (Flex's CPU kernel), with grouped-query heads,
+//! chunks of odd lengths and several tiles, a sliding window, a soft cap and dropout; and the
+//! errors.
+
+use burn::tensor::{DType, Tensor};
+use burn_tp::attention::fused_attention;
+use burn_tp::backend::{AttentionDropout, AttentionSpec};
+use burn_tp::context::{ContextParallel, CpLayout};
+use burn_tp::dropout::{DropoutKey, DropoutStep};
+use burn_tp::local::run_local;
+
+use crate::common::{f64s, rel_norm, tensor, uniform};
+
+/// One case: sizes `[b, hq, hkv, seq, hd]`, the attention's spec, the dtype.
+#[derive(Clone)]
+struct Case {
+    dims: [usize; 5],
+    spec: AttentionSpec,
+    dtype: DType,
+}
+
+/// q, k, v and the loss weights over the whole sequence (every rank makes the same).
+fn inputs(c: &Case) -> [Tensor<4>; 4] {
+    let [b, hq, hkv, s, hd] = c.dims;
+    let d = c.dtype;
+    [
+        tensor(uniform(b * hq * s * hd, 11), [b, hq, s, hd], d).require_grad(),
+        tensor(uniform(b * hkv * s * hd, 12), [b, hkv, s, hd], d).require_grad(),
+        tensor(uniform(b * hkv * s * hd, 13), [b, hkv, s, hd], d).require_grad(),
+        tensor(uniform(b * hq * s * hd, 14), [b, hq, s, hd], d),
+    ]
+}
+
+/// Values of a rank: the output and dq, dk, dv, each `[b, h, s, hd]` flattened.
+type Values = [Vec<f64>; 4];
+
+/// The unsplit kernel's output and gradients of `sum(out * w)`, whole sequence.
+fn unsplit(c: &Case) -> Values {
+    let [q, k, v, w] = inputs(c);
+    let out = fused_attention(q.clone(), k.clone(), v.clone(), c.spec.clone()).unwrap();
+    let grads = (out.clone() * w).sum().backward();
+    let g = |t: &Tensor<4>| f64s(t.grad(&grads).unwrap());
+    [f64s(out), g(&q), g(&k), g(&v)]
+}
+
+/// Each rank's output and gradients with the sequence split over `cp` ranks in `layout`, and
+/// its positions.
+fn ring(c: &Case, cp: usize, layout: CpLayout) -> Vec<(Values, Vec<usize>)> {
+    let c = c.clone();
+    run_local(cp, move |g| {
+        let ctx = ContextParallel::new(g, layout).unwrap();
+        let [q, k, v, w] = inputs(&c);
+        let split = |t: Tensor<4>| ctx.split(t, 2).unwrap().detach().require_grad();
+        let (q, k, v) = (split(q), split(k), split(v));
+        let w = ctx.split(w, 2).unwrap();
+        let out = ctx
+            .attention(q.clone(), k.clone(), v.clone(), c.spec.clone())
+            .unwrap();
+        let grads = (out.clone() * w).sum().backward();
+        let g = |t: &Tensor<4>| f64s(t.grad(&grads).unwrap());
+        let values = [f64s(out), g(&q), g(&k), g(&v)];
+        (values, ctx.positions(c.dims[3]).unwrap())
+    })
+    .unwrap()
+}
+
+/// `x` (`[b, h, seq, hd]` flattened) at `positions` of dim 2.
+fn at(x: &[f64], [b, h, seq, hd]: [usize; 4], positions: &[usize]) -> Vec<f64> {
+    let mut out = Vec::new();
+    for bh in 0..b * h {
+        for &p in positions {
+            out.extend_from_slice(&x[(bh * seq + p) * hd..][..hd]);
+        }
+    }
+    out
+}
+
+/// Every rank's chunks of the output and gradients against the unsplit kernel's.
+fn check(tag: &str, c: &Case, cp: usize, layout: CpLayout, tol: f64) {
+    let want = unsplit(c);
+    let [b, hq, hkv, seq, hd] = c.dims;
+    let ranks = ring(c, cp, layout);
+    let mut covered = vec![false; seq];
+    for (r, (got, positions)) in ranks.iter().enumerate() {
+        for &p in positions {
+            assert!(!covered[p], "{tag}: position {p} on two ranks");
+            covered[p] = true;
+        }
+        for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+            let h = if i >= 2 { hkv } else { hq };
+            let want = at(&want[i], [b, h, seq, hd], positions);
+            let err = rel_norm(&got[i], &want);
+            assert!(
+                err <= tol,
+                "{tag}: cp {cp} {layout:?} rank {r} {name}: {err:.2e}"
+            );
+            assert!(want.iter().any(|x| x.abs() > 1e-6), "{tag}: {name} is zero");
+        }
+    }
+    assert!(
+        covered.iter().all(|&c| c),
+        "{tag}: every position on a rank"
+    );
+}
+
+fn case(dims: [usize; 5], tile: usize, dtype: DType) -> Case {
+    Case {
+        dims,
+        spec: AttentionSpec {
+            tile,
+            ..AttentionSpec::causal(0)
+        },
+        dtype,
+    }
+}
+
+#[test]
+fn ring_attention_is_the_unsplit_kernel_in_f64() {
+    // GQA (4 query heads over 2), chunks of 3 positions (odd), tiles of 2 (several per chunk).
+    for (cp, layout) in [
+        (2, CpLayout::LoadBalanced),
+        (4, CpLayout::LoadBalanced),
+        (2, CpLayout::Contiguous),
+        (4, CpLayout::Contiguous),
+    ] {
+        let seq = 3
+            * cp
+            * if layout == CpLayout::LoadBalanced {
+                2
+            } else {
+                1
+            };
+        let c = case([2, 4, 2, seq, 8], 2, DType::F64);
+        check("causal", &c, cp, layout, 1e-12);
+    }
+}
+
+#[test]
+fn ring_attention_with_window_softcap_and_dropout() {
+    // A window of 5 over chunks of 3: pairs wholly before it are skipped, and a row of a pair
+    // sees no key at all (its output 0, weighed 0 in the merge).
+    let mut c = case([1, 4, 1, 24, 8], 2, DType::F64);
+    c.spec.window = Some(5);
+    check("window", &c, 4, CpLayout::LoadBalanced, 1e-12);
+    // The contiguous layout's ring stops early: the window reaches one block back.
+    check("window", &c, 4, CpLayout::Contiguous, 1e-12);
+    let mut c = case([2, 2, 2, 12, 4], 3, DType::F64);
+    c.spec.softcap = Some(0.7);
+    c.spec.scale = Some(0.8);
+    check("softcap", &c, 2, CpLayout::LoadBalanced, 1e-12);
+    // Dropout: each pair's mask is its region of the whole sequence's.
+    let mut c = case([2, 4, 2, 16, 4], 3, DType::F64);
+    c.spec.dropout = Some(AttentionDropout {
+        p: 0.3,
+        key: DropoutKey {
+            seed: 9,
+            at: DropoutStep::new(2),
+        },
+        site: 3,
+        batch_total: 2,
+        batch: 0..2,
+        heads_total: 4,
+        heads: 0..4,
+        positions: None,
+    });
+    check("dropout", &c, 2, CpLayout::LoadBalanced, 1e-12);
+    check("dropout", &c, 4, CpLayout::Contiguous, 1e-12);
+}
+
+#[test]
+fn ring_attention_on_the_cpu_kernel_in_f32_and_bf16() {
+    let c = case([2, 4, 2, 40, 16], 4, DType::F32);
+    check("f32", &c, 2, CpLayout::LoadBalanced, 1e-5);
+    check("f32", &c, 4, CpLayout::LoadBalanced, 1e-5);
+    let mut c = case([1, 2, 1, 32, 8], 4, DType::F32);
+    c.spec.window = Some(6);
+    check("f32 window", &c, 4, CpLayout::LoadBalanced, 1e-5);
+    // bf16 inputs (computed in f32, the output cast back) against the unsplit bf16 kernel.
+    let c = case([1, 2, 2, 16, 8], 4, DType::BF16);
+    check("bf16", &c, 2, CpLayout::LoadBalanced, 2e-2);
+}
+
+#[test]
+fn ring_attention_errors_name_the_values() {
+    let out = run_local(2, |g| {
+        let ctx = ContextParallel::new(g, CpLayout::LoadBalanced).unwrap();
+        let seq = ctx.chunks(10).unwrap_err().to_string();
+        let q = tensor(uniform(2 * 3 * 4, 1), [1, 2, 3, 4], DType::F32);
+        let odd = ctx
+            .attention(q.clone(), q.clone(), q.clone(), AttentionSpec::causal(0))
+            .unwrap_err()
+            .to_string();
+        let q = tensor(uniform(2 * 4 * 4, 1), [1, 2, 4, 4], DType::F32);
+        let start = ctx
+            .attention(q.clone(), q.clone(), q, AttentionSpec::causal(2))
+            .unwrap_err()
+            .to_string();
+        (seq, odd, start)
+    })
+    .unwrap();
+    let (seq, odd, start) = &out[0];
+    assert!(
+        seq.contains("10 positions") && seq.contains("4 equal chunks"),
+        "{seq}"
+    );
+    assert!(
+        odd.contains("[1, 2, 3, 4]") && odd.contains("2 equal chunks"),
+        "{odd}"
+    );
+    assert!(start.contains("start 2"), "{start}");
+}
