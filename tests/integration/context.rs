@@ -1,17 +1,25 @@
 //! Context parallelism: the ring attention (`burn_tp::context`) at cp 2 and 4, both layouts,
 //! against the unsplit kernel over the whole sequence: the output and dq, dk, dv of each rank's
 //! chunks, in f64 (the tensor-op tiles) and f32 (Flex's CPU kernel), with grouped-query heads,
-//! chunks of odd lengths and several tiles, a sliding window, a soft cap and dropout; and the
-//! errors.
+//! chunks of odd lengths and several tiles, a sliding window, a soft cap and dropout; the
+//! errors; and the GPT and the Llama trained on split sequences against the unsplit models.
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_tp::attention::fused_attention;
 use burn_tp::backend::{AttentionDropout, AttentionSpec};
 use burn_tp::context::{ContextParallel, CpLayout};
+use burn_tp::dp::broadcast_parameters;
 use burn_tp::dropout::{DropoutKey, DropoutStep};
+use burn_tp::gpt::{Gpt, GptConfig};
+use burn_tp::linear::{TpMode, TpSettings};
+use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::local::run_local;
+use burn_tp::mesh::DeviceMesh;
+use burn_tp::model::LanguageModel;
 
-use crate::common::{f64s, rel_norm, tensor, uniform};
+use crate::common::{
+    device, f64s, full_grads, param_values, rel_norm, rng_lock, tensor, token_ids, uniform,
+};
 
 /// One case: sizes `[b, hq, hkv, seq, hd]`, the attention's spec, the dtype.
 #[derive(Clone)]
@@ -210,4 +218,121 @@ fn ring_attention_errors_name_the_values() {
         "{odd}"
     );
     assert!(start.contains("start 2"), "{start}");
+}
+
+/// Sizes of the models' cases: vocabulary, sequence, batch.
+const V: usize = 32;
+const SEQ: usize = 16;
+const B: usize = 2;
+
+/// The mean loss over the ranks and the mean of their gradients (gathered to tp 1), of `M`
+/// built from `config` at tp x cp (cp carved out of the data-parallel ranks), each rank given
+/// its chunks of the ids and targets; `step` turns dropout on.
+fn model_run<M: LanguageModel>(
+    config: M::Config,
+    [tp, cp]: [usize; 2],
+    layout: CpLayout,
+    step: Option<DropoutStep>,
+) -> (f64, Vec<Vec<f64>>) {
+    let ids = token_ids(SEQ * B, V, 7, 3);
+    let targets = token_ids(SEQ * B, V, 5, 1);
+    device().seed(21);
+    let out = run_local(tp * cp, move |world| {
+        let mesh = DeviceMesh::new(world, tp).unwrap();
+        let ctx = (cp > 1).then(|| ContextParallel::new(mesh.context_group(cp).unwrap(), layout));
+        let ctx = ctx.transpose().unwrap();
+        // The first replica draws the model alone (the Flex RNG is one for every thread), the
+        // others theirs after it, then take the first one's.
+        let dp = mesh.dp_group();
+        if dp.rank() > 0 {
+            dp.barrier().unwrap();
+        }
+        let model = M::init(&config, mesh.tp_group(), &device()).unwrap();
+        if dp.rank() == 0 && dp.world_size() > 1 {
+            dp.barrier().unwrap();
+        }
+        let model = broadcast_parameters(model, dp).unwrap();
+        let model = model.with_context_parallel(ctx.clone());
+        let int = |v: Vec<i64>| {
+            let t = Tensor::<2, Int>::from_data(TensorData::new(v, [SEQ, B]), &device());
+            match &ctx {
+                Some(c) => c.split(t, 0).unwrap(),
+                None => t,
+            }
+        };
+        let loss = model
+            .loss(int(ids.clone()), int(targets.clone()), step)
+            .unwrap();
+        let value = f64s(loss.clone())[0];
+        let grads = loss.backward();
+        (value, param_values(&full_grads(&model, &grads)))
+    })
+    .unwrap();
+    let n = out.len() as f64;
+    let loss = out.iter().map(|(l, _)| l).sum::<f64>() / n;
+    let mut grads = out[0].1.clone();
+    for (_, g) in &out[1..] {
+        for (acc, x) in grads.iter_mut().zip(g) {
+            for (a, b) in acc.iter_mut().zip(x) {
+                *a += b;
+            }
+        }
+    }
+    grads.iter_mut().flatten().for_each(|g| *g /= n);
+    (loss, grads)
+}
+
+/// The losses and every gradient at cp 2 and 4 (x tp 1, 2; both tp modes) equal cp 1's.
+fn models_agree<M: LanguageModel>(
+    tag: &str,
+    config: impl Fn(TpMode) -> M::Config,
+    step: Option<DropoutStep>,
+    layouts: &[CpLayout],
+) {
+    let _rng = rng_lock();
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        let (want_loss, want) = model_run::<M>(config(mode), [1, 1], CpLayout::default(), step);
+        for &layout in layouts {
+            for [tp, cp] in [[1, 2], [2, 2], [1, 4]] {
+                let (loss, grads) = model_run::<M>(config(mode), [tp, cp], layout, step);
+                let what = format!("{tag} {mode:?} {layout:?} tp {tp} cp {cp}");
+                assert!(
+                    (loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
+                    "{what}: loss {loss} vs {want_loss}"
+                );
+                for (i, (g, w)) in grads.iter().zip(&want).enumerate() {
+                    let err = rel_norm(g, w);
+                    assert!(err <= 1e-4, "{what}: parameter {i}'s gradient {err:.2e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpt_at_cp_2_and_4_is_the_unsplit_gpt() {
+    // Learned positions: each rank adds its chunks' rows of the table.
+    let config =
+        |mode| GptConfig::new(V, SEQ, 16, 4, 2).with_settings(TpSettings::new().with_mode(mode));
+    let layouts = [CpLayout::LoadBalanced, CpLayout::Contiguous];
+    models_agree::<Gpt>("gpt", config, None, &layouts);
+}
+
+#[test]
+fn llama_at_cp_2_and_4_with_dropout_and_a_window_is_the_unsplit_llama() {
+    // Rotary positions at each chunk's place, grouped-query heads, dropout of the attention
+    // and of the residual branches as the whole sequence's masks, a sliding window of 5.
+    let config = |mode| {
+        LlamaConfig::new(V, SEQ, 16, 4, 2, 2, 32)
+            .with_sliding_window(Some(5))
+            .with_dropout(0.2)
+            .with_dropout_seed(7)
+            .with_settings(TpSettings::new().with_mode(mode))
+    };
+    models_agree::<Llama>(
+        "llama",
+        config,
+        Some(DropoutStep::new(3)),
+        &[CpLayout::LoadBalanced],
+    );
 }

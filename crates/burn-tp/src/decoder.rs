@@ -13,6 +13,8 @@ use crate::attention::{KvCache, ParallelAttention};
 pub trait DecoderBlock {
     /// The block's attention.
     fn attention(&self) -> &ParallelAttention;
+    /// The block's attention, to set what is not a parameter (the context-parallel ring).
+    fn attention_mut(&mut self) -> &mut ParallelAttention;
     /// The norm before the attention.
     fn attn_norm(&self, x: Tensor<3>) -> Tensor<3>;
     /// The norm before the MLP.

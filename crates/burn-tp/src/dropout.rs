@@ -15,6 +15,7 @@ use burn::backend::Dispatch;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_tp_comm::ProcessGroup;
 
+use crate::context::ContextParallel;
 use crate::linear::TpMode;
 
 use crate::backend::TpBackend;
@@ -79,17 +80,18 @@ pub fn tp_dropout<const D: usize>(
 
 /// Dropout of a residual branch `[s(/tp), b, d]`: replicated in ALL_REDUCE mode (the same mask on
 /// every rank), this rank's sequence shard of the logical mask in REDUCE_SCATTER mode; the
-/// batch dim is this data-parallel rank's part of the global batch.
+/// batch dim is this data-parallel rank's part of the global batch. With a context-parallel
+/// ring, the rows are this rank's chunks of the whole sequence's mask.
 pub(crate) fn residual_dropout(
     x: Tensor<3>,
     p: f64,
     key: Option<DropoutKey>,
     site: u64,
-    group: &ProcessGroup,
-    mode: TpMode,
-) -> Tensor<3> {
+    (group, mode): (&ProcessGroup, TpMode),
+    context: Option<&ContextParallel>,
+) -> crate::Result<Tensor<3>> {
     let [s, b, d] = x.dims();
-    let (full_s, rows) = match mode {
+    let (local_s, rows) = match mode {
         TpMode::AllReduce => (s, 0..s),
         TpMode::ReduceScatter => (
             s * group.world_size(),
@@ -97,7 +99,35 @@ pub(crate) fn residual_dropout(
         ),
     };
     let (b_total, batch) = key.map_or((b, 0..b), |k| k.batch(b));
-    tp_dropout(x, p, key, site, [full_s, b_total, d], [rows, batch, 0..d])
+    let (seq, positions) = match (context, key) {
+        (Some(c), Some(_)) if p > 0.0 => {
+            let seq = local_s * c.size();
+            (seq, c.positions(seq)?[rows].to_vec())
+        }
+        _ => {
+            let region = [rows, batch, 0..d];
+            return Ok(tp_dropout(x, p, key, site, [local_s, b_total, d], region));
+        }
+    };
+    // Each run of consecutive positions is a region of the whole sequence's mask.
+    let mut parts = Vec::new();
+    let mut first = 0;
+    for i in 1..=positions.len() {
+        if i == positions.len() || positions[i] != positions[i - 1] + 1 {
+            let at = positions[first]..positions[i - 1] + 1;
+            let part = x.clone().narrow(0, first, i - first);
+            parts.push(tp_dropout(
+                part,
+                p,
+                key,
+                site,
+                [seq, b_total, d],
+                [at, batch.clone(), 0..d],
+            ));
+            first = i;
+        }
+    }
+    Ok(Tensor::cat(parts, 0))
 }
 
 /// A model's residual `dropout` and its `attention_dropout` (where it differs) each in [0, 1).

@@ -316,6 +316,10 @@ impl DecoderBlock for Block {
         &self.attn
     }
 
+    fn attention_mut(&mut self) -> &mut ParallelAttention {
+        &mut self.attn
+    }
+
     fn attn_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.ln1.forward(x)
     }
@@ -346,10 +350,15 @@ impl LanguageModel for Gpt {
         let [s, _] = ids.dims();
         let pos = self.pos.val();
         let [max_seq, d] = pos.dims();
-        if s > max_seq {
+        let context = self.context_parallel();
+        let seq = s * context.map_or(1, |c| c.size());
+        if seq > max_seq {
             return Err(TpError::Shape {
                 op: "Gpt",
-                expected: format!("[seq <= {max_seq}, batch]"),
+                expected: format!(
+                    "[seq <= {max_seq}, batch] (this rank's {s} of a sequence of {seq} split over \
+                     cp)"
+                ),
                 got: ids.dims().to_vec(),
             });
         }
@@ -363,7 +372,20 @@ impl LanguageModel for Gpt {
                 group.rank() * shard..(group.rank() + 1) * shard
             }
         };
-        let pos = replicated_param(&self.pos, mode, group).slice([rows, 0..d]);
+        let table = replicated_param(&self.pos, mode, group);
+        let pos = match context {
+            None => table.slice([rows, 0..d]),
+            // This rank's chunks' global positions.
+            Some(c) => {
+                let at: Vec<i64> = c.positions(seq)?[rows].iter().map(|&p| p as i64).collect();
+                let n = at.len();
+                let at = Tensor::<1, Int>::from_data(
+                    burn::tensor::TensorData::new(at, [n]),
+                    &x.device(),
+                );
+                table.select(0, at)
+            }
+        };
         Ok(x + pos.unsqueeze_dim::<3>(1))
     }
 

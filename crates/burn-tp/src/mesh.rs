@@ -182,6 +182,33 @@ impl DeviceMesh {
         Ok((ep_group, expert_dp))
     }
 
+    /// The context-parallel group, carved out of the data-parallel ranks as Megatron's cp is:
+    /// `cp` consecutive dp ranks split every sequence of one batch between them
+    /// ([`crate::context`]), so the data-parallel gradient reduction over the dp group spans
+    /// dp x cp, and `dp / cp` batches are drawn per step (replica `dp rank / cp`).
+    ///
+    /// ```text
+    ///  dp ranks:   0   1   2   3        (dp 4, cp 2)
+    ///  cp groups: [0   1] [2   3]       batch 0 split over dp ranks 0, 1; batch 1 over 2, 3
+    ///  gradients:  mean over all 4 (each rank's loss the mean over its chunks' tokens)
+    /// ```
+    ///
+    /// Collective over the dp group.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming both when `cp` does not divide dp; a communication error.
+    pub fn context_group(&self, cp: usize) -> Result<ProcessGroup> {
+        let dp = self.dp_size();
+        if cp == 0 || !dp.is_multiple_of(cp) {
+            return Err(TpError::Config(format!(
+                "DeviceMesh: cp {cp} does not divide dp {dp} (sequences are split over \
+                 data-parallel ranks)"
+            )));
+        }
+        let d = self.dp.rank();
+        Ok(self.dp.split(d / cp, d)?)
+    }
+
     /// This rank's replica (`(world rank / tp) % dp`).
     pub fn dp_rank(&self) -> usize {
         self.world.rank() / self.tp_size % self.dp_size()

@@ -121,6 +121,27 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         self.param_sections()[1]
     }
 
+    /// The same model with every sequence split over `context`'s ranks (`None`: whole
+    /// sequences on every rank): [`loss`](Self::loss) and [`embed`](Self::embed) then take this
+    /// rank's chunks of the ids and targets (`[seq / cp, batch]`, cut by
+    /// [`ContextParallel::split`](crate::context::ContextParallel::split)), each position at its
+    /// global place, every attention over the whole sequence by ring attention; the loss is
+    /// the mean over this rank's tokens (averaged over the ranks by the data-parallel reduction
+    /// the ring is carved out of: [`crate::mesh::DeviceMesh::context_group`]).
+    fn with_context_parallel(mut self, context: Option<crate::context::ContextParallel>) -> Self {
+        for block in self.blocks_mut().0.iter_mut() {
+            block.attention_mut().set_context_parallel(context.clone());
+        }
+        self
+    }
+
+    /// The context-parallel ring the sequences are split over, if any (the first block's).
+    fn context_parallel(&self) -> Option<&crate::context::ContextParallel> {
+        self.blocks()
+            .first()
+            .and_then(|b| b.attention().context_parallel())
+    }
+
     /// This rank's shards (the same model at every tp for one seed). Collective.
     ///
     /// # Errors

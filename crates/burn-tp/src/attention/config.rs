@@ -234,6 +234,7 @@ impl ParallelAttentionConfig {
                 },
                 false => Kernel::Materialized,
             },
+            context: None,
         })
     }
 }

@@ -32,6 +32,7 @@ pub use kernel::fused_attention;
 pub use rotary::Llama3RopeScaling;
 
 use crate::backend::{AttentionDropout, AttentionSpec};
+use crate::context::ContextParallel;
 use crate::dropout::{DropoutKey, tp_dropout};
 use crate::linear::{ColumnParallelLinear, RowParallelLinear, TpMode};
 use crate::norm::TpRmsNorm;
@@ -70,6 +71,10 @@ pub struct ParallelAttention {
     /// How its scores are computed: the attention's own setting, from `TpSettings` at init.
     #[module(skip)]
     kernel: Kernel,
+    /// The context-parallel ring its sequences are split over, if any
+    /// ([`set_context_parallel`](Self::set_context_parallel)).
+    #[module(skip)]
+    context: Option<ContextParallel>,
 }
 
 /// How an attention layer computes its scores.
@@ -95,6 +100,20 @@ impl ParallelAttention {
     /// The sliding window, if any.
     pub fn sliding_window(&self) -> Option<usize> {
         self.window
+    }
+
+    /// Splits every sequence over `context`'s ranks (`None`: each rank holds whole
+    /// sequences): [`try_forward`](Self::try_forward)'s `x` is then this rank's chunks of it
+    /// (`[seq / cp (/tp), b, d_model]`, in [`ContextParallel::chunks`]' order), rotated at their
+    /// global positions, attending over the whole sequence by ring attention (the fused
+    /// kernel's, whatever the kernel setting).
+    pub fn set_context_parallel(&mut self, context: Option<ContextParallel>) {
+        self.context = context;
+    }
+
+    /// The context-parallel ring, if any.
+    pub fn context_parallel(&self) -> Option<&ContextParallel> {
+        self.context.as_ref()
     }
 
     /// The positions its rotary table covers (`max_seq`); `None` without rotary positions.
@@ -124,8 +143,44 @@ impl ParallelAttention {
         dropout: Option<DropoutKey>,
         site: u64,
     ) -> TpResult<Tensor<3>> {
+        let Some(ctx) = &self.context else {
+            let (q, k, v) = self.project(x, 0)?;
+            return self.attend(q, k, v, 0, dropout, site, None);
+        };
         let (q, k, v) = self.project(x, 0)?;
-        self.attend(q, k, v, 0, dropout, site, None)
+        // The chunks of the whole sequence this rank holds, rotated at their own positions.
+        let seq = q.dims()[2] * ctx.size();
+        let chunks = ctx.chunks(seq)?;
+        if let Some(table) = self.max_positions()
+            && seq > table
+        {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: a sequence of {seq} positions (cp {} x {}) past the rotary \
+                 table's {table}",
+                ctx.size(),
+                seq / ctx.size()
+            )));
+        }
+        let at_chunks = |t: Tensor<4>| {
+            let parts = chunks
+                .iter()
+                .enumerate()
+                .map(|(i, c)| self.rotate(t.clone().narrow(2, i * c.len(), c.len()), c.start))
+                .collect();
+            Tensor::cat(parts, 2)
+        };
+        let (q, k) = match self.rope {
+            Some(_) => (at_chunks(q), at_chunks(k)),
+            None => (q, k),
+        };
+        let [b, _, s, _] = q.dims();
+        let spec = self.spec(b, dropout, site, 0, None);
+        let ctx_out = ctx.attention(q, k, v, spec)?;
+        let hq = self.n_heads / self.out.group().world_size();
+        let y = ctx_out
+            .permute([2, 0, 1, 3])
+            .reshape([s, b, hq * self.head_dim]);
+        self.out.try_forward(y)
     }
 
     /// Forward of new positions after those in `cache` (incremental decoding): `x` is
@@ -144,6 +199,13 @@ impl ParallelAttention {
                  cannot be split over the sequence): build the model with TpMode::AllReduce"
                     .into(),
             ));
+        }
+        if let Some(ctx) = &self.context {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: incremental decoding of a sequence split over cp {} ranks: \
+                 decode with the context-parallel ring unset (set_context_parallel(None))",
+                ctx.size()
+            )));
         }
         let start = cache.len();
         let [s, _, _] = x.dims();
@@ -215,21 +277,75 @@ impl ParallelAttention {
             };
             t.permute([1, 2, 0, 3])
         };
-        // The rotation in the rotary table's dtype (f32; it is a constant, not a parameter, so a
-        // bf16 copy of the model keeps it), back to the activations' dtype after.
-        let rotate = |t: Tensor<4>| match &self.rope {
-            Some(rope) => {
-                let dtype = t.dtype();
-                rope.apply(t.cast(rope.freq_complex.dtype()), start)
-                    .cast(dtype)
-            }
-            None => t,
+        // Rotated here for whole sequences; a context-parallel rank's chunks each by theirs.
+        let rotate = |t: Tensor<4>| match self.context {
+            None => self.rotate(t, start),
+            Some(_) => t,
         };
         Ok((
             rotate(heads(q, hq, self.q_norm.as_ref())),
             rotate(heads(k, hkv, self.k_norm.as_ref())),
             heads(v, hkv, None),
         ))
+    }
+
+    /// `t` (`[b, h, s, hd]`) rotated for positions `start..start + s` (none without rotary
+    /// positions), in the rotary table's dtype (f32; it is a constant, not a parameter, so a
+    /// bf16 copy of the model keeps it), back to the activations' dtype after.
+    fn rotate(&self, t: Tensor<4>, start: usize) -> Tensor<4> {
+        match &self.rope {
+            Some(rope) => {
+                let dtype = t.dtype();
+                rope.apply(t.cast(rope.freq_complex.dtype()), start)
+                    .cast(dtype)
+            }
+            None => t,
+        }
+    }
+
+    /// Which keys each query of `b` sequences sees from position `start` (either path's
+    /// one rule, `AttentionSpec::sees`), and the dropout of site `site`.
+    fn spec(
+        &self,
+        b: usize,
+        dropout: Option<DropoutKey>,
+        site: u64,
+        start: usize,
+        padding: Option<&Padding>,
+    ) -> AttentionSpec {
+        let tp = self.out.group().world_size();
+        let rank = self.out.group().rank();
+        let hq = self.n_heads / tp;
+        AttentionSpec {
+            dropout: dropout.filter(|_| self.dropout > 0.0).map(|key| {
+                let (batch_total, batch) = key.batch(b);
+                AttentionDropout {
+                    p: self.dropout,
+                    key,
+                    site,
+                    batch_total,
+                    batch,
+                    heads_total: self.n_heads,
+                    heads: rank * hq..(rank + 1) * hq,
+                    positions: None,
+                }
+            }),
+            window: self.window,
+            scale: self.scale,
+            softcap: self.softcap,
+            tile: match self.kernel {
+                Kernel::Fused { tile } => tile,
+                Kernel::Materialized => crate::backend::attention::mask::TILE,
+            },
+            // Relative to the first key kept.
+            padding: padding.map_or_else(Vec::new, |p| {
+                p.rows
+                    .iter()
+                    .map(|&r| r.saturating_sub(p.first_key))
+                    .collect()
+            }),
+            ..AttentionSpec::causal(start)
+        }
     }
 
     fn local_kv_heads(&self, tp: usize) -> usize {
@@ -262,37 +378,7 @@ impl ParallelAttention {
         let hkv = self.local_kv_heads(tp);
         let [b, _, s, _] = q.dims();
         let t = k.dims()[2];
-        // Which keys each query sees, for either path: one rule (`AttentionSpec::sees`).
-        let spec = AttentionSpec {
-            dropout: dropout.filter(|_| self.dropout > 0.0).map(|key| {
-                let (batch_total, batch) = key.batch(b);
-                AttentionDropout {
-                    p: self.dropout,
-                    key,
-                    site,
-                    batch_total,
-                    batch,
-                    heads_total: self.n_heads,
-                    heads: rank * hq..(rank + 1) * hq,
-                    positions: None,
-                }
-            }),
-            window: self.window,
-            scale: self.scale,
-            softcap: self.softcap,
-            tile: match self.kernel {
-                Kernel::Fused { tile } => tile,
-                Kernel::Materialized => crate::backend::attention::mask::TILE,
-            },
-            // Relative to the first key kept.
-            padding: padding.map_or_else(Vec::new, |p| {
-                p.rows
-                    .iter()
-                    .map(|&r| r.saturating_sub(p.first_key))
-                    .collect()
-            }),
-            ..AttentionSpec::causal(start)
-        };
+        let spec = self.spec(b, dropout, site, start, padding);
         if let Kernel::Fused { .. } = self.kernel {
             let ctx = fused_attention(q, k, v, spec)?;
             let ctx = ctx.permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
@@ -357,6 +443,7 @@ impl Reshard for ParallelAttention {
             q_norm: self.q_norm.to_full_module()?,
             k_norm: self.k_norm.to_full_module()?,
             rope: self.rope.clone(),
+            context: self.context.clone(),
             ..*self
         })
     }
@@ -367,6 +454,7 @@ impl Reshard for ParallelAttention {
             q_norm: Reshard::shard_module(&full.q_norm, group)?,
             k_norm: Reshard::shard_module(&full.k_norm, group)?,
             rope: full.rope.clone(),
+            context: full.context.clone(),
             ..*full
         })
     }

@@ -27,6 +27,7 @@ use std::ops::Range;
 
 use burn::backend::Dispatch;
 use burn::tensor::Tensor;
+use burn::tensor::kind::Basic;
 use burn_tp_comm::{ProcessGroup, RingLinks};
 
 use crate::backend::{AttentionSpec, RingSpec, TpBackend};
@@ -134,12 +135,16 @@ impl ContextParallel {
         Ok(self.chunks(seq)?.into_iter().flatten().collect())
     }
 
-    /// This rank's chunks of `x`, whose dim `dim` is the whole sequence (`[.., seq, ..] ->
-    /// [.., seq / cp, ..]`; no communication; differentiable).
+    /// This rank's chunks of `x` (floats, ids, masks), whose dim `dim` is the whole sequence
+    /// (`[.., seq, ..] -> [.., seq / cp, ..]`; no communication; differentiable).
     ///
     /// # Errors
     /// [`TpError::DimOutOfRange`]; as [`chunks`](Self::chunks).
-    pub fn split<const D: usize>(&self, x: Tensor<D>, dim: usize) -> Result<Tensor<D>> {
+    pub fn split<const D: usize, K: Basic>(
+        &self,
+        x: Tensor<D, K>,
+        dim: usize,
+    ) -> Result<Tensor<D, K>> {
         if dim >= D {
             return Err(TpError::DimOutOfRange {
                 op: "ContextParallel::split",
@@ -147,7 +152,7 @@ impl ContextParallel {
                 rank: D,
             });
         }
-        let parts: Vec<Tensor<D>> = self
+        let parts: Vec<Tensor<D, K>> = self
             .chunks(x.dims()[dim])?
             .into_iter()
             .map(|r| x.clone().narrow(dim, r.start, r.len()))

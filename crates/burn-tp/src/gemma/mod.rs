@@ -349,14 +349,15 @@ impl GemmaBlock {
         mode: TpMode,
     ) -> TpResult<Tensor<3>> {
         let site = 1 + 3 * index as u64;
+        let ctx = self.attn.context_parallel();
         let a = self
             .attn
             .try_forward(self.input_norm.forward(x.clone()), dropout, site)?;
         let a = self.post_attn_norm.forward(a);
-        let x = x + residual_dropout(a, p, dropout, site + 1, group, mode);
+        let x = x + residual_dropout(a, p, dropout, site + 1, (group, mode), ctx)?;
         let m = self.mlp.try_forward(self.pre_mlp_norm.forward(x.clone()))?;
         let m = self.post_mlp_norm.forward(m);
-        Ok(x + residual_dropout(m, p, dropout, site + 2, group, mode))
+        Ok(x + residual_dropout(m, p, dropout, site + 2, (group, mode), ctx)?)
     }
 }
 
@@ -411,6 +412,10 @@ impl Gemma {
 impl DecoderBlock for GemmaBlock {
     fn attention(&self) -> &ParallelAttention {
         &self.attn
+    }
+
+    fn attention_mut(&mut self) -> &mut ParallelAttention {
+        &mut self.attn
     }
 
     fn attn_norm(&self, x: Tensor<3>) -> Tensor<3> {

@@ -377,12 +377,13 @@ impl LlamaBlock {
         mode: TpMode,
     ) -> TpResult<Tensor<3>> {
         let site = 1 + 3 * index as u64;
+        let ctx = self.attn.context_parallel();
         let a = self
             .attn
             .try_forward(self.attn_norm.forward(x.clone()), dropout, site)?;
-        let x = x + residual_dropout(a, p, dropout, site + 1, group, mode);
+        let x = x + residual_dropout(a, p, dropout, site + 1, (group, mode), ctx)?;
         let m = self.ffn(self.mlp_norm.forward(x.clone()))?;
-        Ok(x + residual_dropout(m, p, dropout, site + 2, group, mode))
+        Ok(x + residual_dropout(m, p, dropout, site + 2, (group, mode), ctx)?)
     }
 
     /// The dense MLP or the mixture of experts (whose routers' statistics go to

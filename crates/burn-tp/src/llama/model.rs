@@ -18,6 +18,10 @@ impl DecoderBlock for LlamaBlock {
         &self.attn
     }
 
+    fn attention_mut(&mut self) -> &mut ParallelAttention {
+        &mut self.attn
+    }
+
     fn attn_norm(&self, x: Tensor<3>) -> Tensor<3> {
         self.attn_norm.forward(x)
     }
