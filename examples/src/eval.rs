@@ -32,12 +32,32 @@ pub fn batch(tokens: &[i64], args: &Args, step: usize) -> (Vec<i64>, Vec<i64>) {
     (ids, targets)
 }
 
-/// This dp rank's columns of a `[seq, batch]` batch.
+/// This dp rank's columns of a `[seq, batch]` batch: its replica's (`dp rank / cp` of
+/// `dp / cp`: a context-parallel group shares one).
 pub(crate) fn dp_slice(v: &[i64], args: &Args, dp_rank: usize, device: &Device) -> Tensor<2, Int> {
     let t =
         Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), [args.seq, args.batch]), device);
-    let per = args.batch / args.dp;
-    t.slice([0..args.seq, dp_rank * per..(dp_rank + 1) * per])
+    let (per, replica) = replica_columns(args, dp_rank);
+    t.slice([0..args.seq, replica * per..(replica + 1) * per])
+}
+
+/// Columns per replica of a step's batch, and this dp rank's replica (`--cp` consecutive dp
+/// ranks split one replica's sequences).
+pub(crate) fn replica_columns(args: &Args, dp_rank: usize) -> (usize, usize) {
+    let cp = args.cp.max(1);
+    (args.batch / (args.dp / cp), dp_rank / cp)
+}
+
+/// This rank's chunks of `[seq, batch]` ids when `model` splits its sequences over a
+/// context-parallel ring; the ids themselves otherwise.
+pub(crate) fn cp_chunks<M: LanguageModel>(
+    model: &M,
+    ids: Tensor<2, Int>,
+) -> burn_tp::Result<Tensor<2, Int>> {
+    match model.context_parallel() {
+        Some(c) => c.split(ids, 0),
+        None => Ok(ids),
+    }
 }
 
 /// The text, split.
@@ -69,8 +89,8 @@ pub(crate) fn held_out_loss<M: LanguageModel>(
     let mut sum = 0.0;
     for k in 0..EVAL_BATCHES {
         let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
-        let ids = dp_slice(&ids, args, dp_rank, device);
-        let targets = dp_slice(&targets, args, dp_rank, device);
+        let ids = cp_chunks(&model, dp_slice(&ids, args, dp_rank, device))?;
+        let targets = cp_chunks(&model, dp_slice(&targets, args, dp_rank, device))?;
         let loss = model.loss(ids, targets, None)?.detach();
         sum += all_reduce(loss, ReduceOp::Avg, dp_group)?.into_scalar::<f32>() as f64;
     }
@@ -89,7 +109,11 @@ pub(crate) fn generate<M: LanguageModel>(
     tp_group: &ProcessGroup,
     device: &Device,
 ) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
-    let model = model.valid().with_mode(TpMode::AllReduce);
+    // Whole sequences: a context-parallel ring splits training's, not decoding's.
+    let model = model
+        .valid()
+        .with_mode(TpMode::AllReduce)
+        .with_context_parallel(None);
     let device = &device.clone().without_autodiff();
     let window = args.seq;
     let mut context = data.held_out[..window].to_vec();
@@ -126,7 +150,11 @@ pub(crate) fn generate_pipelined<M: LanguageModel>(
     tp_group: &ProcessGroup,
     device: &Device,
 ) -> Result<Vec<i64>, Box<dyn std::error::Error>> {
-    let model = model.valid().with_mode(TpMode::AllReduce);
+    // Whole sequences: a context-parallel ring splits training's, not decoding's.
+    let model = model
+        .valid()
+        .with_mode(TpMode::AllReduce)
+        .with_context_parallel(None);
     let device = &device.clone().without_autodiff();
     let window = args.seq;
     let mut context = data.held_out[..window].to_vec();

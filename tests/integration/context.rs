@@ -2,7 +2,8 @@
 //! against the unsplit kernel over the whole sequence: the output and dq, dk, dv of each rank's
 //! chunks, in f64 (the tensor-op tiles) and f32 (Flex's CPU kernel), with grouped-query heads,
 //! chunks of odd lengths and several tiles, a sliding window, a soft cap and dropout; the
-//! errors; and the GPT and the Llama trained on split sequences against the unsplit models.
+//! errors; the GPT and the Llama trained on split sequences against the unsplit models; and
+//! `train_gpt --cp`.
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_tp::attention::fused_attention;
@@ -17,9 +18,13 @@ use burn_tp::local::run_local;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 
+use burn_tp_examples::train_gpt::run;
+
 use crate::common::{
-    device, f64s, full_grads, param_values, rel_norm, rng_lock, tensor, token_ids, uniform,
+    assert_close, device, f64s, full_grads, param_values, rel_norm, rng_lock, tensor, token_ids,
+    uniform,
 };
+use crate::train_gpt::{temp_dir, tiny_args};
 
 /// One case: sizes `[b, hq, hkv, seq, hd]`, the attention's spec, the dtype.
 #[derive(Clone)]
@@ -335,4 +340,68 @@ fn llama_at_cp_2_and_4_with_dropout_and_a_window_is_the_unsplit_llama() {
         Some(DropoutStep::new(3)),
         &[CpLayout::LoadBalanced],
     );
+}
+
+/// `train_gpt --cp`: the Llama (dropout on) at dp 2 x cp 2 and tp 2 x dp 4 x cp 2, both modes,
+/// with recompute, gives the cp 1 run's losses (one replica's batch split over the ring); a
+/// checkpoint written at cp 2 resumes at cp 1 and at cp 4 on the uninterrupted curve; the
+/// flags' errors name them.
+#[test]
+fn train_gpt_at_cp_gives_the_cp_1_losses_and_resumes_at_any_cp() {
+    let _rng = rng_lock();
+    let args = |extra: &[&str], name: &str| {
+        let mut argv = vec!["--arch", "llama"];
+        for (flag, value) in [("--seq", "16"), ("--steps", "6")] {
+            if !extra.contains(&flag) {
+                argv.extend_from_slice(&[flag, value]);
+            }
+        }
+        argv.extend_from_slice(extra);
+        tiny_args(&argv, &temp_dir(name))
+    };
+    let want = run(&args(&["--dp", "1"], "cp-1")).unwrap().losses;
+    for extra in [
+        &["--dp", "2", "--cp", "2"][..],
+        &[
+            "--dp",
+            "2",
+            "--cp",
+            "2",
+            "--mode",
+            "reduce-scatter",
+            "--recompute-layers",
+        ],
+        &["--tp", "2", "--dp", "4", "--cp", "2"],
+        &["--dp", "4", "--cp", "4"],
+    ] {
+        let got = run(&args(extra, "cp")).unwrap().losses;
+        assert_close(&got, &want, 1e-5, &format!("{extra:?}"));
+    }
+    // Resumed: 3 steps at cp 2, then 3 at cp 1 or cp 4.
+    let first = run(&args(
+        &["--dp", "2", "--cp", "2", "--steps", "3"],
+        "cp-half",
+    ))
+    .unwrap();
+    let ckpt = first.checkpoint.to_str().unwrap().to_string();
+    for extra in [&["--dp", "1"][..], &["--dp", "4", "--cp", "4"]] {
+        let mut argv = extra.to_vec();
+        argv.extend_from_slice(&["--steps", "3", "--resume", &ckpt]);
+        let rest = run(&args(&argv, "cp-rest")).unwrap().losses;
+        assert_close(&rest, &want[3..], 1e-5, &format!("resumed at {extra:?}"));
+    }
+    for (extra, needle) in [
+        (&["--dp", "2", "--cp", "3"][..], "--cp 3 must divide --dp 2"),
+        (
+            &["--dp", "2", "--cp", "2", "--seq", "10"],
+            "--seq 10 is not a multiple of 2 x --cp 2",
+        ),
+        (
+            &["--dp", "2", "--cp", "2", "--pp", "2"],
+            "--cp 2 does not run with --pp yet",
+        ),
+    ] {
+        let err = run(&args(extra, "cp-err")).unwrap_err().to_string();
+        assert!(err.contains(needle), "{extra:?}: {err}");
+    }
 }

@@ -10,13 +10,13 @@ use burn_tp_examples::train_gpt::{Args, run};
 use clap::Parser;
 use std::path::PathBuf;
 
-fn temp_dir(name: &str) -> PathBuf {
+pub(crate) fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("burn-tp-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
 
-fn tiny_args(extra: &[&str], out: &std::path::Path) -> Args {
+pub(crate) fn tiny_args(extra: &[&str], out: &std::path::Path) -> Args {
     let mut argv = vec!["train_gpt", "--quiet"];
     let defaults = [
         ("--batch", "4"),

@@ -133,6 +133,12 @@ pub struct Args {
     /// Qwen-MoE).
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
+    /// Context-parallel size: every sequence split over this many of the dp ranks (it divides
+    /// `--dp`; `--seq` a multiple of `2 cp`), each holding two chunks (Megatron's load-balanced
+    /// layout) and the attention passing keys and values around their ring; `dp / cp` batches
+    /// per step.
+    #[arg(long, default_value_t = 1)]
+    pub cp: usize,
     /// Llama: every MLP a mixture of this many experts (Mixtral's shape), each as wide as
     /// `--d-ff`, `--top-k` of them per token (`--arch moe`: 8 by default).
     #[arg(long)]

@@ -30,8 +30,12 @@ pub fn describe(args: &Args) -> String {
             args.micro_batches, args.pp_schedule
         ),
     };
+    let cp = match args.cp {
+        1 => String::new(),
+        cp => format!(" (cp={cp}: each sequence split over {cp} of them)"),
+    };
     format!(
-        "{arch}: tp={} dp={}{pp} {:?} {}schedule {:?}, {:?}, {} steps",
+        "{arch}: tp={} dp={}{cp}{pp} {:?} {}schedule {:?}, {:?}, {} steps",
         args.tp,
         args.dp,
         args.mode,

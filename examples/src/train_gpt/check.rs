@@ -56,7 +56,7 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             args.tp, args.dp, args.pp, args.micro_batches
         ));
     }
-    if !(args.batch / args.dp.max(1)).is_multiple_of(args.micro_batches) {
+    if !(args.batch / args.dp.max(1)).is_multiple_of(args.micro_batches) && args.cp <= 1 {
         return Err(format!(
             "--batch {} / --dp {} is not divisible by --micro-batches {}",
             args.batch, args.dp, args.micro_batches
@@ -94,10 +94,34 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             ));
         }
     }
-    if !args.batch.is_multiple_of(args.dp) {
+    if args.cp == 0 || !args.dp.is_multiple_of(args.cp) {
         return Err(format!(
-            "--batch {} is not divisible by --dp {}",
-            args.batch, args.dp
+            "--cp {} must divide --dp {} (sequences are split over data-parallel ranks)",
+            args.cp, args.dp
+        ));
+    }
+    if args.cp > 1 {
+        if !args.seq.is_multiple_of(2 * args.cp) {
+            return Err(format!(
+                "--seq {} is not a multiple of 2 x --cp {} (each cp rank holds two equal chunks)",
+                args.seq, args.cp
+            ));
+        }
+        // What context parallelism does not run with yet.
+        let refused = [
+            (args.pp > 1, "--pp"),
+            (args.ep > 1, "--ep"),
+            (args.device == DeviceKind::Cuda, "--device cuda"),
+        ];
+        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+            return Err(format!("--cp {} does not run with {flag} yet", args.cp));
+        }
+    }
+    let replicas = args.dp / args.cp.max(1);
+    if !args.batch.is_multiple_of(replicas) {
+        return Err(format!(
+            "--batch {} is not divisible by --dp {} / --cp {} (the batches of a step)",
+            args.batch, args.dp, args.cp
         ));
     }
     if args.ep == 0 || !args.dp.is_multiple_of(args.ep) {

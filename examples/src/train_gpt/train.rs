@@ -8,6 +8,7 @@ use burn::tensor::{Device, Int, Tensor};
 use burn_tp::checkpoint;
 use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
+use burn_tp::context::{ContextParallel, CpLayout};
 use burn_tp::dp::{DpOptimizer, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::mesh::DeviceMesh;
@@ -21,7 +22,9 @@ use burn_tp::reshard::move_optimizer_state;
 use super::pipelined::{held_out_pipelined, micro_batches, pp_schedule};
 use super::trainable::Trainable;
 use super::{Args, CheckpointTimes};
-use crate::eval::{Data, batch, dp_slice, generate, generate_pipelined, held_out_loss};
+use crate::eval::{
+    Data, batch, cp_chunks, dp_slice, generate, generate_pipelined, held_out_loss, replica_columns,
+};
 
 mod saving;
 
@@ -86,6 +89,14 @@ pub(super) fn train_rank<M: Trainable>(
         1 => None,
         ep => Some(mesh.expert_groups(ep)?),
     };
+    // With --cp: the ring each sequence is split over (consecutive dp ranks).
+    let context = match args.cp {
+        1 => None,
+        cp => Some(ContextParallel::new(
+            mesh.context_group(cp)?,
+            CpLayout::LoadBalanced,
+        )?),
+    };
     let pipe = match args.pp {
         1 => None,
         _ => Some(Pipeline::new(mesh.pp_group())?),
@@ -109,6 +120,7 @@ pub(super) fn train_rank<M: Trainable>(
     let mut timings = CheckpointTimes::default();
     let load_start = Instant::now();
     let (model, first_step, mut optim) = r.start()?;
+    let model = model.with_context_parallel(context);
     if args.resume.is_some() {
         timings.load_s = load_start.elapsed().as_secs_f64();
     }
@@ -432,8 +444,9 @@ impl<M: Trainable> Rank<'_, M> {
         let args = self.args;
         let (ids, targets) = self.batch(step);
         let working = self.compute(&model);
-        let per = args.batch / args.dp;
-        let dropout = DropoutStep::new(step as u64).with_batch(self.dp_rank * per, args.batch);
+        let (ids, targets) = (cp_chunks(&working, ids)?, cp_chunks(&working, targets)?);
+        let (per, replica) = replica_columns(args, self.dp_rank);
+        let dropout = DropoutStep::new(step as u64).with_batch(replica * per, args.batch);
         if let Some(pipe) = &self.pipe {
             return self.pipelined_step(pipe, model, working, (ids, targets), dropout, optim);
         }
