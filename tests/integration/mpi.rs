@@ -151,7 +151,7 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
 
     // The other paths over MPI: the Llama in bf16 (16-bit sums by MPI's user ops), the dp
     // gradient buckets overlapped with the backward and the distributed optimizer, a mixture
-    // of experts split over ep 2 (its tokens by MPI's all-to-all).
+    // of experts split over ep 2 (its tokens by MPI's all-to-all), context parallelism at cp 2.
     for extra in [
         &["--arch", "llama", "--dtype", "bf16"][..],
         &[
@@ -172,6 +172,9 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
             "--bucket-mb",
             "0.001",
         ],
+        // Context parallelism: each sequence split over the 2 dp ranks, the keys and values
+        // around their ring over MPI.
+        &["--arch", "llama", "--cp", "2"],
     ] {
         let base = [&["--tp", "2", "--dp", "2", "--steps", "6"][..], extra].concat();
         let want = threads(&base, "paths");
