@@ -405,3 +405,46 @@ fn train_gpt_at_cp_gives_the_cp_1_losses_and_resumes_at_any_cp() {
         assert!(err.contains(needle), "{extra:?}: {err}");
     }
 }
+
+/// A rank that fails mid-ring (it leaves before its attention) ends every other rank's ring
+/// attention with an error naming it, not a hang, long before the 60 s timeout.
+#[test]
+fn a_rank_failing_mid_ring_ends_every_rank_with_an_error() {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+    let c = case([1, 2, 1, 16, 4], 4, DType::F32);
+    let seen = Arc::new(Mutex::new(Vec::<(usize, String, Duration)>::new()));
+    let log = seen.clone();
+    let out = burn_tp::local::run_ranks(burn_tp::comm::LocalGroup::new(4).unwrap(), move |g| {
+        g.set_timeout(Duration::from_secs(60));
+        let ctx = ContextParallel::new(g, CpLayout::LoadBalanced).unwrap();
+        if ctx.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(200));
+            std::panic::resume_unwind(Box::new("rank 2 fails"));
+        }
+        let [q, k, v, _] = inputs(&c);
+        let split = |t: Tensor<4>| ctx.split(t, 2).unwrap();
+        let start = Instant::now();
+        let result = ctx.attention(split(q), split(k), split(v), c.spec.clone());
+        let error = result.map(|_| ()).unwrap_err().to_string();
+        log.lock()
+            .unwrap()
+            .push((ctx.rank(), error, start.elapsed()));
+    });
+    assert!(out.unwrap_err().contains("rank 2 fails"));
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 3, "every other rank reports: {seen:?}");
+    for (rank, error, elapsed) in seen.iter() {
+        eprintln!("rank {rank} heard after {elapsed:?}: {error}");
+        // Each names its transfer (`recv 3 <- 2`) and the peer that left its link.
+        assert!(
+            error.contains("left the group") && (error.contains("<-") || error.contains("->")),
+            "rank {rank}: {error}"
+        );
+        // Event driven, not the timeout: bounded at half of it for a loaded machine.
+        assert!(
+            *elapsed < Duration::from_secs(30),
+            "rank {rank}: {elapsed:?}"
+        );
+    }
+}
