@@ -15,7 +15,8 @@
 //! tag, kept in a header in front of each block, so a block freed on another thread still comes
 //! off the right count. Section 3 counts a MoE model's rank the same way at ep 1, 2, 4: the
 //! parameters and AdamW state it holds after a step. Section 4 sets a LoRA fine-tune beside the
-//! full one (`--only=lora`).
+//! full one (`--only=lora`). Section 5 counts a context-parallel rank's bytes over a step at a
+//! long sequence (`--only=context`).
 //!
 //! ```text
 //! cargo bench -p burn-tp --bench memory            # the issue's shapes
@@ -23,6 +24,7 @@
 //! cargo bench -p burn-tp --bench memory -- --only=pipeline # section 2 alone
 //! cargo bench -p burn-tp --bench memory -- --only=moe      # section 3 alone
 //! cargo bench -p burn-tp --bench memory -- --only=lora     # section 4 alone
+//! cargo bench -p burn-tp --bench memory -- --only=context  # section 5 alone (--seq=N)
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -307,6 +309,7 @@ fn mb(x: f64) -> String {
     format!("{:.1}", x / 1e6)
 }
 
+mod context;
 mod experts;
 
 use experts::{lora_memory, moe_memory};
@@ -323,6 +326,10 @@ fn main() {
     }
     if std::env::args().any(|a| a == "--only=lora") {
         lora_memory(quick);
+        return;
+    }
+    if std::env::args().any(|a| a == "--only=context") {
+        context::context_memory(quick);
         return;
     }
     let (seq, batch) = if quick { (128, 2) } else { (1024, 8) };
@@ -388,6 +395,7 @@ fn main() {
     pipeline_memory(quick);
     moe_memory(quick);
     lora_memory(quick);
+    context::context_memory(quick);
 }
 
 /// Section 2: bytes per pipeline stage over one step, each stage a rank thread whose

@@ -502,6 +502,7 @@ fn bench_scaling(quick: bool) {
 }
 
 mod attention;
+mod context;
 mod floor;
 mod grid;
 mod lora;
@@ -509,6 +510,7 @@ mod moe;
 mod pipeline;
 
 use attention::bench_attention;
+use context::bench_context;
 use floor::bench_layer_floor;
 use grid::bench_async_grid;
 use lora::bench_lora;
@@ -540,6 +542,7 @@ fn main() {
         Some("pipeline") => return bench_pipeline(quick),
         Some("moe") => return bench_moe(quick),
         Some("lora") => return bench_lora(quick),
+        Some("context") => return bench_context(quick),
         Some("split") => {
             let split = bench_overlap(quick, OverlapSchedule::Split);
             return print_overlap("3. Overlap: async vs sync (split schedule)", &split);
@@ -584,6 +587,7 @@ fn main() {
     bench_pipeline(quick);
     bench_moe(quick);
     bench_lora(quick);
+    bench_context(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }
 

@@ -59,6 +59,9 @@ use fused::dropout::DropoutSpec;
 
 pub use attention::mask::{AttentionDropout, AttentionSpec, MaskPositions};
 pub use attention::ring::RingSpec;
+// For the benches: each rank's ring attention compute and waits.
+#[doc(hidden)]
+pub use attention::ring::{RingStats, reset_ring_stats, ring_stats};
 pub use collective::all_to_all::AllToAllSpec;
 pub use flex::{cpu_kernels, set_cpu_kernels};
 pub use fused::norm::NormSpec;

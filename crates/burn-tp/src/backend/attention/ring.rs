@@ -28,8 +28,11 @@
 //! is one call of the backend's attention kernel (`tp_attention_kernel`, its backward with the
 //! merged output and log-sum-exp), so Flex runs its CPU kernel per pair.
 
+use std::cell::Cell;
+use std::time::Instant;
+
 use burn::backend::{TensorMetadata, tensor::FloatTensor};
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_std::Scalar;
 use burn_tp_comm::{CommError, ProcessGroup, RingLinks};
 
@@ -37,6 +40,78 @@ use crate::backend::TpBackend;
 use crate::backend::attention::mask::{AttentionSpec, MaskPositions};
 use crate::backend::collective::host::{slice_dim, widen};
 use crate::backend::collective::shift;
+
+/// What this thread's ring attention did since [`reset_ring_stats`]: seconds in the kernel
+/// (each rank's share of the attention: its balance), seconds waiting for a transfer (what the
+/// compute did not hide), and what it sent. For the benches.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RingStats {
+    /// Seconds in the attention kernel's calls, forward and backward.
+    pub compute_s: f64,
+    /// Seconds waiting for a block or its gradients to arrive.
+    pub wait_s: f64,
+    /// Transfers sent.
+    pub transfers: usize,
+    /// Bytes sent.
+    pub bytes: usize,
+}
+
+thread_local! {
+    static STATS: Cell<RingStats> = const {
+        Cell::new(RingStats { compute_s: 0.0, wait_s: 0.0, transfers: 0, bytes: 0 })
+    };
+}
+
+/// This thread's [`RingStats`] since the last reset.
+pub fn ring_stats() -> RingStats {
+    STATS.with(Cell::get)
+}
+
+/// Starts this thread's [`RingStats`] from zero.
+pub fn reset_ring_stats() {
+    STATS.with(|s| s.set(RingStats::default()));
+}
+
+fn count(f: impl FnOnce(&mut RingStats)) {
+    STATS.with(|s| {
+        let mut v = s.get();
+        f(&mut v);
+        s.set(v);
+    });
+}
+
+/// `f`, its seconds counted as compute.
+fn computing<T>(f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let out = f();
+    count(|s| s.compute_s += t.elapsed().as_secs_f64());
+    out
+}
+
+/// Posts `x` to the next rank (and the previous one's receive), labelled in the communication
+/// profile.
+fn post<B: TpBackend>(x: FloatTensor<B>, spec: &RingSpec) -> Result<shift::Shift, CommError> {
+    let _scope = burn_tp_comm::profile::scope("ring attention");
+    let bytes = x.shape().num_elements() * if x.dtype() == DType::F64 { 8 } else { 4 };
+    count(|s| {
+        s.transfers += 1;
+        s.bytes += bytes;
+    });
+    shift::start::<B>(x, &spec.links).map_err(|e| spec.fail(e))
+}
+
+/// Waits for a posted shift, its seconds counted as waiting.
+fn arrive<B: TpBackend>(
+    pending: shift::Shift,
+    spec: &RingSpec,
+    device: &B::Device,
+) -> Result<FloatTensor<B>, CommError> {
+    let _scope = burn_tp_comm::profile::scope("ring attention");
+    let t = Instant::now();
+    let out = pending.finish::<B>(device).map_err(|e| spec.fail(e));
+    count(|s| s.wait_s += t.elapsed().as_secs_f64());
+    out
+}
 
 /// One ring attention call: the ring, where every rank's chunks sit in the sequence, and the
 /// attention of each step.
@@ -177,9 +252,8 @@ pub(crate) fn forward<B: TpBackend>(
     let kb = kv.shape()[0] / 2;
     for i in 0..steps {
         let next = (i + 1 < steps)
-            .then(|| shift::start::<B>(kv.clone(), &spec.links))
-            .transpose()
-            .map_err(|e| spec.fail(e))?;
+            .then(|| post::<B>(kv.clone(), spec))
+            .transpose()?;
         let src = spec.source(i);
         let (k, v) = (
             slice_dim::<B>(kv.clone(), 0, 0..kb),
@@ -190,12 +264,14 @@ pub(crate) fn forward<B: TpBackend>(
                 let Some(pair) = spec.pair(r, a, src, b) else {
                     continue;
                 };
-                let (o, l) = B::tp_attention_kernel(
-                    part::<B>(&q, a, c),
-                    part::<B>(&k, b, c),
-                    part::<B>(&v, b, c),
-                    pair,
-                );
+                let (o, l) = computing(|| {
+                    B::tp_attention_kernel(
+                        part::<B>(&q, a, c),
+                        part::<B>(&k, b, c),
+                        part::<B>(&v, b, c),
+                        pair,
+                    )
+                });
                 let new = (widen::<B>(o), l);
                 *acc = Some(match acc.take() {
                     None => new,
@@ -204,7 +280,7 @@ pub(crate) fn forward<B: TpBackend>(
             }
         }
         if let Some(next) = next {
-            kv = next.finish::<B>(&device).map_err(|e| spec.fail(e))?;
+            kv = arrive::<B>(next, spec, &device)?;
         }
     }
     let (outs, lses): (Vec<_>, Vec<_>) = acc
@@ -258,9 +334,8 @@ pub(crate) fn backward<B: TpBackend>(
     let mut dkv = zeros(&kv);
     for i in 0..steps {
         let next = (i + 1 < steps)
-            .then(|| shift::start::<B>(kv.clone(), &spec.links))
-            .transpose()
-            .map_err(|e| spec.fail(e))?;
+            .then(|| post::<B>(kv.clone(), spec))
+            .transpose()?;
         let src = spec.source(i);
         let (k, v) = (
             slice_dim::<B>(kv.clone(), 0, 0..kb),
@@ -273,15 +348,17 @@ pub(crate) fn backward<B: TpBackend>(
                 let Some(pair) = spec.pair(r, a, src, b) else {
                     continue;
                 };
-                let (gq, gk, gv) = B::tp_attention_kernel_backward(
-                    part::<B>(&q, a, c),
-                    part::<B>(&k, b, c),
-                    part::<B>(&v, b, c),
-                    part::<B>(&out, a, c),
-                    part::<B>(&lse, a, c),
-                    part::<B>(&d_out, a, c),
-                    pair,
-                );
+                let (gq, gk, gv) = computing(|| {
+                    B::tp_attention_kernel_backward(
+                        part::<B>(&q, a, c),
+                        part::<B>(&k, b, c),
+                        part::<B>(&v, b, c),
+                        part::<B>(&out, a, c),
+                        part::<B>(&lse, a, c),
+                        part::<B>(&d_out, a, c),
+                        pair,
+                    )
+                });
                 let add = |acc: &mut Option<FloatTensor<B>>, g: FloatTensor<B>| {
                     let g = widen::<B>(g);
                     *acc = Some(match acc.take() {
@@ -311,25 +388,25 @@ pub(crate) fn backward<B: TpBackend>(
         );
         dkv = match incoming.take() {
             // The block's partial sums from the ranks it visited before.
-            Some(prev) => B::float_add(prev.finish::<B>(&device).map_err(|e| spec.fail(e))?, mine),
+            Some(prev) => B::float_add(arrive::<B>(prev, spec, &device)?, mine),
             None => B::float_add(dkv, mine),
         };
         if n > 1 {
-            incoming = Some(shift::start::<B>(dkv.clone(), &spec.links).map_err(|e| spec.fail(e))?);
+            incoming = Some(post::<B>(dkv.clone(), spec)?);
         }
         if let Some(next) = next {
-            kv = next.finish::<B>(&device).map_err(|e| spec.fail(e))?;
+            kv = arrive::<B>(next, spec, &device)?;
         }
     }
     // The partial sums travel on to their owners: `cp` hops after they left them in all (the
     // one in flight holds block `r - steps`'s).
     for _ in steps..n {
         let held = incoming.take().expect("a shift is in flight");
-        let held = held.finish::<B>(&device).map_err(|e| spec.fail(e))?;
-        incoming = Some(shift::start::<B>(held, &spec.links).map_err(|e| spec.fail(e))?);
+        let held = arrive::<B>(held, spec, &device)?;
+        incoming = Some(post::<B>(held, spec)?);
     }
     if let Some(last) = incoming {
-        dkv = last.finish::<B>(&device).map_err(|e| spec.fail(e))?;
+        dkv = arrive::<B>(last, spec, &device)?;
     }
     let cast = |x: FloatTensor<B>, dtype: burn::tensor::DType| {
         if x.dtype() == dtype {
