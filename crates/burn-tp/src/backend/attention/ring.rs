@@ -199,6 +199,15 @@ fn part<B: TpBackend>(x: &FloatTensor<B>, a: usize, chunk: usize) -> FloatTensor
     slice_dim::<B>(x.clone(), 2, a * chunk..(a + 1) * chunk)
 }
 
+/// k and v of a block travelling as one tensor (`[2 b, ..]`: k's batch rows, then v's).
+fn halves<B: TpBackend>(kv: &FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+    let b = kv.shape()[0] / 2;
+    (
+        slice_dim::<B>(kv.clone(), 0, 0..b),
+        slice_dim::<B>(kv.clone(), 0, b..2 * b),
+    )
+}
+
 /// `x` `[b, h, s]` as `[b, h, s, 1]`.
 fn column<B: TpBackend>(x: FloatTensor<B>) -> FloatTensor<B> {
     let s = x.shape();
@@ -249,16 +258,12 @@ pub(crate) fn forward<B: TpBackend>(
     let mut acc: Vec<Option<(FloatTensor<B>, FloatTensor<B>)>> = vec![None; parts];
     // k and v travel as one tensor.
     let mut kv = B::float_cat(vec![k, v], 0);
-    let kb = kv.shape()[0] / 2;
     for i in 0..steps {
         let next = (i + 1 < steps)
             .then(|| post::<B>(kv.clone(), spec))
             .transpose()?;
         let src = spec.source(i);
-        let (k, v) = (
-            slice_dim::<B>(kv.clone(), 0, 0..kb),
-            slice_dim::<B>(kv.clone(), 0, kb..2 * kb),
-        );
+        let (k, v) = halves::<B>(&kv);
         for (a, acc) in acc.iter_mut().enumerate() {
             for b in 0..parts {
                 let Some(pair) = spec.pair(r, a, src, b) else {
@@ -324,7 +329,6 @@ pub(crate) fn backward<B: TpBackend>(
     let steps = spec.steps();
     let mut dq: Vec<Option<FloatTensor<B>>> = vec![None; parts];
     let mut kv = B::float_cat(vec![k, v], 0);
-    let kb = kv.shape()[0] / 2;
     // The gradients of the block held: k's then v's, widened (they are sums).
     let zeros = |like: &FloatTensor<B>| {
         let like = widen::<B>(like.clone());
@@ -337,10 +341,7 @@ pub(crate) fn backward<B: TpBackend>(
             .then(|| post::<B>(kv.clone(), spec))
             .transpose()?;
         let src = spec.source(i);
-        let (k, v) = (
-            slice_dim::<B>(kv.clone(), 0, 0..kb),
-            slice_dim::<B>(kv.clone(), 0, kb..2 * kb),
-        );
+        let (k, v) = halves::<B>(&kv);
         let mut dk: Vec<Option<FloatTensor<B>>> = vec![None; parts];
         let mut dv: Vec<Option<FloatTensor<B>>> = vec![None; parts];
         for (a, dq) in dq.iter_mut().enumerate() {
@@ -422,9 +423,6 @@ pub(crate) fn backward<B: TpBackend>(
             .collect(),
         2,
     );
-    Ok((
-        cast(dq, q_dtype),
-        cast(slice_dim::<B>(dkv.clone(), 0, 0..kb), k_dtype),
-        cast(slice_dim::<B>(dkv, 0, kb..2 * kb), v_dtype),
-    ))
+    let (dk, dv) = halves::<B>(&dkv);
+    Ok((cast(dq, q_dtype), cast(dk, k_dtype), cast(dv, v_dtype)))
 }
