@@ -2,15 +2,17 @@
 //! against the unsplit kernel over the whole sequence: the output and dq, dk, dv of each rank's
 //! chunks, in f64 (the tensor-op tiles) and f32 (Flex's CPU kernel), with grouped-query heads,
 //! chunks of odd lengths and several tiles, a sliding window, a soft cap and dropout; the
-//! errors; the GPT and the Llama trained on split sequences against the unsplit models; and
+//! errors; the GPT, the Llama and Gemma trained on split sequences against the unsplit models; and
 //! `train_gpt --cp`.
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_tp::attention::LayerType;
 use burn_tp::attention::fused_attention;
 use burn_tp::backend::{AttentionDropout, AttentionSpec};
 use burn_tp::context::{ContextParallel, CpLayout};
 use burn_tp::dp::broadcast_parameters;
 use burn_tp::dropout::{DropoutKey, DropoutStep};
+use burn_tp::gemma::{Gemma, GemmaConfig};
 use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::llama::{Llama, LlamaConfig};
@@ -447,4 +449,30 @@ fn a_rank_failing_mid_ring_ends_every_rank_with_an_error() {
             "rank {rank}: {elapsed:?}"
         );
     }
+}
+
+#[test]
+fn gemma_at_cp_2_and_4_is_the_unsplit_gemma() {
+    // Sliding and full layers (each its own rotary base), the scores' soft cap and scale,
+    // dropout: the ring with each layer's window.
+    let config = |mode| {
+        GemmaConfig::new(V, SEQ, 16, 4, 2, 3, 24, 8)
+            .with_layer_types(vec![
+                LayerType::Sliding,
+                LayerType::Full,
+                LayerType::Sliding,
+            ])
+            .with_sliding_window(Some(5))
+            .with_rope_local_theta(50.0)
+            .with_query_pre_attn_scalar(Some(6.0))
+            .with_attn_logit_softcap(Some(1.5))
+            .with_dropout(0.1)
+            .with_settings(TpSettings::new().with_mode(mode))
+    };
+    models_agree::<Gemma>(
+        "gemma",
+        config,
+        Some(DropoutStep::new(2)),
+        &[CpLayout::LoadBalanced],
+    );
 }
