@@ -182,9 +182,16 @@ impl<M: Trainable> Rank<'_, M> {
     /// checkpoint at any tp x dp), the step they start at, and the optimizer.
     fn start(&self) -> BoxResult<(M, usize, DpOptimizer)> {
         let (args, tp_group) = (self.args, &self.tp_group);
+        // An imported MoE model at ep > 1 (no pipeline, resume or LoRA): each rank reads its
+        // experts alone (and the dense weights, the same file on every rank: no broadcast).
+        let direct_ep = match (&args.init_from, &self.experts, &self.pipe, &args.resume) {
+            (Some(dir), Some((ep, _)), None, None) if !args.is_lora() => Some((dir, ep)),
+            _ => None,
+        };
         // dp replica 0 draws the weights first (only its tp rank 0 uses the RNG); the others
-        // wait, then take replica 0's weights by broadcast.
-        if self.dp_rank != 0 {
+        // wait, then take replica 0's weights by broadcast (but for the direct import, which
+        // draws nothing that stays and builds at ep, collectively, on every rank at once).
+        if self.dp_rank != 0 && direct_ep.is_none() {
             self.world.barrier()?;
         }
         // Stages draw the whole model in turns, each from the same seed (one device RNG for
@@ -209,6 +216,9 @@ impl<M: Trainable> Rank<'_, M> {
                     self.device.seed(args.seed);
                 }
                 fresh = Some(match (&held, &args.init_from) {
+                    _ if let Some((dir, ep)) = direct_ep => {
+                        M::import_expert_parallel(self.config, dir, (tp_group, ep), &self.device)?
+                    }
                     // Only this stage's blocks, never the whole model at once; a Hugging Face
                     // import maps the whole model, then keeps its blocks.
                     (Some(held), None) => M::init_stage(self.config, tp_group, &self.device, held)?,
@@ -221,6 +231,7 @@ impl<M: Trainable> Rank<'_, M> {
         }
         let fresh = fresh.expect("every stage takes its turn");
         let fresh = match (&held, &args.init_from) {
+            _ if direct_ep.is_some() => fresh,
             (Some(held), Some(dir)) => fresh.load_hf(dir, tp_group)?.keep_layers(held),
             (None, Some(dir)) => fresh.load_hf(dir, tp_group)?,
             (_, None) => fresh,
@@ -263,10 +274,13 @@ impl<M: Trainable> Rank<'_, M> {
             }
             None => (fresh, 0),
         };
-        if self.dp_rank == 0 {
+        if self.dp_rank == 0 && direct_ep.is_none() {
             self.world.barrier()?;
         }
-        let model = broadcast_parameters(model, &self.dp_group)?;
+        let model = match direct_ep {
+            Some(_) => model,
+            None => broadcast_parameters(model, &self.dp_group)?,
+        };
         // QLoRA: every replica quantizes the same values (after the broadcast, which moves floats).
         let model = match args.qlora {
             true => model.quantize_lora_base()?,
@@ -287,6 +301,7 @@ impl<M: Trainable> Rank<'_, M> {
         // With --ep, each rank keeps its experts of the (identical) whole model, and their
         // part of a resumed optimizer state.
         let (model, adamw) = match &self.experts {
+            Some(_) if direct_ep.is_some() => (model, adamw),
             Some((ep, _)) => {
                 let split = model.clone().expert_parallel(ep)?;
                 let adamw = match &args.resume {

@@ -26,6 +26,25 @@ pub trait Trainable: LanguageModel {
         burn_tp::hf::load(self, dir, group)
     }
 
+    /// The model `config` describes with its experts split over `ep`, its weights those of the
+    /// Hugging Face model in `dir`: this rank reads only its experts (never the whole model).
+    /// Collective over `group` (tp).
+    ///
+    /// # Errors
+    /// A model without experts; the import's errors.
+    fn import_expert_parallel(
+        config: &Self::Config,
+        dir: &Path,
+        (group, ep): (&ProcessGroup, &ProcessGroup),
+        device: &burn::tensor::Device,
+    ) -> burn_tp::Result<Self> {
+        let _ = (config, dir, group, device);
+        Err(burn_tp::TpError::Config(format!(
+            "--ep {}: this model has no mixture-of-experts layers",
+            ep.world_size()
+        )))
+    }
+
     /// The model with its experts split over `ep` (a model without experts at ep 1: itself).
     ///
     /// # Errors
@@ -142,6 +161,17 @@ impl Trainable for Llama {
 
     fn gather_experts(self) -> burn_tp::Result<Self> {
         Llama::gather_experts(self)
+    }
+
+    fn import_expert_parallel(
+        config: &LlamaConfig,
+        dir: &Path,
+        (group, ep): (&ProcessGroup, &ProcessGroup),
+        device: &burn::tensor::Device,
+    ) -> burn_tp::Result<Self> {
+        let layers: Vec<usize> = (0..config.n_layers).collect();
+        let model = config.init_expert_parallel(group, ep, device, &layers)?;
+        burn_tp::hf::load_expert_parallel(model, dir, group, ep)
     }
 
     fn with_lora(

@@ -433,3 +433,55 @@ fn train_gpt_fine_tunes_imported_models_the_same_at_every_tp() {
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// An imported mixture of experts at ep 2 is built at ep, each rank reading only its experts
+/// (`hf::load_expert_parallel`; no broadcast, no whole model): Mixtral and Qwen2-MoE (its
+/// shared expert and gate) at tp 2 x dp 2 x ep 2 and tp 1 x dp 4 x ep 2 give the losses of
+/// the same dp without ep (each rank importing the whole model), step after step.
+#[test]
+fn train_gpt_imports_a_mixture_of_experts_at_ep_reading_only_its_experts() {
+    use burn_tp_examples::train_gpt::run;
+    let _rng = rng_lock();
+    let (root, data) = scratch("fine-ep");
+    for name in ["mixtral", "qwen2_moe"] {
+        for (tp, dp) in [("2", "2"), ("1", "4")] {
+            let losses = |ep: &str| {
+                let model = fixture(name);
+                let (data, model) = (data.to_str().unwrap(), model.to_str().unwrap());
+                let flags = [
+                    "--quiet",
+                    "--tp",
+                    tp,
+                    "--dp",
+                    dp,
+                    "--ep",
+                    ep,
+                    "--batch",
+                    "4",
+                    "--seq",
+                    "8",
+                    "--steps",
+                    "3",
+                    "--lr",
+                    "2e-2",
+                    "--sample-len",
+                    "0",
+                    "--data",
+                    data,
+                    "--init-from",
+                    model,
+                ];
+                let args = train_gpt_args(&flags, &root, &format!("{name}-{tp}-{dp}-{ep}"));
+                run(&args).unwrap().losses
+            };
+            let want = losses("1");
+            assert_close(
+                &losses("2"),
+                &want,
+                1e-5,
+                &format!("{name} tp {tp} x dp {dp}: ep 2 (imported at ep) and ep 1"),
+            );
+        }
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -277,11 +277,27 @@ pub fn init_llama_expert_parallel(
     let llama = config.llama_config(settings);
     let layers: Vec<usize> = (0..llama.n_layers).collect();
     let model = llama.init_expert_parallel(group, ep, device, &layers)?;
+    Ok((load_expert_parallel(model, dir, group, ep)?, config))
+}
+
+/// [`load`] into a model whose experts are split over `ep` (built by
+/// `LlamaConfig::init_expert_parallel`): this rank reads only its `n_experts / ep` experts of
+/// each MoE layer. Collective over `group` (tp).
+///
+/// # Errors
+/// As [`load`].
+pub fn load_expert_parallel<M: Module + Reshard>(
+    model: M,
+    dir: &Path,
+    group: &ProcessGroup,
+    ep: &ProcessGroup,
+) -> Result<M> {
+    let config = HfConfig::from_dir(dir)?;
     let at = Ep {
         rank: ep.rank(),
         size: ep.world_size(),
     };
-    Ok((load_with(model, &config, dir, group, at)?, config))
+    load_with(model, &config, dir, group, at)
 }
 
 /// Builds the Hugging Face Gemma in `dir` (`Gemma3ForCausalLM`) as a [`Gemma`] at the tp of

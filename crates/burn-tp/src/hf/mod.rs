@@ -50,5 +50,5 @@ use crate::error::file_error;
 
 pub use config::{HfArchitecture, HfConfig};
 pub use export::save;
-pub use import::{init_gemma, init_llama, init_llama_expert_parallel, load};
+pub use import::{init_gemma, init_llama, init_llama_expert_parallel, load, load_expert_parallel};
 pub use peft::{load_peft, save_peft};
