@@ -1,4 +1,4 @@
-//! Section 12: ring attention (context parallelism, `burn_tp::context`) alone: `[1, 8 heads,
+//! Section 13: ring attention (context parallelism, `burn_tp::context`) alone: `[1, 8 heads,
 //! 2 kv heads, s, 64]` causal, f32, forward + backward, the sequence split over cp rank threads
 //! sharing the machine's cores, against the unsplit kernel on all of them (cp 1: the floor of
 //! the ring's work, the same flops). Per rank: the seconds in the kernel (its share of the
@@ -80,7 +80,7 @@ fn ring(
 pub(crate) fn bench_context(quick: bool) {
     let (s, reps) = if quick { (512, 1) } else { (8192, 3) };
     println!(
-        "\n## 12. Ring attention (context parallelism): [1, 8 heads, 2 kv heads, {s}, 64] causal, \
+        "\n## 13. Ring attention (context parallelism): [1, 8 heads, 2 kv heads, {s}, 64] causal, \
          f32, forward + backward; cp rank threads sharing the cores (ms)\n"
     );
     let whole = {
