@@ -32,7 +32,7 @@ use std::cell::Cell;
 use std::time::Instant;
 
 use burn::backend::{TensorMetadata, tensor::FloatTensor};
-use burn::tensor::{DType, Shape};
+use burn::tensor::Shape;
 use burn_std::Scalar;
 use burn_tp_comm::{CommError, ProcessGroup, RingLinks};
 
@@ -92,7 +92,7 @@ fn computing<T>(f: impl FnOnce() -> T) -> T {
 /// profile.
 fn post<B: TpBackend>(x: FloatTensor<B>, spec: &RingSpec) -> Result<shift::Shift, CommError> {
     let _scope = burn_tp_comm::profile::scope("ring attention");
-    let bytes = x.shape().num_elements() * if x.dtype() == DType::F64 { 8 } else { 4 };
+    let bytes = x.shape().num_elements() * x.dtype().size();
     count(|s| {
         s.transfers += 1;
         s.bytes += bytes;

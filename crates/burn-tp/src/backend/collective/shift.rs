@@ -2,43 +2,69 @@
 //! one, posted at once and waited for later (what ring attention passes around the
 //! context-parallel group while it computes: the key / value blocks, their gradients).
 //!
-//! Values travel as f32, or f64 for an f64 tensor (a half tensor widened, exactly, and cast
-//! back on arrival), over `burn-tp-comm`'s [`RingLinks`] (two-rank links, so a ring's
-//! transfers fail and time out as the collectives do).
+//! Values travel in the tensor's own dtype (f32, f64, bf16, f16) over `burn-tp-comm`'s
+//! [`RingLinks`] (two-rank links, so a ring's transfers fail and time out as the collectives
+//! do).
 
 use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
 use burn::tensor::{DType, Shape, TensorData};
 use burn_tp_comm::{CommError, Neighbour, RingLinks, Transfer};
+use half::{bf16, f16};
 
-/// The receive of a shift in flight (its send kept alive until then).
+use crate::backend::collective::host::HostElement;
+
+/// Both transfers of a shift in flight, and the shape of what arrives.
+pub(crate) struct Pair<T> {
+    send: Transfer<T>,
+    recv: Transfer<T>,
+    shape: Shape,
+}
+
+impl<T: HostElement> Pair<T> {
+    fn post(data: TensorData, links: &RingLinks) -> Result<Self, CommError> {
+        let (shape, dtype) = (data.shape().clone(), data.dtype());
+        let values = data
+            .try_into_vec::<T>()
+            .map_err(|e| CommError::Backend(format!("ring shift: a {dtype:?} tensor: {e:?}")))?;
+        let len = values.len();
+        let (send, recv) = links.send_recv((Neighbour::Next, values), (Neighbour::Prev, len))?;
+        Ok(Self { send, recv, shape })
+    }
+
+    fn finish(self) -> Result<TensorData, CommError> {
+        let values = self.recv.wait()?;
+        self.send.wait()?;
+        Ok(TensorData::new(values, self.shape))
+    }
+}
+
+/// The transfers of a shift in flight, by element type.
 pub(crate) enum Shift {
-    F32(Transfer<f32>, Transfer<f32>, Shape, DType),
-    F64(Transfer<f64>, Transfer<f64>, Shape, DType),
+    F32(Pair<f32>),
+    F64(Pair<f64>),
+    Bf16(Pair<bf16>),
+    F16(Pair<f16>),
 }
 
 /// Posts `x` to the next rank of `links` and the receive of the previous rank's tensor of the
 /// same shape and dtype.
 ///
 /// # Errors
-/// Reading the tensor; posting either transfer (a ring of one rank).
+/// Reading the tensor; a dtype the transports do not carry; posting either transfer (a ring of
+/// one rank).
 pub(crate) fn start<B: Backend>(x: FloatTensor<B>, links: &RingLinks) -> Result<Shift, CommError> {
-    let (shape, dtype) = (x.shape(), x.dtype());
+    let dtype = x.dtype();
     let data = burn::tensor::read_sync(B::float_into_data(x))
         .map_err(|e| CommError::Backend(format!("ring shift: reading the tensor: {e:?}")))?;
-    let len = shape.num_elements();
-    let read = |e| CommError::Backend(format!("ring shift: a {dtype:?} tensor: {e:?}"));
     Ok(match dtype {
-        DType::F64 => {
-            let values = data.convert::<f64>().try_into_vec::<f64>().map_err(read)?;
-            let (send, recv) =
-                links.send_recv((Neighbour::Next, values), (Neighbour::Prev, len))?;
-            Shift::F64(send, recv, shape, dtype)
-        }
-        _ => {
-            let values = data.convert::<f32>().try_into_vec::<f32>().map_err(read)?;
-            let (send, recv) =
-                links.send_recv((Neighbour::Next, values), (Neighbour::Prev, len))?;
-            Shift::F32(send, recv, shape, dtype)
+        DType::F32 => Shift::F32(Pair::post(data, links)?),
+        DType::F64 => Shift::F64(Pair::post(data, links)?),
+        DType::BF16 => Shift::Bf16(Pair::post(data, links)?),
+        DType::F16 => Shift::F16(Pair::post(data, links)?),
+        other => {
+            return Err(CommError::Backend(format!(
+                "ring shift: a {other:?} tensor (f32, f64, bf16 or f16)"
+            )));
         }
     })
 }
@@ -52,23 +78,12 @@ impl Shift {
         self,
         device: &B::Device,
     ) -> Result<FloatTensor<B>, CommError> {
-        let (data, dtype) = match self {
-            Shift::F32(send, recv, shape, dtype) => {
-                let values = recv.wait()?;
-                send.wait()?;
-                (TensorData::new(values, shape), dtype)
-            }
-            Shift::F64(send, recv, shape, dtype) => {
-                let values = recv.wait()?;
-                send.wait()?;
-                (TensorData::new(values, shape), dtype)
-            }
+        let data = match self {
+            Shift::F32(p) => p.finish()?,
+            Shift::F64(p) => p.finish()?,
+            Shift::Bf16(p) => p.finish()?,
+            Shift::F16(p) => p.finish()?,
         };
-        let x = B::float_from_data(data, device);
-        Ok(if x.dtype() == dtype {
-            x
-        } else {
-            B::float_cast(x, dtype.into())
-        })
+        Ok(B::float_from_data(data, device))
     }
 }
