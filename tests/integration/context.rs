@@ -345,7 +345,7 @@ fn llama_at_cp_2_and_4_with_dropout_and_a_window_is_the_unsplit_llama() {
 }
 
 /// `train_gpt --cp`: the Llama (dropout on) at dp 2 x cp 2 and tp 2 x dp 4 x cp 2, both modes,
-/// with recompute, gives the cp 1 run's losses (one replica's batch split over the ring); a
+/// with recompute, with pipeline stages (1F1B and interleaved), gives the cp 1 run's losses (one replica's batch split over the ring); a
 /// checkpoint written at cp 2 resumes at cp 1 and at cp 4 on the uninterrupted curve; the
 /// flags' errors name them.
 #[test]
@@ -375,10 +375,36 @@ fn train_gpt_at_cp_gives_the_cp_1_losses_and_resumes_at_any_cp() {
         ],
         &["--tp", "2", "--dp", "4", "--cp", "2"],
         &["--dp", "4", "--cp", "4"],
+        // Pipeline stages, each stage's attention its own ring.
+        &[
+            "--dp",
+            "2",
+            "--cp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+        ],
     ] {
         let got = run(&args(extra, "cp")).unwrap().losses;
         assert_close(&got, &want, 1e-5, &format!("{extra:?}"));
     }
+    // The interleaved schedule (4 blocks over 2 stages of 2 virtual stages) against its cp 1 run.
+    let interleaved = [
+        "--pp",
+        "2",
+        "--micro-batches",
+        "2",
+        "--pp-schedule",
+        "interleaved",
+        "--layers",
+        "4",
+    ];
+    let want_4 = run(&args(&interleaved, "cp-1-4")).unwrap().losses;
+    let at_cp = [&interleaved[..], &["--dp", "2", "--cp", "2"]].concat();
+    let got = run(&args(&at_cp, "cp-4")).unwrap().losses;
+    assert_close(&got, &want_4, 1e-5, "interleaved, cp 2");
     // Resumed: 3 steps at cp 2, then 3 at cp 1 or cp 4.
     let first = run(&args(
         &["--dp", "2", "--cp", "2", "--steps", "3"],
@@ -399,8 +425,8 @@ fn train_gpt_at_cp_gives_the_cp_1_losses_and_resumes_at_any_cp() {
             "--seq 10 is not a multiple of 2 x --cp 2",
         ),
         (
-            &["--dp", "2", "--cp", "2", "--pp", "2"],
-            "--cp 2 does not run with --pp yet",
+            &["--dp", "2", "--cp", "2", "--ep", "2"],
+            "--cp 2 does not run with --ep yet",
         ),
     ] {
         let err = run(&args(extra, "cp-err")).unwrap_err().to_string();

@@ -56,10 +56,12 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
             args.tp, args.dp, args.pp, args.micro_batches
         ));
     }
-    if !(args.batch / args.dp.max(1)).is_multiple_of(args.micro_batches) && args.cp <= 1 {
+    // A replica's sequences (`--cp` dp ranks share one replica's).
+    let replicas = (args.dp / args.cp.max(1)).max(1);
+    if !(args.batch / replicas).is_multiple_of(args.micro_batches) {
         return Err(format!(
-            "--batch {} / --dp {} is not divisible by --micro-batches {}",
-            args.batch, args.dp, args.micro_batches
+            "--batch {} / (--dp {} / --cp {}) is not divisible by --micro-batches {}",
+            args.batch, args.dp, args.cp, args.micro_batches
         ));
     }
     if args.pp > 1 {
@@ -109,7 +111,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         }
         // What context parallelism does not run with yet.
         let refused = [
-            (args.pp > 1, "--pp"),
             (args.ep > 1, "--ep"),
             (args.device == DeviceKind::Cuda, "--device cuda"),
         ];

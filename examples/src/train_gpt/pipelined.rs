@@ -7,7 +7,7 @@ use burn_tp::model::LanguageModel;
 use burn_tp::pipeline::{self, MicroBatch, Pipeline, PipelineSchedule};
 
 use super::{Args, PpSchedule};
-use crate::eval::{Data, EVAL_BATCHES, batch, dp_slice};
+use crate::eval::{Data, EVAL_BATCHES, batch, cp_chunks, dp_slice};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -42,8 +42,8 @@ pub(super) fn held_out_pipelined<M: LanguageModel>(
     let mut sum = 0.0;
     for k in 0..EVAL_BATCHES {
         let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
-        let ids = dp_slice(&ids, args, dp_rank, device);
-        let targets = dp_slice(&targets, args, dp_rank, device);
+        let ids = cp_chunks(model, dp_slice(&ids, args, dp_rank, device))?;
+        let targets = cp_chunks(model, dp_slice(&targets, args, dp_rank, device))?;
         let micro = micro_batches(ids, targets, args.micro_batches);
         let loss = pipe.from_last(pipeline::forward_loss(
             model,
