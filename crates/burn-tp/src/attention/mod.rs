@@ -143,11 +143,10 @@ impl ParallelAttention {
         dropout: Option<DropoutKey>,
         site: u64,
     ) -> TpResult<Tensor<3>> {
+        let (q, k, v) = self.project(x, 0)?;
         let Some(ctx) = &self.context else {
-            let (q, k, v) = self.project(x, 0)?;
             return self.attend(q, k, v, 0, dropout, site, None);
         };
-        let (q, k, v) = self.project(x, 0)?;
         // The chunks of the whole sequence this rank holds, rotated at their own positions.
         let seq = q.dims()[2] * ctx.size();
         let chunks = ctx.chunks(seq)?;
