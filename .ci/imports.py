@@ -19,7 +19,7 @@ FLOORS = [
     ["linear", "embedding", "loss", "dropout", "norm", "attention", "transformer", "moe",
      "context"],
     ["decoder", "gpt", "llama", "gemma", "model"],
-    ["generate", "checkpoint", "hf", "dp", "mesh", "precision", "recompute", "pipeline",
+    ["generate", "checkpoint", "hf", "dp", "fsdp", "mesh", "precision", "recompute", "pipeline",
      "train", "testing", "lora"],
 ]
 

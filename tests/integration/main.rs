@@ -9,6 +9,7 @@ mod dp;
 mod dtype;
 mod embedding;
 mod failures;
+mod fsdp;
 mod fused_ops;
 mod gemma;
 mod gpt;

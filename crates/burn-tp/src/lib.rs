@@ -13,7 +13,7 @@
 //! | shards | `init` (initialisation identical at every tp, internal), [`reshard`] (between tp sizes) |
 //! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`norm`] (layer norm, RMSNorm, replicated weights), [`attention`] (both models' attention, by blocks without the `[s, s]` scores, with the KV cache), [`transformer`] (the MLPs: the GPT's, the gated one), [`moe`] (mixtures of experts, expert parallelism: the router, the all-to-all dispatch, the experts), [`context`] (context parallelism: each rank's chunks of a sequence, ring attention) |
 //! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU or mixtures of experts, padded vocabulary), [`gemma`] (Gemma 2 / 3: sandwich norms, GeGLU, sliding and full layers, soft caps), [`model`]: [`LanguageModel`](model::LanguageModel), the one implementation of the forward, the loss, decoding and pipeline stages every family shares (a family implements its parts), with [`decoder`] (a block as the decode loop sees it, the blocks a stage holds) |
-//! | use | [`generate`] (sampling with the KV cache), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama and Gemma families), [`dp`] (data parallelism, the distributed optimizer), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies), [`recompute`] (full activation recompute: one tensor kept per block), [`pipeline`] (stages, GPipe / 1F1B / interleaved), `train` (feature `train`: Burn's Learner at tp x dp), [`testing`] (a gradient checker by finite differences), [`lora`] (LoRA fine-tuning at tp: the adapters on the parallel linears, the base frozen; PEFT's folders in [`hf`]) |
+//! | use | [`generate`] (sampling with the KV cache), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama and Gemma families), [`dp`] (data parallelism, the distributed optimizer), [`fsdp`] (fully sharded data parallelism: parameters, gradients and optimizer state split over dp, gathered part by part), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies), [`recompute`] (full activation recompute: one tensor kept per block), [`pipeline`] (stages, GPipe / 1F1B / interleaved), `train` (feature `train`: Burn's Learner at tp x dp), [`testing`] (a gradient checker by finite differences), [`lora`] (LoRA fine-tuning at tp: the adapters on the parallel linears, the base frozen; PEFT's folders in [`hf`]) |
 //!
 //! Ranks are [`comm::ProcessGroup`] handles; on the CPU every rank is a thread
 //! ([`comm::LocalGroup`]), all on the one Flex device. Each rank must build (or fork) its own module in
@@ -81,6 +81,7 @@ pub mod dp;
 pub mod dropout;
 pub mod embedding;
 mod error;
+pub mod fsdp;
 pub mod gemma;
 pub mod generate;
 pub mod gpt;

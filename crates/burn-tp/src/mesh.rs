@@ -182,6 +182,35 @@ impl DeviceMesh {
         Ok((ep_group, expert_dp))
     }
 
+    /// The fully sharded data-parallel groups ([`crate::fsdp`]): each parameter split over
+    /// `shard` consecutive dp ranks, replicated over the `dp / shard` ranks holding the same
+    /// shard (HSDP; `shard` = dp: plain FSDP, no replicas).
+    ///
+    /// ```text
+    ///  dp ranks:      0   1   2   3        (dp 4, shard 2)
+    ///  shard groups: [0   1] [2   3]       each holds every parameter once: 1/2 per rank
+    ///  replicas:      0 ----- 2            the same shard, gradients averaged over them
+    ///                     1 ----- 3
+    /// ```
+    ///
+    /// Returns `(shard group, replica group)`. Collective over the dp group.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming both when `shard` does not divide dp; a communication error.
+    pub fn fsdp_groups(&self, shard: usize) -> Result<(ProcessGroup, ProcessGroup)> {
+        let dp = self.dp_size();
+        if shard == 0 || !dp.is_multiple_of(shard) {
+            return Err(TpError::Config(format!(
+                "DeviceMesh: the fsdp shard size {shard} does not divide dp {dp} (parameters are \
+                 split over data-parallel ranks)"
+            )));
+        }
+        let d = self.dp.rank();
+        let shard_group = self.dp.split(d / shard, d)?;
+        let replicas = self.dp.split(dp + d % shard, d)?;
+        Ok((shard_group, replicas))
+    }
+
     /// The context-parallel group, carved out of the data-parallel ranks as Megatron's cp is:
     /// `cp` consecutive dp ranks split every sequence of one batch between them
     /// ([`crate::context`]), so the data-parallel gradient reduction over the dp group spans

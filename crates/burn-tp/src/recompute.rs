@@ -18,6 +18,8 @@
 //! recomputation: they are functions of their counters ([`crate::dropout`]). Every rank runs
 //! the same parts in the same order, so the collectives of each part's backward meet.
 
+use std::borrow::Cow;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor};
@@ -40,24 +42,124 @@ pub fn loss_and_grads<M: LanguageModel>(
     targets: Tensor<2, Int>,
     step: Option<DropoutStep>,
 ) -> TpResult<(Tensor<1>, GradientsParams)> {
+    loss_and_grads_with(model, ids, targets, step, &Whole)
+}
+
+/// A part of a model a recomputation runs on its own: the ends (the embedding, the final norm
+/// and the head) or one block (the whole model's index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Part {
+    Ends,
+    Block(usize),
+}
+
+/// Where each part's parameters come from: the model itself ([`Whole`]), or gathered just
+/// before the part runs ([`crate::fsdp`]). `tracked`: the part runs on the autodiff model
+/// (else on its `valid()` copy). Every rank asks for the same parts in the same order.
+pub(crate) trait Parts<M: Clone> {
+    /// Starts whatever `part` needs, while the part before it runs.
+    fn prefetch(&self, model: &M, part: Part, tracked: bool) -> TpResult<()>;
+    /// The model to run `part` with.
+    fn part<'m>(&self, model: &'m M, part: Part, tracked: bool) -> TpResult<Cow<'m, M>>;
+}
+
+/// Every part runs on the model as it is.
+pub(crate) struct Whole;
+
+impl<M: Clone> Parts<M> for Whole {
+    fn prefetch(&self, _: &M, _: Part, _: bool) -> TpResult<()> {
+        Ok(())
+    }
+    fn part<'m>(&self, model: &'m M, _: Part, _: bool) -> TpResult<Cow<'m, M>> {
+        Ok(Cow::Borrowed(model))
+    }
+}
+
+/// The parts of a step in the order they run, each prefetched while the one before runs.
+pub(crate) struct Sequence<'m, 'p, M, P> {
+    model: &'m M,
+    inner: &'m M,
+    parts: &'p P,
+    order: Vec<(Part, bool)>,
+    at: usize,
+}
+
+impl<'m, 'p, M: Clone, P: Parts<M>> Sequence<'m, 'p, M, P> {
+    /// `order` of `model` (tracked) and `inner` (its `valid()` copy, untracked); the first
+    /// part prefetched now.
+    pub(crate) fn new(
+        model: &'m M,
+        inner: &'m M,
+        parts: &'p P,
+        order: Vec<(Part, bool)>,
+    ) -> TpResult<Self> {
+        let seq = Self {
+            model,
+            inner,
+            parts,
+            order,
+            at: 0,
+        };
+        if let Some(&(part, tracked)) = seq.order.first() {
+            parts.prefetch(seq.pick(tracked), part, tracked)?;
+        }
+        Ok(seq)
+    }
+
+    fn pick(&self, tracked: bool) -> &'m M {
+        if tracked { self.model } else { self.inner }
+    }
+
+    /// The next part's model, the one after it prefetched.
+    ///
+    /// # Panics
+    /// Past the end of the order.
+    pub(crate) fn next_part(&mut self) -> TpResult<Cow<'m, M>> {
+        let (part, tracked) = self.order[self.at];
+        let m = self.parts.part(self.pick(tracked), part, tracked)?;
+        self.at += 1;
+        if let Some(&(next, tracked)) = self.order.get(self.at) {
+            self.parts.prefetch(self.pick(tracked), next, tracked)?;
+        }
+        Ok(m)
+    }
+}
+
+/// [`loss_and_grads`] with each part's parameters from `parts`.
+pub(crate) fn loss_and_grads_with<M: LanguageModel, P: Parts<M>>(
+    model: &M,
+    ids: Tensor<2, Int>,
+    targets: Tensor<2, Int>,
+    step: Option<DropoutStep>,
+    parts: &P,
+) -> TpResult<(Tensor<1>, GradientsParams)> {
+    let held = model.held_layers();
+    // Untracked: the ends, the blocks; tracked: the ends (the head), the blocks backwards,
+    // the ends (the embedding).
+    let mut order = vec![(Part::Ends, false)];
+    order.extend(held.iter().map(|&i| (Part::Block(i), false)));
+    order.push((Part::Ends, true));
+    order.extend(held.iter().rev().map(|&i| (Part::Block(i), true)));
+    order.push((Part::Ends, true));
+    let inner = model.valid();
+    let mut parts = Sequence::new(model, &inner, parts, order)?;
     // The forward, untracked: only the blocks' inputs stay, and each MoE block's router
     // statistics (constants here), which the routers' loss of the whole forward needs.
-    let inner = model.valid();
     let mut inputs = Vec::with_capacity(model.num_layers() + 1);
     let mut routers: Vec<Vec<RouterStats>> = Vec::with_capacity(model.num_layers());
-    let mut x = inner.embed(ids.clone().inner())?;
-    for i in model.held_layers() {
-        let (next, stats) = crate::moe::record(|| inner.layer(i, x.clone(), step));
+    let mut x = parts.next_part()?.embed(ids.clone().inner())?;
+    for &i in &held {
+        let block = parts.next_part()?;
+        let (next, stats) = crate::moe::record(|| block.layer(i, x.clone(), step));
         inputs.push(x);
         routers.push(stats.into_iter().map(RouterStats::from_inner).collect());
         x = next?;
     }
-    drop(inner);
 
     let mut total = GradientsParams::new();
     let leaf = |x: Tensor<3>| Tensor::from_inner(x).require_grad();
     let h = leaf(x);
-    let mut loss = model.head_loss(h.clone(), targets)?;
+    let mut loss = parts.next_part()?.head_loss(h.clone(), targets)?;
     let mut grads = loss.backward();
     let all: Vec<RouterStats> = routers.iter().flatten().cloned().collect();
     if let Some(aux) = model.router_loss(&all) {
@@ -65,9 +167,10 @@ pub fn loss_and_grads<M: LanguageModel>(
     }
     let mut dy = take_grad(&h, &mut grads);
     merge(&mut total, grads, model);
-    for (k, i) in model.held_layers().into_iter().enumerate().rev() {
+    for (k, &i) in held.iter().enumerate().rev() {
+        let block = parts.next_part()?;
         let x = leaf(inputs.pop().expect("one input per block"));
-        let (y, stats) = crate::moe::record(|| model.layer(i, x.clone(), step));
+        let (y, stats) = crate::moe::record(|| block.layer(i, x.clone(), step));
         let y = y?;
         // The routers' loss with this block's statistics tracked and every other block's
         // held: its gradient is exactly this block's part of the whole loss's (transformers'
@@ -85,11 +188,12 @@ pub fn loss_and_grads<M: LanguageModel>(
                 }
             }
         };
+        drop(block);
         let mut grads = seeded.backward();
         dy = take_grad(&x, &mut grads);
         merge(&mut total, grads, model);
     }
-    let grads = seeded_backward(model.embed(ids)?, Tensor::from_inner(dy));
+    let grads = seeded_backward(parts.next_part()?.embed(ids)?, Tensor::from_inner(dy));
     merge(&mut total, grads, model);
     Ok((loss.detach(), total))
 }

@@ -11,6 +11,7 @@ use burn_tp_comm::ProcessGroup;
 
 use super::{DistributedAdamW, Experts, GradReducer, average_gradients_with};
 use crate::Result;
+use crate::fsdp::Fsdp;
 use crate::norm::ReplicatedGrads;
 use crate::precision::cast_grads;
 
@@ -25,6 +26,7 @@ pub struct DpOptimizer {
     reducer: Option<GradReducer>,
     replicated: Option<ReplicatedGrads>,
     experts: Option<Experts>,
+    fsdp: Option<Fsdp>,
 }
 
 impl DpOptimizer {
@@ -36,6 +38,7 @@ impl DpOptimizer {
             reducer: None,
             replicated: None,
             experts: None,
+            fsdp: None,
         }
     }
 
@@ -62,6 +65,15 @@ impl DpOptimizer {
         self
     }
 
+    /// Fully sharded: the model is `fsdp`'s shards, whose gradients the backward already
+    /// summed over the shard group ([`Fsdp::loss_and_grads`]); the step averages them
+    /// ([`Fsdp::finish_grads`]) instead of the dp all-reduce. Not with buckets, the
+    /// distributed optimizer (the state is already sharded) or experts.
+    pub fn with_fsdp(mut self, fsdp: Fsdp) -> Self {
+        self.fsdp = Some(fsdp);
+        self
+    }
+
     /// The distributed optimizer `zero` (AdamW of `config`, its state sharded over dp); `optim`
     /// holds the state in Burn's form only to save it ([`module_optimizer`](Self::module_optimizer)).
     pub fn distributed(
@@ -75,6 +87,7 @@ impl DpOptimizer {
             reducer: None,
             replicated: None,
             experts: None,
+            fsdp: None,
         }
     }
 
@@ -127,6 +140,15 @@ impl DpOptimizer {
                     .into(),
             ));
         }
+        if self.fsdp.is_some()
+            && (self.zero.is_some() || self.reducer.is_some() || self.experts.is_some())
+        {
+            return Err(crate::TpError::Config(
+                "fsdp: its gradients are reduced by the backward's reduce-scatters; not with \
+                 buckets, the distributed optimizer or expert parallelism"
+                    .into(),
+            ));
+        }
         if let Some((z, _)) = &mut self.zero {
             cast_grads(working, &mut grads, FloatDType::F32);
             return z.step(lr.base(), model, grads);
@@ -139,7 +161,9 @@ impl DpOptimizer {
         if let Some(r) = &self.replicated {
             r.finish(working, &mut grads)?;
         }
-        if self.reducer.is_none() {
+        if let Some(fsdp) = &self.fsdp {
+            fsdp.finish_grads(&model, &mut grads)?;
+        } else if self.reducer.is_none() {
             average_gradients_with(&model, &mut grads, dp_group, self.experts.as_ref())?;
         }
         Ok(self.optim.step(lr, model, grads))

@@ -1,0 +1,278 @@
+//! Fully sharded data parallelism (ZeRO-3, PyTorch's FSDP2, Megatron-FSDP): every parameter's
+//! tp shard is split again over the data-parallel ranks, so between steps a rank holds
+//! `1 / dp` of its parameters, their gradients and the optimizer's state. Each part of the
+//! model (the ends: embedding, final norm, head; each block) is all-gathered just before it
+//! runs, the next part's gather posted while this one computes; the gather's backward is the
+//! reduce-scatter, so each parameter's gradient leaves the backward already summed over the
+//! ranks and cut to this rank's shard.
+//!
+//! ```text
+//!  shards      rank r holds rows [r c, (r+1) c) of every parameter's dim 0 (c = ceil(rows / dp),
+//!              the last rank's padded with zeros that stay zero)
+//!
+//!  forward     gather E | gather B0 | gather B1 |  ...         gather = all-gather on dim 0
+//!                       | embed     | block 0   | block 1 ...  each gather posted while the
+//!                                                              part before it computes
+//!  reshard_after_forward = true (ZeRO-3): a block's gathered weights are dropped after its
+//!  forward (the block runs untracked, its input kept) and gathered again for its backward:
+//!  backward    gather B(L-1) | gather B(L-2) | ...
+//!              head, backward| recompute B(L-1), backward  ->  reduce-scatter dW(L-1) -> my shard
+//!  reshard_after_forward = false (ZeRO-2 style): the gathered weights stay in the graph from the
+//!  forward to their backward; no regather, no recompute.
+//!
+//!  step        grads /= dp (HSDP: all-reduce over the replicas first); AdamW on the shards
+//! ```
+//!
+//! Sharding is per parameter on dim 0 (FSDP2's choice, not FSDP1's flat buffer per block): a
+//! shard keeps its parameter's rank and id, so Burn's optimizers, [`crate::precision`] and
+//! [`crate::reshard::move_optimizer_state`] work on the sharded model unchanged, and the
+//! backward of each parameter's gather is a reduce-scatter of that parameter alone (a flat
+//! buffer's backward would add every parameter's gradient into a whole-block zero tensor).
+//! HSDP: the shard group is a subset of dp ([`crate::mesh::DeviceMesh::fsdp_groups`]), the
+//! shards replicated over the rest.
+
+mod gather;
+mod step;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, FloatDType, Tensor};
+use burn_tp_comm::{ProcessGroup, ReduceOp};
+
+use crate::init::owned;
+use crate::ops::{all_gather, all_reduce};
+use crate::{Result, TpError};
+
+/// How a model's parameters are sharded over the data-parallel ranks, and how a step gathers
+/// them. Made from the whole (tp-sharded) model with [`new`](Self::new), the same on every
+/// rank; [`shard`](Self::shard) then cuts each rank's shards, [`loss_and_grads`](Self::loss_and_grads)
+/// runs a step on them.
+#[derive(Clone, Debug)]
+pub struct Fsdp {
+    shard: ProcessGroup,
+    replicas: Option<ProcessGroup>,
+    /// Each sharded parameter's dim 0 before padding.
+    rows: Arc<HashMap<ParamId, usize>>,
+    reshard_after_forward: bool,
+    compute: Option<FloatDType>,
+}
+
+impl Fsdp {
+    /// The sharding of `model` (the whole model, each parameter its tp shard) over `shard`
+    /// (the data-parallel group, or its shard group with HSDP): every float parameter with an
+    /// element, but quantized ones (a QLoRA base stays whole). Reshards after the forward.
+    pub fn new<M: Module>(model: &M, shard: &ProcessGroup) -> Self {
+        struct Rows(HashMap<ParamId, usize>);
+        impl ModuleVisitor for Rows {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let t = param.val();
+                if D > 0 && t.shape().num_elements() > 0 && !matches!(t.dtype(), DType::QFloat(_)) {
+                    self.0.insert(param.id, t.dims()[0]);
+                }
+            }
+        }
+        let mut rows = Rows(HashMap::new());
+        model.visit(&mut rows);
+        Self {
+            shard: shard.clone(),
+            replicas: None,
+            rows: Arc::new(rows.0),
+            reshard_after_forward: true,
+            compute: None,
+        }
+    }
+
+    /// HSDP: the shards replicated over `replicas` (the ranks holding the same shard), whose
+    /// gradients are averaged over them too.
+    pub fn with_replicas(mut self, replicas: &ProcessGroup) -> Self {
+        self.replicas = (replicas.world_size() > 1).then(|| replicas.clone());
+        self
+    }
+
+    /// Whether a block's gathered weights are dropped after its forward and gathered again
+    /// for its backward (the block then recomputed, as [`crate::recompute`]: ZeRO-3, the
+    /// least memory), or kept from the forward to the backward (`false`: ZeRO-2 style, no
+    /// second gather or forward).
+    pub fn with_reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
+    }
+
+    /// The gathered parameters cast to `dtype` (bf16 compute over f32 shards); the gathers
+    /// and the gradients' reduce-scatters stay in the shards' dtype.
+    pub fn with_compute_dtype(mut self, dtype: FloatDType) -> Self {
+        self.compute = Some(dtype);
+        self
+    }
+
+    /// Whether a block's weights are gathered again for its backward.
+    pub fn reshard_after_forward(&self) -> bool {
+        self.reshard_after_forward
+    }
+
+    /// The ranks a parameter is split over.
+    pub fn shard_group(&self) -> &ProcessGroup {
+        &self.shard
+    }
+
+    /// The data-parallel ranks the gradients average over: the shard group's size times the
+    /// replicas'.
+    pub fn dp_size(&self) -> usize {
+        self.shard.world_size() * self.replicas.as_ref().map_or(1, ProcessGroup::world_size)
+    }
+
+    /// This rank's shards of `model` (the whole model [`new`](Self::new) was made from, or a
+    /// model of the same shapes: an optimizer state's fields): rows `[r c, (r + 1) c)` of each
+    /// sharded parameter's dim 0, `c = ceil(rows / n)`, zero past the end. Local: no
+    /// communication.
+    pub fn shard<M: Module>(&self, model: M) -> M {
+        struct Cut<'a>(&'a Fsdp);
+        impl ModuleMapper for Cut<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let Some(&rows) = self.0.rows.get(&param.id) else {
+                    return param;
+                };
+                let (r, n) = (self.0.shard.rank(), self.0.shard.world_size());
+                let c = rows.div_ceil(n);
+                param.map(|t| {
+                    let requires_grad = t.is_require_grad();
+                    let t = t.detach();
+                    let (start, end) = ((r * c).min(rows), ((r + 1) * c).min(rows));
+                    let mut shard = t.clone().narrow(0, start, end - start);
+                    if end - start < c {
+                        let mut dims = t.dims();
+                        dims[0] = c - (end - start);
+                        let pad = Tensor::<D>::zeros(dims, (&t.device(), t.dtype()));
+                        shard = Tensor::cat(vec![shard, pad], 0);
+                    }
+                    let shard = owned(shard);
+                    if requires_grad {
+                        shard.require_grad()
+                    } else {
+                        shard
+                    }
+                })
+            }
+        }
+        model.map(&mut Cut(self))
+    }
+
+    /// The whole model of the shards `model` holds (every sharded parameter gathered, fresh
+    /// leaves with the same ids and requires-grad): to save, evaluate or export. Collective
+    /// over the shard group.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn unshard<M: Module>(&self, model: M) -> Result<M> {
+        struct Whole<'a> {
+            fsdp: &'a Fsdp,
+            error: Option<TpError>,
+        }
+        impl ModuleMapper for Whole<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let Some(&rows) = self.fsdp.rows.get(&param.id) else {
+                    return param;
+                };
+                if self.error.is_some() {
+                    return param;
+                }
+                let group = &self.fsdp.shard;
+                let mut error = None;
+                let param = param.map(|t| {
+                    let requires_grad = t.is_require_grad();
+                    match all_gather(t.clone().detach(), 0, group) {
+                        Ok(whole) => {
+                            let whole = owned(whole.narrow(0, 0, rows));
+                            if requires_grad {
+                                whole.require_grad()
+                            } else {
+                                whole
+                            }
+                        }
+                        Err(e) => {
+                            error = Some(e);
+                            t
+                        }
+                    }
+                });
+                self.error = error;
+                param
+            }
+        }
+        let mut whole = Whole {
+            fsdp: self,
+            error: None,
+        };
+        let model = model.map(&mut whole);
+        whole.error.map_or(Ok(model), Err)
+    }
+
+    /// The data-parallel average of the shards' gradients in `grads`, which the backward left
+    /// summed over the shard group: summed over the replicas (HSDP), then divided by
+    /// [`dp_size`](Self::dp_size). A parameter that is not sharded is summed over both
+    /// groups first. Collective over the replicas.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn finish_grads<M: Module>(&self, model: &M, grads: &mut GradientsParams) -> Result<()> {
+        struct Average<'a> {
+            fsdp: &'a Fsdp,
+            grads: &'a mut GradientsParams,
+            error: Option<TpError>,
+        }
+        impl ModuleVisitor for Average<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.error.is_some() {
+                    return;
+                }
+                let Some(mut g) = self.grads.remove::<D>(param.id) else {
+                    return;
+                };
+                let fsdp = self.fsdp;
+                let mut sum = |g: Tensor<D>, group: &ProcessGroup| {
+                    all_reduce(g.clone(), ReduceOp::Sum, group).unwrap_or_else(|e| {
+                        self.error.get_or_insert(e);
+                        g
+                    })
+                };
+                if !fsdp.rows.contains_key(&param.id) {
+                    g = sum(g, &fsdp.shard);
+                }
+                if let Some(replicas) = &fsdp.replicas {
+                    g = sum(g, replicas);
+                }
+                let g = g.div_scalar(fsdp.dp_size() as f64);
+                self.grads.register(param.id, g);
+            }
+        }
+        if self.dp_size() == 1 {
+            return Ok(());
+        }
+        let _scope = burn_tp_comm::profile::scope("fsdp gradient (replicas)");
+        let mut average = Average {
+            fsdp: self,
+            grads,
+            error: None,
+        };
+        model.visit(&mut average);
+        average.error.map_or(Ok(()), Err)
+    }
+
+    /// The bytes of `model`'s float parameters (a rank's shards between steps: the whole
+    /// model's bytes / the shard group's size, but the padding).
+    pub fn param_bytes<M: Module>(model: &M) -> usize {
+        struct Bytes(usize);
+        impl ModuleVisitor for Bytes {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let t = param.val();
+                self.0 += t.shape().num_elements() * t.dtype().size();
+            }
+        }
+        let mut bytes = Bytes(0);
+        model.visit(&mut bytes);
+        bytes.0
+    }
+}

@@ -1,0 +1,145 @@
+//! A step on the shards: each part gathered just before it runs ([`Gathered`]), with
+//! recompute ([`crate::recompute`]'s order of parts) when the blocks reshard after the
+//! forward, or one tracked forward otherwise.
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+
+use burn::optim::GradientsParams;
+use burn::tensor::{Int, Tensor};
+
+use super::Fsdp;
+use super::gather::InFlight;
+use crate::Result;
+use crate::dropout::DropoutStep;
+use crate::model::LanguageModel;
+use crate::recompute::{Part, Parts, Sequence, loss_and_grads_with};
+
+/// What is in flight for a part: the model minus its blocks (the ends), or one block.
+enum Started<M: LanguageModel> {
+    Ends(M, Vec<M::Block>, InFlight),
+    Block(usize, M::Block, InFlight),
+}
+
+/// A prefetched part: which (and whether tracked), and its gathers in flight.
+type Prefetched<M> = ((Part, bool), Started<M>);
+
+/// The parts of a sharded model, each gathered when asked, the next one's gathers posted
+/// before the asked one is returned (so they run while it computes).
+struct Gathered<'f, M: LanguageModel> {
+    fsdp: &'f Fsdp,
+    next: RefCell<Option<Prefetched<M>>>,
+}
+
+impl<M: LanguageModel> Gathered<'_, M> {
+    fn start(&self, model: &M, part: Part) -> Result<Started<M>> {
+        Ok(match part {
+            Part::Ends => {
+                // The blocks set aside (kept as shards): the ends alone are gathered.
+                let mut ends = model.clone();
+                let blocks = std::mem::take(ends.blocks_mut().0);
+                let flight = self.fsdp.start(&ends)?;
+                Started::Ends(ends, blocks, flight)
+            }
+            Part::Block(i) => {
+                let block = crate::model::block_at(model, i)?.clone();
+                let flight = self.fsdp.start(&block)?;
+                Started::Block(i, block, flight)
+            }
+        })
+    }
+
+    fn finish(&self, model: &M, started: Started<M>) -> Result<M> {
+        Ok(match started {
+            Started::Ends(ends, blocks, flight) => {
+                let mut ends = self.fsdp.finish(ends, flight)?;
+                *ends.blocks_mut().0 = blocks;
+                ends
+            }
+            Started::Block(i, block, flight) => {
+                let block = self.fsdp.finish(block, flight)?;
+                let at = model
+                    .block_ids()
+                    .iter()
+                    .position(|&j| j == i)
+                    .expect("a block the model holds: started from it");
+                let mut m = model.clone();
+                m.blocks_mut().0[at] = block;
+                m
+            }
+        })
+    }
+}
+
+impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
+    fn prefetch(&self, model: &M, part: Part, tracked: bool) -> Result<()> {
+        let started = self.start(model, part)?;
+        if let Some((_, stale)) = self.next.replace(Some(((part, tracked), started))) {
+            // Every rank posts the same gathers: finish the stale one so they all complete.
+            self.finish(model, stale)?;
+        }
+        Ok(())
+    }
+
+    fn part<'m>(&self, model: &'m M, part: Part, tracked: bool) -> Result<Cow<'m, M>> {
+        let started = match self.next.take() {
+            Some((key, started)) if key == (part, tracked) => started,
+            Some((_, stale)) => {
+                self.finish(model, stale)?;
+                self.start(model, part)?
+            }
+            None => self.start(model, part)?,
+        };
+        Ok(Cow::Owned(self.finish(model, started)?))
+    }
+}
+
+impl Fsdp {
+    /// The loss of `model` (this rank's shards, [`shard`](Self::shard)) on `ids`, `targets`
+    /// (`[seq, batch]`) and its shards' gradients, summed over the shard group
+    /// ([`finish_grads`](Self::finish_grads) averages them): each part gathered just before it
+    /// runs, the next one's gathers posted while it computes. With
+    /// [`reshard_after_forward`](Self::reshard_after_forward) the blocks run untracked and are
+    /// gathered and recomputed for their backward ([`crate::recompute`]); otherwise one
+    /// tracked forward keeps the gathered weights to the backward. The same values as the
+    /// whole model's `loss` then `backward`. Collective over the shard group.
+    ///
+    /// # Errors
+    /// As [`LanguageModel::loss`]; a communication error.
+    pub fn loss_and_grads<M: LanguageModel>(
+        &self,
+        model: &M,
+        ids: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        step: Option<DropoutStep>,
+    ) -> Result<(Tensor<1>, GradientsParams)> {
+        let parts = Gathered {
+            fsdp: self,
+            next: RefCell::new(None),
+        };
+        if self.reshard_after_forward {
+            return loss_and_grads_with(model, ids, targets, step, &parts);
+        }
+        let held = model.held_layers();
+        let mut order = vec![(Part::Ends, true)];
+        order.extend(held.iter().map(|&i| (Part::Block(i), true)));
+        let inner = model.valid();
+        let mut seq = Sequence::new(model, &inner, &parts, order)?;
+        let ends = seq.next_part()?;
+        let (loss, routers) = crate::moe::record(|| -> Result<Tensor<1>> {
+            let mut x = ends.embed(ids)?;
+            for &i in &held {
+                x = seq.next_part()?.layer(i, x, step)?;
+            }
+            ends.head_loss(x, targets)
+        });
+        let loss = loss?;
+        let loss = match model.router_loss(&routers) {
+            Some(aux) => loss.clone() + aux.cast(loss.dtype()),
+            None => loss,
+        };
+        drop((ends, seq));
+        let grads = GradientsParams::from_grads(loss.backward(), model);
+        Ok((loss.detach(), grads))
+    }
+}
