@@ -16,8 +16,16 @@ use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::local::run_local;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
+use burn_tp::reshard::move_optimizer_state;
+use burn_tp_examples::train_gpt::run as run_gpt;
 
-use crate::common::{device, f64s, param_values, rel_norm, rng_lock, token_ids};
+use crate::common::{assert_close, device, f64s, param_values, rel_norm, rng_lock, token_ids};
+use crate::train_gpt::{temp_dir, tiny_args};
+
+/// A group of one (tp 1).
+fn solo() -> burn_tp::comm::ProcessGroup {
+    burn_tp::comm::LocalGroup::new(1).unwrap().remove(0)
+}
 
 const V: usize = 32;
 const SEQ: usize = 8;
@@ -184,4 +192,233 @@ fn llama_steps_at_fsdp_with_dropout_are_plain_dp_steps() {
             .with_settings(TpSettings::new().with_mode(mode))
     };
     agree::<Llama>("llama", config);
+}
+
+/// `train_gpt --fsdp` (and `--reshard-after-forward`, `--hsdp`, tp 2 x fsdp 2, bf16) gives
+/// plain data parallelism's losses; a checkpoint written at fsdp 4 resumes at dp 2 without
+/// fsdp and at tp 2 x fsdp 2 on the uninterrupted curve; flags it does not run with are named.
+#[test]
+fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
+    let _rng = rng_lock();
+    let args = |extra: &[&str], name: &str| {
+        let mut argv = vec!["--arch", "llama", "--dropout", "0.1"];
+        if !extra.contains(&"--steps") {
+            argv.extend_from_slice(&["--steps", "6"]);
+        }
+        argv.extend_from_slice(extra);
+        tiny_args(&argv, &temp_dir(name))
+    };
+    let want = run_gpt(&args(&["--tp", "1", "--dp", "1"], "fsdp-1"))
+        .unwrap()
+        .losses;
+    for extra in [
+        &["--tp", "1", "--dp", "2", "--fsdp"][..],
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "4",
+            "--fsdp",
+            "--reshard-after-forward",
+        ],
+        &["--tp", "1", "--dp", "4", "--hsdp", "2"],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--fsdp",
+            "--mode",
+            "reduce-scatter",
+        ],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
+            "--mode",
+            "all-reduce",
+        ],
+    ] {
+        let got = run_gpt(&args(extra, "fsdp")).unwrap().losses;
+        assert_close(&got, &want, 1e-5, &format!("{extra:?}"));
+    }
+    // bf16 compute over f32 shards: plain dp's bf16 curve within bf16's rounding.
+    let bf16 = |extra: &[&str]| {
+        let argv = [&["--tp", "1", "--dp", "2", "--dtype", "bf16"][..], extra].concat();
+        run_gpt(&args(&argv, "fsdp-bf16")).unwrap().losses
+    };
+    let want_bf16 = bf16(&[]);
+    assert_close(&bf16(&["--fsdp"]), &want_bf16, 2e-2, "bf16 fsdp");
+    // 3 steps at fsdp 4, then 3 more at dp 2 or at tp 2 x fsdp 2.
+    let first = run_gpt(&args(
+        &["--tp", "1", "--dp", "4", "--fsdp", "--steps", "3"],
+        "fsdp-half",
+    ))
+    .unwrap();
+    assert_close(&first.losses, &want[..3], 1e-5, "fsdp 4, first half");
+    let ckpt = first.checkpoint.to_str().unwrap().to_string();
+    for extra in [
+        &["--tp", "1", "--dp", "2"][..],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
+        ],
+    ] {
+        let mut argv = extra.to_vec();
+        argv.extend_from_slice(&["--steps", "3", "--resume", &ckpt]);
+        let rest = run_gpt(&args(&argv, "fsdp-rest")).unwrap().losses;
+        assert_close(&rest, &want[3..], 1e-5, &format!("resumed at {extra:?}"));
+    }
+    for (extra, needle) in [
+        (
+            &["--dp", "4", "--hsdp", "3"][..],
+            "--hsdp 3 must divide --dp 4",
+        ),
+        (
+            &["--dp", "2", "--reshard-after-forward"],
+            "is an --fsdp option",
+        ),
+        (
+            &["--dp", "2", "--fsdp", "--pp", "2"],
+            "--fsdp does not run with --pp",
+        ),
+        (
+            &["--dp", "2", "--fsdp", "--distributed-optimizer"],
+            "--fsdp does not run with --distributed-optimizer",
+        ),
+    ] {
+        let err = run_gpt(&args(extra, "fsdp-err")).unwrap_err().to_string();
+        assert!(err.contains(needle), "{extra:?}: {err}");
+    }
+}
+
+/// Between steps a rank holds `1 / fsdp` of the parameters and of the AdamW moments (but the
+/// padding of rows that do not divide): counted over the tensors it holds, at fsdp 1, 2, 4.
+#[test]
+fn a_rank_holds_its_share_of_the_parameters_and_the_optimizer_state() {
+    let _rng = rng_lock();
+    let config = LlamaConfig::new(V, SEQ, 32, 4, 2, 2, 64);
+    let mut per_fsdp = Vec::new();
+    for n in [1, 2, 4] {
+        let config = config.clone();
+        device().seed(5);
+        let bytes = run_local(n, move |dp| {
+            if dp.rank() > 0 {
+                dp.barrier().unwrap();
+            }
+            let model = Llama::init(&config, &solo(), &device()).unwrap();
+            if dp.rank() == 0 && dp.world_size() > 1 {
+                dp.barrier().unwrap();
+            }
+            let whole = Fsdp::param_bytes(&model);
+            let fsdp = Fsdp::new(&model, &dp);
+            let mut model = fsdp.shard(model);
+            let mut optim = AdamWConfig::new().init();
+            let ids = Tensor::<2, Int>::from_data(
+                TensorData::new(token_ids(SEQ * B, V, 7, dp.rank() as i64), [SEQ, B]),
+                &device(),
+            );
+            let (_, mut grads) = fsdp.loss_and_grads(&model, ids.clone(), ids, None).unwrap();
+            fsdp.finish_grads(&model, &mut grads).unwrap();
+            let grad_bytes = grads_bytes(&model, &grads);
+            model = optim.step(LR, model, grads);
+            (
+                whole,
+                Fsdp::param_bytes(&model),
+                grad_bytes,
+                moments_bytes(&optim, &model),
+            )
+        })
+        .unwrap();
+        per_fsdp.push((n, bytes));
+    }
+    let (_, solo) = &per_fsdp[0];
+    let (whole, _, _, moments) = solo[0];
+    assert_eq!(moments, 2 * whole, "AdamW keeps two moments a parameter");
+    for (n, ranks) in &per_fsdp {
+        for (rank, &(w, params, grads, state)) in ranks.iter().enumerate() {
+            assert_eq!(w, whole);
+            // Each parameter's rows padded to a multiple of n: at most n - 1 rows more.
+            let share = whole as f64 / *n as f64;
+            for (what, got, want) in [
+                ("parameters", params, share),
+                ("gradients", grads, share),
+                ("AdamW moments", state, 2.0 * share),
+            ] {
+                let ratio = got as f64 / want;
+                assert!(
+                    (1.0..1.05).contains(&ratio),
+                    "fsdp {n} rank {rank}: {what} {got} bytes against the whole's / {n} = {want}"
+                );
+            }
+        }
+    }
+}
+
+/// The bytes of the gradients in `grads` of `model`'s parameters.
+fn grads_bytes<M: Module>(model: &M, grads: &GradientsParams) -> usize {
+    Fsdp::param_bytes(&as_grads(model.clone(), grads))
+}
+
+/// The bytes of the AdamW moments `optim` holds for `model`: each state field, as a model of
+/// its own, counted as it goes through `move_optimizer_state`.
+fn moments_bytes<M: Module + Clone>(optim: &burn::optim::ModuleOptimizer, model: &M) -> usize {
+    let bytes = std::cell::Cell::new(0);
+    move_optimizer_state(optim, model, model, |field| {
+        bytes.set(bytes.get() + Fsdp::param_bytes(&field));
+        Ok(field)
+    })
+    .unwrap();
+    bytes.get()
+}
+
+/// A rank that fails before its gathers ends every other rank's step with an error naming
+/// the collective, not a hang, long before the 60 s timeout.
+#[test]
+fn a_rank_failing_mid_gather_ends_every_rank_with_an_error() {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+    let _rng = rng_lock();
+    let seen = Arc::new(Mutex::new(Vec::<(usize, String, Duration)>::new()));
+    let log = seen.clone();
+    device().seed(9);
+    let config = GptConfig::new(V, SEQ, 16, 4, 2);
+    let out = burn_tp::local::run_ranks(burn_tp::comm::LocalGroup::new(4).unwrap(), move |g| {
+        g.set_timeout(Duration::from_secs(60));
+        let model = Gpt::init(&config, &solo(), &device()).unwrap();
+        let fsdp = Fsdp::new(&model, &g).with_reshard_after_forward(true);
+        let model = fsdp.shard(model);
+        if g.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(200));
+            std::panic::resume_unwind(Box::new("rank 2 fails"));
+        }
+        let ids = Tensor::<2, Int>::from_data(
+            TensorData::new(token_ids(SEQ * B, V, 7, 3), [SEQ, B]),
+            &device(),
+        );
+        let start = Instant::now();
+        let result = fsdp.loss_and_grads(&model, ids.clone(), ids, None);
+        let error = result.map(|_| ()).unwrap_err().to_string();
+        log.lock().unwrap().push((g.rank(), error, start.elapsed()));
+    });
+    assert!(out.unwrap_err().contains("rank 2 fails"));
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 3, "every other rank reports: {seen:?}");
+    for (rank, error, elapsed) in seen.iter() {
+        assert!(
+            error.contains("left the group") && error.contains("all_gather"),
+            "rank {rank}: {error}"
+        );
+        assert!(
+            *elapsed < Duration::from_secs(30),
+            "rank {rank}: {elapsed:?}"
+        );
+    }
 }

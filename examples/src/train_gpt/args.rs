@@ -201,6 +201,22 @@ pub struct Args {
     /// backward, each dp rank updates its 1/dp chunk, the chunks are all-gathered.
     #[arg(long)]
     pub distributed_optimizer: bool,
+    /// Fully sharded data parallelism (`burn_tp::fsdp`, ZeRO-3 / PyTorch's FSDP): every
+    /// parameter, its gradient and its AdamW state split over the dp ranks; each block's
+    /// weights gathered just before it runs (the next one's gather in flight meanwhile), its
+    /// gradients reduce-scattered by the backward. Checkpoints are written whole (they resume
+    /// with or without it).
+    #[arg(long)]
+    pub fsdp: bool,
+    /// With `--fsdp`: drop each block's gathered weights after its forward and gather them
+    /// again for its backward (the block recomputed there): the least memory (ZeRO-3).
+    /// Without it the gathered weights stay from the forward to the backward.
+    #[arg(long)]
+    pub reshard_after_forward: bool,
+    /// Hybrid sharding (HSDP, implies `--fsdp`): the parameters split over `N` consecutive
+    /// dp ranks (`N` divides `--dp`), replicated over the `dp / N` groups.
+    #[arg(long, value_name = "N")]
+    pub hsdp: Option<usize>,
     /// Bucket size of `--overlap-grad-reduce` and `--distributed-optimizer`, in MiB.
     #[arg(long, default_value_t = 4.0, value_name = "MIB")]
     pub bucket_mb: f64,
@@ -363,6 +379,15 @@ impl Args {
             burn_tp::lora::LoraConfig::new(r, self.lora_alpha.unwrap_or(2.0 * r as f64))
                 .with_targets(self.lora_targets.clone())
         })
+    }
+
+    /// With `--fsdp` or `--hsdp N`: the dp ranks each parameter is split over.
+    pub fn fsdp_shard(&self) -> Option<usize> {
+        match (self.fsdp, self.hsdp) {
+            (_, Some(n)) => Some(n),
+            (true, None) => Some(self.dp),
+            (false, None) => None,
+        }
     }
 
     /// Whether the run trains LoRA adapters (new, or a PEFT adapter's).

@@ -34,8 +34,17 @@ pub fn describe(args: &Args) -> String {
         1 => String::new(),
         cp => format!(" (cp={cp}: each sequence split over {cp} of them)"),
     };
+    let fsdp = match args.fsdp_shard() {
+        None => String::new(),
+        Some(n) if n == args.dp => format!(" fsdp{}", reshard(args)),
+        Some(n) => format!(
+            " hsdp (sharded over {n}, {} replicas){}",
+            args.dp / n,
+            reshard(args)
+        ),
+    };
     format!(
-        "{arch}: tp={} dp={}{cp}{pp} {:?} {}schedule {:?}, {:?}, {} steps",
+        "{arch}: tp={} dp={}{fsdp}{cp}{pp} {:?} {}schedule {:?}, {:?}, {} steps",
         args.tp,
         args.dp,
         args.mode,
@@ -118,5 +127,13 @@ pub fn overlap_path(args: &Args) -> String {
         "ranks as threads without a link: the async layers take one block (the data moves on \
          the waiting thread, nothing to hide; --link-latency-us runs the schedules)"
             .into()
+    }
+}
+
+/// How `--fsdp` keeps a block's gathered weights, for the banner.
+fn reshard(args: &Args) -> &'static str {
+    match args.reshard_after_forward {
+        true => " (resharded after the forward)",
+        false => "",
     }
 }

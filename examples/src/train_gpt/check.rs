@@ -216,6 +216,38 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         );
     }
     refuse_sizes(args.init_from.as_deref(), &args.size_flags())?;
+    if args.reshard_after_forward && args.fsdp_shard().is_none() {
+        return Err("--reshard-after-forward is an --fsdp option (add --fsdp)".into());
+    }
+    if let Some(n) = args.fsdp_shard() {
+        if n == 0 || !args.dp.is_multiple_of(n) {
+            return Err(format!(
+                "--hsdp {n} must divide --dp {} (parameters are split over data-parallel ranks)",
+                args.dp
+            ));
+        }
+        // What fully sharded data parallelism does not run with yet.
+        let refused = [
+            (args.pp > 1, "--pp"),
+            (args.ep > 1, "--ep"),
+            (args.is_lora(), "LoRA"),
+            (
+                args.recompute_layers,
+                "--recompute-layers (use --reshard-after-forward)",
+            ),
+            (
+                args.overlap_grad_reduce,
+                "--overlap-grad-reduce (its reduce-scatters overlap already)",
+            ),
+            (
+                args.distributed_optimizer,
+                "--distributed-optimizer (its state is already sharded)",
+            ),
+        ];
+        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+            return Err(format!("--fsdp does not run with {flag}"));
+        }
+    }
     if args.recompute_layers && (args.overlap_grad_reduce || args.distributed_optimizer) {
         return Err(
             "--recompute-layers runs one backward per block: its gradients are averaged over dp \

@@ -11,6 +11,7 @@ use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::context::{ContextParallel, CpLayout};
 use burn_tp::dp::{DpOptimizer, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
+use burn_tp::fsdp::Fsdp;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::ops::all_reduce;
@@ -73,6 +74,10 @@ struct Rank<'a, M: LanguageModel> {
     checkpoint: &'a Path,
     /// With `--ep`: the ep group and the expert data-parallel group.
     experts: Option<(ProcessGroup, ProcessGroup)>,
+    /// With `--fsdp`: the shard group and the replicas (HSDP).
+    fsdp_groups: Option<(ProcessGroup, ProcessGroup)>,
+    /// With `--fsdp`: how the model is sharded (set once the model is built).
+    fsdp: std::cell::OnceCell<Fsdp>,
 }
 
 pub(super) fn train_rank<M: Trainable>(
@@ -97,6 +102,7 @@ pub(super) fn train_rank<M: Trainable>(
             CpLayout::LoadBalanced,
         )?),
     };
+    let fsdp_groups = args.fsdp_shard().map(|n| mesh.fsdp_groups(n)).transpose()?;
     let pipe = match args.pp {
         1 => None,
         _ => Some(Pipeline::new(mesh.pp_group())?),
@@ -111,6 +117,8 @@ pub(super) fn train_rank<M: Trainable>(
         pipe,
         replica: mesh.replica_group().clone(),
         experts,
+        fsdp_groups,
+        fsdp: std::cell::OnceCell::new(),
         stage_map: std::cell::OnceCell::new(),
         pp_seconds: std::cell::Cell::new((0.0, 0.0)),
         world,
@@ -157,9 +165,9 @@ pub(super) fn train_rank<M: Trainable>(
     // The profile covers training only (not the sample below).
     let profile = r.world.profile();
     let sample = match &r.pipe {
-        None => generate(&r.compute(&model), args, data, &r.tp_group, &r.device)?,
+        None => generate(&r.compute(&model)?, args, data, &r.tp_group, &r.device)?,
         Some(pipe) => generate_pipelined(
-            &r.compute(&model),
+            &r.compute(&model)?,
             pipe,
             pp_schedule(args),
             args,
@@ -317,6 +325,9 @@ impl<M: Trainable> Rank<'_, M> {
             }
             None => (model, adamw),
         };
+        if let Some((shard, replicas)) = &self.fsdp_groups {
+            return self.start_sharded(model, adamw, (shard, replicas), first_step);
+        }
         let optim = super::optimizer::build(
             args,
             &model,
@@ -328,16 +339,51 @@ impl<M: Trainable> Rank<'_, M> {
         Ok((model, first_step, optim))
     }
 
+    /// `--fsdp`: this rank's shards of the whole `model` and of its AdamW state (resumed, or
+    /// fresh), and the optimizer stepping them.
+    fn start_sharded(
+        &self,
+        model: M,
+        adamw: burn::optim::ModuleOptimizer,
+        (shard, replicas): (&ProcessGroup, &ProcessGroup),
+        first_step: usize,
+    ) -> BoxResult<(M, usize, DpOptimizer)> {
+        let args = self.args;
+        let fsdp = Fsdp::new(&model, shard)
+            .with_replicas(replicas)
+            .with_reshard_after_forward(args.reshard_after_forward)
+            .with_compute_dtype(args.dtype.dtype());
+        let sharded = fsdp.shard(model.clone());
+        let adamw = match &args.resume {
+            Some(_) => {
+                let moved = move_optimizer_state(&adamw, &model, &sharded, |m| Ok(fsdp.shard(m)))?;
+                AdamWConfig::new().init().load_record(moved)
+            }
+            None => adamw,
+        };
+        let optim = DpOptimizer::new(adamw)
+            .with_replicated(burn_tp::norm::ReplicatedGrads::new(&self.tp_group))
+            .with_fsdp(fsdp.clone());
+        self.fsdp.set(fsdp).expect("the model is built once");
+        Ok((sharded, first_step, optim))
+    }
+
     /// The model the forward and backward run: the master weights, or a bf16 copy of them.
-    fn compute(&self, model: &M) -> M {
-        cast_params(model.clone(), self.args.dtype.dtype())
+    /// The model the forward runs for evaluation and sampling, in the run's dtype (with
+    /// `--fsdp`, gathered whole: collective over the shard group).
+    fn compute(&self, model: &M) -> BoxResult<M> {
+        let model = match self.fsdp.get() {
+            Some(fsdp) => fsdp.unshard(model.clone())?,
+            None => model.clone(),
+        };
+        Ok(cast_params(model, self.args.dtype.dtype()))
     }
 
     fn held_out(&self, model: &M) -> BoxResult<f64> {
         let (args, data) = (self.args, self.data);
         if let Some(pipe) = &self.pipe {
             return held_out_pipelined(
-                &self.compute(model),
+                &self.compute(model)?,
                 pipe,
                 args,
                 data,
@@ -347,7 +393,7 @@ impl<M: Trainable> Rank<'_, M> {
             );
         }
         held_out_loss(
-            &self.compute(model),
+            &self.compute(model)?,
             args,
             data,
             self.dp_rank,
@@ -458,10 +504,13 @@ impl<M: Trainable> Rank<'_, M> {
     fn step(&self, model: M, step: usize, optim: &mut DpOptimizer) -> BoxResult<(M, f64)> {
         let args = self.args;
         let (ids, targets) = self.batch(step);
-        let working = self.compute(&model);
-        let (ids, targets) = (cp_chunks(&working, ids)?, cp_chunks(&working, targets)?);
+        let (ids, targets) = (cp_chunks(&model, ids)?, cp_chunks(&model, targets)?);
         let (per, replica) = replica_columns(args, self.dp_rank);
         let dropout = DropoutStep::new(step as u64).with_batch(replica * per, args.batch);
+        if let Some(fsdp) = self.fsdp.get() {
+            return self.sharded_step(fsdp, model, (ids, targets), dropout, optim);
+        }
+        let working = cast_params(model.clone(), args.dtype.dtype());
         if let Some(pipe) = &self.pipe {
             return self.pipelined_step(pipe, model, working, (ids, targets), dropout, optim);
         }
@@ -494,6 +543,30 @@ impl<M: Trainable> Rank<'_, M> {
             None => GradientsParams::from_grads(loss.backward(), &working),
         };
         let model = optim.step(args.lr, model, &working, grads, &self.dp_group)?;
+        Ok((model, value))
+    }
+
+    /// A step on `fsdp`'s shards: each part gathered (in the run's dtype) just before it
+    /// runs, the gradients reduce-scattered by the backward, AdamW on the shards.
+    fn sharded_step(
+        &self,
+        fsdp: &Fsdp,
+        model: M,
+        (ids, targets): (Tensor<2, Int>, Tensor<2, Int>),
+        dropout: DropoutStep,
+        optim: &mut DpOptimizer,
+    ) -> BoxResult<(M, f64)> {
+        let run = || fsdp.loss_and_grads(&model, ids, targets, Some(dropout));
+        let (loss, grads) = match optim.replicated() {
+            Some(r) => r.scope(run)?,
+            None => run()?,
+        };
+        let mean = all_reduce(loss, ReduceOp::Avg, &self.dp_group)?;
+        let value = mean.into_scalar::<f32>() as f64;
+        if !value.is_finite() && !self.args.keep_going {
+            return Ok((model, value));
+        }
+        let model = optim.step(self.args.lr, model.clone(), &model, grads, &self.dp_group)?;
         Ok((model, value))
     }
 

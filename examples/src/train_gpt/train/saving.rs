@@ -26,6 +26,14 @@ impl<M: Trainable> Rank<'_, M> {
         if self.exports_from_checkpoint() {
             return Ok(());
         }
+        let whole;
+        let model = match self.fsdp.get() {
+            Some(fsdp) => {
+                whole = fsdp.unshard(model.clone())?;
+                &whole
+            }
+            None => model,
+        };
         let args = self.args;
         if let Some(dir) = &args.export_hf {
             // Every expert on every ep rank again, for the export (collective over ep).
@@ -127,6 +135,15 @@ impl<M: Trainable> Rank<'_, M> {
         optim: &mut DpOptimizer,
         steps: usize,
     ) -> burn_tp::Result<()> {
+        if let Some(fsdp) = self.fsdp.get() {
+            // Fully sharded: the model and its AdamW state gathered whole (collective over the
+            // shard group), so the checkpoint resumes with or without --fsdp, at any layout.
+            let mut whole = fsdp.unshard(model.clone())?;
+            let adamw = optim.module_optimizer(model)?;
+            let record = move_optimizer_state(adamw, model, &whole, |m| fsdp.unshard(m))?;
+            let mut whole_optim = DpOptimizer::new(AdamWConfig::new().init().load_record(record));
+            return self.save_whole(&mut whole, &mut whole_optim, steps);
+        }
         if self.experts.is_none() {
             return self.save_whole(model, optim, steps);
         }
