@@ -151,7 +151,8 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
 
     // The other paths over MPI: the Llama in bf16 (16-bit sums by MPI's user ops), the dp
     // gradient buckets overlapped with the backward and the distributed optimizer, a mixture
-    // of experts split over ep 2 (its tokens by MPI's all-to-all), context parallelism at cp 2.
+    // of experts split over ep 2 (its tokens by MPI's all-to-all), context parallelism at cp 2,
+    // fsdp 2.
     for extra in [
         &["--arch", "llama", "--dtype", "bf16"][..],
         &[
@@ -175,6 +176,9 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         // Context parallelism: each sequence split over the 2 dp ranks, the keys and values
         // around their ring over MPI.
         &["--arch", "llama", "--cp", "2"],
+        // Fully sharded: each block's weights gathered over MPI, their gradients
+        // reduce-scattered back.
+        &["--arch", "llama", "--fsdp", "--reshard-after-forward"],
     ] {
         let base = [&["--tp", "2", "--dp", "2", "--steps", "6"][..], extra].concat();
         let want = threads(&base, "paths");
