@@ -16,7 +16,8 @@
 //! off the right count. Section 3 counts a MoE model's rank the same way at ep 1, 2, 4: the
 //! parameters and AdamW state it holds after a step. Section 4 sets a LoRA fine-tune beside the
 //! full one (`--only=lora`). Section 5 counts a context-parallel rank's bytes over a step at a
-//! long sequence (`--only=context`).
+//! long sequence (`--only=context`). Section 6 counts a fully sharded data-parallel rank's bytes
+//! against plain dp and the distributed optimizer, and times its step (`--only=fsdp`).
 //!
 //! ```text
 //! cargo bench -p burn-tp --bench memory            # the issue's shapes
@@ -25,6 +26,7 @@
 //! cargo bench -p burn-tp --bench memory -- --only=moe      # section 3 alone
 //! cargo bench -p burn-tp --bench memory -- --only=lora     # section 4 alone
 //! cargo bench -p burn-tp --bench memory -- --only=context  # section 5 alone (--seq=N)
+//! cargo bench -p burn-tp --bench memory -- --only=fsdp     # section 6 alone
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -311,6 +313,7 @@ fn mb(x: f64) -> String {
 
 mod context;
 mod experts;
+mod fsdp;
 
 use experts::{lora_memory, moe_memory};
 
@@ -330,6 +333,11 @@ fn main() {
     }
     if std::env::args().any(|a| a == "--only=context") {
         context::context_memory(quick);
+        return;
+    }
+    if std::env::args().any(|a| a == "--only=fsdp") {
+        fsdp::fsdp_memory(quick);
+        fsdp::fsdp_step_time(quick);
         return;
     }
     let (seq, batch) = if quick { (128, 2) } else { (1024, 8) };
@@ -396,6 +404,8 @@ fn main() {
     moe_memory(quick);
     lora_memory(quick);
     context::context_memory(quick);
+    fsdp::fsdp_memory(quick);
+    fsdp::fsdp_step_time(quick);
 }
 
 /// Section 2: bytes per pipeline stage over one step, each stage a rank thread whose

@@ -58,6 +58,7 @@ pub struct Fsdp {
     rows: Arc<HashMap<ParamId, usize>>,
     reshard_after_forward: bool,
     compute: Option<FloatDType>,
+    prefetch: bool,
 }
 
 impl Fsdp {
@@ -82,6 +83,7 @@ impl Fsdp {
             rows: Arc::new(rows.0),
             reshard_after_forward: true,
             compute: None,
+            prefetch: true,
         }
     }
 
@@ -105,6 +107,13 @@ impl Fsdp {
     /// and the gradients' reduce-scatters stay in the shards' dtype.
     pub fn with_compute_dtype(mut self, dtype: FloatDType) -> Self {
         self.compute = Some(dtype);
+        self
+    }
+
+    /// Whether the next part's gathers are posted while a part computes (the default), or
+    /// only when the part is asked for (to measure what the prefetch hides).
+    pub fn with_prefetch(mut self, prefetch: bool) -> Self {
+        self.prefetch = prefetch;
         self
     }
 

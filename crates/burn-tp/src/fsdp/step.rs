@@ -73,6 +73,9 @@ impl<M: LanguageModel> Gathered<'_, M> {
 
 impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
     fn prefetch(&self, model: &M, part: Part, tracked: bool) -> Result<()> {
+        if !self.fsdp.prefetch {
+            return Ok(());
+        }
         let started = self.start(model, part)?;
         if let Some((_, stale)) = self.next.replace(Some(((part, tracked), started))) {
             // Every rank posts the same gathers: finish the stale one so they all complete.
