@@ -245,6 +245,29 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
         let got = run_gpt(&args(extra, "fsdp")).unwrap().losses;
         assert_close(&got, &want, 1e-5, &format!("{extra:?}"));
     }
+    // Clipped by the global norm: the curve moves, and fsdp x tp 2 keeps it.
+    let clip = ["--clip-grad", "0.05"];
+    let want_clipped = run_gpt(&args(
+        &[&["--tp", "1", "--dp", "1"][..], &clip].concat(),
+        "fsdp-c",
+    ))
+    .unwrap()
+    .losses;
+    let moved = want_clipped
+        .iter()
+        .zip(&want)
+        .any(|(c, w)| (c - w).abs() > 1e-5 * w.abs());
+    assert!(
+        moved,
+        "clipping changes the curve: {want_clipped:?} vs {want:?}"
+    );
+    let at = [
+        &["--tp", "2", "--dp", "2", "--fsdp", "--kv-heads", "2"][..],
+        &clip,
+    ]
+    .concat();
+    let got = run_gpt(&args(&at, "fsdp-c2")).unwrap().losses;
+    assert_close(&got, &want_clipped, 1e-5, "clipped, tp 2 x fsdp 2");
     // bf16 compute over f32 shards: plain dp's bf16 curve within bf16's rounding.
     let bf16 = |extra: &[&str]| {
         let argv = [&["--tp", "1", "--dp", "2", "--dtype", "bf16"][..], extra].concat();
@@ -292,6 +315,14 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
         (
             &["--dp", "2", "--fsdp", "--distributed-optimizer"],
             "--fsdp does not run with --distributed-optimizer",
+        ),
+        (
+            &["--dp", "2", "--clip-grad", "1", "--pp", "2"],
+            "--clip-grad does not run with --pp yet",
+        ),
+        (
+            &["--clip-grad=-1"],
+            "--clip-grad must be a positive number (got -1)",
         ),
     ] {
         let err = run_gpt(&args(extra, "fsdp-err")).unwrap_err().to_string();
@@ -420,5 +451,97 @@ fn a_rank_failing_mid_gather_ends_every_rank_with_an_error() {
             *elapsed < Duration::from_secs(30),
             "rank {rank}: {elapsed:?}"
         );
+    }
+}
+
+/// `GradClip`'s global norm counts every element of the whole model once: at tp 2 (the key /
+/// value head replicated on both ranks, the norms' weights on every rank), with fsdp shards
+/// (padded rows) and HSDP replicas, through `DpOptimizer::step`, it is the unsplit model's
+/// gradient norm computed here directly; the clipped gradients' norm is the clip.
+#[test]
+fn the_clipped_global_norm_is_the_unsplit_models_at_every_layout() {
+    use burn_tp::dp::{DpOptimizer, GradClip};
+    let _rng = rng_lock();
+    let config = LlamaConfig::new(V, SEQ, 24, 4, 1, 2, 36);
+    let norm_of = |grads: &[Vec<f64>]| grads.iter().flatten().map(|g| g * g).sum::<f64>().sqrt();
+    // The unsplit model's gradient norm, and its clipped gradients' norm.
+    let cfg = config.clone();
+    device().seed(13);
+    let (want, clipped) = run_local(1, move |g| {
+        let model = Llama::init(&cfg, &g, &device()).unwrap();
+        let ids = Tensor::<2, Int>::from_data(
+            TensorData::new(token_ids(SEQ * B, V, 7, 3), [SEQ, B]),
+            &device(),
+        );
+        let loss = LanguageModel::loss(&model, ids.clone(), ids, None).unwrap();
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        let before = param_values(&as_grads(model.clone(), &grads));
+        let norm = GradClip::new(&model, &g, 1e-3)
+            .clip(&model, &mut grads)
+            .unwrap();
+        let after = param_values(&as_grads(model.clone(), &grads));
+        (norm_of(&before), norm_of(&after), norm)
+    })
+    .unwrap()
+    .into_iter()
+    .map(|(want, after, norm)| {
+        assert!((norm - want).abs() <= 1e-6 * want, "tp 1: {norm} vs {want}");
+        (want, after)
+    })
+    .next()
+    .unwrap();
+    assert!(want > 1e-2, "a gradient to clip: {want}");
+    assert!((clipped - 1e-3).abs() <= 1e-6, "clipped to {clipped}");
+    for (tp, dp, shard) in [(2, 1, 0), (2, 2, 0), (2, 2, 2), (1, 4, 4), (1, 4, 2)] {
+        let config = config.clone();
+        device().seed(13);
+        let norms = run_local(tp * dp, move |world| {
+            let mesh = DeviceMesh::new(world, tp).unwrap();
+            let dp_group = mesh.dp_group().clone();
+            if dp_group.rank() > 0 {
+                dp_group.barrier().unwrap();
+            }
+            let model = Llama::init(&config, mesh.tp_group(), &device()).unwrap();
+            if dp_group.rank() == 0 && dp_group.world_size() > 1 {
+                dp_group.barrier().unwrap();
+            }
+            let model = broadcast_parameters(model, &dp_group).unwrap();
+            // Every dp rank the same batch: the average is the one rank's gradient.
+            let ids = Tensor::<2, Int>::from_data(
+                TensorData::new(token_ids(SEQ * B, V, 7, 3), [SEQ, B]),
+                &device(),
+            );
+            let clip = GradClip::new(&model, mesh.tp_group(), 1e-3);
+            let optim = DpOptimizer::new(AdamWConfig::new().init());
+            let (model, grads, mut optim) = match shard {
+                0 => {
+                    let loss = LanguageModel::loss(&model, ids.clone(), ids, None).unwrap();
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    (model, grads, optim.with_clip(clip))
+                }
+                n => {
+                    let (shard, replicas) = mesh.fsdp_groups(n).unwrap();
+                    let fsdp = Fsdp::new(&model, &shard).with_replicas(&replicas);
+                    let model = fsdp.shard(model);
+                    let (_, grads) = fsdp.loss_and_grads(&model, ids.clone(), ids, None).unwrap();
+                    let optim = optim
+                        .with_fsdp(fsdp.clone())
+                        .with_clip(clip.with_fsdp(fsdp));
+                    (model, grads, optim)
+                }
+            };
+            optim
+                .step(LR, model.clone(), &model, grads, &dp_group)
+                .unwrap();
+            optim.last_grad_norm().unwrap()
+        })
+        .unwrap();
+        for (rank, norm) in norms.iter().enumerate() {
+            let what = format!("tp {tp} dp {dp} shards of {shard}, rank {rank}");
+            assert!(
+                (norm - want).abs() <= 1e-5 * want,
+                "{what}: {norm} vs {want}"
+            );
+        }
     }
 }

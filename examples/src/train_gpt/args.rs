@@ -217,6 +217,10 @@ pub struct Args {
     /// dp ranks (`N` divides `--dp`), replicated over the `dp / N` groups.
     #[arg(long, value_name = "N")]
     pub hsdp: Option<usize>,
+    /// Clip the gradients by their global norm (the whole model's, after the dp average) to
+    /// at most this (Megatron's `--clip-grad`, PyTorch's `clip_grad_norm_`).
+    #[arg(long, value_name = "NORM")]
+    pub clip_grad: Option<f64>,
     /// Bucket size of `--overlap-grad-reduce` and `--distributed-optimizer`, in MiB.
     #[arg(long, default_value_t = 4.0, value_name = "MIB")]
     pub bucket_mb: f64,

@@ -216,6 +216,19 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         );
     }
     refuse_sizes(args.init_from.as_deref(), &args.size_flags())?;
+    if let Some(c) = args.clip_grad {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(format!("--clip-grad must be a positive number (got {c})"));
+        }
+        let refused = [
+            (args.pp > 1, "--pp"),
+            (args.ep > 1, "--ep"),
+            (args.distributed_optimizer, "--distributed-optimizer"),
+        ];
+        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+            return Err(format!("--clip-grad does not run with {flag} yet"));
+        }
+    }
     if args.reshard_after_forward && args.fsdp_shard().is_none() {
         return Err("--reshard-after-forward is an --fsdp option (add --fsdp)".into());
     }

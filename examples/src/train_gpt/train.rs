@@ -9,7 +9,7 @@ use burn_tp::checkpoint;
 use burn_tp::comm::profile::Profile;
 use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::context::{ContextParallel, CpLayout};
-use burn_tp::dp::{DpOptimizer, broadcast_parameters};
+use burn_tp::dp::{DpOptimizer, GradClip, broadcast_parameters};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::fsdp::Fsdp;
 use burn_tp::mesh::DeviceMesh;
@@ -336,6 +336,10 @@ impl<M: Trainable> Rank<'_, M> {
             self.pipe.as_ref(),
             self.experts.as_ref().map(|(_, expert_dp)| expert_dp),
         )?;
+        let optim = match args.clip_grad {
+            Some(max) => optim.with_clip(GradClip::new(&model, tp_group, max)),
+            None => optim,
+        };
         Ok((model, first_step, optim))
     }
 
@@ -364,6 +368,12 @@ impl<M: Trainable> Rank<'_, M> {
         let optim = DpOptimizer::new(adamw)
             .with_replicated(burn_tp::norm::ReplicatedGrads::new(&self.tp_group))
             .with_fsdp(fsdp.clone());
+        let optim = match args.clip_grad {
+            Some(max) => {
+                optim.with_clip(GradClip::new(&model, &self.tp_group, max).with_fsdp(fsdp.clone()))
+            }
+            None => optim,
+        };
         self.fsdp.set(fsdp).expect("the model is built once");
         Ok((sharded, first_step, optim))
     }

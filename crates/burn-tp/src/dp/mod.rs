@@ -3,9 +3,12 @@
 //! ([`GradReducer`]); or shard the optimizer over it ([`DistributedAdamW`], ZeRO stage 1);
 //! [`DpOptimizer`]: either, as one gradient-sync-then-step for a training loop.
 
+mod clip;
 mod reducer;
 mod step;
 mod zero;
+
+pub use clip::GradClip;
 
 pub use reducer::{GradReducer, ReduceGroups};
 pub use step::DpOptimizer;

@@ -9,7 +9,7 @@ use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::FloatDType;
 use burn_tp_comm::ProcessGroup;
 
-use super::{DistributedAdamW, Experts, GradReducer, average_gradients_with};
+use super::{DistributedAdamW, Experts, GradClip, GradReducer, average_gradients_with};
 use crate::Result;
 use crate::fsdp::Fsdp;
 use crate::norm::ReplicatedGrads;
@@ -27,6 +27,8 @@ pub struct DpOptimizer {
     replicated: Option<ReplicatedGrads>,
     experts: Option<Experts>,
     fsdp: Option<Fsdp>,
+    clip: Option<GradClip>,
+    grad_norm: Option<f64>,
 }
 
 impl DpOptimizer {
@@ -39,6 +41,8 @@ impl DpOptimizer {
             replicated: None,
             experts: None,
             fsdp: None,
+            clip: None,
+            grad_norm: None,
         }
     }
 
@@ -74,6 +78,18 @@ impl DpOptimizer {
         self
     }
 
+    /// The gradients clipped by their global norm after the dp reduction, before the update
+    /// ([`GradClip`]; not with the distributed optimizer, whose reduction is its step's).
+    pub fn with_clip(mut self, clip: GradClip) -> Self {
+        self.clip = Some(clip);
+        self
+    }
+
+    /// The global gradient norm of the last step (before clipping), with [`with_clip`](Self::with_clip).
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.grad_norm
+    }
+
     /// The distributed optimizer `zero` (AdamW of `config`, its state sharded over dp); `optim`
     /// holds the state in Burn's form only to save it ([`module_optimizer`](Self::module_optimizer)).
     pub fn distributed(
@@ -88,6 +104,8 @@ impl DpOptimizer {
             replicated: None,
             experts: None,
             fsdp: None,
+            clip: None,
+            grad_norm: None,
         }
     }
 
@@ -149,6 +167,13 @@ impl DpOptimizer {
                     .into(),
             ));
         }
+        if self.clip.is_some() && self.zero.is_some() {
+            return Err(crate::TpError::Config(
+                "gradient clipping: not with the distributed optimizer (its gradients are \
+                 reduced inside its step)"
+                    .into(),
+            ));
+        }
         if let Some((z, _)) = &mut self.zero {
             cast_grads(working, &mut grads, FloatDType::F32);
             return z.step(lr.base(), model, grads);
@@ -165,6 +190,9 @@ impl DpOptimizer {
             fsdp.finish_grads(&model, &mut grads)?;
         } else if self.reducer.is_none() {
             average_gradients_with(&model, &mut grads, dp_group, self.experts.as_ref())?;
+        }
+        if let Some(clip) = &self.clip {
+            self.grad_norm = Some(clip.clip(&model, &mut grads)?);
         }
         Ok(self.optim.step(lr, model, grads))
     }

@@ -270,6 +270,18 @@ impl Fsdp {
         average.error.map_or(Ok(()), Err)
     }
 
+    /// The rows of parameter `id`'s tp shard this rank's shard holds (its `shard_rows` rows
+    /// from `r c`, the padding past the end cut off); all of them if it is not sharded.
+    pub fn held_rows(&self, id: ParamId, shard_rows: usize) -> std::ops::Range<usize> {
+        match self.rows.get(&id) {
+            Some(&rows) => {
+                let start = (self.shard.rank() * shard_rows).min(rows);
+                start..(start + shard_rows).min(rows)
+            }
+            None => 0..shard_rows,
+        }
+    }
+
     /// The bytes of `model`'s float parameters (a rank's shards between steps: the whole
     /// model's bytes / the shard group's size, but the padding).
     pub fn param_bytes<M: Module>(model: &M) -> usize {
