@@ -194,7 +194,8 @@ fn llama_steps_at_fsdp_with_dropout_are_plain_dp_steps() {
     agree::<Llama>("llama", config);
 }
 
-/// `train_gpt --fsdp` (and `--reshard-after-forward`, `--hsdp`, tp 2 x fsdp 2, bf16) gives
+/// `train_gpt --fsdp` (and `--reshard-after-forward`, `--hsdp`, tp 2 x fsdp 2, pp 2, bf16,
+/// `--clip-grad`) gives
 /// plain data parallelism's losses; a checkpoint written at fsdp 4 resumes at dp 2 without
 /// fsdp and at tp 2 x fsdp 2 on the uninterrupted curve; flags it does not run with are named.
 #[test]
@@ -240,6 +241,30 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
             "--reshard-after-forward",
             "--mode",
             "all-reduce",
+        ],
+        // Pipeline stages, each stage's blocks sharded over its dp ranks.
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--fsdp",
+        ],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
         ],
     ] {
         let got = run_gpt(&args(extra, "fsdp")).unwrap().losses;
@@ -309,8 +334,8 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
             "is an --fsdp option",
         ),
         (
-            &["--dp", "2", "--fsdp", "--pp", "2"],
-            "--fsdp does not run with --pp",
+            &["--dp", "2", "--fsdp", "--experts", "4", "--ep", "2"],
+            "--fsdp does not run with --ep",
         ),
         (
             &["--dp", "2", "--fsdp", "--distributed-optimizer"],

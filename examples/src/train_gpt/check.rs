@@ -241,7 +241,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         }
         // What fully sharded data parallelism does not run with yet.
         let refused = [
-            (args.pp > 1, "--pp"),
             (args.ep > 1, "--ep"),
             (args.is_lora(), "LoRA"),
             (

@@ -517,12 +517,16 @@ impl<M: Trainable> Rank<'_, M> {
         let (ids, targets) = (cp_chunks(&model, ids)?, cp_chunks(&model, targets)?);
         let (per, replica) = replica_columns(args, self.dp_rank);
         let dropout = DropoutStep::new(step as u64).with_batch(replica * per, args.batch);
-        if let Some(fsdp) = self.fsdp.get() {
-            return self.sharded_step(fsdp, model, (ids, targets), dropout, optim);
-        }
-        let working = cast_params(model.clone(), args.dtype.dtype());
+        // With --fsdp the shards are the working model: each part gathered (and cast).
+        let working = match self.fsdp.get() {
+            Some(_) => model.clone(),
+            None => cast_params(model.clone(), args.dtype.dtype()),
+        };
         if let Some(pipe) = &self.pipe {
             return self.pipelined_step(pipe, model, working, (ids, targets), dropout, optim);
+        }
+        if let Some(fsdp) = self.fsdp.get() {
+            return self.sharded_step(fsdp, model, (ids, targets), dropout, optim);
         }
         // Each block recomputed in the backward: the loss and the gradients at once.
         let recomputed = {
@@ -598,7 +602,11 @@ impl<M: Trainable> Rank<'_, M> {
         // With buckets, each starts as its parameters' last micro-batch's backward ends.
         let buckets = optim.buckets();
         let dropout = Some(dropout);
+        let fsdp = self.fsdp.get();
         let run = || match buckets {
+            _ if let Some(fsdp) = fsdp => {
+                fsdp.pipeline_loss_and_grads(&working, pipe, &micro, schedule, dropout)
+            }
             Some(r) => {
                 pipeline::loss_and_grads_overlapped(&working, pipe, &micro, schedule, dropout, r)
             }

@@ -13,6 +13,7 @@ use super::gather::InFlight;
 use crate::Result;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
+use crate::pipeline::{MicroBatch, Pipeline, PipelineSchedule, PipelineStep};
 use crate::recompute::{Part, Parts, Sequence, loss_and_grads_with};
 
 /// What is in flight for a part: the model minus its blocks (the ends), or one block.
@@ -98,6 +99,38 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
 }
 
 impl Fsdp {
+    /// [`loss_and_grads`](Self::loss_and_grads) of a pipeline stage (`model`: this rank's
+    /// shards of its stage, [`crate::pipeline::loss_and_grads`]'s arguments otherwise): each
+    /// micro-batch's parts gathered just before they run (no prefetch: the schedule decides
+    /// what runs next), recomputed in the backward with
+    /// [`reshard_after_forward`](Self::reshard_after_forward). The gradients are summed over
+    /// the shard group, as [`loss_and_grads`](Self::loss_and_grads)'s. Collective over the
+    /// pipeline and the shard group.
+    ///
+    /// # Errors
+    /// As [`crate::pipeline::loss_and_grads`]; a communication error.
+    pub fn pipeline_loss_and_grads<M: LanguageModel>(
+        &self,
+        model: &M,
+        pipe: &Pipeline,
+        micro_batches: &[MicroBatch],
+        schedule: PipelineSchedule,
+        step: Option<DropoutStep>,
+    ) -> Result<PipelineStep> {
+        let parts = Gathered {
+            fsdp: &self.clone().with_prefetch(false),
+            next: RefCell::new(None),
+        };
+        crate::pipeline::loss_and_grads_with(
+            model,
+            pipe,
+            micro_batches,
+            (schedule, step),
+            self.reshard_after_forward,
+            &parts,
+        )
+    }
+
     /// The loss of `model` (this rank's shards, [`shard`](Self::shard)) on `ids`, `targets`
     /// (`[seq, batch]`) and its shards' gradients, summed over the shard group
     /// ([`finish_grads`](Self::finish_grads) averages them): each part gathered just before it

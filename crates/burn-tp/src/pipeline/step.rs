@@ -20,7 +20,7 @@ use crate::dp::GradReducer;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
 use crate::moe::RouterStats;
-use crate::recompute::{merge, seeded_backward};
+use crate::recompute::{Part, Parts, Whole, merge, seeded_backward};
 use crate::{Result, TpError};
 
 /// One micro-batch's ids and targets, `[seq, batch]` each.
@@ -63,7 +63,16 @@ pub fn loss_and_grads<M: LanguageModel>(
     schedule: PipelineSchedule,
     step: Option<DropoutStep>,
 ) -> Result<PipelineStep> {
-    let mut out = run_step(model, pipe, micro_batches, schedule, step, None, false)?;
+    let mut out = run_step(
+        model,
+        pipe,
+        micro_batches,
+        schedule,
+        step,
+        None,
+        false,
+        &Whole,
+    )?;
     sum_embedding_grad(model, pipe, &mut out.grads)?;
     Ok(out)
 }
@@ -97,7 +106,36 @@ pub fn loss_and_grads_overlapped<M: LanguageModel>(
         step,
         Some(reducer),
         false,
+        &Whole,
     )
+}
+
+/// [`loss_and_grads`] (`recompute`: [`loss_and_grads_recomputed`]) with each part's parameters
+/// from `parts` ([`crate::fsdp`]: gathered just before the part runs, for each micro-batch).
+/// Collective over the pipeline.
+///
+/// # Errors
+/// As [`loss_and_grads`].
+pub(crate) fn loss_and_grads_with<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    micro_batches: &[MicroBatch],
+    (schedule, step): (PipelineSchedule, Option<DropoutStep>),
+    recompute: bool,
+    parts: &dyn Parts<M>,
+) -> Result<PipelineStep> {
+    let mut out = run_step(
+        model,
+        pipe,
+        micro_batches,
+        schedule,
+        step,
+        None,
+        recompute,
+        parts,
+    )?;
+    sum_embedding_grad(model, pipe, &mut out.grads)?;
+    Ok(out)
 }
 
 /// [`loss_and_grads`] with every block recomputed in its backward ([`crate::recompute`] under
@@ -116,13 +154,23 @@ pub fn loss_and_grads_recomputed<M: LanguageModel>(
     schedule: PipelineSchedule,
     step: Option<DropoutStep>,
 ) -> Result<PipelineStep> {
-    let mut out = run_step(model, pipe, micro_batches, schedule, step, None, true)?;
+    let mut out = run_step(
+        model,
+        pipe,
+        micro_batches,
+        schedule,
+        step,
+        None,
+        true,
+        &Whole,
+    )?;
     sum_embedding_grad(model, pipe, &mut out.grads)?;
     Ok(out)
 }
 
 /// The schedule's forwards and backwards (the embedding's sum over the ends left out);
 /// `recompute`: each block rerun in the backward.
+#[allow(clippy::too_many_arguments)]
 fn run_step<M: LanguageModel>(
     model: &M,
     pipe: &Pipeline,
@@ -131,9 +179,11 @@ fn run_step<M: LanguageModel>(
     step: Option<DropoutStep>,
     reducer: Option<&GradReducer>,
     recompute: bool,
+    parts: &dyn Parts<M>,
 ) -> Result<PipelineStep> {
     let started = Instant::now();
     let mut stage = StageStep::new(model, pipe, micro_batches, schedule, step, reducer)?;
+    stage.parts = parts;
     let inner = recompute.then(|| model.valid());
     for action in actions(schedule, pipe.stage(), pipe.stages(), micro_batches.len()) {
         match (action, &inner) {
@@ -223,6 +273,8 @@ fn check_micro_batches(pipe: &Pipeline, micro_batches: &[MicroBatch]) -> Result<
 /// backward, the gradients and loss summed so far, and the stage's transfers.
 struct StageStep<'a, M: LanguageModel> {
     model: &'a M,
+    /// Where each part's parameters come from (the model itself, or fsdp's gathers).
+    parts: &'a dyn Parts<M>,
     micro_batches: &'a [MicroBatch],
     reducer: Option<&'a GradReducer>,
     step: Option<DropoutStep>,
@@ -264,6 +316,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         step: Option<DropoutStep>,
         reducer: Option<&'a GradReducer>,
     ) -> Result<Self> {
+        static WHOLE: Whole = Whole;
         let dims = check_micro_batches(pipe, micro_batches)?;
         let m = micro_batches.len();
         let v = schedule.virtual_stages();
@@ -280,6 +333,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let shape = model.activation_shape(dims);
         Ok(Self {
             model,
+            parts: &WHOLE,
             micro_batches,
             reducer,
             step,
@@ -337,8 +391,10 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let tapped = self.reducer.map(|r| r.view(self.model.clone()));
         let model = tapped.as_ref().unwrap_or(self.model);
         let at = self.at(c, i);
+        let parts = self.parts;
         let (x, before) = if self.first_virtual == Some(c) {
-            (model.embed(ids.clone())?, vec![0.0; self.router_width])
+            let ends = parts.part(model, Part::Ends, true)?;
+            (ends.embed(ids.clone())?, vec![0.0; self.router_width])
         } else {
             let (x, before) = self.io.recv_with(Side::Prev, &self.device)?;
             let x = x.require_grad();
@@ -347,14 +403,15 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         };
         let (blocks, step) = (self.virtual_stages[c].clone(), self.micro_step(i));
         let (x, stats) = crate::moe::record(|| {
-            blocks
-                .into_iter()
-                .try_fold(x, |x, l| model.layer(l, x, step))
+            blocks.into_iter().try_fold(x, |x, l| {
+                parts.part(model, Part::Block(l), true)?.layer(l, x, step)
+            })
         });
         let x = x?;
         let after = self.add_stats(&before, &stats, 1.0)?;
         if self.last_virtual == Some(c) {
-            let mut loss = model.head_loss(x, targets.clone())?;
+            let ends = parts.part(model, Part::Ends, true)?;
+            let mut loss = ends.head_loss(x, targets.clone())?;
             if let Some(r) = self.router_loss(stats, &before) {
                 loss = loss.clone() + r.cast(loss.dtype());
             }
@@ -445,7 +502,8 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         self.in_flight(1);
         let at = self.at(c, i);
         let (mut x, before) = if self.first_virtual == Some(c) {
-            let x = inner.embed(self.micro_batches[i].0.clone().inner())?;
+            let ends = self.parts.part(inner, Part::Ends, false)?;
+            let x = ends.embed(self.micro_batches[i].0.clone().inner())?;
             (x, vec![0.0; self.router_width])
         } else {
             self.io
@@ -453,8 +511,8 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         };
         let mut stats = Vec::new();
         for l in self.virtual_stages[c].clone() {
-            let (next, block) =
-                crate::moe::record(|| inner.layer(l, x.clone(), self.micro_step(i)));
+            let part = self.parts.part(inner, Part::Block(l), false)?;
+            let (next, block) = crate::moe::record(|| part.layer(l, x.clone(), self.micro_step(i)));
             self.kept[at].push(x);
             stats.push(block.into_iter().map(RouterStats::from_inner).collect());
             x = next?;
@@ -483,7 +541,8 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let (mut dy, total) = if self.last_virtual == Some(c) {
             let total = self.totals[at].take().unwrap_or_default();
             let h = leaf(inputs.pop().expect("the head's input"));
-            let loss = model.head_loss(h.clone(), self.micro_batches[i].1.clone())?;
+            let ends = self.parts.part(model, Part::Ends, true)?;
+            let loss = ends.head_loss(h.clone(), self.micro_batches[i].1.clone())?;
             let mut grads = self.share(loss.clone()).backward();
             // The routers' loss's value, every MoE layer's held: its gradient reaches each
             // block through the block's own term below.
@@ -501,7 +560,8 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         for l in self.virtual_stages[c].clone().into_iter().rev() {
             let x = leaf(inputs.pop().expect("one input per block"));
             let held = stats.pop().unwrap_or_default();
-            let (y, own) = crate::moe::record(|| model.layer(l, x.clone(), self.micro_step(i)));
+            let part = self.parts.part(model, Part::Block(l), true)?;
+            let (y, own) = crate::moe::record(|| part.layer(l, x.clone(), self.micro_step(i)));
             // This block's part of the routers' loss: its statistics tracked, every other
             // MoE layer's (the total less this block's kept ones) held.
             let others = self.add_stats(&total, &held, -1.0)?;
@@ -514,7 +574,8 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         }
         if self.first_virtual == Some(c) {
             let ids = self.micro_batches[i].0.clone();
-            let grads = seeded_backward(model.embed(ids)?, dy);
+            let ends = self.parts.part(model, Part::Ends, true)?;
+            let grads = seeded_backward(ends.embed(ids)?, dy);
             merge(&mut self.total, grads, model);
         } else {
             self.io.send_with(Side::Prev, dy, &total)?;
