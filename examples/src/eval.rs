@@ -80,6 +80,7 @@ pub(crate) fn held_out_loss<M: LanguageModel>(
     dp_rank: usize,
     dp_group: &ProcessGroup,
     device: &Device,
+    fsdp: Option<&burn_tp::fsdp::Fsdp>,
 ) -> Result<f64, Box<dyn std::error::Error>> {
     // Off autodiff: on an autodiff device a forward keeps its graph until a backward that never
     // comes (burn-tp's ops whose backward communicates are always tracked): each evaluation's,
@@ -91,7 +92,12 @@ pub(crate) fn held_out_loss<M: LanguageModel>(
         let (ids, targets) = batch(&data.held_out, args, usize::MAX - k);
         let ids = cp_chunks(&model, dp_slice(&ids, args, dp_rank, device))?;
         let targets = cp_chunks(&model, dp_slice(&targets, args, dp_rank, device))?;
-        let loss = model.loss(ids, targets, None)?.detach();
+        let loss = match fsdp {
+            // Each part gathered in turn, never the whole model.
+            Some(fsdp) => fsdp.loss(&model, ids, targets, None)?,
+            None => model.loss(ids, targets, None)?,
+        }
+        .detach();
         sum += all_reduce(loss, ReduceOp::Avg, dp_group)?.into_scalar::<f32>() as f64;
     }
     Ok(sum / EVAL_BATCHES as f64)

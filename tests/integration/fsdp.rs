@@ -194,7 +194,7 @@ fn llama_steps_at_fsdp_with_dropout_are_plain_dp_steps() {
     agree::<Llama>("llama", config);
 }
 
-/// `train_gpt --fsdp` (and `--reshard-after-forward`, `--hsdp`, tp 2 x fsdp 2, pp 2, bf16,
+/// `train_gpt --fsdp` (and `--reshard-after-forward`, `--hsdp`, tp 2 x fsdp 2, pp 2, cp 2, bf16,
 /// `--clip-grad`) gives
 /// plain data parallelism's losses; a checkpoint written at fsdp 4 resumes at dp 2 without
 /// fsdp and at tp 2 x fsdp 2 on the uninterrupted curve; flags it does not run with are named.
@@ -209,9 +209,11 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
         argv.extend_from_slice(extra);
         tiny_args(&argv, &temp_dir(name))
     };
-    let want = run_gpt(&args(&["--tp", "1", "--dp", "1"], "fsdp-1"))
-        .unwrap()
-        .losses;
+    let want_run = run_gpt(&args(&["--tp", "1", "--dp", "1"], "fsdp-1")).unwrap();
+    let want = want_run.losses.clone();
+    let held_out = |r: &burn_tp_examples::train_gpt::Report| -> Vec<f64> {
+        r.held_out.iter().map(|h| h.1).collect()
+    };
     for extra in [
         &["--tp", "1", "--dp", "2", "--fsdp"][..],
         &[
@@ -242,6 +244,17 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
             "--mode",
             "all-reduce",
         ],
+        // Context parallelism carved out of the same dp ranks the parameters are split over.
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "4",
+            "--cp",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
+        ],
         // Pipeline stages, each stage's blocks sharded over its dp ranks.
         &[
             "--tp",
@@ -267,8 +280,11 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
             "--reshard-after-forward",
         ],
     ] {
-        let got = run_gpt(&args(extra, "fsdp")).unwrap().losses;
-        assert_close(&got, &want, 1e-5, &format!("{extra:?}"));
+        let got = run_gpt(&args(extra, "fsdp")).unwrap();
+        assert_close(&got.losses, &want, 1e-5, &format!("{extra:?}"));
+        // The evaluation runs on the shards too (each part gathered in turn).
+        let what = format!("held-out, {extra:?}");
+        assert_close(&held_out(&got), &held_out(&want_run), 1e-5, &what);
     }
     // Clipped by the global norm: the curve moves, and fsdp x tp 2 keeps it.
     let clip = ["--clip-grad", "0.05"];

@@ -165,6 +165,8 @@ pub(super) fn train_rank<M: Trainable>(
     // The profile covers training only (not the sample below).
     let profile = r.world.profile();
     let sample = match &r.pipe {
+        // Nothing to sample: no whole model (with --fsdp, gathered) for it.
+        _ if args.sample_len == 0 => Vec::new(),
         None => generate(&r.compute(&model)?, args, data, &r.tp_group, &r.device)?,
         Some(pipe) => generate_pipelined(
             &r.compute(&model)?,
@@ -402,13 +404,20 @@ impl<M: Trainable> Rank<'_, M> {
                 &self.device,
             );
         }
+        // With --fsdp the shards, each part gathered in turn.
+        let fsdp = self.fsdp.get();
+        let model = match fsdp {
+            Some(_) => model.clone(),
+            None => self.compute(model)?,
+        };
         held_out_loss(
-            &self.compute(model)?,
+            &model,
             args,
             data,
             self.dp_rank,
             &self.dp_group,
             &self.device,
+            fsdp,
         )
     }
 

@@ -176,8 +176,20 @@ impl Fsdp {
     /// # Errors
     /// A communication error.
     pub fn unshard<M: Module>(&self, model: M) -> Result<M> {
+        self.unshard_on(model, true)
+    }
+
+    /// [`unshard`](Self::unshard) where `keep`: every rank of the shard group takes part, one
+    /// parameter at a time, and only those with `keep` hold the whole (the writer of a
+    /// checkpoint); the others get `model` back, having held one parameter's whole at a time.
+    /// Collective over the shard group.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn unshard_on<M: Module>(&self, model: M, keep: bool) -> Result<M> {
         struct Whole<'a> {
             fsdp: &'a Fsdp,
+            keep: bool,
             error: Option<TpError>,
         }
         impl ModuleMapper for Whole<'_> {
@@ -193,6 +205,7 @@ impl Fsdp {
                 let param = param.map(|t| {
                     let requires_grad = t.is_require_grad();
                     match all_gather(t.clone().detach(), 0, group) {
+                        Ok(_) if !self.keep => t,
                         Ok(whole) => {
                             let whole = owned(whole.narrow(0, 0, rows));
                             if requires_grad {
@@ -213,6 +226,7 @@ impl Fsdp {
         }
         let mut whole = Whole {
             fsdp: self,
+            keep,
             error: None,
         };
         let model = model.map(&mut whole);

@@ -99,6 +99,44 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
 }
 
 impl Fsdp {
+    /// The loss of `model` (this rank's shards) on `ids`, `targets` (`[seq, batch]`, off
+    /// autodiff), untracked (evaluation): each part gathered just before it runs and dropped
+    /// after, the next one's gathers in flight meanwhile; the ends held throughout. Collective
+    /// over the shard group.
+    ///
+    /// # Errors
+    /// As [`LanguageModel::loss`]; a communication error.
+    pub fn loss<M: LanguageModel>(
+        &self,
+        model: &M,
+        ids: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        step: Option<DropoutStep>,
+    ) -> Result<Tensor<1>> {
+        let inner = model.valid();
+        let held = inner.held_layers();
+        let mut order = vec![(Part::Ends, false)];
+        order.extend(held.iter().map(|&i| (Part::Block(i), false)));
+        let parts = Gathered {
+            fsdp: self,
+            next: RefCell::new(None),
+        };
+        let mut seq = Sequence::new(&inner, &inner, &parts, order)?;
+        let ends = seq.next_part()?;
+        let (loss, routers) = crate::moe::record(|| -> Result<Tensor<1>> {
+            let mut x = ends.embed(ids)?;
+            for &i in &held {
+                x = seq.next_part()?.layer(i, x, step)?;
+            }
+            ends.head_loss(x, targets)
+        });
+        let loss = loss?;
+        Ok(match inner.router_loss(&routers) {
+            Some(aux) => loss.clone() + aux.cast(loss.dtype()),
+            None => loss,
+        })
+    }
+
     /// [`loss_and_grads`](Self::loss_and_grads) of a pipeline stage (`model`: this rank's
     /// shards of its stage, [`crate::pipeline::loss_and_grads`]'s arguments otherwise): each
     /// micro-batch's parts gathered just before they run (no prefetch: the schedule decides

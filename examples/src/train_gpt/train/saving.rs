@@ -136,13 +136,24 @@ impl<M: Trainable> Rank<'_, M> {
         steps: usize,
     ) -> burn_tp::Result<()> {
         if let Some(fsdp) = self.fsdp.get() {
-            // Fully sharded: the model and its AdamW state gathered whole (collective over the
-            // shard group), so the checkpoint resumes with or without --fsdp, at any layout.
-            let mut whole = fsdp.unshard(model.clone())?;
-            let adamw = optim.module_optimizer(model)?;
-            let record = move_optimizer_state(adamw, model, &whole, |m| fsdp.unshard(m))?;
-            let mut whole_optim = DpOptimizer::new(AdamWConfig::new().init().load_record(record));
-            return self.save_whole(&mut whole, &mut whole_optim, steps);
+            // Fully sharded: the model and its AdamW state gathered whole on the writer (dp
+            // replica 0), so the checkpoint resumes with or without --fsdp, at any layout. The
+            // other ranks of its shard group take part one parameter at a time; the other
+            // shard groups (HSDP's replicas) not at all.
+            let writer = self.dp_rank == 0;
+            if self.dp_rank < fsdp.shard_group().world_size() {
+                let mut whole = fsdp.unshard_on(model.clone(), writer)?;
+                let adamw = optim.module_optimizer(model)?;
+                let record =
+                    move_optimizer_state(adamw, model, &whole, |m| fsdp.unshard_on(m, writer));
+                if writer {
+                    let record = AdamWConfig::new().init().load_record(record?);
+                    let mut whole_optim = DpOptimizer::new(record);
+                    return self.save_whole(&mut whole, &mut whole_optim, steps);
+                }
+            }
+            // Not a writer: the barrier after the writers.
+            return self.save_whole(model, optim, steps);
         }
         if self.experts.is_none() {
             return self.save_whole(model, optim, steps);
