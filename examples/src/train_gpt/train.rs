@@ -614,7 +614,7 @@ impl<M: Trainable> Rank<'_, M> {
         let fsdp = self.fsdp.get();
         let run = || match buckets {
             _ if let Some(fsdp) = fsdp => {
-                fsdp.pipeline_loss_and_grads(&working, pipe, &micro, schedule, dropout)
+                pipeline::loss_and_grads_sharded(&working, pipe, &micro, schedule, dropout, fsdp)
             }
             Some(r) => {
                 pipeline::loss_and_grads_overlapped(&working, pipe, &micro, schedule, dropout, r)

@@ -13,7 +13,6 @@ use super::gather::InFlight;
 use crate::Result;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
-use crate::pipeline::{MicroBatch, Pipeline, PipelineSchedule, PipelineStep};
 use crate::recompute::{Part, Parts, Sequence, loss_and_grads_with};
 
 /// What is in flight for a part: the model minus its blocks (the ends), or one block.
@@ -30,6 +29,7 @@ type Prefetched<M> = ((Part, bool), Started<M>);
 struct Gathered<'f, M: LanguageModel> {
     fsdp: &'f Fsdp,
     next: RefCell<Option<Prefetched<M>>>,
+    prefetch: bool,
 }
 
 impl<M: LanguageModel> Gathered<'_, M> {
@@ -74,7 +74,7 @@ impl<M: LanguageModel> Gathered<'_, M> {
 
 impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
     fn prefetch(&self, model: &M, part: Part, tracked: bool) -> Result<()> {
-        if !self.fsdp.prefetch {
+        if !self.prefetch {
             return Ok(());
         }
         let started = self.start(model, part)?;
@@ -99,6 +99,17 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
 }
 
 impl Fsdp {
+    /// Each part of a sharded model gathered when asked (with `prefetch`, the next one's
+    /// gathers posted before the asked one is returned): what a pipeline stage's step
+    /// ([`crate::pipeline::loss_and_grads_sharded`]) runs its parts with.
+    pub(crate) fn parts<M: LanguageModel>(&self, prefetch: bool) -> impl Parts<M> + '_ {
+        Gathered {
+            fsdp: self,
+            next: RefCell::new(None),
+            prefetch,
+        }
+    }
+
     /// The loss of `model` (this rank's shards) on `ids`, `targets` (`[seq, batch]`, off
     /// autodiff), untracked (evaluation): each part gathered just before it runs and dropped
     /// after, the next one's gathers in flight meanwhile; the ends held throughout. Collective
@@ -120,6 +131,7 @@ impl Fsdp {
         let parts = Gathered {
             fsdp: self,
             next: RefCell::new(None),
+            prefetch: self.prefetch,
         };
         let mut seq = Sequence::new(&inner, &inner, &parts, order)?;
         let ends = seq.next_part()?;
@@ -135,38 +147,6 @@ impl Fsdp {
             Some(aux) => loss.clone() + aux.cast(loss.dtype()),
             None => loss,
         })
-    }
-
-    /// [`loss_and_grads`](Self::loss_and_grads) of a pipeline stage (`model`: this rank's
-    /// shards of its stage, [`crate::pipeline::loss_and_grads`]'s arguments otherwise): each
-    /// micro-batch's parts gathered just before they run (no prefetch: the schedule decides
-    /// what runs next), recomputed in the backward with
-    /// [`reshard_after_forward`](Self::reshard_after_forward). The gradients are summed over
-    /// the shard group, as [`loss_and_grads`](Self::loss_and_grads)'s. Collective over the
-    /// pipeline and the shard group.
-    ///
-    /// # Errors
-    /// As [`crate::pipeline::loss_and_grads`]; a communication error.
-    pub fn pipeline_loss_and_grads<M: LanguageModel>(
-        &self,
-        model: &M,
-        pipe: &Pipeline,
-        micro_batches: &[MicroBatch],
-        schedule: PipelineSchedule,
-        step: Option<DropoutStep>,
-    ) -> Result<PipelineStep> {
-        let parts = Gathered {
-            fsdp: &self.clone().with_prefetch(false),
-            next: RefCell::new(None),
-        };
-        crate::pipeline::loss_and_grads_with(
-            model,
-            pipe,
-            micro_batches,
-            (schedule, step),
-            self.reshard_after_forward,
-            &parts,
-        )
     }
 
     /// The loss of `model` (this rank's shards, [`shard`](Self::shard)) on `ids`, `targets`
@@ -190,6 +170,7 @@ impl Fsdp {
         let parts = Gathered {
             fsdp: self,
             next: RefCell::new(None),
+            prefetch: self.prefetch,
         };
         if self.reshard_after_forward {
             return loss_and_grads_with(model, ids, targets, step, &parts);

@@ -67,9 +67,9 @@ use burn_tp_comm::{ProcessGroup, RingLinks};
 pub use eval::{forward_logits, forward_loss};
 pub use schedule::{Action, PipelineSchedule, actions, stage_layers, virtual_stage_layers};
 pub use stages::{drop_unused_ends, stage_map};
-pub(crate) use step::loss_and_grads_with;
 pub use step::{
     MicroBatch, PipelineStep, loss_and_grads, loss_and_grads_overlapped, loss_and_grads_recomputed,
+    loss_and_grads_sharded,
 };
 
 use crate::Result;

@@ -18,6 +18,7 @@ use super::stages::virtual_stage_runs;
 use super::transfer::{Side, Transfers};
 use crate::dp::GradReducer;
 use crate::dropout::DropoutStep;
+use crate::fsdp::Fsdp;
 use crate::model::LanguageModel;
 use crate::moe::RouterStats;
 use crate::recompute::{Part, Parts, Whole, merge, seeded_backward};
@@ -110,20 +111,25 @@ pub fn loss_and_grads_overlapped<M: LanguageModel>(
     )
 }
 
-/// [`loss_and_grads`] (`recompute`: [`loss_and_grads_recomputed`]) with each part's parameters
-/// from `parts` ([`crate::fsdp`]: gathered just before the part runs, for each micro-batch).
-/// Collective over the pipeline.
+/// [`loss_and_grads`] of `model`, this rank's [`Fsdp`] shards of its stage: each micro-batch's
+/// parts gathered just before they run (no prefetch: the schedule decides what runs next),
+/// recomputed in the backward (as [`loss_and_grads_recomputed`]) with
+/// [`Fsdp::reshard_after_forward`]. The gradients are the shards', summed over the shard
+/// group, as [`Fsdp::loss_and_grads`]'s ([`Fsdp::finish_grads`] averages them). Collective
+/// over the pipeline and the shard group.
 ///
 /// # Errors
-/// As [`loss_and_grads`].
-pub(crate) fn loss_and_grads_with<M: LanguageModel>(
+/// As [`loss_and_grads`]; a communication error.
+pub fn loss_and_grads_sharded<M: LanguageModel>(
     model: &M,
     pipe: &Pipeline,
     micro_batches: &[MicroBatch],
-    (schedule, step): (PipelineSchedule, Option<DropoutStep>),
-    recompute: bool,
-    parts: &dyn Parts<M>,
+    schedule: PipelineSchedule,
+    step: Option<DropoutStep>,
+    fsdp: &Fsdp,
 ) -> Result<PipelineStep> {
+    let parts = fsdp.parts::<M>(false);
+    let recompute = fsdp.reshard_after_forward();
     let mut out = run_step(
         model,
         pipe,
@@ -132,7 +138,7 @@ pub(crate) fn loss_and_grads_with<M: LanguageModel>(
         step,
         None,
         recompute,
-        parts,
+        &parts,
     )?;
     sum_embedding_grad(model, pipe, &mut out.grads)?;
     Ok(out)
