@@ -61,6 +61,20 @@ pub(crate) trait Parts<M: Clone> {
     fn prefetch(&self, model: &M, part: Part, tracked: bool) -> TpResult<()>;
     /// The model to run `part` with.
     fn part<'m>(&self, model: &'m M, part: Part, tracked: bool) -> TpResult<Cow<'m, M>>;
+
+    /// A part's backward is done, `grads` its gradients: the source takes its own (fsdp's
+    /// gathered leaves', whose reduce-scatters it posts).
+    fn backward_done(&self, grads: &mut Gradients) -> TpResult<()> {
+        let _ = grads;
+        Ok(())
+    }
+
+    /// Whatever the source has in flight, added to `total`: before the next backward (so it
+    /// ran during the part's recompute), and after the last.
+    fn finish(&self, total: &mut GradientsParams) -> TpResult<()> {
+        let _ = total;
+        Ok(())
+    }
 }
 
 /// Every part runs on the model as it is.
@@ -108,6 +122,16 @@ impl<'m, 'p, M: Clone, P: Parts<M>> Sequence<'m, 'p, M, P> {
 
     fn pick(&self, tracked: bool) -> &'m M {
         if tracked { self.model } else { self.inner }
+    }
+
+    /// [`Parts::backward_done`] of the source.
+    pub(crate) fn backward_done(&self, grads: &mut Gradients) -> TpResult<()> {
+        self.parts.backward_done(grads)
+    }
+
+    /// [`Parts::finish`] of the source.
+    pub(crate) fn finish(&self, total: &mut GradientsParams) -> TpResult<()> {
+        self.parts.finish(total)
     }
 
     /// The next part's model, the one after it prefetched.
@@ -166,6 +190,7 @@ pub(crate) fn loss_and_grads_with<M: LanguageModel, P: Parts<M>>(
         loss = loss.clone() + aux.cast(loss.dtype());
     }
     let mut dy = take_grad(&h, &mut grads);
+    parts.backward_done(&mut grads)?;
     merge(&mut total, grads, model);
     for (k, &i) in held.iter().enumerate().rev() {
         let block = parts.next_part()?;
@@ -189,12 +214,18 @@ pub(crate) fn loss_and_grads_with<M: LanguageModel, P: Parts<M>>(
             }
         };
         drop(block);
+        parts.finish(&mut total)?;
         let mut grads = seeded.backward();
         dy = take_grad(&x, &mut grads);
+        parts.backward_done(&mut grads)?;
         merge(&mut total, grads, model);
     }
-    let grads = seeded_backward(parts.next_part()?.embed(ids)?, Tensor::from_inner(dy));
+    let embedded = parts.next_part()?.embed(ids)?;
+    parts.finish(&mut total)?;
+    let mut grads = seeded_backward(embedded, Tensor::from_inner(dy));
+    parts.backward_done(&mut grads)?;
     merge(&mut total, grads, model);
+    parts.finish(&mut total)?;
     Ok((loss.detach(), total))
 }
 

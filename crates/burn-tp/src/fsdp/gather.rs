@@ -6,12 +6,42 @@
 use std::any::Any;
 use std::collections::VecDeque;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{FloatDType, Tensor};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{FloatDType, Gradients, Tensor};
+use burn_tp_comm::ProcessGroup;
 
 use super::Fsdp;
-use crate::ops::{Pending, all_gather_async};
+use crate::ops::{Pending, all_gather_async, reduce_scatter_async};
 use crate::{Result, TpError};
+
+/// A gathered parameter left as a leaf of the graph (its gather untracked), its gradient taken
+/// after the part's backward: the call posts its reduce-scatter (`None`: the part did not use
+/// it) and gives the [`Waiter`] that adds this rank's shard of it to the step's gradients.
+pub(super) type Leaf = Box<dyn FnOnce(&mut Gradients) -> Result<Option<Waiter>>>;
+
+/// A posted reduce-scatter of a gradient: waits, adds this rank's shard to the gradients.
+pub(super) type Waiter = Box<dyn FnOnce(&mut GradientsParams) -> Result<()>>;
+
+/// `leaf`'s [`Leaf`]: its gradient reduce-scattered over `group` into parameter `id`'s.
+fn deferred<const D: usize>(leaf: Tensor<D>, id: ParamId, group: ProcessGroup) -> Leaf {
+    Box::new(move |grads: &mut Gradients| {
+        let Some(g) = leaf.grad_remove(grads) else {
+            return Ok(None);
+        };
+        let pending = reduce_scatter_async(g, 0, &group)?;
+        let waiter: Waiter = Box::new(move |total: &mut GradientsParams| {
+            let shard = pending.wait()?;
+            let sum = match total.remove::<D>(id) {
+                Some(prev) => prev + shard,
+                None => shard,
+            };
+            total.register(id, sum);
+            Ok(())
+        });
+        Ok(Some(waiter))
+    })
+}
 
 /// A part's gathers in flight, in its parameters' visiting order.
 pub(super) struct InFlight {
@@ -20,10 +50,11 @@ pub(super) struct InFlight {
 
 impl Fsdp {
     /// Posts the all-gather of every sharded parameter of `part` (tracked when its parameters
-    /// are).
-    pub(super) fn start<X: Module>(&self, part: &X) -> Result<InFlight> {
+    /// are, but with `detach`).
+    pub(super) fn start<X: Module>(&self, part: &X, detach: bool) -> Result<InFlight> {
         struct Start<'a> {
             fsdp: &'a Fsdp,
+            detach: bool,
             pending: VecDeque<Box<dyn Any + Send>>,
             error: Option<TpError>,
         }
@@ -32,7 +63,11 @@ impl Fsdp {
                 if self.error.is_some() || !self.fsdp.rows.contains_key(&param.id) {
                     return;
                 }
-                match all_gather_async(param.val(), 0, &self.fsdp.shard) {
+                let shard = match self.detach {
+                    true => param.val().detach(),
+                    false => param.val(),
+                };
+                match all_gather_async(shard, 0, &self.fsdp.shard) {
                     Ok(p) => self.pending.push_back(Box::new(p)),
                     Err(e) => self.error = Some(e),
                 }
@@ -40,6 +75,7 @@ impl Fsdp {
         }
         let mut start = Start {
             fsdp: self,
+            detach,
             pending: VecDeque::new(),
             error: None,
         };
@@ -54,10 +90,17 @@ impl Fsdp {
 
     /// `part` with each sharded parameter replaced by its gathered whole (same id), in the
     /// compute dtype: waits for `flight` (from [`start`](Self::start) of the same `part`).
-    pub(super) fn finish<X: Module>(&self, part: X, flight: InFlight) -> Result<X> {
+    /// With `leaves` (a detached start), each whole is a leaf of the graph, pushed there.
+    pub(super) fn finish<X: Module>(
+        &self,
+        part: X,
+        flight: InFlight,
+        leaves: Option<&mut Vec<Leaf>>,
+    ) -> Result<X> {
         struct Finish<'a> {
             fsdp: &'a Fsdp,
             pending: VecDeque<Box<dyn Any + Send>>,
+            leaves: Option<&'a mut Vec<Leaf>>,
             error: Option<TpError>,
         }
         impl ModuleMapper for Finish<'_> {
@@ -76,9 +119,18 @@ impl Fsdp {
                     let _ = pending.wait();
                     return param;
                 }
-                let compute = self.fsdp.compute;
+                let (compute, p_id) = (self.fsdp.compute, param.id);
                 match pending.wait() {
                     Ok(whole) => param.map(|_| {
+                        let whole = match self.leaves.as_mut() {
+                            Some(leaves) => {
+                                let leaf = whole.detach().require_grad();
+                                let group = self.fsdp.shard.clone();
+                                leaves.push(deferred(leaf.clone(), p_id, group));
+                                leaf
+                            }
+                            None => whole,
+                        };
                         let whole = whole.narrow(0, 0, rows);
                         match compute {
                             Some(dtype) if FloatDType::from(whole.dtype()) != dtype => {
@@ -97,6 +149,7 @@ impl Fsdp {
         let mut finish = Finish {
             fsdp: self,
             pending: flight.pending,
+            leaves,
             error: None,
         };
         let part = part.map(&mut finish);

@@ -6,10 +6,10 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 
 use burn::optim::GradientsParams;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Gradients, Int, Tensor};
 
 use super::Fsdp;
-use super::gather::InFlight;
+use super::gather::{InFlight, Leaf, Waiter};
 use crate::Result;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
@@ -30,35 +30,65 @@ struct Gathered<'f, M: LanguageModel> {
     fsdp: &'f Fsdp,
     next: RefCell<Option<Prefetched<M>>>,
     prefetch: bool,
+    /// The tracked parts' gathers untracked, their wholes leaves whose gradients
+    /// [`Parts::backward_done`] reduce-scatters asynchronously (the recomputed step, whose
+    /// parts each have a backward of their own); otherwise the gathers' own backward does.
+    deferred: Option<Deferred>,
+}
+
+/// The asynchronous reduce-scatters: the gathered leaves of the parts since the last backward,
+/// and the reduce-scatters posted after it, waited before the next backward (they travel while
+/// the next part is gathered and recomputed).
+#[derive(Default)]
+struct Deferred {
+    leaves: RefCell<Vec<Leaf>>,
+    posted: RefCell<Vec<Waiter>>,
+}
+
+impl<'f, M: LanguageModel> Gathered<'f, M> {
+    fn new(fsdp: &'f Fsdp, prefetch: bool, deferred: bool) -> Self {
+        Self {
+            fsdp,
+            next: RefCell::new(None),
+            prefetch,
+            deferred: deferred.then(Deferred::default),
+        }
+    }
 }
 
 impl<M: LanguageModel> Gathered<'_, M> {
-    fn start(&self, model: &M, part: Part) -> Result<Started<M>> {
+    fn start(&self, model: &M, part: Part, tracked: bool) -> Result<Started<M>> {
+        let detach = tracked && self.deferred.is_some();
         Ok(match part {
             Part::Ends => {
                 // The blocks set aside (kept as shards): the ends alone are gathered.
                 let mut ends = model.clone();
                 let blocks = std::mem::take(ends.blocks_mut().0);
-                let flight = self.fsdp.start(&ends)?;
+                let flight = self.fsdp.start(&ends, detach)?;
                 Started::Ends(ends, blocks, flight)
             }
             Part::Block(i) => {
                 let block = crate::model::block_at(model, i)?.clone();
-                let flight = self.fsdp.start(&block)?;
+                let flight = self.fsdp.start(&block, detach)?;
                 Started::Block(i, block, flight)
             }
         })
     }
 
-    fn finish(&self, model: &M, started: Started<M>) -> Result<M> {
+    fn finish(&self, model: &M, started: Started<M>, tracked: bool) -> Result<M> {
+        let mut leaves = match (&self.deferred, tracked) {
+            (Some(d), true) => Some(d.leaves.borrow_mut()),
+            _ => None,
+        };
+        let leaves = leaves.as_deref_mut();
         Ok(match started {
             Started::Ends(ends, blocks, flight) => {
-                let mut ends = self.fsdp.finish(ends, flight)?;
+                let mut ends = self.fsdp.finish(ends, flight, leaves)?;
                 *ends.blocks_mut().0 = blocks;
                 ends
             }
             Started::Block(i, block, flight) => {
-                let block = self.fsdp.finish(block, flight)?;
+                let block = self.fsdp.finish(block, flight, leaves)?;
                 let at = model
                     .block_ids()
                     .iter()
@@ -77,10 +107,10 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
         if !self.prefetch {
             return Ok(());
         }
-        let started = self.start(model, part)?;
-        if let Some((_, stale)) = self.next.replace(Some(((part, tracked), started))) {
+        let started = self.start(model, part, tracked)?;
+        if let Some(((_, t), stale)) = self.next.replace(Some(((part, tracked), started))) {
             // Every rank posts the same gathers: finish the stale one so they all complete.
-            self.finish(model, stale)?;
+            self.finish(model, stale, t)?;
         }
         Ok(())
     }
@@ -88,13 +118,32 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
     fn part<'m>(&self, model: &'m M, part: Part, tracked: bool) -> Result<Cow<'m, M>> {
         let started = match self.next.take() {
             Some((key, started)) if key == (part, tracked) => started,
-            Some((_, stale)) => {
-                self.finish(model, stale)?;
-                self.start(model, part)?
+            Some(((_, t), stale)) => {
+                self.finish(model, stale, t)?;
+                self.start(model, part, tracked)?
             }
-            None => self.start(model, part)?,
+            None => self.start(model, part, tracked)?,
         };
-        Ok(Cow::Owned(self.finish(model, started)?))
+        Ok(Cow::Owned(self.finish(model, started, tracked)?))
+    }
+
+    fn backward_done(&self, grads: &mut Gradients) -> Result<()> {
+        let Some(d) = &self.deferred else {
+            return Ok(());
+        };
+        // Every rank posts them in the same order: its gathers'.
+        let mut posted = d.posted.borrow_mut();
+        for leaf in d.leaves.borrow_mut().drain(..) {
+            posted.extend(leaf(grads)?);
+        }
+        Ok(())
+    }
+
+    fn finish(&self, total: &mut GradientsParams) -> Result<()> {
+        let Some(d) = &self.deferred else {
+            return Ok(());
+        };
+        d.posted.take().into_iter().try_for_each(|w| w(total))
     }
 }
 
@@ -103,11 +152,7 @@ impl Fsdp {
     /// gathers posted before the asked one is returned): what a pipeline stage's step
     /// ([`crate::pipeline::loss_and_grads_sharded`]) runs its parts with.
     pub(crate) fn parts<M: LanguageModel>(&self, prefetch: bool) -> impl Parts<M> + '_ {
-        Gathered {
-            fsdp: self,
-            next: RefCell::new(None),
-            prefetch,
-        }
+        Gathered::new(self, prefetch, false)
     }
 
     /// The loss of `model` (this rank's shards) on `ids`, `targets` (`[seq, batch]`, off
@@ -128,11 +173,7 @@ impl Fsdp {
         let held = inner.held_layers();
         let mut order = vec![(Part::Ends, false)];
         order.extend(held.iter().map(|&i| (Part::Block(i), false)));
-        let parts = Gathered {
-            fsdp: self,
-            next: RefCell::new(None),
-            prefetch: self.prefetch,
-        };
+        let parts = Gathered::new(self, self.prefetch, false);
         let mut seq = Sequence::new(&inner, &inner, &parts, order)?;
         let ends = seq.next_part()?;
         let (loss, routers) = crate::moe::record(|| -> Result<Tensor<1>> {
@@ -167,11 +208,7 @@ impl Fsdp {
         targets: Tensor<2, Int>,
         step: Option<DropoutStep>,
     ) -> Result<(Tensor<1>, GradientsParams)> {
-        let parts = Gathered {
-            fsdp: self,
-            next: RefCell::new(None),
-            prefetch: self.prefetch,
-        };
+        let parts = Gathered::new(self, self.prefetch, self.reshard_after_forward);
         if self.reshard_after_forward {
             return loss_and_grads_with(model, ids, targets, step, &parts);
         }
