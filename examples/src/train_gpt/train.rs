@@ -28,6 +28,7 @@ use crate::eval::{
 };
 
 mod saving;
+mod sharded;
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -345,41 +346,6 @@ impl<M: Trainable> Rank<'_, M> {
         Ok((model, first_step, optim))
     }
 
-    /// `--fsdp`: this rank's shards of the whole `model` and of its AdamW state (resumed, or
-    /// fresh), and the optimizer stepping them.
-    fn start_sharded(
-        &self,
-        model: M,
-        adamw: burn::optim::ModuleOptimizer,
-        (shard, replicas): (&ProcessGroup, &ProcessGroup),
-        first_step: usize,
-    ) -> BoxResult<(M, usize, DpOptimizer)> {
-        let args = self.args;
-        let fsdp = Fsdp::new(&model, shard)
-            .with_replicas(replicas)
-            .with_reshard_after_forward(args.reshard_after_forward)
-            .with_compute_dtype(args.dtype.dtype());
-        let sharded = fsdp.shard(model.clone());
-        let adamw = match &args.resume {
-            Some(_) => {
-                let moved = move_optimizer_state(&adamw, &model, &sharded, |m| Ok(fsdp.shard(m)))?;
-                AdamWConfig::new().init().load_record(moved)
-            }
-            None => adamw,
-        };
-        let optim = DpOptimizer::new(adamw)
-            .with_replicated(burn_tp::norm::ReplicatedGrads::new(&self.tp_group))
-            .with_fsdp(fsdp.clone());
-        let optim = match args.clip_grad {
-            Some(max) => {
-                optim.with_clip(GradClip::new(&model, &self.tp_group, max).with_fsdp(fsdp.clone()))
-            }
-            None => optim,
-        };
-        self.fsdp.set(fsdp).expect("the model is built once");
-        Ok((sharded, first_step, optim))
-    }
-
     /// The model the forward and backward run: the master weights, or a bf16 copy of them.
     /// The model the forward runs for evaluation and sampling, in the run's dtype (with
     /// `--fsdp`, gathered whole: collective over the shard group).
@@ -566,30 +532,6 @@ impl<M: Trainable> Rank<'_, M> {
             None => GradientsParams::from_grads(loss.backward(), &working),
         };
         let model = optim.step(args.lr, model, &working, grads, &self.dp_group)?;
-        Ok((model, value))
-    }
-
-    /// A step on `fsdp`'s shards: each part gathered (in the run's dtype) just before it
-    /// runs, the gradients reduce-scattered by the backward, AdamW on the shards.
-    fn sharded_step(
-        &self,
-        fsdp: &Fsdp,
-        model: M,
-        (ids, targets): (Tensor<2, Int>, Tensor<2, Int>),
-        dropout: DropoutStep,
-        optim: &mut DpOptimizer,
-    ) -> BoxResult<(M, f64)> {
-        let run = || fsdp.loss_and_grads(&model, ids, targets, Some(dropout));
-        let (loss, grads) = match optim.replicated() {
-            Some(r) => r.scope(run)?,
-            None => run()?,
-        };
-        let mean = all_reduce(loss, ReduceOp::Avg, &self.dp_group)?;
-        let value = mean.into_scalar::<f32>() as f64;
-        if !value.is_finite() && !self.args.keep_going {
-            return Ok((model, value));
-        }
-        let model = optim.step(self.args.lr, model.clone(), &model, grads, &self.dp_group)?;
         Ok((model, value))
     }
 

@@ -4,10 +4,10 @@
 use burn::tensor::{DType, Int, Tensor};
 
 use super::Pipeline;
+use super::batches::MicroBatch;
 use super::routers;
 use super::schedule::{Action, PipelineSchedule, actions};
 use super::stages::virtual_stage_runs;
-use super::step::MicroBatch;
 use super::transfer::{Side, Transfers};
 use crate::model::LanguageModel;
 use crate::{Result, TpError};

@@ -54,6 +54,7 @@
 //! | `step.rs`     | one training step: the loop over [`actions`] and each action's step function |
 //! | `eval.rs`     | [`forward_loss`], [`forward_logits`]: evaluation and generation          |
 
+mod batches;
 mod eval;
 mod routers;
 mod schedule;
@@ -64,11 +65,12 @@ mod transfer;
 use burn::module::ParamId;
 use burn_tp_comm::{ProcessGroup, RingLinks};
 
+pub use batches::MicroBatch;
 pub use eval::{forward_logits, forward_loss};
 pub use schedule::{Action, PipelineSchedule, actions, stage_layers, virtual_stage_layers};
 pub use stages::{drop_unused_ends, stage_map};
 pub use step::{
-    MicroBatch, PipelineStep, loss_and_grads, loss_and_grads_overlapped, loss_and_grads_recomputed,
+    PipelineStep, loss_and_grads, loss_and_grads_overlapped, loss_and_grads_recomputed,
     loss_and_grads_sharded,
 };
 

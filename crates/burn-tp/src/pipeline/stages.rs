@@ -2,8 +2,11 @@
 //! does not use dropped ([`drop_unused_ends`]), its held blocks cut into virtual stages.
 
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::Tensor;
+use burn::optim::GradientsParams;
+use burn::tensor::{Tensor, TensorData};
+use burn_tp_comm::ReduceOp;
 
+use super::Pipeline;
 use crate::model::LanguageModel;
 use crate::{Result, TpError};
 
@@ -166,4 +169,35 @@ fn held_block_params<M: LanguageModel>(model: &M) -> Vec<usize> {
         .iter()
         .map(crate::model::count_params)
         .collect()
+}
+
+/// The embedding's gradient summed over the first and last stages (zeros where a stage has
+/// none), so both copies of the table take the same update.
+pub(super) fn sum_embedding_grad<M: LanguageModel>(
+    model: &M,
+    pipe: &Pipeline,
+    total: &mut GradientsParams,
+) -> Result<()> {
+    let Some(ends) = &pipe.ends else {
+        return Ok(());
+    };
+    // Untied, the last stage does not use the table.
+    if !model.tied_head() {
+        return Ok(());
+    }
+    let weight: &Param<Tensor<2>> = model.embedding_weight();
+    let w = weight.val();
+    let (dims, device) = (w.dims(), w.device());
+    let g = total
+        .remove::<2>(weight.id)
+        .unwrap_or_else(|| Tensor::<2>::zeros(dims, &device).inner());
+    let values: Vec<f32> = g
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| TpError::Config(format!("pipeline: reading a gradient: {e:?}")))?;
+    let summed = ends.all_reduce(values, ReduceOp::Sum)?;
+    let g = Tensor::<2>::from_data(TensorData::new(summed, dims), &device);
+    total.register(weight.id, g.inner());
+    Ok(())
 }

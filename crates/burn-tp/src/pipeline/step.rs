@@ -6,15 +6,14 @@
 
 use std::time::Instant;
 
-use burn::module::Param;
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_tp_comm::ReduceOp;
+use burn::tensor::{Device, Tensor};
 
 use super::Pipeline;
+use super::batches::{MicroBatch, check_micro_batches};
 use super::routers;
 use super::schedule::{Action, PipelineSchedule, actions};
-use super::stages::virtual_stage_runs;
+use super::stages::{sum_embedding_grad, virtual_stage_runs};
 use super::transfer::{Side, Transfers};
 use crate::dp::GradReducer;
 use crate::dropout::DropoutStep;
@@ -23,9 +22,6 @@ use crate::model::LanguageModel;
 use crate::moe::RouterStats;
 use crate::recompute::{Part, Parts, Whole, merge, seeded_backward};
 use crate::{Result, TpError};
-
-/// One micro-batch's ids and targets, `[seq, batch]` each.
-pub type MicroBatch = (Tensor<2, Int>, Tensor<2, Int>);
 
 /// What one step of a stage gives.
 #[derive(Debug)]
@@ -238,41 +234,6 @@ fn run_step<M: LanguageModel>(
         idle_s: idle.as_secs_f64(),
         step_s: started.elapsed().as_secs_f64(),
     })
-}
-
-/// Checks the micro-batches: at least one, all of one shape, and the same on every stage
-/// (one small all-gather, so a mismatch is an error naming every stage's, not a transfer that
-/// never comes). Returns their `[seq, batch]`.
-fn check_micro_batches(pipe: &Pipeline, micro_batches: &[MicroBatch]) -> Result<[usize; 2]> {
-    let m = micro_batches.len();
-    let Some(first) = micro_batches.first() else {
-        return Err(TpError::Config("pipeline: no micro-batch".into()));
-    };
-    let dims = first.0.dims();
-    if let Some(i) = micro_batches
-        .iter()
-        .position(|(ids, t)| ids.dims() != dims || t.dims() != dims)
-    {
-        return Err(TpError::Config(format!(
-            "pipeline: micro-batch {i} is {:?} / {:?}, micro-batch 0 {dims:?}",
-            micro_batches[i].0.dims(),
-            micro_batches[i].1.dims()
-        )));
-    }
-    let mine = [m as i64, dims[0] as i64, dims[1] as i64];
-    let all = pipe.group.all_gather(mine.to_vec())?;
-    if all.chunks(3).any(|c| c != mine) {
-        let each: Vec<String> = all
-            .chunks(3)
-            .enumerate()
-            .map(|(s, c)| format!("stage {s}: {} of [{}, {}]", c[0], c[1], c[2]))
-            .collect();
-        return Err(TpError::Config(format!(
-            "pipeline: the stages' micro-batches differ ({})",
-            each.join("; ")
-        )));
-    }
-    Ok(dims)
 }
 
 /// One stage's step in progress: what each (virtual stage, micro-batch) keeps from its forward to its
@@ -588,35 +549,4 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         }
         Ok(())
     }
-}
-
-/// The embedding's gradient summed over the first and last stages (zeros where a stage has
-/// none), so both copies of the table take the same update.
-fn sum_embedding_grad<M: LanguageModel>(
-    model: &M,
-    pipe: &Pipeline,
-    total: &mut GradientsParams,
-) -> Result<()> {
-    let Some(ends) = &pipe.ends else {
-        return Ok(());
-    };
-    // Untied, the last stage does not use the table.
-    if !model.tied_head() {
-        return Ok(());
-    }
-    let weight: &Param<Tensor<2>> = model.embedding_weight();
-    let w = weight.val();
-    let (dims, device) = (w.dims(), w.device());
-    let g = total
-        .remove::<2>(weight.id)
-        .unwrap_or_else(|| Tensor::<2>::zeros(dims, &device).inner());
-    let values: Vec<f32> = g
-        .into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| TpError::Config(format!("pipeline: reading a gradient: {e:?}")))?;
-    let summed = ends.all_reduce(values, ReduceOp::Sum)?;
-    let g = Tensor::<2>::from_data(TensorData::new(summed, dims), &device);
-    total.register(weight.id, g.inner());
-    Ok(())
 }
