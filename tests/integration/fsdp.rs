@@ -63,19 +63,27 @@ fn as_grads<M: Module>(model: M, grads: &GradientsParams) -> M {
     model.map(&mut ToGrads(grads))
 }
 
+/// `M` of `config` on this rank of `mesh`, with dp rank 0's weights on every replica (the Flex
+/// RNG is one for every rank thread: the first replica draws alone, the others after it, then
+/// take its weights).
+fn replicated<M: LanguageModel>(config: &M::Config, mesh: &DeviceMesh) -> M {
+    let dp = mesh.dp_group();
+    if dp.rank() > 0 {
+        dp.barrier().unwrap();
+    }
+    let model = M::init(config, mesh.tp_group(), &device()).unwrap();
+    if dp.rank() == 0 && dp.world_size() > 1 {
+        dp.barrier().unwrap();
+    }
+    broadcast_parameters(model, dp).unwrap()
+}
+
 fn run<M: LanguageModel>(config: M::Config, l: Layout, cut: usize) -> Vec<Out> {
     device().seed(3);
     run_local(l.tp * l.dp, move |world| {
         let mesh = DeviceMesh::new(world, l.tp).unwrap();
         let dp = mesh.dp_group().clone();
-        if dp.rank() > 0 {
-            dp.barrier().unwrap();
-        }
-        let model = M::init(&config, mesh.tp_group(), &device()).unwrap();
-        if dp.rank() == 0 && dp.world_size() > 1 {
-            dp.barrier().unwrap();
-        }
-        let mut model = broadcast_parameters(model, &dp).unwrap();
+        let mut model = replicated::<M>(&config, &mesh);
         let (shard, replicas) = mesh.fsdp_groups(l.shard.max(1)).unwrap();
         // The sharding the plain run's gradients are cut by, for the comparison.
         let (cut_group, _) = mesh.fsdp_groups(cut).unwrap();
@@ -381,14 +389,10 @@ fn a_rank_holds_its_share_of_the_parameters_and_the_optimizer_state() {
     for n in [1, 2, 4] {
         let config = config.clone();
         device().seed(5);
-        let bytes = run_local(n, move |dp| {
-            if dp.rank() > 0 {
-                dp.barrier().unwrap();
-            }
-            let model = Llama::init(&config, &solo(), &device()).unwrap();
-            if dp.rank() == 0 && dp.world_size() > 1 {
-                dp.barrier().unwrap();
-            }
+        let bytes = run_local(n, move |world| {
+            let mesh = DeviceMesh::new(world, 1).unwrap();
+            let dp = mesh.dp_group().clone();
+            let model = replicated::<Llama>(&config, &mesh);
             let whole = Fsdp::param_bytes(&model);
             let fsdp = Fsdp::new(&model, &dp);
             let mut model = fsdp.shard(model);
@@ -539,14 +543,7 @@ fn the_clipped_global_norm_is_the_unsplit_models_at_every_layout() {
         let norms = run_local(tp * dp, move |world| {
             let mesh = DeviceMesh::new(world, tp).unwrap();
             let dp_group = mesh.dp_group().clone();
-            if dp_group.rank() > 0 {
-                dp_group.barrier().unwrap();
-            }
-            let model = Llama::init(&config, mesh.tp_group(), &device()).unwrap();
-            if dp_group.rank() == 0 && dp_group.world_size() > 1 {
-                dp_group.barrier().unwrap();
-            }
-            let model = broadcast_parameters(model, &dp_group).unwrap();
+            let model = replicated::<Llama>(&config, &mesh);
             // Every dp rank the same batch: the average is the one rank's gradient.
             let ids = Tensor::<2, Int>::from_data(
                 TensorData::new(token_ids(SEQ * B, V, 7, 3), [SEQ, B]),

@@ -170,24 +170,8 @@ impl Fsdp {
         step: Option<DropoutStep>,
     ) -> Result<Tensor<1>> {
         let inner = model.valid();
-        let held = inner.held_layers();
-        let mut order = vec![(Part::Ends, false)];
-        order.extend(held.iter().map(|&i| (Part::Block(i), false)));
         let parts = Gathered::new(self, self.prefetch, false);
-        let mut seq = Sequence::new(&inner, &inner, &parts, order)?;
-        let ends = seq.next_part()?;
-        let (loss, routers) = crate::moe::record(|| -> Result<Tensor<1>> {
-            let mut x = ends.embed(ids)?;
-            for &i in &held {
-                x = seq.next_part()?.layer(i, x, step)?;
-            }
-            ends.head_loss(x, targets)
-        });
-        let loss = loss?;
-        Ok(match inner.router_loss(&routers) {
-            Some(aux) => loss.clone() + aux.cast(loss.dtype()),
-            None => loss,
-        })
+        forward_loss(&inner, &inner, &parts, false, (ids, targets, step))
     }
 
     /// The loss of `model` (this rank's shards, [`shard`](Self::shard)) on `ids`, `targets`
@@ -212,26 +196,38 @@ impl Fsdp {
         if self.reshard_after_forward {
             return loss_and_grads_with(model, ids, targets, step, &parts);
         }
-        let held = model.held_layers();
-        let mut order = vec![(Part::Ends, true)];
-        order.extend(held.iter().map(|&i| (Part::Block(i), true)));
         let inner = model.valid();
-        let mut seq = Sequence::new(model, &inner, &parts, order)?;
-        let ends = seq.next_part()?;
-        let (loss, routers) = crate::moe::record(|| -> Result<Tensor<1>> {
-            let mut x = ends.embed(ids)?;
-            for &i in &held {
-                x = seq.next_part()?.layer(i, x, step)?;
-            }
-            ends.head_loss(x, targets)
-        });
-        let loss = loss?;
-        let loss = match model.router_loss(&routers) {
-            Some(aux) => loss.clone() + aux.cast(loss.dtype()),
-            None => loss,
-        };
-        drop((ends, seq));
+        let loss = forward_loss(model, &inner, &parts, true, (ids, targets, step))?;
         let grads = GradientsParams::from_grads(loss.backward(), model);
         Ok((loss.detach(), grads))
     }
+}
+
+/// The loss of one forward of `model` (tracked; else of `inner`, its `valid()` copy) by parts,
+/// each from `parts` (the next one's gathers in flight while one runs), the ends held
+/// throughout; with the routers' loss of a MoE model.
+fn forward_loss<M: LanguageModel>(
+    model: &M,
+    inner: &M,
+    parts: &Gathered<'_, M>,
+    tracked: bool,
+    (ids, targets, step): (Tensor<2, Int>, Tensor<2, Int>, Option<DropoutStep>),
+) -> Result<Tensor<1>> {
+    let held = model.held_layers();
+    let mut order = vec![(Part::Ends, tracked)];
+    order.extend(held.iter().map(|&i| (Part::Block(i), tracked)));
+    let mut seq = Sequence::new(model, inner, parts, order)?;
+    let ends = seq.next_part()?;
+    let (loss, routers) = crate::moe::record(|| -> Result<Tensor<1>> {
+        let mut x = ends.embed(ids)?;
+        for &i in &held {
+            x = seq.next_part()?.layer(i, x, step)?;
+        }
+        ends.head_loss(x, targets)
+    });
+    let loss = loss?;
+    Ok(match model.router_loss(&routers) {
+        Some(aux) => loss.clone() + aux.cast(loss.dtype()),
+        None => loss,
+    })
 }
