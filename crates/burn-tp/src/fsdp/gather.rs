@@ -1,7 +1,9 @@
 //! The gathers: each parameter's dim-0 shards all-gathered over the shard group (one collective
 //! per parameter, all of a part's posted before the first is waited on), the padding cut off.
 //! The all-gather's backward is the reduce-scatter, so a tracked gather brings each rank its
-//! shard's gradient summed over the group as soon as the parameter's gradient is complete.
+//! shard's gradient summed over the group as soon as the parameter's gradient is complete; a
+//! detached gather instead leaves each whole as a leaf ([`Leaf`]), whose reduce-scatter the
+//! step posts after the part's backward and waits for later ([`Waiter`]).
 
 use std::any::Any;
 use std::collections::VecDeque;
