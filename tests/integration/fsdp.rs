@@ -395,6 +395,20 @@ fn a_rank_holds_its_share_of_the_parameters_and_the_optimizer_state() {
             let model = replicated::<Llama>(&config, &mesh);
             let whole = Fsdp::param_bytes(&model);
             let fsdp = Fsdp::new(&model, &dp);
+            if n > 1 {
+                // The whole model, not cut: an error naming the rows, before any gather.
+                let ids = Tensor::<2, Int>::from_data(
+                    TensorData::new(token_ids(SEQ * B, V, 7, 0), [SEQ, B]),
+                    &device(),
+                );
+                let err = fsdp
+                    .loss_and_grads(&model, ids.clone(), ids, None)
+                    .unwrap_err();
+                assert!(
+                    err.to_string().contains("shard the model with Fsdp::shard"),
+                    "{err}"
+                );
+            }
             let mut model = fsdp.shard(model);
             let mut optim = AdamWConfig::new().init();
             let ids = Tensor::<2, Int>::from_data(

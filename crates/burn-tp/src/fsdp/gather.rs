@@ -62,7 +62,21 @@ impl Fsdp {
         }
         impl ModuleVisitor for Start<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if self.error.is_some() || !self.fsdp.rows.contains_key(&param.id) {
+                let Some(&rows) = self.fsdp.rows.get(&param.id) else {
+                    return;
+                };
+                if self.error.is_some() {
+                    return;
+                }
+                // A whole parameter (the model not cut by `Fsdp::shard`) would gather silently
+                // into the wrong rows: refuse it, naming the sizes.
+                let (n, got) = (self.fsdp.shard.world_size(), param.val().dims()[0]);
+                if got != rows.div_ceil(n) {
+                    self.error = Some(TpError::Config(format!(
+                        "fsdp: a parameter has {got} rows where this rank's shard of its {rows} \
+                         rows over {n} ranks has {}: shard the model with Fsdp::shard first",
+                        rows.div_ceil(n)
+                    )));
                     return;
                 }
                 let shard = match self.detach {
