@@ -10,11 +10,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::Result;
 use crate::error::file_error;
+use super::Sharding;
 use crate::reshard::ParamLayout;
 
 /// The index's file name.
 pub const INDEX: &str = "index.json";
 pub(super) const FORMAT: &str = "burn-tp-sharded/1";
+/// The format of a checkpoint with a slice of some rows of dim 0 ([`StoredPiece::rows`]: a
+/// fully sharded run's); a reader of [`FORMAT`] alone would misread it.
+pub(super) const FORMAT_ROWS: &str = "burn-tp-sharded/2";
 
 /// What a checkpoint records about the run that saved it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -84,13 +88,16 @@ fn one() -> usize {
 }
 
 /// One stored slice of a tensor: rows `offset..offset + (end - start)` (along the stored tensor's
-/// first dimension) of `name` in `file` hold indices `start..end` of the full tensor's `dim`.
+/// first dimension) of `name` in `file` hold indices `start..end` of the full tensor's `dim`,
+/// and of dim 0 (where it is not `dim`) the indices `rows` (all of them where `None`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(super) struct StoredPiece {
     pub(super) file: String,
     pub(super) start: usize,
     pub(super) end: usize,
     pub(super) offset: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) rows: Option<[usize; 2]>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -172,24 +179,35 @@ impl safetensors::View for &Stored {
     }
 }
 
-/// The float parameters of a module with `dim` of each moved first, in visiting order; with
-/// `trainable_only`, `None` for a frozen one (not even read: a quantized base stays packed).
+/// The float parameters of a module with `dim` of each moved first, in visiting order (a fully
+/// sharded one's held rows alone, its padding cut off); with `trainable_only`, `None` for a
+/// frozen one (not even read: a quantized base stays packed).
 pub(super) fn dim_first_values<M: Module>(
     module: &M,
-    layouts: &[ParamLayout],
+    sharding: &Sharding,
     trainable_only: bool,
 ) -> Vec<Option<TensorData>> {
-    struct Collect<'a>(Vec<Option<TensorData>>, &'a [ParamLayout], bool);
+    struct Collect<'a>(Vec<Option<TensorData>>, &'a Sharding, bool);
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let dim = self.1.get(self.0.len()).map_or(0, |l| l.dim);
+            let k = self.0.len();
+            let dim = self.1.layouts.get(k).map_or(0, |l| l.dim);
             let t = param.val();
-            let skip = self.2 && !t.is_require_grad();
+            let mut skip = self.2 && !t.is_require_grad();
+            let t = match self.1.rows.get(k) {
+                // A rank past the rows (at fsdp above them) holds padding alone.
+                Some(Some(rows)) if rows.held.is_empty() => {
+                    skip = true;
+                    t
+                }
+                Some(Some(rows)) => t.narrow(0, 0, rows.held.len()),
+                _ => t,
+            };
             self.0
                 .push((!skip).then(|| t.swap_dims(0, dim).into_data()));
         }
     }
-    let mut c = Collect(Vec::new(), layouts, trainable_only);
+    let mut c = Collect(Vec::new(), sharding, trainable_only);
     module.visit(&mut c);
     c.0
 }

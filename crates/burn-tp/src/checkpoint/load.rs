@@ -11,7 +11,8 @@ use burn_tp_comm::ProcessGroup;
 use serde::Serialize;
 
 use super::format::*;
-use super::{CheckpointInfo, INDEX, StageMap, file_error};
+use super::sharding::Region;
+use super::{CheckpointInfo, INDEX, Sharding, StageMap, file_error};
 use crate::Result;
 use crate::reshard::{IndexedState, ParamLayout, Reshard};
 
@@ -54,58 +55,98 @@ impl Files {
     }
 }
 
-/// This rank's tensor `name` for `layout` (its dim first, `local_rows` x `row_elems` of `dtype`),
-/// assembled from the stored slices that overlap its pieces; rows of no piece (padding) are
-/// zero.
+/// This rank's tensor `name` (`out_shape`: its cut dimension first, of `dtype`) holding
+/// `region` of the whole, assembled from the stored slices that overlap it; what no slice
+/// covers (padding) is zero.
+///
+/// Along each of the tensor's rows (one index of the cut dimension), dim 0 (where it is not
+/// the cut) sits at position `dim`: `outer` blocks of a window of dim-0 rows of `inner`
+/// elements each, the window all rows or those a fully sharded rank holds.
 fn assemble(
     files: &mut Files,
     entry: &TensorEntry,
     name: &str,
-    layout: &ParamLayout,
-    local_shape_dim_first: &[usize],
+    region: &Region,
+    out_shape: &[usize],
     dtype: DType,
 ) -> Result<TensorData> {
     let elem = dtype.size();
-    let row_elems: usize = local_shape_dim_first[1..].iter().product();
-    let row_bytes = row_elems * elem;
-    let mut out = vec![0u8; local_shape_dim_first[0] * row_bytes];
-    for piece in &layout.pieces {
+    let dim = entry.dim;
+    let whole_rows = entry.shape.first().copied().unwrap_or(1);
+    // With dim 0 cut, a row is one block.
+    let (outer, inner, out_extent, out_window): (usize, usize, usize, _) = match dim {
+        0 => (1, out_shape[1..].iter().product(), 1, 0..1),
+        _ => (
+            out_shape[1..dim].iter().product(),
+            out_shape[dim + 1..].iter().product(),
+            out_shape[dim],
+            region.rows.clone().unwrap_or(0..whole_rows),
+        ),
+    };
+    let out_row = outer * out_extent * inner;
+    let mut out = vec![0u8; out_shape[0] * out_row * elem];
+    for want in &region.slices {
         let mut covered = 0;
         for s in &entry.pieces {
-            let (a, b) = (piece.global.start.max(s.start), piece.global.end.min(s.end));
+            let (a, b) = (want.global.start.max(s.start), want.global.end.min(s.end));
             if a >= b {
+                continue;
+            }
+            let window = match (dim, s.rows) {
+                (0, _) => 0..1,
+                (_, Some([r0, r1])) => r0..r1,
+                (_, None) => 0..whole_rows,
+            };
+            let (ra, rb) = (
+                out_window.start.max(window.start),
+                out_window.end.min(window.end),
+            );
+            if ra >= rb {
                 continue;
             }
             let src = s.offset + (a - s.start)..s.offset + (b - s.start);
             let bytes = files.rows(&s.file, name, src)?;
-            if bytes.len() != (b - a) * row_bytes {
+            let row = outer * window.len() * inner * elem;
+            if bytes.len() != (b - a) * row {
                 return Err(file_error(
                     &files.dir.join(&s.file),
                     format!(
-                        "{name}: a row of {} bytes, the model needs {row_bytes}",
+                        "{name}: a row of {} bytes, the model needs {row}",
                         bytes.len() / (b - a)
                     ),
                 ));
             }
-            let dst = piece.local.start + (a - piece.global.start);
-            out[dst * row_bytes..(dst + b - a) * row_bytes].copy_from_slice(&bytes);
-            covered += b - a;
+            let first = want.at + (a - want.global.start);
+            let (n, from, to) = ((rb - ra) * inner * elem, ra - window.start, ra - out_window.start);
+            if window == out_window && out_window.len() == out_extent {
+                // The same rows on both sides: one copy.
+                out[first * row..(first + b - a) * row].copy_from_slice(&bytes);
+            } else {
+                for i in 0..b - a {
+                    for o in 0..outer {
+                        let src = i * row + (o * window.len() + from) * inner * elem;
+                        let dst = ((first + i) * out_row + (o * out_extent + to) * inner) * elem;
+                        out[dst..dst + n].copy_from_slice(&bytes[src..src + n]);
+                    }
+                }
+            }
+            covered += (b - a) * (rb - ra);
         }
-        if covered != piece.global.len() {
+        if covered != want.global.len() * out_window.len() {
+            let rows = match &region.rows {
+                Some(r) => format!(" (rows {r:?} of dim 0)"),
+                None => String::new(),
+            };
             return Err(file_error(
                 &files.dir,
                 format!(
-                    "{name}: indices {:?} of dim {} are in no shard",
-                    piece.global, layout.dim
+                    "{name}: indices {:?} of dim {dim}{rows} are in no shard",
+                    want.global
                 ),
             ));
         }
     }
-    Ok(TensorData::from_bytes_vec(
-        out,
-        local_shape_dim_first.to_vec(),
-        dtype,
-    ))
+    Ok(TensorData::from_bytes_vec(out, out_shape.to_vec(), dtype))
 }
 
 /// The local shapes and dtypes of a module's float parameters, in visiting order.
@@ -122,18 +163,17 @@ pub(crate) fn param_shapes<M: Module>(module: &M) -> Vec<(Vec<usize>, DType)> {
     c.0
 }
 
-/// A checkpoint's index, with this rank's layouts and the model's local shapes and dtypes.
-type Opened = (Index, Vec<ParamLayout>, Vec<(Vec<usize>, DType)>);
+/// A checkpoint's index, with the model's local shapes and dtypes.
+type Opened = (Index, Vec<(Vec<usize>, DType)>);
 
-/// Reads and checks the index of the checkpoint in `dir` against `model`'s layout (at tp rank
-/// `tp_rank`; its parameters the whole model's `map`).
-fn open_index<M: Module + Reshard>(
+/// Reads and checks the index of the checkpoint in `dir` against `model`'s `sharding`.
+fn open_index<M: Module>(
     model: &M,
     dir: &Path,
     config: Option<&serde_json::Value>,
-    tp_rank: usize,
-    map: &StageMap,
+    sharding: &Sharding,
 ) -> Result<Opened> {
+    let map = &sharding.map;
     let index_path = dir.join(INDEX);
     if !index_path.exists() {
         return Err(file_error(
@@ -142,10 +182,13 @@ fn open_index<M: Module + Reshard>(
         ));
     }
     let index: Index = read_json(&index_path)?;
-    if index.format != FORMAT {
+    if index.format != FORMAT && index.format != FORMAT_ROWS {
         return Err(file_error(
             &index_path,
-            format!("format {:?}, not {FORMAT:?}", index.format),
+            format!(
+                "format {:?}, not {FORMAT:?} or {FORMAT_ROWS:?}",
+                index.format
+            ),
         ));
     }
     if let Some(want) = config
@@ -159,8 +202,9 @@ fn open_index<M: Module + Reshard>(
             ),
         ));
     }
-    let layouts = model.layout(tp_rank);
-    if index.params != map.total || map.global.len() != layouts.len() {
+    let shapes = param_shapes(model);
+    let lengths = [map.global.len(), sharding.layouts.len(), sharding.rows.len()];
+    if index.params != map.total || lengths.iter().any(|&n| n != shapes.len()) {
         return Err(file_error(
             &index_path,
             format!(
@@ -169,7 +213,7 @@ fn open_index<M: Module + Reshard>(
             ),
         ));
     }
-    Ok((index, layouts, param_shapes(model)))
+    Ok((index, shapes))
 }
 
 /// The index's entry `name`, checked against this rank's layout and dtype.
@@ -242,8 +286,25 @@ pub fn load_stage<M: Module + Reshard>(
     tp_rank: usize,
     map: &StageMap,
 ) -> Result<(M, CheckpointInfo)> {
+    let sharding = Sharding::of(&model, tp_rank, map.clone());
+    load_sharded(model, dir, config, &sharding)
+}
+
+/// [`load`] into a model whose tensors lie in the whole as `sharding` says (a fully sharded
+/// one's rows: [`crate::fsdp::Fsdp::sharding`]), from a checkpoint saved at any layout, with
+/// or without fsdp. Local: no communication.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_sharded<M: Module>(
+    model: M,
+    dir: &Path,
+    config: Option<&impl Serialize>,
+    sharding: &Sharding,
+) -> Result<(M, CheckpointInfo)> {
     let config = config.map(model_json);
-    let (index, layouts, shapes) = open_index(&model, dir, config.as_ref(), tp_rank, map)?;
+    let (index, shapes) = open_index(&model, dir, config.as_ref(), sharding)?;
+    let (map, layouts) = (&sharding.map, &sharding.layouts);
     let index_path = dir.join(INDEX);
     let mut files = Files {
         dir: dir.to_path_buf(),
@@ -264,16 +325,17 @@ pub fn load_stage<M: Module + Reshard>(
         let entry = entry_for(&index, &index_path, &name, layout, *dtype)?;
         let mut dim_first_shape = shape.clone();
         dim_first_shape.swap(0, layout.dim);
+        let region = sharding.region(k);
         values.push(Some(assemble(
             &mut files,
             &entry,
             &name,
-            layout,
+            &region,
             &dim_first_shape,
             *dtype,
         )?));
     }
-    Ok((with_dim_first_values(model, values, &layouts), index.info))
+    Ok((with_dim_first_values(model, values, layouts), index.info))
 }
 
 /// `optim` with the state the checkpoint in `dir` saved (see [`save`](super::save)), resharded for
@@ -302,7 +364,23 @@ pub fn load_optimizer_stage<M: Module + Reshard>(
     tp_rank: usize,
     map: &StageMap,
 ) -> Result<ModuleOptimizer> {
-    let (index, layouts, shapes) = open_index(model, dir, None, tp_rank, map)?;
+    let sharding = Sharding::of(model, tp_rank, map.clone());
+    load_optimizer_sharded(optim, model, dir, &sharding)
+}
+
+/// [`load_optimizer`] for a model whose tensors lie in the whole as `sharding` says (see
+/// [`load_sharded`]).
+///
+/// # Errors
+/// As [`load`].
+pub fn load_optimizer_sharded<M: Module>(
+    optim: ModuleOptimizer,
+    model: &M,
+    dir: &Path,
+    sharding: &Sharding,
+) -> Result<ModuleOptimizer> {
+    let (index, shapes) = open_index(model, dir, None, sharding)?;
+    let (map, layouts) = (&sharding.map, &sharding.layouts);
     // The whole model's index -> this model's.
     let local: BTreeMap<usize, usize> = map
         .global
@@ -344,7 +422,8 @@ pub fn load_optimizer_stage<M: Module + Reshard>(
         let entry = entry_for(&index, &index_path, name, layout, dtype)?;
         let mut dim_first_shape = shape.clone();
         dim_first_shape.swap(0, layout.dim);
-        let data = assemble(&mut files, &entry, name, layout, &dim_first_shape, dtype)?;
+        let region = sharding.region(k);
+        let data = assemble(&mut files, &entry, name, &region, &dim_first_shape, dtype)?;
         // Back to the parameter's own layout.
         state
             .tensors

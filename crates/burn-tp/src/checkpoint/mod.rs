@@ -46,10 +46,12 @@
 //! | `format.rs` | the index and its entries, dtypes, the cut dimension stored first     |
 //! | `save.rs`   | [`save`]: each rank its slices, the index last                         |
 //! | `load.rs`   | [`load`], [`load_optimizer`]: each rank the slices it needs, at any tp  |
+//! | `sharding.rs` | [`Sharding`]: where a rank's tensors lie (tp, stage, fsdp rows)      |
 
 mod format;
 mod load;
 mod save;
+mod sharding;
 
 /// Where each of a model's parameters sits in the whole model, and which ones this rank writes:
 /// a pipeline stage holds some blocks (and copies of the embedding and the head), and saves its
@@ -84,5 +86,8 @@ use crate::error::file_error;
 
 pub use format::{CheckpointInfo, INDEX};
 pub(crate) use load::param_shapes;
-pub use load::{load, load_optimizer, load_optimizer_stage, load_stage};
-pub use save::{save, save_stage};
+pub use load::{
+    load, load_optimizer, load_optimizer_sharded, load_optimizer_stage, load_sharded, load_stage,
+};
+pub use save::{save, save_sharded, save_stage};
+pub use sharding::{HeldRows, Sharding};

@@ -9,9 +9,9 @@ use burn::tensor::TensorData;
 use burn_tp_comm::ProcessGroup;
 
 use super::format::*;
-use super::{CheckpointInfo, INDEX, StageMap, file_error};
+use super::{CheckpointInfo, INDEX, Sharding, StageMap, file_error};
 use crate::Result;
-use crate::reshard::{IndexedState, ParamLayout, Reshard};
+use crate::reshard::{IndexedState, Reshard};
 
 /// Saves this rank's shards of `model` (and of `optim`'s state, if given) into the checkpoint
 /// folder `dir`, replacing any checkpoint there atomically (see [the module docs](super)).
@@ -55,8 +55,29 @@ pub fn save_stage<M: Module + Reshard>(
     if dp_rank != 0 {
         return Ok(());
     }
+    let sharding = Sharding::of(model, tp_rank, map.clone());
+    save_sharded(model, optim, dir, info, &sharding, ranks, true)
+}
+
+/// [`save`] of a model whose tensors lie in the whole as `sharding` says (a fully sharded
+/// one's rows: [`crate::fsdp::Fsdp::sharding`]), each rank writing its own slices.
+/// Collective over `ranks`; only those with `writes` write (one copy of each slice: a
+/// replica's ranks, not the other replicas').
+///
+/// # Errors
+/// As [`save`].
+pub fn save_sharded<M: Module>(
+    model: &M,
+    optim: Option<&ModuleOptimizer>,
+    dir: &Path,
+    info: &CheckpointInfo,
+    sharding: &Sharding,
+    ranks: &ProcessGroup,
+    writes: bool,
+) -> Result<()> {
     let group = ranks;
-    let (rank, tp) = (group.rank(), group.world_size());
+    let map = &sharding.map;
+    let (rank, size) = (group.rank(), group.world_size());
     let shards = format!("step-{}", info.step);
     let tmp = dir.join(format!("{shards}.tmp"));
     if rank == 0 {
@@ -66,20 +87,22 @@ pub fn save_stage<M: Module + Reshard>(
     }
     group.barrier()?;
 
-    let layouts = model.layout(tp_rank);
+    let layouts = &sharding.layouts;
     let file = format!("rank-{rank:05}.safetensors");
     let mut part = Part::default();
     let mut stored = Vec::new();
-    let mut store = |name: String, data: TensorData, layout: &ParamLayout| -> Result<()> {
-        let written: Vec<StoredPiece> = layout
-            .pieces
+    let mut store = |name: String, data: TensorData, k: usize| -> Result<()> {
+        let region = sharding.region(k);
+        let written: Vec<StoredPiece> = region
+            .slices
             .iter()
             .filter(|p| p.writes)
             .map(|p| StoredPiece {
                 file: format!("{shards}/{file}"),
                 start: p.global.start,
                 end: p.global.end,
-                offset: p.local.start,
+                offset: p.at,
+                rows: region.rows.as_ref().map(|r| [r.start, r.end]),
             })
             .collect();
         if written.is_empty() {
@@ -95,8 +118,8 @@ pub fn save_stage<M: Module + Reshard>(
             name.clone(),
             TensorEntry {
                 dtype: dtype.into(),
-                shape: layout.global_shape.clone(),
-                dim: layout.dim,
+                shape: layouts[k].global_shape.clone(),
+                dim: layouts[k].dim,
                 pieces: written,
             },
         );
@@ -108,22 +131,28 @@ pub fn save_stage<M: Module + Reshard>(
         });
         Ok(())
     };
-    let values = dim_first_values(model, &layouts, info.frozen_base.is_some());
-    for (k, data) in values.into_iter().enumerate() {
-        if let (true, Some(data)) = (map.writes[k], data) {
-            store(format!("p{}", map.global[k]), data, &layouts[k])?;
+    if writes {
+        let values = dim_first_values(model, sharding, info.frozen_base.is_some());
+        for (k, data) in values.into_iter().enumerate() {
+            if let (true, Some(data)) = (map.writes[k], data) {
+                store(format!("p{}", map.global[k]), data, k)?;
+            }
         }
     }
-    if let Some(optim) = optim {
+    if let (true, Some(optim)) = (writes, optim) {
         let state = IndexedState::of(optim, model)?;
         for ((k, field), data) in state.tensors {
             if !map.writes[k] {
                 continue;
             }
-            let layout = &layouts[k];
-            // The state is shaped like its parameter: store it with the same dim first.
-            let data = dim_first(data, layout.dim);
-            store(format!("p{}.{field}", map.global[k]), data, layout)?;
+            // The state is shaped like its parameter: store it as the parameter is stored.
+            let data = match &sharding.rows[k] {
+                Some(rows) if rows.held.is_empty() => continue,
+                Some(rows) => first_rows(data, rows.held.len()),
+                None => data,
+            };
+            let data = dim_first(data, layouts[k].dim);
+            store(format!("p{}.{field}", map.global[k]), data, k)?;
         }
         part.scalars = state
             .scalars
@@ -141,9 +170,11 @@ pub fn save_stage<M: Module + Reshard>(
             .map(|(k, path)| (map.global[k].to_string(), path))
             .collect();
     }
-    let path = tmp.join(&file);
-    safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
-        .map_err(|e| file_error(&path, format!("writing: {e}")))?;
+    if !stored.is_empty() {
+        let path = tmp.join(&file);
+        safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
+            .map_err(|e| file_error(&path, format!("writing: {e}")))?;
+    }
     let part_path = tmp.join(format!("rank-{rank:05}.json"));
     write_json(&part_path, &part)?;
     group.barrier()?;
@@ -151,7 +182,7 @@ pub fn save_stage<M: Module + Reshard>(
     if rank == 0 {
         // Every rank's part, merged into the index.
         let mut index = Index {
-            format: FORMAT.into(),
+            format: String::new(),
             info: info.clone(),
             shards: shards.clone(),
             params: map.total,
@@ -159,7 +190,7 @@ pub fn save_stage<M: Module + Reshard>(
             scalars: BTreeMap::new(),
             paths: BTreeMap::new(),
         };
-        for r in 0..tp {
+        for r in 0..size {
             let p = tmp.join(format!("rank-{r:05}.json"));
             let part: Part = read_json(&p)?;
             for (name, entry) in part.tensors {
@@ -174,6 +205,11 @@ pub fn save_stage<M: Module + Reshard>(
             index.paths.extend(part.paths);
             let _ = std::fs::remove_file(&p);
         }
+        let mut pieces = index.tensors.values().flat_map(|e| &e.pieces);
+        index.format = match pieces.any(|p| p.rows.is_some()) {
+            true => FORMAT_ROWS.into(),
+            false => FORMAT.into(),
+        };
         let final_dir = dir.join(&shards);
         let _ = std::fs::remove_dir_all(&final_dir);
         std::fs::rename(&tmp, &final_dir)
@@ -195,4 +231,14 @@ pub fn save_stage<M: Module + Reshard>(
     }
     group.barrier()?;
     Ok(())
+}
+
+/// The first `n` rows (of dim 0) of `data`.
+fn first_rows(data: TensorData, n: usize) -> TensorData {
+    let mut shape = data.shape().to_vec();
+    let (dtype, rows) = (data.dtype(), shape[0].max(1));
+    let row = data.as_bytes().len() / rows;
+    shape[0] = n;
+    let bytes = data.as_bytes()[..n * row].to_vec();
+    TensorData::from_bytes_vec(bytes, shape, dtype)
 }

@@ -42,8 +42,10 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, FloatDType, Tensor};
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
+use crate::checkpoint::{HeldRows, Sharding, StageMap};
 use crate::init::owned;
 use crate::ops::{all_gather, all_reduce};
+use crate::reshard::Reshard;
 use crate::{Result, TpError};
 
 /// How a model's parameters are sharded over the data-parallel ranks, and how a step gathers
@@ -294,6 +296,46 @@ impl Fsdp {
             }
             None => 0..shard_rows,
         }
+    }
+
+    /// Where this rank's shards lie in the whole model, for a checkpoint each rank writes its
+    /// own rows of ([`save_sharded`](crate::checkpoint::save_sharded), read back at any layout
+    /// by [`load_sharded`](crate::checkpoint::load_sharded)): `whole`'s tp layout at `tp_rank`
+    /// (`whole`: the model this sharding was made from, or one of its shapes), its parameters
+    /// the whole model's `map`, and the rows of each this rank holds. A parameter that is not
+    /// sharded is written by the shard group's rank 0 alone.
+    pub fn sharding<M: Module + Reshard>(
+        &self,
+        whole: &M,
+        tp_rank: usize,
+        map: StageMap,
+    ) -> Sharding {
+        struct Ids(Vec<ParamId>);
+        impl ModuleVisitor for Ids {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.0.push(param.id);
+            }
+        }
+        let mut ids = Ids(Vec::new());
+        whole.visit(&mut ids);
+        let mut sharding = Sharding::of(whole, tp_rank, map);
+        let (r, n) = (self.shard.rank(), self.shard.world_size());
+        for (k, id) in ids.0.into_iter().enumerate() {
+            match self.rows.get(&id) {
+                Some(&rows) => {
+                    let c = rows.div_ceil(n);
+                    let held = (r * c).min(rows)..((r + 1) * c).min(rows);
+                    sharding.rows[k] = Some(HeldRows { held, extent: c });
+                }
+                None if r > 0 => {
+                    for piece in &mut sharding.layouts[k].pieces {
+                        piece.writes = false;
+                    }
+                }
+                None => {}
+            }
+        }
+        sharding
     }
 
     /// The bytes of `model`'s float parameters (a rank's shards between steps: the whole

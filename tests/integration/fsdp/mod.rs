@@ -597,3 +597,5 @@ fn the_clipped_global_norm_is_the_unsplit_models_at_every_layout() {
         }
     }
 }
+
+mod checkpoint;
