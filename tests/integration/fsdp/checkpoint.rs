@@ -61,7 +61,8 @@ fn write(dir: &Path, fsdp: bool) {
         let info = CheckpointInfo::new(1, 2, 4, &config());
         let tp = mesh.tp_group();
         if !fsdp {
-            return checkpoint::save(&model, Some(&optim), &dir, &info, tp, mesh.dp_rank()).unwrap();
+            return checkpoint::save(&model, Some(&optim), &dir, &info, tp, mesh.dp_rank())
+                .unwrap();
         }
         let (shard, replicas) = mesh.fsdp_groups(2).unwrap();
         let split = Fsdp::new(&model, &shard).with_replicas(&replicas);
@@ -71,8 +72,16 @@ fn write(dir: &Path, fsdp: bool) {
         let moved = move_optimizer_state(&optim, &model, &shards, |m| Ok(split.shard(m))).unwrap();
         let optim = AdamWConfig::new().init().load_record(moved);
         let writes = replicas.rank() == 0;
-        checkpoint::save_sharded(&shards, Some(&optim), &dir, &info, &sharding, &world, writes)
-            .unwrap();
+        checkpoint::save_sharded(
+            &shards,
+            Some(&optim),
+            &dir,
+            &info,
+            &sharding,
+            &world,
+            writes,
+        )
+        .unwrap();
     })
     .unwrap();
 }
@@ -95,11 +104,18 @@ fn read_sharded(dir: &Path) -> Vec<(Values, Values)> {
         let (whole, whole_optim) = read_whole(&dir);
         let split = Fsdp::new(&whole, &world);
         let expected_model = split.shard(whole.clone());
-        let moved = move_optimizer_state(&whole_optim, &whole, &expected_model, |m| {
-            Ok(split.shard(m))
-        })
-        .unwrap();
-        let expected = values(&expected_model, &AdamWConfig::new().init().load_record(moved));
+        let moved =
+            move_optimizer_state(
+                &whole_optim,
+                &whole,
+                &expected_model,
+                |m| Ok(split.shard(m)),
+            )
+            .unwrap();
+        let expected = values(
+            &expected_model,
+            &AdamWConfig::new().init().load_record(moved),
+        );
 
         // A model of the same shapes but other values, cut, then filled from the files.
         let other = Llama::init(&config(), &solo(), &device()).unwrap();
@@ -107,7 +123,8 @@ fn read_sharded(dir: &Path) -> Vec<(Values, Values)> {
         let map = StageMap::whole(param_values(&other).len());
         let sharding = split.sharding(&other, 0, map);
         let shards = split.shard(other);
-        let (shards, _) = checkpoint::load_sharded(shards, &dir, Some(&config()), &sharding).unwrap();
+        let (shards, _) =
+            checkpoint::load_sharded(shards, &dir, Some(&config()), &sharding).unwrap();
         let optim = AdamWConfig::new().init();
         let optim = checkpoint::load_optimizer_sharded(optim, &shards, &dir, &sharding).unwrap();
         (values(&shards, &optim), expected)
@@ -144,13 +161,24 @@ fn a_fully_sharded_checkpoint_is_each_ranks_rows_and_reads_back_at_any_layout() 
     let want = values(&model, &optim);
     let (model, optim) = read_whole(&sharded);
     let got = values(&model, &optim);
-    same(&got, &want, "the fully sharded checkpoint against the plain one, at tp 1");
-    assert!(want.1.iter().flatten().any(|&m| m != 0.0), "a step was taken");
+    same(
+        &got,
+        &want,
+        "the fully sharded checkpoint against the plain one, at tp 1",
+    );
+    assert!(
+        want.1.iter().flatten().any(|&m| m != 0.0),
+        "a step was taken"
+    );
 
     // Straight into the shards at fsdp 4, from either checkpoint.
     for dir in [&plain, &sharded] {
         for (rank, (got, expected)) in read_sharded(dir).into_iter().enumerate() {
-            same(&got, &expected, &format!("{}: fsdp 4 rank {rank}", dir.display()));
+            same(
+                &got,
+                &expected,
+                &format!("{}: fsdp 4 rank {rank}", dir.display()),
+            );
         }
     }
 
@@ -164,7 +192,10 @@ fn a_fully_sharded_checkpoint_is_each_ranks_rows_and_reads_back_at_any_layout() 
         match r {
             0..4 => {
                 let share = bytes as f64 / plain_bytes as f64;
-                assert!((0.2..0.3).contains(&share), "rank {r}: {bytes} of {plain_bytes} bytes");
+                assert!(
+                    (0.2..0.3).contains(&share),
+                    "rank {r}: {bytes} of {plain_bytes} bytes"
+                );
             }
             _ => assert_eq!(bytes, 0, "rank {r} is a replica: it writes nothing"),
         }

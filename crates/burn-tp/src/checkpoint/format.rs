@@ -8,9 +8,9 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use super::Sharding;
 use crate::Result;
 use crate::error::file_error;
-use super::Sharding;
 use crate::reshard::ParamLayout;
 
 /// The index's file name.

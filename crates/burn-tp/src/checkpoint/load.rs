@@ -117,7 +117,11 @@ fn assemble(
                 ));
             }
             let first = want.at + (a - want.global.start);
-            let (n, from, to) = ((rb - ra) * inner * elem, ra - window.start, ra - out_window.start);
+            let (n, from, to) = (
+                (rb - ra) * inner * elem,
+                ra - window.start,
+                ra - out_window.start,
+            );
             if window == out_window && out_window.len() == out_extent {
                 // The same rows on both sides: one copy.
                 out[first * row..(first + b - a) * row].copy_from_slice(&bytes);
@@ -203,7 +207,11 @@ fn open_index<M: Module>(
         ));
     }
     let shapes = param_shapes(model);
-    let lengths = [map.global.len(), sharding.layouts.len(), sharding.rows.len()];
+    let lengths = [
+        map.global.len(),
+        sharding.layouts.len(),
+        sharding.rows.len(),
+    ];
     if index.params != map.total || lengths.iter().any(|&n| n != shapes.len()) {
         return Err(file_error(
             &index_path,

@@ -28,7 +28,7 @@ impl<M: Trainable> Rank<'_, M> {
         }
         let whole;
         let model = match self.fsdp.get() {
-            Some(fsdp) => {
+            Some((fsdp, _)) => {
                 whole = fsdp.unshard(model.clone())?;
                 &whole
             }
@@ -128,33 +128,14 @@ impl<M: Trainable> Rank<'_, M> {
 
     /// This rank's slices of the model and the AdamW state after `steps` steps, into the
     /// sharded checkpoint (data-parallel replica 0 writes; every rank waits for it). The
-    /// distributed optimizer's chunks are gathered over dp first.
+    /// distributed optimizer's chunks are gathered over dp first; with `--fsdp` each rank of
+    /// the first shard group writes its rows.
     pub(super) fn save(
         &self,
         model: &mut M,
         optim: &mut DpOptimizer,
         steps: usize,
     ) -> burn_tp::Result<()> {
-        if let Some(fsdp) = self.fsdp.get() {
-            // Fully sharded: the model and its AdamW state gathered whole on the writer (dp
-            // replica 0), so the checkpoint resumes with or without --fsdp, at any layout. The
-            // other ranks of its shard group take part one parameter at a time; the other
-            // shard groups (HSDP's replicas) not at all.
-            let writer = self.dp_rank == 0;
-            if self.dp_rank < fsdp.shard_group().world_size() {
-                let mut whole = fsdp.unshard_on(model.clone(), writer)?;
-                let adamw = optim.module_optimizer(model)?;
-                let record =
-                    move_optimizer_state(adamw, model, &whole, |m| fsdp.unshard_on(m, writer));
-                if writer {
-                    let record = AdamWConfig::new().init().load_record(record?);
-                    let mut whole_optim = DpOptimizer::new(record);
-                    return self.save_whole(&mut whole, &mut whole_optim, steps);
-                }
-            }
-            // Not a writer: the barrier after the writers.
-            return self.save_whole(model, optim, steps);
-        }
         if self.experts.is_none() {
             return self.save_whole(model, optim, steps);
         }
@@ -167,14 +148,14 @@ impl<M: Trainable> Rank<'_, M> {
         self.save_whole(&mut whole, &mut whole_optim, steps)
     }
 
-    /// [`save`](Self::save) of a model that holds every parameter of its tp shard.
+    /// [`save`](Self::save) of a model that holds every parameter of its tp shard, or (with
+    /// `--fsdp`) its rows of each.
     fn save_whole(
         &self,
         model: &mut M,
         optim: &mut DpOptimizer,
         steps: usize,
     ) -> burn_tp::Result<()> {
-        let adamw = optim.module_optimizer(model)?;
         let a = self.args;
         let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config).with_pp(a.pp);
         // A LoRA run saves its adapters and their state alone: the base is where it came from.
@@ -182,6 +163,10 @@ impl<M: Trainable> Rank<'_, M> {
             Some(base) => info.with_frozen_base(base),
             None => info,
         };
+        if let Some(fsdp) = self.fsdp.get() {
+            return self.save_sharded(fsdp, model, optim, &info);
+        }
+        let adamw = optim.module_optimizer(model)?;
         match self.stage_map.get() {
             // Every stage its blocks, under the whole model's indices: one checkpoint.
             Some(map) => checkpoint::save_stage(

@@ -1,51 +1,93 @@
 //! A rank's fully sharded data parallelism (`--fsdp`): its shards of the model and of the
-//! AdamW state at the start, and a step on them.
+//! AdamW state at the start, a step on them, its rows of the checkpoint.
 
-use burn::optim::{AdamWConfig, ModuleOptimizer};
+use burn::optim::AdamWConfig;
 use burn::tensor::{Int, Tensor};
+use burn_tp::checkpoint::{self, CheckpointInfo, Sharding, StageMap};
 use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::dp::{DpOptimizer, GradClip};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::fsdp::Fsdp;
 use burn_tp::ops::all_reduce;
-use burn_tp::reshard::move_optimizer_state;
 
 use super::{BoxResult, Rank, Trainable};
 
 impl<M: Trainable> Rank<'_, M> {
-    /// `--fsdp`: this rank's shards of the whole `model` and of its AdamW state (resumed, or
-    /// fresh), and the optimizer stepping them.
+    /// `--fsdp`: this rank's shards of the model and of its AdamW state (fresh, or resumed
+    /// straight into the shards from a checkpoint of any layout), and the optimizer stepping
+    /// them. The replicas build in turns, each the whole model (its tp shard) from the same
+    /// seed, keeping its rows alone: one whole model in memory at a time, not one a replica.
     pub(super) fn start_sharded(
         &self,
-        model: M,
-        adamw: ModuleOptimizer,
-        (shard, replicas): (&ProcessGroup, &ProcessGroup),
-        first_step: usize,
+        (shard, replicas): &(ProcessGroup, ProcessGroup),
     ) -> BoxResult<(M, usize, DpOptimizer)> {
         let args = self.args;
-        let fsdp = Fsdp::new(&model, shard)
-            .with_replicas(replicas)
-            .with_reshard_after_forward(args.reshard_after_forward)
-            .with_compute_dtype(args.dtype.dtype());
-        let sharded = fsdp.shard(model.clone());
-        let adamw = match &args.resume {
-            Some(_) => {
-                let moved = move_optimizer_state(&adamw, &model, &sharded, |m| Ok(fsdp.shard(m)))?;
-                AdamWConfig::new().init().load_record(moved)
+        let mut built = None;
+        for turn in 0..self.dp_group.world_size() {
+            if turn == self.dp_rank {
+                let whole = self.fresh(None)?;
+                let fsdp = Fsdp::new(&whole, shard)
+                    .with_replicas(replicas)
+                    .with_reshard_after_forward(args.reshard_after_forward)
+                    .with_compute_dtype(args.dtype.dtype());
+                let tp_rank = self.tp_group.rank();
+                let map = match self.stage_map.get() {
+                    Some(map) => map.clone(),
+                    None => StageMap::whole(whole.layout(tp_rank).len()),
+                };
+                let sharding = fsdp.sharding(&whole, tp_rank, map);
+                let clip = args
+                    .clip_grad
+                    .map(|max| GradClip::new(&whole, &self.tp_group, max).with_fsdp(fsdp.clone()));
+                built = Some((fsdp.shard(whole), fsdp, sharding, clip));
             }
-            None => adamw,
+            self.world.barrier()?;
+        }
+        let (model, fsdp, sharding, clip) = built.expect("every replica takes its turn");
+        let adamw = AdamWConfig::new().init();
+        let (model, first_step, adamw) = match &args.resume {
+            Some(dir) => {
+                let (model, info) =
+                    checkpoint::load_sharded(model, dir, Some(self.config), &sharding)?;
+                let adamw = checkpoint::load_optimizer_sharded(adamw, &model, dir, &sharding)?;
+                (model, info.step as usize, adamw)
+            }
+            None => (model, 0, adamw),
         };
         let optim = DpOptimizer::new(adamw)
             .with_replicated(burn_tp::norm::ReplicatedGrads::new(&self.tp_group))
             .with_fsdp(fsdp.clone());
-        let optim = match args.clip_grad {
-            Some(max) => {
-                optim.with_clip(GradClip::new(&model, &self.tp_group, max).with_fsdp(fsdp.clone()))
-            }
+        let optim = match clip {
+            Some(clip) => optim.with_clip(clip),
             None => optim,
         };
-        self.fsdp.set(fsdp).expect("the model is built once");
-        Ok((sharded, first_step, optim))
+        self.fsdp
+            .set((fsdp, sharding))
+            .map_err(|_| "the model is built once")?;
+        Ok((model, first_step, optim))
+    }
+
+    /// `--fsdp`'s checkpoint: each rank of the first shard group (HSDP's first replica) writes
+    /// its rows of the model and of the AdamW state; any layout, with or without fsdp,
+    /// resumes from it. Collective.
+    pub(super) fn save_sharded(
+        &self,
+        (fsdp, sharding): &(Fsdp, Sharding),
+        model: &M,
+        optim: &mut DpOptimizer,
+        info: &CheckpointInfo,
+    ) -> burn_tp::Result<()> {
+        let adamw = optim.module_optimizer(model)?;
+        let writes = self.dp_rank < fsdp.shard_group().world_size();
+        checkpoint::save_sharded(
+            model,
+            Some(adamw),
+            self.checkpoint,
+            info,
+            sharding,
+            &self.world,
+            writes,
+        )
     }
 
     /// A step on `fsdp`'s shards: each part gathered (in the run's dtype) just before it

@@ -1,0 +1,184 @@
+//! A rank's model and optimizer as the run starts: drawn or imported, a stage's blocks, resumed
+//! from the sharded checkpoint at any layout, expert parallel; `--fsdp`'s in `sharded.rs`.
+
+use std::path::PathBuf;
+
+use burn::optim::AdamWConfig;
+use burn_tp::checkpoint;
+use burn_tp::comm::ProcessGroup;
+use burn_tp::dp::{DpOptimizer, GradClip, broadcast_parameters};
+use burn_tp::pipeline::{self, Pipeline, virtual_stage_layers};
+use burn_tp::reshard::move_optimizer_state;
+
+use super::super::pipelined::pp_schedule;
+use super::{BoxResult, Rank, Trainable};
+
+impl<M: Trainable> Rank<'_, M> {
+    /// This rank's shards (fresh, from a Hugging Face model, or resumed from the sharded
+    /// checkpoint at any tp x dp), the step they start at, and the optimizer.
+    pub(super) fn start(&self) -> BoxResult<(M, usize, DpOptimizer)> {
+        if let Some(groups) = &self.fsdp_groups {
+            return self.start_sharded(groups);
+        }
+        let (args, tp_group) = (self.args, &self.tp_group);
+        // An imported MoE model at ep > 1 (no pipeline, resume or LoRA): each rank reads its
+        // experts alone (and the dense weights, the same file on every rank: no broadcast).
+        let direct_ep = match (&args.init_from, &self.experts, &self.pipe, &args.resume) {
+            (Some(dir), Some((ep, _)), None, None) if !args.is_lora() => Some((dir, ep)),
+            _ => None,
+        };
+        // dp replica 0 draws the weights first (only its tp rank 0 uses the RNG); the others
+        // wait, then take replica 0's weights by broadcast (but for the direct import, which
+        // draws nothing that stays and builds at ep, collectively, on every rank at once).
+        if self.dp_rank != 0 && direct_ep.is_none() {
+            self.world.barrier()?;
+        }
+        let fresh = self.fresh(direct_ep)?;
+        let (model, first_step) = match &args.resume {
+            // Read slice by slice into this rank's shards (a stage's under the whole model's
+            // indices).
+            Some(dir) => {
+                let (model, info) = match self.stage_map.get() {
+                    Some(map) => {
+                        checkpoint::load_stage(fresh, dir, Some(self.config), tp_group.rank(), map)?
+                    }
+                    None => checkpoint::load(fresh, dir, Some(self.config), tp_group)?,
+                };
+                // A LoRA checkpoint holds the adapters alone: they only fit the same base.
+                if info.frozen_base != self.frozen_base() {
+                    let what =
+                        |b: &Option<String>| b.clone().unwrap_or("no base (a full model)".into());
+                    return Err(format!(
+                        "--resume {}: its adapters were trained over {}, this run's base is {}: \
+                         resume with the run's --init-from (or --seed) and LoRA flags",
+                        dir.display(),
+                        what(&info.frozen_base),
+                        what(&self.frozen_base())
+                    )
+                    .into());
+                }
+                (model, info.step as usize)
+            }
+            None => (fresh, 0),
+        };
+        if self.dp_rank == 0 && direct_ep.is_none() {
+            self.world.barrier()?;
+        }
+        let model = match direct_ep {
+            Some(_) => model,
+            None => broadcast_parameters(model, &self.dp_group)?,
+        };
+        // QLoRA: every replica quantizes the same values (after the broadcast, which moves floats).
+        let model = match args.qlora {
+            true => model.quantize_lora_base()?,
+            false => model,
+        };
+        let mut adamw = AdamWConfig::new().init();
+        // A resumed run continues where the checkpoint left off: the optimizer state (resharded
+        // to this tp) and the step count, so the batches and the AdamW bias correction go on.
+        if let Some(dir) = &args.resume {
+            adamw = match self.stage_map.get() {
+                // This stage's part of the whole model's state.
+                Some(map) => {
+                    checkpoint::load_optimizer_stage(adamw, &model, dir, tp_group.rank(), map)?
+                }
+                None => checkpoint::load_optimizer(adamw, &model, dir, tp_group)?,
+            };
+        }
+        // With --ep, each rank keeps its experts of the (identical) whole model, and their
+        // part of a resumed optimizer state.
+        let (model, adamw) = match &self.experts {
+            Some(_) if direct_ep.is_some() => (model, adamw),
+            Some((ep, _)) => {
+                let split = model.clone().expert_parallel(ep)?;
+                let adamw = match &args.resume {
+                    Some(_) => {
+                        let moved = move_optimizer_state(&adamw, &model, &split, |m| {
+                            m.expert_parallel(ep)
+                        })?;
+                        AdamWConfig::new().init().load_record(moved)
+                    }
+                    None => adamw,
+                };
+                (split, adamw)
+            }
+            None => (model, adamw),
+        };
+        let optim = super::super::optimizer::build(
+            args,
+            &model,
+            adamw,
+            (tp_group, &self.dp_group),
+            self.pipe.as_ref(),
+            self.experts.as_ref().map(|(_, expert_dp)| expert_dp),
+        )?;
+        let optim = match args.clip_grad {
+            Some(max) => optim.with_clip(GradClip::new(&model, tp_group, max)),
+            None => optim,
+        };
+        Ok((model, first_step, optim))
+    }
+
+    /// This rank's model as the run starts it (drawn, or imported; LoRA on; a stage's blocks
+    /// and ends), before any resume. The stages of a replica draw in turns from the same seed;
+    /// with `--fsdp`, every replica (in its turn), so that they all draw the same weights.
+    pub(super) fn fresh(&self, direct_ep: Option<(&PathBuf, &ProcessGroup)>) -> BoxResult<M> {
+        let (args, tp_group) = (self.args, &self.tp_group);
+        let fsdp = self.fsdp_groups.is_some();
+        let turns = self.dp_rank == 0 || fsdp;
+        // Stages draw the whole model in turns, each from the same seed (one device RNG for
+        // every rank thread), so every stage has the same weights; each keeps its blocks.
+        let stages = self.pipe.as_ref().map_or(1, Pipeline::stages);
+        let stage = self.pipe.as_ref().map_or(0, Pipeline::stage);
+        // A stage's blocks (several ranges with the interleaved schedule).
+        let n_layers = M::config_layers(self.config);
+        let held = match &self.pipe {
+            Some(pipe) => {
+                let chunks =
+                    virtual_stage_layers(n_layers, stages, pp_schedule(args), pipe.stage())?;
+                Some(chunks.into_iter().flatten().collect::<Vec<usize>>())
+            }
+            None => None,
+        };
+        let mut fresh = None;
+        for turn in 0..stages {
+            if turn == stage {
+                // Only the rank that draws (tp rank 0 of replica 0) touches the RNG.
+                if (stages > 1 || fsdp) && turns && tp_group.rank() == 0 {
+                    self.device.seed(args.seed);
+                }
+                fresh = Some(match (&held, &args.init_from) {
+                    _ if let Some((dir, ep)) = direct_ep => {
+                        M::import_expert_parallel(self.config, dir, (tp_group, ep), &self.device)?
+                    }
+                    // Only this stage's blocks, never the whole model at once; a Hugging Face
+                    // import maps the whole model, then keeps its blocks.
+                    (Some(held), None) => M::init_stage(self.config, tp_group, &self.device, held)?,
+                    _ => M::init(self.config, tp_group, &self.device)?,
+                });
+            }
+            if stages > 1 && turns {
+                self.pipe.as_ref().expect("stages > 1").group().barrier()?;
+            }
+        }
+        let fresh = fresh.expect("every stage takes its turn");
+        let fresh = match (&held, &args.init_from) {
+            _ if direct_ep.is_some() => fresh,
+            (Some(held), Some(dir)) => fresh.load_hf(dir, tp_group)?.keep_layers(held),
+            (None, Some(dir)) => fresh.load_hf(dir, tp_group)?,
+            (_, None) => fresh,
+        };
+        // LoRA: the adapters on (drawn by dp replica 0, broadcast below), the rest frozen.
+        let fresh = super::super::trainable::lora_from_args(fresh, args)?;
+        // A stage keeps the embedding and the head only where it uses them.
+        let fresh = match &self.pipe {
+            Some(pipe) => pipeline::drop_unused_ends(fresh, pipe.stage(), pipe.stages())?,
+            None => fresh,
+        };
+        if let Some(pipe) = &self.pipe {
+            let map = pipeline::stage_map(&fresh, n_layers, pipe.stage(), pipe.stages())?;
+            self.stage_map.set(map).expect("the model is built once");
+        }
+        Ok(fresh)
+    }
+}

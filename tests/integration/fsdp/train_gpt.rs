@@ -1,0 +1,203 @@
+//! `train_gpt --fsdp`: the losses and held-out losses of plain dp at every layout it composes
+//! with (tp, both modes, HSDP, cp, pp, bf16, clipping), its checkpoint resuming at other
+//! layouts with or without fsdp, and its errors.
+
+use burn_tp_examples::train_gpt::run as run_gpt;
+
+use crate::common::{assert_close, rng_lock};
+use crate::train_gpt::{temp_dir, tiny_args};
+
+#[test]
+fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
+    let _rng = rng_lock();
+    let args = |extra: &[&str], name: &str| {
+        let mut argv = vec!["--arch", "llama", "--dropout", "0.1"];
+        if !extra.contains(&"--steps") {
+            argv.extend_from_slice(&["--steps", "6"]);
+        }
+        argv.extend_from_slice(extra);
+        tiny_args(&argv, &temp_dir(name))
+    };
+    let want_run = run_gpt(&args(&["--tp", "1", "--dp", "1"], "fsdp-1")).unwrap();
+    let want = want_run.losses.clone();
+    let held_out = |r: &burn_tp_examples::train_gpt::Report| -> Vec<f64> {
+        r.held_out.iter().map(|h| h.1).collect()
+    };
+    for extra in [
+        &["--tp", "1", "--dp", "2", "--fsdp"][..],
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "4",
+            "--fsdp",
+            "--reshard-after-forward",
+        ],
+        &["--tp", "1", "--dp", "4", "--hsdp", "2"],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--fsdp",
+            "--mode",
+            "reduce-scatter",
+        ],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
+            "--mode",
+            "all-reduce",
+        ],
+        // Context parallelism carved out of the same dp ranks the parameters are split over.
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "4",
+            "--cp",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
+        ],
+        // Pipeline stages, each stage's blocks sharded over its dp ranks.
+        &[
+            "--tp",
+            "1",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--fsdp",
+        ],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
+        ],
+    ] {
+        let got = run_gpt(&args(extra, "fsdp")).unwrap();
+        assert_close(&got.losses, &want, 1e-5, &format!("{extra:?}"));
+        // The evaluation runs on the shards too (each part gathered in turn).
+        let what = format!("held-out, {extra:?}");
+        assert_close(&held_out(&got), &held_out(&want_run), 1e-5, &what);
+    }
+    // Clipped by the global norm: the curve moves, and fsdp x tp 2 keeps it.
+    let clip = ["--clip-grad", "0.05"];
+    let want_clipped = run_gpt(&args(
+        &[&["--tp", "1", "--dp", "1"][..], &clip].concat(),
+        "fsdp-c",
+    ))
+    .unwrap()
+    .losses;
+    let moved = want_clipped
+        .iter()
+        .zip(&want)
+        .any(|(c, w)| (c - w).abs() > 1e-5 * w.abs());
+    assert!(
+        moved,
+        "clipping changes the curve: {want_clipped:?} vs {want:?}"
+    );
+    let at = [
+        &["--tp", "2", "--dp", "2", "--fsdp", "--kv-heads", "2"][..],
+        &clip,
+    ]
+    .concat();
+    let got = run_gpt(&args(&at, "fsdp-c2")).unwrap().losses;
+    assert_close(&got, &want_clipped, 1e-5, "clipped, tp 2 x fsdp 2");
+    // bf16 compute over f32 shards: plain dp's bf16 curve within bf16's rounding.
+    let bf16 = |extra: &[&str]| {
+        let argv = [&["--tp", "1", "--dp", "2", "--dtype", "bf16"][..], extra].concat();
+        run_gpt(&args(&argv, "fsdp-bf16")).unwrap().losses
+    };
+    let want_bf16 = bf16(&[]);
+    assert_close(&bf16(&["--fsdp"]), &want_bf16, 2e-2, "bf16 fsdp");
+    // 3 steps fully sharded (each rank writing its rows), then 3 more at other layouts, the
+    // rows read straight into the shards where the resumed run is fully sharded too.
+    let pp = ["--pp", "2", "--micro-batches", "2"];
+    let half = |first: &[&str], then: &[&[&str]]| {
+        let argv = [first, &["--steps", "3"]].concat();
+        let run = run_gpt(&args(&argv, "fsdp-half")).unwrap();
+        assert_close(
+            &run.losses,
+            &want[..3],
+            1e-5,
+            &format!("{first:?}, first half"),
+        );
+        let ckpt = run.checkpoint.to_str().unwrap().to_string();
+        for extra in then {
+            let argv = [extra, &["--steps", "3", "--resume", &ckpt][..]].concat();
+            let rest = run_gpt(&args(&argv, "fsdp-rest")).unwrap().losses;
+            let what = format!("{first:?} resumed at {extra:?}");
+            assert_close(&rest, &want[3..], 1e-5, &what);
+        }
+    };
+    half(
+        &["--tp", "1", "--dp", "4", "--fsdp"],
+        &[
+            &["--tp", "1", "--dp", "2"],
+            &[
+                "--tp",
+                "2",
+                "--dp",
+                "2",
+                "--fsdp",
+                "--reshard-after-forward",
+            ],
+            &[&["--tp", "1", "--dp", "2", "--fsdp"][..], &pp].concat(),
+        ],
+    );
+    half(
+        &[&["--tp", "2", "--dp", "2", "--fsdp"][..], &pp].concat(),
+        &[
+            &["--tp", "1", "--dp", "1"],
+            &["--tp", "1", "--dp", "4", "--hsdp", "2"],
+        ],
+    );
+    half(
+        &["--tp", "2", "--dp", "1"],
+        &[&["--tp", "1", "--dp", "4", "--fsdp"]],
+    );
+    for (extra, needle) in [
+        (
+            &["--dp", "4", "--hsdp", "3"][..],
+            "--hsdp 3 must divide --dp 4",
+        ),
+        (
+            &["--dp", "2", "--reshard-after-forward"],
+            "is an --fsdp option",
+        ),
+        (
+            &["--dp", "2", "--fsdp", "--experts", "4", "--ep", "2"],
+            "--fsdp does not run with --ep",
+        ),
+        (
+            &["--dp", "2", "--fsdp", "--distributed-optimizer"],
+            "--fsdp does not run with --distributed-optimizer",
+        ),
+        (
+            &["--dp", "2", "--clip-grad", "1", "--pp", "2"],
+            "--clip-grad does not run with --pp yet",
+        ),
+        (
+            &["--clip-grad=-1"],
+            "--clip-grad must be a positive number (got -1)",
+        ),
+    ] {
+        let err = run_gpt(&args(extra, "fsdp-err")).unwrap_err().to_string();
+        assert!(err.contains(needle), "{extra:?}: {err}");
+    }
+}
