@@ -33,6 +33,7 @@
 
 mod gather;
 mod step;
+mod whole;
 
 use std::collections::HashMap;
 use std::sync::Arc;

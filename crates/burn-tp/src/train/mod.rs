@@ -133,6 +133,10 @@ enum GradSync {
         config: AdamWConfig,
         bucket_bytes: usize,
     },
+    /// Fully sharded ([`Fsdp`](crate::fsdp::Fsdp)) over groups of `shard` dp ranks (0: all
+    /// of dp), replicated over the rest: the step's whole model gathered before the user's
+    /// `TrainStep`, its gradients reduce-scattered after.
+    FullySharded { shard: usize },
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -182,6 +186,28 @@ impl TensorParallel {
             config,
             bucket_bytes,
         };
+        self
+    }
+
+    /// Fully sharded data parallelism ([`crate::fsdp`]): between steps each rank holds
+    /// `1 / dp` of its tp shard's parameters, gradients and optimizer state (AdamW's moments
+    /// included, the bulk). The user's `TrainStep` is one closure over the whole model, so
+    /// each step gathers the whole (every gather posted at once) before it and
+    /// reduce-scatters its gradients after it ([`Fsdp::gather_whole`](crate::fsdp::Fsdp::gather_whole),
+    /// [`Fsdp::scatter_grads`](crate::fsdp::Fsdp::scatter_grads)): the step's peak holds the
+    /// whole once, not one block at a time as `train_gpt --fsdp`'s step does. Validation and
+    /// the returned model gather it too; checkpoints are each rank's rows. Replaces the other
+    /// gradient syncs (buckets, the distributed optimizer).
+    pub fn with_fsdp(mut self) -> Self {
+        self.sync = GradSync::FullySharded { shard: 0 };
+        self
+    }
+
+    /// [`with_fsdp`](Self::with_fsdp) within groups of `shard` consecutive dp ranks, each group
+    /// holding the whole model between them and replicated over the groups (HSDP): `shard`
+    /// must divide dp (`fit` fails naming both).
+    pub fn with_hsdp(mut self, shard: usize) -> Self {
+        self.sync = GradSync::FullySharded { shard };
         self
     }
 

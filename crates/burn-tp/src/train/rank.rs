@@ -12,9 +12,10 @@ use super::feed::{Feed, take_slot};
 use super::items::DpItem;
 use super::optim::RankOptim;
 use super::shared::{EpochControl, Handoff, Shared};
-use super::{TensorParallel, TrainItem};
-use crate::checkpoint::{self, CheckpointInfo};
+use super::{GradSync, TensorParallel, TrainItem};
+use crate::checkpoint::{self, CheckpointInfo, Sharding, StageMap};
 use crate::dp::broadcast_parameters;
+use crate::fsdp::Fsdp;
 use crate::mesh::DeviceMesh;
 use crate::reshard::Reshard;
 use crate::{Result, TpError};
@@ -63,6 +64,26 @@ where
         }
         None => M::shard_module(&shared.learner.model(), &tp_group)?,
     };
+    // Fully sharded: each rank keeps its rows of every parameter.
+    let sharded = match shared.sync {
+        GradSync::FullySharded { shard } => {
+            let (group, replicas) = mesh.fsdp_groups(if shard == 0 { shared.dp } else { shard })?;
+            let fsdp = Fsdp::new(&model, &group).with_replicas(&replicas);
+            let map = StageMap::whole(model.layout(tp_group.rank()).len());
+            let sharding = fsdp.sharding(&model, tp_group.rank(), map);
+            model = fsdp.shard(model);
+            Some((fsdp, sharding))
+        }
+        _ => None,
+    };
+    // Where each rank's tensors lie in the checkpoints: its tp shards, or its rows of them.
+    let sharding = match &sharded {
+        Some((_, sharding)) => sharding.clone(),
+        None => {
+            let map = StageMap::whole(model.layout(tp_group.rank()).len());
+            Sharding::of(&model, tp_group.rank(), map)
+        }
+    };
     let mut optim = (shared.optimizer)();
     let mut schedule = shared.learner.clone();
     let (first_epoch, last_epoch) = shared.epochs;
@@ -71,16 +92,17 @@ where
         && let Some(dir) = &shared.checkpoints
     {
         let dir = TensorParallel::checkpoint_dir(dir, first_epoch - 1);
-        let (loaded, info) = checkpoint::load(model, &dir, None::<&()>, &tp_group)?;
+        let (loaded, info) = checkpoint::load_sharded(model, &dir, None::<&()>, &sharding)?;
         model = loaded;
-        optim = checkpoint::load_optimizer(optim, &model, &dir, &tp_group)?;
+        optim = checkpoint::load_optimizer_sharded(optim, &model, &dir, &sharding)?;
         step = info.step;
         // The schedule where it was (a scheduler's state is its step count).
         for _ in 0..step {
             schedule.lr_step();
         }
     }
-    let mut optim = RankOptim::new(&shared.sync, optim, &model, &dp_group)?;
+    let fsdp = sharded.as_ref().map(|(f, _)| f);
+    let mut optim = RankOptim::new(&shared.sync, optim, &model, &dp_group, fsdp)?;
     for epoch in first_epoch..=last_epoch {
         if rank == 0 {
             shared.process(|p| {
@@ -109,9 +131,17 @@ where
                 })
             });
         }
+        // Fully sharded: the first shard group gathers the whole for replica 0.
+        let whole = match fsdp {
+            Some(f) if replica < f.shard_group().world_size() => {
+                Some(f.unshard_on(model.clone(), replica == 0)?)
+            }
+            _ => None,
+        };
         if replica == 0 {
-            valid_epoch(shared, &model, &feed)?;
+            valid_epoch(shared, whole.as_ref().unwrap_or(&model), &feed)?;
         }
+        drop(whole);
         world.barrier()?;
         // World rank 0 decides (checkpoint, stop) from the flushed metrics; every rank follows.
         // (The strategy stays in `shared`: `fit` gives it back whether or not this rank fails.)
@@ -146,7 +176,15 @@ where
                 false => info,
             };
             let state = optim.module_optimizer(&model)?;
-            checkpoint::save(&model, Some(&state), &dir, &info, &tp_group, replica)?;
+            match fsdp {
+                // Each rank of the first shard group writes its rows.
+                Some(f) => {
+                    let writes = replica < f.shard_group().world_size();
+                    let (state, dir) = (Some(&state), &dir);
+                    checkpoint::save_sharded(&model, state, dir, &info, &sharding, &world, writes)?
+                }
+                None => checkpoint::save(&model, Some(&state), &dir, &info, &tp_group, replica)?,
+            }
             world.barrier()?;
         }
         if stop {
@@ -156,7 +194,11 @@ where
     // The trained model at tp 1, for LearningResult: replica 0's tp ranks gather it; with
     // processes every replica gathers its own (the replicas hold the same weights), so every
     // process returns it.
-    if shared.gather && (replica == 0 || shared.processes) {
+    let keep = replica == 0 || shared.processes;
+    if let (true, Some(f)) = (shared.gather, fsdp) {
+        model = f.unshard_on(model, keep)?;
+    }
+    if shared.gather && keep {
         let full = model.to_full_module()?;
         return Ok((rank == 0 || shared.processes).then_some(full));
     }
