@@ -35,6 +35,10 @@ pub struct LearnerArgs {
     /// Data-parallel size (world = tp x dp).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
+    /// Fully sharded data parallelism: each rank holds its rows of every parameter, of its
+    /// gradient and of AdamW's moments between steps (`TensorParallel::with_fsdp`).
+    #[arg(long)]
+    pub fsdp: bool,
     /// How the ranks run: threads of this process, or one process each under `mpirun -n
     /// (tp x dp)` (feature `mpi`). With MPI, world rank 0's Learner writes to `--out` (and
     /// shows its replica's items), rank N's to `OUT/rank-N`; the checkpoints are shared.
@@ -233,6 +237,10 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
             &checkpoints,
             KeepLastNCheckpoints::new(args.keep_checkpoints),
         );
+    let tensor_parallel = match args.fsdp {
+        true => tensor_parallel.with_fsdp(),
+        false => tensor_parallel,
+    };
     // With MPI or NCCL, this process is one rank (what its world needs lives until the
     // training ends).
     let (world, rank_device, _keep) = match (args.device, args.transport) {

@@ -259,9 +259,9 @@ fn mpirun_learner(n: usize, argv: &[String]) -> std::process::Output {
 }
 
 /// Burn's Learner with ranks as MPI processes (`TensorParallel::on_processes`): 2 processes at
-/// tp 2 and 4 at tp 2 x dp 2 log the thread run's per-step losses (averaged over dp) and
-/// validation losses, and the 4 processes' checkpoint resumes on threads at tp 1 on the
-/// uninterrupted curve. A world that is not
+/// tp 2 and 4 at tp 2 x dp 2 (and fully sharded) log the thread run's per-step losses
+/// (averaged over dp) and validation losses, and the 4 processes' checkpoint resumes on
+/// threads at tp 1 on the uninterrupted curve. A world that is not
 /// tp x dp is an error naming both.
 #[test]
 fn the_learner_over_mpi_gives_the_thread_runs_losses() {
@@ -280,9 +280,13 @@ fn the_learner_over_mpi_gives_the_thread_runs_losses() {
             String::from_utf8_lossy(&out.stderr)
         );
     };
-    for (tp, dp) in [(2, 1), (2, 2)] {
+    // The last fully sharded: each process writes its rows of the checkpoint.
+    for (tp, dp, fsdp) in [(2, 1, false), (2, 2, false), (2, 2, true)] {
         let layout = ["--tp", &tp.to_string(), "--dp", &dp.to_string()].map(String::from);
-        let layout: Vec<&str> = layout.iter().map(String::as_str).collect();
+        let mut layout: Vec<&str> = layout.iter().map(String::as_str).collect();
+        if fsdp {
+            layout.push("--fsdp");
+        }
         let (t_dir, m_dir) = (temp_dir("learner-t"), temp_dir("learner-m"));
         threads(&layout, &t_dir);
         let mpi = [&layout[..], &["--transport", "mpi"]].concat();
@@ -291,7 +295,7 @@ fn the_learner_over_mpi_gives_the_thread_runs_losses() {
             "mpirun learner",
         );
         for epoch in [1, 2] {
-            let what = format!("tp {tp} x dp {dp}, epoch {epoch}");
+            let what = format!("tp {tp} x dp {dp} (fsdp {fsdp}), epoch {epoch}");
             let (t_valid, m_valid) = (
                 logged(&t_dir, "valid", epoch, "Loss"),
                 logged(&m_dir, "valid", epoch, "Loss"),

@@ -76,6 +76,11 @@ fn a_fully_sharded_learner_checkpoint_resumes_without_fsdp() {
     assert!(resumed.error.is_none(), "{:?}", resumed.error);
     let want = step_losses(&first, 3);
     assert!(want.len() >= 4, "{want:?}");
-    assert_close(&step_losses(&second, 3), &want, 1e-5, "resumed at tp 2 x dp 2");
+    assert_close(
+        &step_losses(&second, 3),
+        &want,
+        1e-5,
+        "resumed at tp 2 x dp 2",
+    );
     std::fs::remove_dir_all(&root).ok();
 }

@@ -18,6 +18,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{FloatDType, Tensor};
 
 use super::Fsdp;
+use super::gather::Waiter;
 use crate::ops::{Pending, reduce_scatter_async};
 use crate::{Result, TpError};
 
@@ -73,7 +74,7 @@ impl Fsdp {
         struct Post<'a> {
             fsdp: &'a Fsdp,
             grads: &'a mut GradientsParams,
-            pending: Vec<Box<dyn FnOnce(&mut GradientsParams) -> Result<()>>>,
+            pending: Vec<Waiter>,
             error: Option<TpError>,
         }
         impl ModuleVisitor for Post<'_> {

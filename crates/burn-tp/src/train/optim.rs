@@ -31,20 +31,23 @@ impl RankOptim {
             let optim = DpOptimizer::new(optim).with_fsdp(fsdp.clone());
             return Ok(Self(optim, Some(fsdp.clone())));
         }
-        Ok(Self(match sync {
-            GradSync::AfterBackward | GradSync::FullySharded { .. } => DpOptimizer::new(optim),
-            GradSync::Overlapped { bucket_bytes } => DpOptimizer::new(optim)
-                .with_reducer(GradReducer::new(model, dp_group, *bucket_bytes)),
-            GradSync::Distributed {
-                config,
-                bucket_bytes,
-            } => {
-                let mut zero = DistributedAdamW::new(config, model, dp_group, *bucket_bytes);
-                // This rank's chunks of a resumed state (saved at any dp).
-                zero.shard_module_optimizer(&optim, model)?;
-                DpOptimizer::distributed(optim, zero, config.clone())
-            }
-        }, None))
+        Ok(Self(
+            match sync {
+                GradSync::AfterBackward | GradSync::FullySharded { .. } => DpOptimizer::new(optim),
+                GradSync::Overlapped { bucket_bytes } => DpOptimizer::new(optim)
+                    .with_reducer(GradReducer::new(model, dp_group, *bucket_bytes)),
+                GradSync::Distributed {
+                    config,
+                    bucket_bytes,
+                } => {
+                    let mut zero = DistributedAdamW::new(config, model, dp_group, *bucket_bytes);
+                    // This rank's chunks of a resumed state (saved at any dp).
+                    zero.shard_module_optimizer(&optim, model)?;
+                    DpOptimizer::distributed(optim, zero, config.clone())
+                }
+            },
+            None,
+        ))
     }
 
     /// One training step of `model` on `item`: the user's `TrainStep`, the gradients reduced
