@@ -199,6 +199,13 @@ impl ProcessGroup {
         self.profile.as_ref().map(|p| p.snapshot())
     }
 
+    /// Whether the ranks are threads of one process ([`crate::LocalGroup`]), sharing its
+    /// memory: what one rank holds for a while, every rank does at once in the same memory
+    /// (a checkpoint's writers then take turns).
+    pub fn shares_process(&self) -> bool {
+        matches!(self.transport, Transport::Local(_))
+    }
+
     /// Whether a collective in flight makes progress without the thread that posted it (NCCL on
     /// its own stream, MPI on its own thread where the node has cores to spare, see
     /// `mpi::MpiRuntime::overlaps`, or the simulated [`LinkModel`]), so that compute placed

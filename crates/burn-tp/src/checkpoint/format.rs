@@ -156,12 +156,12 @@ pub(super) fn safetensors_dtype(name: &str) -> Option<safetensors::Dtype> {
     })
 }
 
-/// A tensor as a rank stores it: its dimension `dim` first, row-major.
+/// A tensor as a rank stores it: its dimension `dim` first, row-major (the values written
+/// from where they are, not copied again).
 pub(super) struct Stored {
     pub(super) name: String,
     pub(super) dtype: safetensors::Dtype,
-    pub(super) shape: Vec<usize>,
-    pub(super) bytes: Vec<u8>,
+    pub(super) data: TensorData,
 }
 
 impl safetensors::View for &Stored {
@@ -169,13 +169,13 @@ impl safetensors::View for &Stored {
         self.dtype
     }
     fn shape(&self) -> &[usize] {
-        &self.shape
+        self.data.shape()
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.bytes)
+        std::borrow::Cow::Borrowed(self.data.as_bytes())
     }
     fn data_len(&self) -> usize {
-        self.bytes.len()
+        self.data.as_bytes().len()
     }
 }
 

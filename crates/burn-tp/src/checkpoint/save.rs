@@ -87,93 +87,17 @@ pub fn save_sharded<M: Module>(
     }
     group.barrier()?;
 
-    let layouts = &sharding.layouts;
-    let file = format!("rank-{rank:05}.safetensors");
+    // Ranks that share a process write in turns: each holds a copy of its tensors (and of the
+    // optimizer's state) while it writes, and all at once would hold every rank's.
+    let turns = if group.shares_process() { size } else { 1 };
     let mut part = Part::default();
-    let mut stored = Vec::new();
-    let mut store = |name: String, data: TensorData, k: usize| -> Result<()> {
-        let region = sharding.region(k);
-        let written: Vec<StoredPiece> = region
-            .slices
-            .iter()
-            .filter(|p| p.writes)
-            .map(|p| StoredPiece {
-                file: format!("{shards}/{file}"),
-                start: p.global.start,
-                end: p.global.end,
-                offset: p.at,
-                rows: region.rows.as_ref().map(|r| [r.start, r.end]),
-            })
-            .collect();
-        if written.is_empty() {
-            return Ok(());
+    for turn in 0..turns {
+        if writes && (turns == 1 || turn == rank) {
+            part = write_part(model, optim, (&tmp, &shards), info, sharding, rank)?;
         }
-        let dtype = dtype_name(data.dtype()).ok_or_else(|| {
-            file_error(
-                dir,
-                format!("{name}: dtype {:?} cannot be saved", data.dtype()),
-            )
-        })?;
-        part.tensors.insert(
-            name.clone(),
-            TensorEntry {
-                dtype: dtype.into(),
-                shape: layouts[k].global_shape.clone(),
-                dim: layouts[k].dim,
-                pieces: written,
-            },
-        );
-        stored.push(Stored {
-            name,
-            dtype: safetensors_dtype(dtype).expect("a known dtype"),
-            shape: data.shape().to_vec(),
-            bytes: data.as_bytes().to_vec(),
-        });
-        Ok(())
-    };
-    if writes {
-        let values = dim_first_values(model, sharding, info.frozen_base.is_some());
-        for (k, data) in values.into_iter().enumerate() {
-            if let (true, Some(data)) = (map.writes[k], data) {
-                store(format!("p{}", map.global[k]), data, k)?;
-            }
+        if turns > 1 {
+            group.barrier()?;
         }
-    }
-    if let (true, Some(optim)) = (writes, optim) {
-        let state = IndexedState::of(optim, model)?;
-        for ((k, field), data) in state.tensors {
-            if !map.writes[k] {
-                continue;
-            }
-            // The state is shaped like its parameter: store it as the parameter is stored.
-            let data = match &sharding.rows[k] {
-                Some(rows) if rows.held.is_empty() => continue,
-                Some(rows) => first_rows(data, rows.held.len()),
-                None => data,
-            };
-            let data = dim_first(data, layouts[k].dim);
-            store(format!("p{}.{field}", map.global[k]), data, k)?;
-        }
-        part.scalars = state
-            .scalars
-            .into_iter()
-            .filter_map(|(key, v)| {
-                let (k, rest) = key.split_once('.')?;
-                let k: usize = k.parse().ok()?;
-                map.writes[k].then(|| (format!("{}.{rest}", map.global[k]), v.into()))
-            })
-            .collect();
-        part.paths = state
-            .paths
-            .into_iter()
-            .filter(|(k, _)| map.writes[*k])
-            .map(|(k, path)| (map.global[k].to_string(), path))
-            .collect();
-    }
-    if !stored.is_empty() {
-        let path = tmp.join(&file);
-        safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
-            .map_err(|e| file_error(&path, format!("writing: {e}")))?;
     }
     let part_path = tmp.join(format!("rank-{rank:05}.json"));
     write_json(&part_path, &part)?;
@@ -241,4 +165,106 @@ fn first_rows(data: TensorData, n: usize) -> TensorData {
     shape[0] = n;
     let bytes = data.as_bytes()[..n * row].to_vec();
     TensorData::from_bytes_vec(bytes, shape, dtype)
+}
+
+/// This rank's tensors written into `tmp` (its file, `shards/rank-{rank}` in the index), and
+/// its part of the index.
+fn write_part<M: Module>(
+    model: &M,
+    optim: Option<&ModuleOptimizer>,
+    (tmp, shards): (&Path, &str),
+    info: &CheckpointInfo,
+    sharding: &Sharding,
+    rank: usize,
+) -> Result<Part> {
+    let map = &sharding.map;
+    let dir = tmp;
+    let layouts = &sharding.layouts;
+    let file = format!("rank-{rank:05}.safetensors");
+    let mut part = Part::default();
+    let mut stored = Vec::new();
+    let mut store = |name: String, data: TensorData, k: usize| -> Result<()> {
+        let region = sharding.region(k);
+        let written: Vec<StoredPiece> = region
+            .slices
+            .iter()
+            .filter(|p| p.writes)
+            .map(|p| StoredPiece {
+                file: format!("{shards}/{file}"),
+                start: p.global.start,
+                end: p.global.end,
+                offset: p.at,
+                rows: region.rows.as_ref().map(|r| [r.start, r.end]),
+            })
+            .collect();
+        if written.is_empty() {
+            return Ok(());
+        }
+        let dtype = dtype_name(data.dtype()).ok_or_else(|| {
+            file_error(
+                dir,
+                format!("{name}: dtype {:?} cannot be saved", data.dtype()),
+            )
+        })?;
+        part.tensors.insert(
+            name.clone(),
+            TensorEntry {
+                dtype: dtype.into(),
+                shape: layouts[k].global_shape.clone(),
+                dim: layouts[k].dim,
+                pieces: written,
+            },
+        );
+        stored.push(Stored {
+            name,
+            dtype: safetensors_dtype(dtype).expect("a known dtype"),
+            data,
+        });
+        Ok(())
+    };
+    {
+        let values = dim_first_values(model, sharding, info.frozen_base.is_some());
+        for (k, data) in values.into_iter().enumerate() {
+            if let (true, Some(data)) = (map.writes[k], data) {
+                store(format!("p{}", map.global[k]), data, k)?;
+            }
+        }
+    }
+    if let Some(optim) = optim {
+        let state = IndexedState::of(optim, model)?;
+        for ((k, field), data) in state.tensors {
+            if !map.writes[k] {
+                continue;
+            }
+            // The state is shaped like its parameter: store it as the parameter is stored.
+            let data = match &sharding.rows[k] {
+                Some(rows) if rows.held.is_empty() => continue,
+                Some(rows) => first_rows(data, rows.held.len()),
+                None => data,
+            };
+            let data = dim_first(data, layouts[k].dim);
+            store(format!("p{}.{field}", map.global[k]), data, k)?;
+        }
+        part.scalars = state
+            .scalars
+            .into_iter()
+            .filter_map(|(key, v)| {
+                let (k, rest) = key.split_once('.')?;
+                let k: usize = k.parse().ok()?;
+                map.writes[k].then(|| (format!("{}.{rest}", map.global[k]), v.into()))
+            })
+            .collect();
+        part.paths = state
+            .paths
+            .into_iter()
+            .filter(|(k, _)| map.writes[*k])
+            .map(|(k, path)| (map.global[k].to_string(), path))
+            .collect();
+    }
+    if !stored.is_empty() {
+        let path = tmp.join(&file);
+        safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
+            .map_err(|e| file_error(&path, format!("writing: {e}")))?;
+    }
+    Ok(part)
 }

@@ -23,7 +23,10 @@ impl<M: Trainable> Rank<'_, M> {
     /// [`exports_from_checkpoint`](Self::exports_from_checkpoint), nothing: see
     /// [`export_from_checkpoint`](Self::export_from_checkpoint)). Collective.
     pub(super) fn export(&self, model: &M) -> BoxResult<()> {
-        if self.exports_from_checkpoint() {
+        let args = self.args;
+        if self.exports_from_checkpoint()
+            || (args.export_hf.is_none() && args.export_peft.is_none())
+        {
             return Ok(());
         }
         let whole;
@@ -34,7 +37,6 @@ impl<M: Trainable> Rank<'_, M> {
             }
             None => model,
         };
-        let args = self.args;
         if let Some(dir) = &args.export_hf {
             // Every expert on every ep rank again, for the export (collective over ep).
             let whole = match self.experts {
