@@ -18,9 +18,11 @@ use crate::ops::{Pending, all_gather_async, reduce_scatter_async};
 use crate::{Result, TpError};
 
 /// A gathered parameter left as a leaf of the graph (its gather untracked), its gradient taken
-/// after the part's backward: the call posts its reduce-scatter (`None`: the part did not use
-/// it) and gives the [`Waiter`] that adds this rank's shard of it to the step's gradients.
-pub(super) type Leaf = Box<dyn FnOnce(&mut Gradients) -> Result<Option<Waiter>>>;
+/// after a backward through it: the call posts its reduce-scatter (`None`: that backward did
+/// not reach it) and gives the [`Waiter`] that adds this rank's shard of it to the step's
+/// gradients. Called once per backward (the ends' twice when kept: the head's, the
+/// embedding's).
+pub(super) type Leaf = Box<dyn Fn(&mut Gradients) -> Result<Option<Waiter>>>;
 
 /// A posted reduce-scatter of a gradient: waits, adds this rank's shard to the gradients.
 pub(super) type Waiter = Box<dyn FnOnce(&mut GradientsParams) -> Result<()>>;

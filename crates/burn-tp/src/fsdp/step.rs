@@ -13,7 +13,7 @@ use super::gather::{InFlight, Leaf, Waiter};
 use crate::Result;
 use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
-use crate::recompute::{Part, Parts, Sequence, loss_and_grads_with};
+use crate::recompute::{Part, Parts, Sequence, loss_and_grads_with, merge, seeded_backward};
 
 /// What is in flight for a part: the model minus its blocks (the ends), or one block.
 enum Started<M: LanguageModel> {
@@ -99,6 +99,17 @@ impl<M: LanguageModel> Gathered<'_, M> {
                 m
             }
         })
+    }
+}
+
+impl<M: LanguageModel> Gathered<'_, M> {
+    /// The leaves of the parts gathered since the last call (kept: each part's own, for the
+    /// part-by-part backward).
+    fn take_leaves(&self) -> Vec<Leaf> {
+        self.deferred
+            .as_ref()
+            .map(|d| d.leaves.take())
+            .unwrap_or_default()
     }
 }
 
@@ -192,9 +203,14 @@ impl Fsdp {
         targets: Tensor<2, Int>,
         step: Option<DropoutStep>,
     ) -> Result<(Tensor<1>, GradientsParams)> {
-        let parts = Gathered::new(self, self.prefetch, self.reshard_after_forward);
+        // A MoE model's routers' loss joins every block: one backward over the whole forward.
+        let dense = model.router_loss_experts() == 0;
+        let parts = Gathered::new(self, self.prefetch, self.reshard_after_forward || dense);
         if self.reshard_after_forward {
             return loss_and_grads_with(model, ids, targets, step, &parts);
+        }
+        if dense {
+            return kept(model, &parts, (ids, targets, step));
         }
         let inner = model.valid();
         let loss = forward_loss(model, &inner, &parts, true, (ids, targets, step))?;
@@ -230,4 +246,71 @@ fn forward_loss<M: LanguageModel>(
         Some(aux) => loss.clone() + aux.cast(loss.dtype()),
         None => loss,
     })
+}
+
+/// Keeping the gathered weights (no reshard), a dense model: one tracked forward cut at the
+/// parts (each block's input a leaf, each part's gathered weights leaves of their own), then
+/// the backward part by part in reverse: each part's reduce-scatters posted after its backward
+/// and waited after the next part's, so they travel while it computes.
+///
+/// ```text
+///  forward   gE gB0 gB1 ...         (each part's gathers posted while the one before runs)
+///            embed B0  B1 ... head  (the graphs and the gathered weights kept)
+///  backward  head | B(L-1)      | B(L-2)      | ... | embed      |
+///            rs E | rs B(L-1) ->| rs B(L-2) ->| ... | rs E     ->| wait
+///                   wait rs E     wait rs B(L-1)
+/// ```
+fn kept<M: LanguageModel>(
+    model: &M,
+    parts: &Gathered<'_, M>,
+    (ids, targets, step): (Tensor<2, Int>, Tensor<2, Int>, Option<DropoutStep>),
+) -> Result<(Tensor<1>, GradientsParams)> {
+    let held = model.held_layers();
+    let mut order = vec![(Part::Ends, true)];
+    order.extend(held.iter().map(|&i| (Part::Block(i), true)));
+    let inner = model.valid();
+    let mut seq = Sequence::new(model, &inner, parts, order)?;
+    let ends = seq.next_part()?.into_owned();
+    let ends_leaves = parts.take_leaves();
+    let embedded = ends.embed(ids)?;
+    let mut x = embedded.clone();
+    let mut blocks = Vec::with_capacity(held.len());
+    for &i in &held {
+        let block = seq.next_part()?;
+        let input = x.detach().require_grad();
+        let y = block.layer(i, input.clone(), step)?;
+        blocks.push((input, y.clone(), parts.take_leaves()));
+        x = y;
+    }
+    let h = x.detach().require_grad();
+    let loss = ends.head_loss(h.clone(), targets)?;
+
+    let mut total = GradientsParams::new();
+    let mut in_flight: Vec<Waiter> = Vec::new();
+    // After a part's backward: the previous part's reduce-scatters (in flight during it)
+    // waited, this part's posted (every rank in its gathers' order).
+    let mut done = |mut grads: Gradients, leaves: &[Leaf], total: &mut GradientsParams| {
+        for wait in in_flight.drain(..) {
+            wait(total)?;
+        }
+        for leaf in leaves {
+            in_flight.extend(leaf(&mut grads)?);
+        }
+        merge(total, grads, model);
+        Result::Ok(())
+    };
+    let mut grads = loss.backward();
+    let mut dy = h.grad_remove(&mut grads).expect("the head reads its input");
+    done(grads, &ends_leaves, &mut total)?;
+    for (input, y, leaves) in blocks.into_iter().rev() {
+        let mut grads = seeded_backward(y, Tensor::from_inner(dy));
+        dy = input.grad_remove(&mut grads).expect("a block reads its input");
+        done(grads, &leaves, &mut total)?;
+    }
+    let grads = seeded_backward(embedded, Tensor::from_inner(dy));
+    done(grads, &ends_leaves, &mut total)?;
+    for wait in in_flight {
+        wait(&mut total)?;
+    }
+    Ok((loss.detach(), total))
 }
