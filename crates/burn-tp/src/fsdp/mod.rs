@@ -17,8 +17,9 @@
 //!  forward (the block runs untracked, its input kept) and gathered again for its backward:
 //!  backward    gather B(L-1) | gather B(L-2) | ...
 //!              head, backward| recompute B(L-1), backward  ->  reduce-scatter dW(L-1) -> my shard
-//!  reshard_after_forward = false (ZeRO-2 style): the gathered weights stay in the graph from the
-//!  forward to their backward; no regather, no recompute.
+//!  reshard_after_forward = false (ZeRO-2 style): the gathered weights stay from the forward
+//!  to their backward; no regather, no recompute; the backward runs part by part, each part's
+//!  reduce-scatters in flight while the next part's backward runs.
 //!
 //!  step        grads /= dp (HSDP: all-reduce over the replicas first); AdamW on the shards
 //! ```
