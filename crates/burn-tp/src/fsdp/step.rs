@@ -304,7 +304,9 @@ fn kept<M: LanguageModel>(
     done(grads, &ends_leaves, &mut total)?;
     for (input, y, leaves) in blocks.into_iter().rev() {
         let mut grads = seeded_backward(y, Tensor::from_inner(dy));
-        dy = input.grad_remove(&mut grads).expect("a block reads its input");
+        dy = input
+            .grad_remove(&mut grads)
+            .expect("a block reads its input");
         done(grads, &leaves, &mut total)?;
     }
     let grads = seeded_backward(embedded, Tensor::from_inner(dy));
