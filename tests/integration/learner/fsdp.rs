@@ -8,8 +8,8 @@ use burn_tp_comm::LocalGroup;
 use burn_tp_examples::learner::Windows;
 use burn_train::checkpoint::KeepLastNCheckpoints;
 
-use super::{SEQ, config, launch, learner_run, plain_loop, step_losses, text, values};
-use crate::common::{assert_close, device, rng_lock};
+use super::{SEQ, against_plain, config, launch, resumed_on_the_curve, text};
+use crate::common::{device, rng_lock};
 
 /// At tp 1 x fsdp 2, tp 2 x fsdp 2 and HSDP (groups of 2 at dp 4), the Learner's logged
 /// losses are the plain loop's, step by step (f32, 1e-5), and so is the model it returns
@@ -28,14 +28,14 @@ fn the_learner_fully_sharded_gives_the_plain_loops_losses() {
     for (tp, dp, how, sync) in runs {
         device().seed(3);
         let full = config().init(&solo, &device()).unwrap();
-        let (want, want_model) = plain_loop(&full, dp);
         let dir = root.join(format!("tp{tp}dp{dp}"));
-        let (got, got_model) = learner_run(&full, (tp, dp), &dir, sync);
-        let tag = format!("tp {tp} dp {dp} {how}");
-        assert_close(&got, &want, 1e-5, &format!("{tag}: losses"));
-        assert!(want.last() < want.first(), "{tag}: {want:?}");
-        let (got, want) = (values(&got_model), values(&want_model));
-        assert_close(&got, &want, 1e-5, &format!("{tag}: the trained model"));
+        against_plain(
+            &full,
+            (tp, dp),
+            &dir,
+            sync,
+            &format!("tp {tp} dp {dp} {how}"),
+        );
     }
     // HSDP groups that do not divide dp: an error naming both.
     let full = config().init(&solo, &device()).unwrap();
@@ -60,27 +60,11 @@ fn a_fully_sharded_learner_checkpoint_resumes_without_fsdp() {
     device().seed(4);
     let full = config().init(&solo, &device()).unwrap();
     let ckpt = root.join("checkpoints");
-    let train = || Windows::new(text(), SEQ, SEQ);
-    let strategy = TensorParallel::new(1, 2, || AdamWConfig::new().init())
+    let first = TensorParallel::new(1, 2, || AdamWConfig::new().init())
         .with_fsdp()
         .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(2));
-    let first = root.join("first");
-    let result = launch(&full, strategy, &first, train(), |t| t.num_epochs(3));
-    assert!(result.error.is_none(), "{:?}", result.error);
-    let strategy = TensorParallel::new(2, 2, || AdamWConfig::new().init())
+    let second = TensorParallel::new(2, 2, || AdamWConfig::new().init())
         .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(2));
-    let second = root.join("second");
-    let resumed = launch(&full, strategy, &second, train(), |t| {
-        t.num_epochs(3).checkpoint(2)
-    });
-    assert!(resumed.error.is_none(), "{:?}", resumed.error);
-    let want = step_losses(&first, 3);
-    assert!(want.len() >= 4, "{want:?}");
-    assert_close(
-        &step_losses(&second, 3),
-        &want,
-        1e-5,
-        "resumed at tp 2 x dp 2",
-    );
+    resumed_on_the_curve(&full, &root, (first, second), "resumed at tp 2 x dp 2");
     std::fs::remove_dir_all(&root).ok();
 }

@@ -169,6 +169,48 @@ fn learner_run(
     (step_losses(dir, 1), result.model.model)
 }
 
+/// The Learner at tp x dp, set up by `sync`, against the plain loop of `full`: its logged
+/// losses step by step and the trained model it returns (1e-5). Returns that model.
+fn against_plain(
+    full: &Llama,
+    (tp, dp): (usize, usize),
+    dir: &Path,
+    sync: impl FnOnce(TensorParallel) -> TensorParallel,
+    tag: &str,
+) -> Llama {
+    let (want, want_model) = plain_loop(full, dp);
+    assert!(want.len() >= 4, "{tag}: {} steps", want.len());
+    let (got, got_model) = learner_run(full, (tp, dp), dir, sync);
+    assert_close(&got, &want, 1e-5, &format!("{tag}: losses"));
+    assert!(want.last() < want.first(), "{tag}: {want:?}");
+    let (got, want) = (values(&got_model), values(&want_model));
+    assert_close(&got, &want, 1e-5, &format!("{tag}: the trained model"));
+    got_model
+}
+
+/// Three epochs through `first` (checkpointing into `ckpt`), then the run resumed after
+/// epoch 2 through `second`: its epoch 3 on the uninterrupted curve (1e-5). Returns the two
+/// runs' folders.
+fn resumed_on_the_curve(
+    full: &Llama,
+    root: &Path,
+    (first, second): (TensorParallel, TensorParallel),
+    tag: &str,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let train = || Windows::new(text(), SEQ, SEQ);
+    let dirs = (root.join("first"), root.join("second"));
+    let result = launch(full, first, &dirs.0, train(), |t| t.num_epochs(3));
+    assert!(result.error.is_none(), "{tag}: {:?}", result.error);
+    let resumed = launch(full, second, &dirs.1, train(), |t| {
+        t.num_epochs(3).checkpoint(2)
+    });
+    assert!(resumed.error.is_none(), "{tag}: {:?}", resumed.error);
+    let want = step_losses(&dirs.0, 3);
+    assert!(want.len() >= 4, "{tag}: {want:?}");
+    assert_close(&step_losses(&dirs.1, 3), &want, 1e-5, tag);
+    dirs
+}
+
 /// At tp 1, tp 2 and tp 2 x dp 2 (the dp average after the backward, overlapped in buckets, or
 /// the distributed optimizer) the Learner's logged losses are the plain loop's, step by step
 /// (f32, 1e-5), and the model it returns (gathered to tp 1) is the plain loop's trained model.
@@ -191,18 +233,13 @@ fn the_learner_at_tp_and_dp_gives_the_plain_loops_losses() {
     for (tp, dp, how, sync) in runs {
         device().seed(3);
         let full = config().init(&solo, &device()).unwrap();
-        let (want, want_model) = plain_loop(&full, dp);
-        assert!(want.len() >= 8, "{} steps", want.len());
         let dir = root.join(format!("tp{tp}dp{dp}{}", how.len()));
-        let (got, got_model) = learner_run(&full, (tp, dp), &dir, sync);
-        let tag = format!("tp {tp} dp {dp} {how}");
-        assert_close(&got, &want, 1e-5, &format!("{tag}: losses"));
-        assert!(want.last() < want.first(), "{tag}: {want:?}");
-        assert_close(
-            &values(&got_model),
-            &values(&want_model),
-            1e-5,
-            &format!("{tag}: the trained model"),
+        against_plain(
+            &full,
+            (tp, dp),
+            &dir,
+            sync,
+            &format!("tp {tp} dp {dp} {how}"),
         );
     }
     std::fs::remove_dir_all(&root).ok();
@@ -210,8 +247,8 @@ fn the_learner_at_tp_and_dp_gives_the_plain_loops_losses() {
 
 /// Checkpoints through the Learner: Burn's `KeepLastNCheckpoints` drives burn-tp's sharded
 /// checkpoints (each rank its shard of the model and of AdamW's state); one written at tp 2
-/// after epoch 1 resumes at tp 4 (`SupervisedTraining::checkpoint(1)`) on the uninterrupted
-/// curve of epoch 2; the strategy deletes all but the last 2.
+/// after epoch 2 resumes at tp 4 (`SupervisedTraining::checkpoint(2)`) on the uninterrupted
+/// curve of epoch 3; the strategy deletes all but the last 2.
 #[test]
 fn a_learner_checkpoint_written_at_tp_2_resumes_at_tp_4_on_the_curve() {
     let _rng = rng_lock();
@@ -221,12 +258,12 @@ fn a_learner_checkpoint_written_at_tp_2_resumes_at_tp_4_on_the_curve() {
     device().seed(4);
     let full = config().init(&solo, &device()).unwrap();
     let ckpt = root.join("checkpoints");
-    let strategy = TensorParallel::new(2, 1, || AdamWConfig::new().init())
-        .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(2));
-    let train = || Windows::new(text(), SEQ, SEQ);
-    let first = root.join("first");
-    let result = launch(&full, strategy, &first, train(), |t| t.num_epochs(3));
-    assert!(result.error.is_none(), "{:?}", result.error);
+    let at = |tp| {
+        TensorParallel::new(tp, 1, || AdamWConfig::new().init())
+            .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(2))
+    };
+    // Resumed after epoch 2 at tp 4: epoch 3 on the uninterrupted curve.
+    let (_, second) = resumed_on_the_curve(&full, &root, (at(2), at(4)), "resumed at tp 4");
     // Epochs 2 and 3 kept, epoch 1 deleted by the strategy.
     let kept: Vec<bool> = (1..=3)
         .map(|e| {
@@ -236,17 +273,6 @@ fn a_learner_checkpoint_written_at_tp_2_resumes_at_tp_4_on_the_curve() {
         })
         .collect();
     assert_eq!(kept, [false, true, true]);
-    // Resumed after epoch 2 at tp 4: epoch 3 on the uninterrupted curve.
-    let strategy = TensorParallel::new(4, 1, || AdamWConfig::new().init())
-        .with_checkpoints(&ckpt, KeepLastNCheckpoints::new(2));
-    let second = root.join("second");
-    let resumed = launch(&full, strategy, &second, train(), |t| {
-        t.num_epochs(3).checkpoint(2)
-    });
-    assert!(resumed.error.is_none(), "{:?}", resumed.error);
-    let want = step_losses(&first, 3);
-    assert!(want.len() >= 8);
-    assert_close(&step_losses(&second, 3), &want, 1e-5, "resumed at tp 4");
     assert!(!second.join("train").join("epoch-2").exists());
     std::fs::remove_dir_all(&root).ok();
 }
