@@ -125,6 +125,30 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
     };
     let want_bf16 = bf16(&[]);
     assert_close(&bf16(&["--fsdp"]), &want_bf16, 2e-2, "bf16 fsdp");
+    // bf16 compute gathers bf16 (half the bytes) and reduce-scatters f32 (the same bytes).
+    let bytes = |extra: &[&str]| {
+        let argv = [
+            &["--tp", "1", "--dp", "2", "--fsdp", "--profile"][..],
+            extra,
+        ]
+        .concat();
+        let profile = run_gpt(&args(&argv, "fsdp-prof")).unwrap().profile.unwrap();
+        let sum = |op: &str| -> u64 {
+            let rows = profile.rows.iter().filter(|r| r.op == op);
+            rows.map(|r| r.bytes).sum()
+        };
+        (sum("AllGather"), sum("ReduceScatter"))
+    };
+    for reshard in [&[][..], &["--reshard-after-forward"]] {
+        let (f32_gather, f32_scatter) = bytes(reshard);
+        let (bf16_gather, bf16_scatter) = bytes(&[reshard, &["--dtype", "bf16"]].concat());
+        assert!(f32_gather > 0 && f32_scatter > 0, "{reshard:?}");
+        assert_eq!(2 * bf16_gather, f32_gather, "{reshard:?}: gathers in bf16");
+        assert_eq!(
+            bf16_scatter, f32_scatter,
+            "{reshard:?}: reduce-scatters in f32"
+        );
+    }
     // 3 steps fully sharded (each rank writing its rows), then 3 more at other layouts, the
     // rows read straight into the shards where the resumed run is fully sharded too.
     let pp = ["--pp", "2", "--micro-batches", "2"];

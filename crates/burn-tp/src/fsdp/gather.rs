@@ -1,5 +1,6 @@
 //! The gathers: each parameter's dim-0 shards all-gathered over the shard group (one collective
-//! per parameter, all of a part's posted before the first is waited on), the padding cut off.
+//! per parameter, all of a part's posted before the first is waited on), the padding cut off,
+//! in the compute dtype where the gradient does not flow back through the gather.
 //! The all-gather's backward is the reduce-scatter, so a tracked gather brings each rank its
 //! shard's gradient summed over the group as soon as the parameter's gradient is complete; a
 //! detached gather instead leaves each whole as a leaf ([`Leaf`]), whose reduce-scatter the
@@ -27,11 +28,21 @@ pub(super) type Leaf = Box<dyn Fn(&mut Gradients) -> Result<Option<Waiter>>>;
 /// A posted reduce-scatter of a gradient: waits, adds this rank's shard to the gradients.
 pub(super) type Waiter = Box<dyn FnOnce(&mut GradientsParams) -> Result<()>>;
 
-/// `leaf`'s [`Leaf`]: its gradient reduce-scattered over `group` into parameter `id`'s.
-fn deferred<const D: usize>(leaf: Tensor<D>, id: ParamId, group: ProcessGroup) -> Leaf {
+/// `leaf`'s [`Leaf`]: its gradient reduce-scattered over `group` into parameter `id`'s, in
+/// the shard's `dtype` (f32 sums of a bf16 compute's gradients).
+fn deferred<const D: usize>(
+    leaf: Tensor<D>,
+    id: ParamId,
+    group: ProcessGroup,
+    dtype: FloatDType,
+) -> Leaf {
     Box::new(move |grads: &mut Gradients| {
         let Some(g) = leaf.grad_remove(grads) else {
             return Ok(None);
+        };
+        let g = match FloatDType::from(g.dtype()) == dtype {
+            true => g,
+            false => g.cast(dtype),
         };
         let pending = reduce_scatter_async(g, 0, &group)?;
         let waiter: Waiter = Box::new(move |total: &mut GradientsParams| {
@@ -84,6 +95,19 @@ impl Fsdp {
                 let shard = match self.detach {
                     true => param.val().detach(),
                     false => param.val(),
+                };
+                // Gathered in the compute dtype (half the bytes of f32 shards) where no
+                // gradient flows back through the gather (a detached gather's leaves are
+                // reduce-scattered in the shard's dtype); a tracked gather's backward would
+                // sum the gradients in it.
+                let shard = match self.fsdp.compute {
+                    Some(dtype)
+                        if (self.detach || !shard.is_require_grad())
+                            && FloatDType::from(shard.dtype()) != dtype =>
+                    {
+                        shard.cast(dtype)
+                    }
+                    _ => shard,
                 };
                 match all_gather_async(shard, 0, &self.fsdp.shard) {
                     Ok(p) => self.pending.push_back(Box::new(p)),
@@ -138,13 +162,14 @@ impl Fsdp {
                     return param;
                 }
                 let (compute, p_id) = (self.fsdp.compute, param.id);
+                let shard_dtype = FloatDType::from(param.val().dtype());
                 match pending.wait() {
                     Ok(whole) => param.map(|_| {
                         let whole = match self.leaves.as_mut() {
                             Some(leaves) => {
                                 let leaf = whole.detach().require_grad();
                                 let group = self.fsdp.shard.clone();
-                                leaves.push(deferred(leaf.clone(), p_id, group));
+                                leaves.push(deferred(leaf.clone(), p_id, group, shard_dtype));
                                 leaf
                             }
                             None => whole,
