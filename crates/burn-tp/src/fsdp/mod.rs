@@ -312,17 +312,9 @@ impl Fsdp {
         tp_rank: usize,
         map: StageMap,
     ) -> Sharding {
-        struct Ids(Vec<ParamId>);
-        impl ModuleVisitor for Ids {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                self.0.push(param.id);
-            }
-        }
-        let mut ids = Ids(Vec::new());
-        whole.visit(&mut ids);
         let mut sharding = Sharding::of(whole, tp_rank, map);
         let (r, n) = (self.shard.rank(), self.shard.world_size());
-        for (k, id) in ids.0.into_iter().enumerate() {
+        for (k, id) in crate::model::param_ids(whole).into_iter().enumerate() {
             match self.rows.get(&id) {
                 Some(&rows) => {
                     let c = rows.div_ceil(n);

@@ -32,14 +32,6 @@ impl Fsdp {
     /// # Errors
     /// A communication error; a model not cut by [`shard`](Self::shard).
     pub fn gather_whole<M: Module>(&self, shards: &M) -> Result<M> {
-        struct Trainable(HashSet<ParamId>);
-        impl ModuleVisitor for Trainable {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if param.val().is_require_grad() {
-                    self.0.insert(param.id);
-                }
-            }
-        }
         struct Leaves<'a>(&'a Fsdp, HashSet<ParamId>);
         impl ModuleMapper for Leaves<'_> {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -50,11 +42,12 @@ impl Fsdp {
                 param.map(|t| t.detach().set_require_grad(trainable))
             }
         }
-        let mut trainable = Trainable(HashSet::new());
-        shards.visit(&mut trainable);
+        let ids = crate::model::param_ids(shards).into_iter();
+        let trainable = ids.zip(crate::reshard::trainable(shards));
+        let trainable = trainable.filter_map(|(id, t)| t.then_some(id)).collect();
         let flight = self.start(shards, true)?;
         let whole = self.finish(shards.clone(), flight, None)?;
-        Ok(whole.map(&mut Leaves(self, trainable.0)))
+        Ok(whole.map(&mut Leaves(self, trainable)))
     }
 
     /// `grads` of the model [`gather_whole`](Self::gather_whole) gave (each sharded parameter's
