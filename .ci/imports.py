@@ -12,7 +12,7 @@ import sys
 
 # crates/burn-tp/src/lib.rs's floors, lowest first; a module imports only its floor and below.
 FLOORS = [
-    ["error", "rng", "local"],
+    ["error", "rng", "local", "alloc"],
     ["backend"],
     ["ops"],
     ["init", "reshard"],

@@ -7,7 +7,7 @@
 //! | floor | modules |
 //! |---|---|
 //! | transport | `burn-tp-comm` ([`comm`]): process groups, no autodiff, no Burn |
-//! | base | `error` ([`TpError`]), [`rng`] (SplitMix64: dropout's hash, sampling's draws), [`local`] (the runner of ranks as threads) |
+//! | base | `error` ([`TpError`]), [`rng`] (SplitMix64: dropout's hash, sampling's draws), [`local`] (the runner of ranks as threads), [`alloc`] (a global allocator keeping freed large blocks) |
 //! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/matmul/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards (beside it the GEMM hook, `gemm.rs`, `cublas.rs`); `backend/collective/` the host transport; `backend/attention/` the attention kernels (`flash.rs`, `flash_cpu/`, the visibility rule `mask.rs`, ring attention over a context-parallel group `ring.rs`); `backend/fused/` the norms, SwiGLU gate and dropout (the masks) as ops whose backward keeps only what Megatron keeps; `backend/autodiff/` the backward nodes |
 //! | ops | [`ops`]: differentiable collectives on `Tensor<D>`, each with an async form |
 //! | shards | `init` (initialisation identical at every tp, internal), [`reshard`] (between tp sizes) |
@@ -72,6 +72,7 @@
 //! assert!(losses.iter().all(|l| l.as_ref().is_ok_and(|v| v.is_finite())));
 //! ```
 
+pub mod alloc;
 pub mod attention;
 pub mod backend;
 pub mod checkpoint;

@@ -61,12 +61,15 @@ pub struct RunOptions {
 /// Tells the allocator to keep freed memory mapped, so that the buffers of one training step
 /// are reused by the next instead of being returned to the OS and page-faulted back: with
 /// glibc, blocks up to 32 MiB come from the heap (`M_MMAP_THRESHOLD`) and the heap is not
-/// trimmed (`M_TRIM_THRESHOLD`). The process then keeps its peak heap, which a training loop
-/// reaches every step anyway. Process-wide and lasting, so opt-in: a training program calls it
+/// trimmed (`M_TRIM_THRESHOLD`); larger blocks are kept by a [`crate::alloc::BlockCache`]
+/// where the program installed one as its global allocator (the example does). The process
+/// then keeps its peak heap, which a training loop reaches every step anyway. Process-wide and lasting, so opt-in: a training program calls it
 /// (or [`keep_freed_memory_unless_disabled`]), or asks the runner to
 /// ([`RunOptions::keep_freed_memory`]). Returns whether it applied (false off glibc, where it
 /// does nothing).
 pub fn keep_freed_memory() -> bool {
+    // Blocks above glibc's ceiling: the program's `BlockCache`, if it installed one.
+    crate::alloc::set_block_cache(true);
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // glibc's ceiling for the mmap threshold on 64-bit targets.

@@ -26,6 +26,10 @@ use burn_tp::norm::TpLayerNorm;
 use burn_tp::ops::all_gather;
 use burn_tp::transformer::ParallelMlpConfig;
 
+// As the example: blocks above glibc's 32 MiB reused (section 10 times it off and on).
+#[global_allocator]
+static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 1 << 30);
+
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -503,6 +507,7 @@ fn bench_scaling(quick: bool) {
 
 mod attention;
 mod context;
+mod elementwise;
 mod floor;
 mod grid;
 mod lora;
@@ -511,6 +516,7 @@ mod pipeline;
 
 use attention::bench_attention;
 use context::bench_context;
+use elementwise::bench_elementwise;
 use floor::bench_layer_floor;
 use grid::bench_async_grid;
 use lora::bench_lora;
@@ -543,6 +549,7 @@ fn main() {
         Some("moe") => return bench_moe(quick),
         Some("lora") => return bench_lora(quick),
         Some("context") => return bench_context(quick),
+        Some("elementwise") => return bench_elementwise(quick),
         Some("split") => {
             let split = bench_overlap(quick, OverlapSchedule::Split);
             return print_overlap("3. Overlap: async vs sync (split schedule)", &split);
@@ -588,6 +595,7 @@ fn main() {
     bench_moe(quick);
     bench_lora(quick);
     bench_context(quick);
+    bench_elementwise(quick);
     println!("\ntotal {:.0} s", start.elapsed().as_secs_f64());
 }
 

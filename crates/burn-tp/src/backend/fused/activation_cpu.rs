@@ -54,6 +54,11 @@ fn output(values: Vec<f32>, shape: Vec<usize>, dtype: DType) -> FlexTensor {
 
 /// `n` values written in parallel, `chunk` at a time: `fill(start, dst)` writes every element
 /// of `dst`, values `start..start + dst.len()`. No zero-fill before.
+///
+/// `fill` must be `#[inline(always)]` (as must anything it calls per element): only code
+/// inlined into [`simd`]'s target-feature function is compiled for the wide unit, and LLVM
+/// declined to inline the kernels' closures on its own (measured: the GELU's loop ran at the
+/// baseline's SSE2 width, 2.4 ns a value on an AVX2 core).
 fn par_fill(
     n: usize,
     chunk: usize,
@@ -63,7 +68,12 @@ fn par_fill(
     out.spare_capacity_mut()[..n]
         .par_chunks_mut(chunk.max(1))
         .enumerate()
-        .for_each(|(c, dst)| simd(|| fill(c * chunk.max(1), dst)));
+        .for_each(|(c, dst)| {
+            simd(
+                #[inline(always)]
+                || fill(c * chunk.max(1), dst),
+            )
+        });
     // Safety: the chunks cover `0..n` and `fill` writes every element of each.
     unsafe { out.set_len(n) };
     out
@@ -80,11 +90,16 @@ fn rows_of(
         return Vec::new();
     }
     let per_task = TASK_ELEMS.div_ceil(width).max(1);
-    par_fill(rows * width, per_task * width, |start, dst| {
-        for (r, dst) in dst.chunks_mut(width).enumerate() {
-            row(start / width + r, dst);
-        }
-    })
+    par_fill(
+        rows * width,
+        per_task * width,
+        #[inline(always)]
+        |start, dst| {
+            for (r, dst) in dst.chunks_mut(width).enumerate() {
+                row(start / width + r, dst);
+            }
+        },
+    )
 }
 
 /// `(act(g), act'(g))`. The tanh GELU through the sigmoid: with `z = c (g + a g^3)`,
@@ -143,12 +158,17 @@ pub(crate) fn glu_forward(y: FlexTensor, act: GluActivation) -> FlexTensor {
     let (mut shape, rows, two_f) = rows_and_width(&y);
     let f = two_f / 2;
     let data = y.as_slice::<f32>().expect("contiguous f32");
-    let out = rows_of(rows, f, |i, dst| {
-        let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
-        for ((z, &g), &u) in dst.iter_mut().zip(g).zip(u) {
-            z.write(act_only(g, act) * u);
-        }
-    });
+    let out = rows_of(
+        rows,
+        f,
+        #[inline(always)]
+        |i, dst| {
+            let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
+            for ((z, &g), &u) in dst.iter_mut().zip(g).zip(u) {
+                z.write(act_only(g, act) * u);
+            }
+        },
+    );
     *shape.last_mut().expect("checked") = f;
     output(out, shape, dtype)
 }
@@ -164,16 +184,21 @@ pub(crate) fn glu_backward(y: FlexTensor, dz: FlexTensor, act: GluActivation) ->
         y.as_slice::<f32>().expect("contiguous f32"),
         dz.as_slice::<f32>().expect("contiguous f32"),
     );
-    let out = rows_of(rows, two_f, |i, dst| {
-        let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
-        let dz = &dz[i * f..(i + 1) * f];
-        let (d_gate, d_up) = dst.split_at_mut(f);
-        for j in 0..f {
-            let (a, slope) = act_and_slope(g[j], act);
-            d_gate[j].write(dz[j] * u[j] * slope);
-            d_up[j].write(dz[j] * a);
-        }
-    });
+    let out = rows_of(
+        rows,
+        two_f,
+        #[inline(always)]
+        |i, dst| {
+            let (g, u) = data[i * two_f..(i + 1) * two_f].split_at(f);
+            let dz = &dz[i * f..(i + 1) * f];
+            let (d_gate, d_up) = dst.split_at_mut(f);
+            for j in 0..f {
+                let (a, slope) = act_and_slope(g[j], act);
+                d_gate[j].write(dz[j] * u[j] * slope);
+                d_up[j].write(dz[j] * a);
+            }
+        },
+    );
     output(out, shape, dtype)
 }
 
@@ -186,16 +211,18 @@ pub(crate) fn glu_backward(y: FlexTensor, dz: FlexTensor, act: GluActivation) ->
 fn normal_cdf(x: f32) -> f32 {
     let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
     let t = 1.0 / (1.0 + 0.5 * z);
+    // Horner steps as FMAs: half the dependent chain (measured on an AVX2 Zen 3 core: the
+    // exact GELU 2.4 -> 1.5 ns a value), one rounding instead of two.
     let p = 0.170_872_77f32;
-    let p = p * t - 0.822_152_23;
-    let p = p * t + 1.488_515_87;
-    let p = p * t - 1.135_203_98;
-    let p = p * t + 0.278_868_07;
-    let p = p * t - 0.186_288_06;
-    let p = p * t + 0.096_784_18;
-    let p = p * t + 0.374_091_96;
-    let p = p * t + 1.000_023_68;
-    let p = p * t - 1.265_512_23;
+    let p = p.mul_add(t, -0.822_152_23);
+    let p = p.mul_add(t, 1.488_515_87);
+    let p = p.mul_add(t, -1.135_203_98);
+    let p = p.mul_add(t, 0.278_868_07);
+    let p = p.mul_add(t, -0.186_288_06);
+    let p = p.mul_add(t, 0.096_784_18);
+    let p = p.mul_add(t, 0.374_091_96);
+    let p = p.mul_add(t, 1.000_023_68);
+    let p = p.mul_add(t, -1.265_512_23);
     // erfc(z) for z = |x| / sqrt 2: the lower tail's CDF, or one minus it.
     let half_erfc = 0.5 * t * exp(p - z * z);
     if x >= 0.0 { 1.0 - half_erfc } else { half_erfc }
@@ -209,11 +236,16 @@ pub(crate) fn gelu_forward(x: FlexTensor) -> FlexTensor {
     let (x, dtype) = f32_contiguous(x);
     let shape = x.layout().shape().to_vec();
     let data = x.as_slice::<f32>().expect("contiguous f32");
-    let out = par_fill(data.len(), TASK_ELEMS, |start, dst| {
-        for (y, &x) in dst.iter_mut().zip(&data[start..]) {
-            y.write(x * normal_cdf(x));
-        }
-    });
+    let out = par_fill(
+        data.len(),
+        TASK_ELEMS,
+        #[inline(always)]
+        |start, dst| {
+            for (y, &x) in dst.iter_mut().zip(&data[start..]) {
+                y.write(x * normal_cdf(x));
+            }
+        },
+    );
     output(out, shape, dtype)
 }
 
@@ -227,12 +259,17 @@ pub(crate) fn gelu_backward(x: FlexTensor, dy: FlexTensor) -> FlexTensor {
         x.as_slice::<f32>().expect("contiguous f32"),
         dy.as_slice::<f32>().expect("contiguous f32"),
     );
-    let out = par_fill(data.len(), TASK_ELEMS, |start, dst| {
-        for ((g, &x), &d) in dst.iter_mut().zip(&data[start..]).zip(&dy[start..]) {
-            let pdf = INV_SQRT_2PI * exp(-0.5 * x * x);
-            g.write(d * (normal_cdf(x) + x * pdf));
-        }
-    });
+    let out = par_fill(
+        data.len(),
+        TASK_ELEMS,
+        #[inline(always)]
+        |start, dst| {
+            for ((g, &x), &d) in dst.iter_mut().zip(&data[start..]).zip(&dy[start..]) {
+                let pdf = INV_SQRT_2PI * exp(-0.5 * x * x);
+                g.write(d * (normal_cdf(x) + x * pdf));
+            }
+        },
+    );
     output(out, shape, dtype)
 }
 

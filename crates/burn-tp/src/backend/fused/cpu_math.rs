@@ -14,16 +14,16 @@ pub(crate) fn exp(x: f32) -> f32 {
     // Round to nearest through the 1.5 * 2^23 trick (no SSE4.1 `round` needed): `t`'s low
     // mantissa bits hold n, so 2^n is integer arithmetic on its bits (no float-to-int
     // conversion, whose saturating semantics keep the loop scalar).
-    let t = xc * LOG2E + 12_582_912.0;
+    let t = xc.mul_add(LOG2E, 12_582_912.0);
     let n = t - 12_582_912.0;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 0.166_666_66;
-    let p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, xc));
+    let p = 1.987_569_1e-4f32;
+    let p = p.mul_add(r, 1.398_199_9e-3);
+    let p = p.mul_add(r, 8.333_452e-3);
+    let p = p.mul_add(r, 4.166_579_6e-2);
+    let p = p.mul_add(r, 0.166_666_66);
+    let p = p.mul_add(r, 0.5);
+    let e = (p * r).mul_add(r, r) + 1.0;
     let scaled = e * f32::from_bits((t.to_bits().wrapping_sub(0x4B40_0000 - 127)) << 23);
     if x < -87.0 { 0.0 } else { scaled }
 }
@@ -32,7 +32,12 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// the build's baseline, SSE2 on x86-64): the kernels' loops, inlined into it, vectorize to that
 /// width without building for one CPU (`-C target-cpu`), as gemm and Flex pick their kernels at
 /// run time. The results do not depend on the width: Rust neither contracts `a * b + c` into
-/// an FMA nor reassociates float sums, so each element's arithmetic is the same.
+/// an FMA nor reassociates float sums, so each element's arithmetic is the same; the kernels'
+/// explicit `mul_add`s are one rounding in the FMA unit and in libm's `fmaf` alike (the
+/// baseline's, slow, on a CPU with neither AVX2 nor AVX-512).
+///
+/// Only what LLVM inlines into the target-feature function gets the width: pass `f` as
+/// `#[inline(always)] || ..`, and mark what it calls per element `#[inline(always)]` too.
 #[inline(always)]
 pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]

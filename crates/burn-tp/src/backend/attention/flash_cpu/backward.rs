@@ -214,73 +214,76 @@ pub(crate) fn backward(
         .collect();
     // Each task compiled for the CPU's widest vector unit (its row loops inlined into it).
     tasks.into_par_iter().for_each(|(bi, kh)| {
-        simd(|| {
-            let (dq_ptr, dk_ptr, dv_ptr) = ptrs;
-            let task = Task {
-                q: &q,
-                k: &k,
-                v: &v,
-                spec,
-                bi,
-                kh,
-                heads: kh * g..(kh + 1) * g,
-                lengths: [s, t],
-            };
-            let query_tiles: Vec<QueryTile> = q_tiles
-                .iter()
-                .map(|rows| task.query_tile(&o, &d_o, lse, rows))
-                .collect();
-            let mut dqp: Vec<Vec<f32>> = q_tiles
-                .iter()
-                .map(|r| vec![0.0f32; g * r.len() * hd])
-                .collect();
-            let mut p = vec![0.0f32; g * spec.tile * spec.tile];
-            let mut dp = vec![0.0f32; g * spec.tile * spec.tile];
-            let slopes = if spec.softcap.is_some() {
-                g * spec.tile * spec.tile
-            } else {
-                0
-            };
-            let mut slope = vec![0.0f32; slopes];
-            for cols in &k_tiles {
-                let mk = cols.len();
-                let mut dkb = vec![0.0f32; mk * hd];
-                let mut dvb = vec![0.0f32; mk * hd];
-                for (i, rows) in q_tiles.iter().enumerate() {
-                    if spec.visible(rows, cols).0 {
-                        let scratch = [&mut p[..], &mut dp[..], &mut slope[..]];
-                        task.tile(
-                            &query_tiles[i],
-                            rows,
-                            cols,
-                            scratch,
-                            &mut dqp[i],
-                            &mut dkb,
-                            &mut dvb,
-                        );
+        simd(
+            #[inline(always)]
+            || {
+                let (dq_ptr, dk_ptr, dv_ptr) = ptrs;
+                let task = Task {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    spec,
+                    bi,
+                    kh,
+                    heads: kh * g..(kh + 1) * g,
+                    lengths: [s, t],
+                };
+                let query_tiles: Vec<QueryTile> = q_tiles
+                    .iter()
+                    .map(|rows| task.query_tile(&o, &d_o, lse, rows))
+                    .collect();
+                let mut dqp: Vec<Vec<f32>> = q_tiles
+                    .iter()
+                    .map(|r| vec![0.0f32; g * r.len() * hd])
+                    .collect();
+                let mut p = vec![0.0f32; g * spec.tile * spec.tile];
+                let mut dp = vec![0.0f32; g * spec.tile * spec.tile];
+                let slopes = if spec.softcap.is_some() {
+                    g * spec.tile * spec.tile
+                } else {
+                    0
+                };
+                let mut slope = vec![0.0f32; slopes];
+                for cols in &k_tiles {
+                    let mk = cols.len();
+                    let mut dkb = vec![0.0f32; mk * hd];
+                    let mut dvb = vec![0.0f32; mk * hd];
+                    for (i, rows) in q_tiles.iter().enumerate() {
+                        if spec.visible(rows, cols).0 {
+                            let scratch = [&mut p[..], &mut dp[..], &mut slope[..]];
+                            task.tile(
+                                &query_tiles[i],
+                                rows,
+                                cols,
+                                scratch,
+                                &mut dqp[i],
+                                &mut dkb,
+                                &mut dvb,
+                            );
+                        }
+                    }
+                    // Safety: rows `cols` of key / value head (bi, kh) belong to this task only.
+                    unsafe {
+                        let at = ((bi * hkv + kh) * t + cols.start) * hd;
+                        std::ptr::copy_nonoverlapping(dkb.as_ptr(), dk_ptr.get().add(at), mk * hd);
+                        std::ptr::copy_nonoverlapping(dvb.as_ptr(), dv_ptr.get().add(at), mk * hd);
                     }
                 }
-                // Safety: rows `cols` of key / value head (bi, kh) belong to this task only.
-                unsafe {
-                    let at = ((bi * hkv + kh) * t + cols.start) * hd;
-                    std::ptr::copy_nonoverlapping(dkb.as_ptr(), dk_ptr.get().add(at), mk * hd);
-                    std::ptr::copy_nonoverlapping(dvb.as_ptr(), dv_ptr.get().add(at), mk * hd);
-                }
-            }
-            let heads = task.heads;
-            for (rows, tile) in q_tiles.iter().zip(&dqp) {
-                for (r, row) in tile.chunks(hd).enumerate() {
-                    let (h, qi) = (heads.start + r / rows.len(), rows.start + r % rows.len());
-                    // Safety: query heads `heads` of batch bi belong to this task only.
-                    unsafe {
-                        let o = dq_ptr.get().add(((bi * hq + h) * s + qi) * hd);
-                        for (d, x) in row.iter().enumerate() {
-                            *o.add(d) = x * scale;
+                let heads = task.heads;
+                for (rows, tile) in q_tiles.iter().zip(&dqp) {
+                    for (r, row) in tile.chunks(hd).enumerate() {
+                        let (h, qi) = (heads.start + r / rows.len(), rows.start + r % rows.len());
+                        // Safety: query heads `heads` of batch bi belong to this task only.
+                        unsafe {
+                            let o = dq_ptr.get().add(((bi * hq + h) * s + qi) * hd);
+                            for (d, x) in row.iter().enumerate() {
+                                *o.add(d) = x * scale;
+                            }
                         }
                     }
                 }
-            }
-        })
+            },
+        )
     });
     let make = |values: Vec<f32>, shape: [usize; 4], dtype: DType| {
         let t = FlexTensor::from_data(TensorData::new(values, Shape::from(shape.to_vec())));
