@@ -5,9 +5,9 @@ use clap::Parser;
 
 // Freed blocks above glibc's 32 MiB kept for the next step's same-sized buffers instead of
 // unmapped and page-faulted back (`burn_tp::alloc`); on once the run calls
-// `keep_freed_memory` (off with BURN_TP_KEEP_FREED_MEMORY=0), at most 1 GiB held.
+// `keep_freed_memory` (off with BURN_TP_KEEP_FREED_MEMORY=0), at most 512 MiB held.
 #[global_allocator]
-static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 1 << 30);
+static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 512 << 20);
 
 fn main() {
     let args = Args::parse();

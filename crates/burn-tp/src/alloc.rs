@@ -15,7 +15,7 @@
 //!
 //! ```ignore
 //! #[global_allocator]
-//! static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 1 << 30);
+//! static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 512 << 20);
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -28,7 +28,7 @@ use burn_tp::transformer::ParallelMlpConfig;
 
 // As the example: blocks above glibc's 32 MiB reused (section 10 times it off and on).
 #[global_allocator]
-static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 1 << 30);
+static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 512 << 20);
 
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
