@@ -24,7 +24,8 @@ fn materialized(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
     softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3).matmul(v)
 }
 
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+/// The median of `reps` runs of `f`, after an untimed one.
+pub(crate) fn time(reps: usize, mut f: impl FnMut()) -> f64 {
     f();
     median(
         (0..reps)

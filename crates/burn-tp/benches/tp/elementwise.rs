@@ -7,28 +7,13 @@
 //! the bench's `burn_tp::alloc::BlockCache` off (each output above 32 MiB a fresh mapping);
 //! `unfused` is the same op composed of Burn's tensor ops (`set_cpu_kernels(false)`).
 
-use std::time::Instant;
-
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_tp::alloc::set_block_cache;
 use burn_tp::backend::{Bias, GluActivation, NormSpec, TpBackend, set_cpu_kernels};
 use rayon::prelude::*;
 
-use crate::median;
-
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    median(
-        (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
-}
+use crate::attention::time;
 
 /// A copy of `floats` values into a warm buffer on every core: reads and writes `4 floats`
 /// bytes each.
