@@ -1,4 +1,4 @@
-//! Section 10: the memory-bound passes of a training step against memcpy of the bytes they
+//! Section 14: the memory-bound passes of a training step against memcpy of the bytes they
 //! must touch (issue 48's target: within 1.3x). Each op runs on the whole machine's rayon pool,
 //! f32, at the GPT's MLP activation (`[batch 8, seq 1,024, 4 d]`, d = 256: 32 MiB, glibc's
 //! largest heap block, so a fresh output is mmap'd and page-faulted) and at half of it (16 MiB,
@@ -109,7 +109,7 @@ pub(crate) fn bench_elementwise(quick: bool) {
     };
     let reps = if quick { 3 } else { 15 };
     println!(
-        "\n## 10. Memory-bound passes against memcpy of their bytes (f32, {} threads; floor = a \
+        "\n## 14. Memory-bound passes against memcpy of their bytes (f32, {} threads; floor = a \
          parallel warm copy of the bytes read + written; target: fused / floor <= 1.3)\n",
         rayon::current_num_threads()
     );

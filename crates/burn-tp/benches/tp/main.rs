@@ -26,7 +26,7 @@ use burn_tp::norm::TpLayerNorm;
 use burn_tp::ops::all_gather;
 use burn_tp::transformer::ParallelMlpConfig;
 
-// As the example: blocks above glibc's 32 MiB reused (section 10 times it off and on).
+// As the example: blocks above glibc's 32 MiB reused (section 14 times it off and on).
 #[global_allocator]
 static ALLOC: burn_tp::alloc::BlockCache = burn_tp::alloc::BlockCache::new(16 << 20, 512 << 20);
 
