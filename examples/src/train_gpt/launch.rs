@@ -159,6 +159,8 @@ fn mpi_rank<M: Trainable>(
     }
     let world = burn_tp::comm::ProcessGroup::from_mpi(&runtime);
     world.set_timeout(group_timeout(args));
+    // Each process a training program, as the threads' launch above.
+    burn_tp::local::keep_freed_memory_unless_disabled();
     let device = Device::flex().autodiff();
     device.seed(args.seed);
     match train_rank::<M>(args, config, data, world, &device, checkpoint) {
