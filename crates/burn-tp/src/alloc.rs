@@ -21,7 +21,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// How many freed blocks the cache holds at most (a fixed array: the allocator must not
 /// allocate while it holds its lock).
@@ -30,19 +30,11 @@ const SLOTS: usize = 64;
 /// Whether every [`BlockCache`] in the process caches (set by
 /// [`crate::local::keep_freed_memory`]).
 static ON: AtomicBool = AtomicBool::new(false);
-static HITS: AtomicU64 = AtomicU64::new(0);
-static MISSES: AtomicU64 = AtomicU64::new(0);
 
 /// Switches the process's [`BlockCache`] on or off (off: blocks already cached stay until
 /// they are reused or evicted).
 pub fn set_block_cache(on: bool) {
     ON.store(on, Ordering::Relaxed);
-}
-
-/// `(hits, misses)` of every [`BlockCache`] in the process since it started: requests of at
-/// least `min` bytes served from the cache, and those that went to the system allocator.
-pub fn block_cache_stats() -> (u64, u64) {
-    (HITS.load(Ordering::Relaxed), MISSES.load(Ordering::Relaxed))
 }
 
 #[derive(Clone, Copy)]
@@ -104,13 +96,9 @@ impl BlockCache {
             .filter(|(_, b)| b.ptr != 0 && b.size == layout.size() && b.align == layout.align())
             .max_by_key(|(_, b)| b.stamp)
             .map(|(i, _)| i);
-        let Some(i) = hit else {
-            MISSES.fetch_add(1, Ordering::Relaxed);
-            return None;
-        };
+        let i = hit?;
         let block = std::mem::replace(&mut s.slots[i], EMPTY);
         s.bytes -= block.size;
-        HITS.fetch_add(1, Ordering::Relaxed);
         Some(block.ptr as *mut u8)
     }
 
