@@ -4,12 +4,11 @@ use burn::optim::AdamWConfig;
 use burn_tp::checkpoint;
 use burn_tp::llama::LlamaConfig;
 use burn_tp::train::TensorParallel;
-use burn_tp_comm::LocalGroup;
 use burn_tp_examples::learner::{LmLearner, Windows};
 use burn_train::checkpoint::KeepLastNCheckpoints;
 
-use super::{SEQ, config, launch, plain_loop, step_losses, text, values};
-use crate::common::{assert_close, device, rng_lock};
+use super::{SEQ, config, fixture, launch, plain_loop, step_losses, text, values};
+use crate::common::{assert_close, device};
 
 /// `with_shards`: each rank builds its own shard (the Learner's model only a tiny placeholder of
 /// the same type), at tp 2 x dp 2: the plain loop's losses (1e-5) and trained model. Without the
@@ -20,9 +19,7 @@ use crate::common::{assert_close, device, rng_lock};
 fn the_ranks_build_their_own_shards() {
     use burn::tensor::Device;
     use burn_tp::comm::ProcessGroup;
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let root = std::env::temp_dir().join(format!("burn-tp-learner-build-{}", std::process::id()));
+    let (_rng, solo, root) = fixture("build");
     let _ = std::fs::remove_dir_all(&root);
     device().seed(6);
     let full = config().init(&solo, &device()).unwrap();

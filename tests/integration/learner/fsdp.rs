@@ -4,21 +4,18 @@
 
 use burn::optim::AdamWConfig;
 use burn_tp::train::TensorParallel;
-use burn_tp_comm::LocalGroup;
 use burn_tp_examples::learner::Windows;
 use burn_train::checkpoint::KeepLastNCheckpoints;
 
-use super::{SEQ, against_plain, config, launch, resumed_on_the_curve, text};
-use crate::common::{device, rng_lock};
+use super::{SEQ, against_plain, config, fixture, launch, resumed_on_the_curve, text};
+use crate::common::device;
 
 /// At tp 1 x fsdp 2, tp 2 x fsdp 2 and HSDP (groups of 2 at dp 4), the Learner's logged
 /// losses are the plain loop's, step by step (f32, 1e-5), and so is the model it returns
 /// (gathered from the rows, then to tp 1).
 #[test]
 fn the_learner_fully_sharded_gives_the_plain_loops_losses() {
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let root = std::env::temp_dir().join(format!("burn-tp-learner-fsdp-{}", std::process::id()));
+    let (_rng, solo, root) = fixture("fsdp");
     type Sync = fn(TensorParallel) -> TensorParallel;
     let runs: [(usize, usize, &str, Sync); 3] = [
         (1, 2, "fsdp", |t| t.with_fsdp()),
@@ -53,9 +50,7 @@ fn the_learner_fully_sharded_gives_the_plain_loops_losses() {
 /// tp 2 x dp 2 without fsdp: epoch 3 on the uninterrupted curve.
 #[test]
 fn a_fully_sharded_learner_checkpoint_resumes_without_fsdp() {
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let root = std::env::temp_dir().join(format!("burn-tp-learner-fsdpc-{}", std::process::id()));
+    let (_rng, solo, root) = fixture("fsdpc");
     let _ = std::fs::remove_dir_all(&root);
     device().seed(4);
     let full = config().init(&solo, &device()).unwrap();

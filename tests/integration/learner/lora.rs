@@ -1,10 +1,9 @@
 //! A LoRA fine-tune through the Learner.
 
 use burn_tp::train::TensorParallel;
-use burn_tp_comm::LocalGroup;
 
-use super::{against_plain, config, values};
-use crate::common::{device, rng_lock};
+use super::{against_plain, config, fixture, values};
+use crate::common::device;
 
 /// A LoRA fine-tune through the Learner (`lora::apply_lora` on the model it starts from): at
 /// tp 2 x dp 2, the dp average after the backward or in buckets, the logged losses and the
@@ -12,9 +11,7 @@ use crate::common::{device, rng_lock};
 #[test]
 fn the_learner_trains_lora_adapters_at_tp_and_dp() {
     use burn_tp::lora::{LoraConfig, apply_lora};
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let root = std::env::temp_dir().join(format!("burn-tp-learner-lora-{}", std::process::id()));
+    let (_rng, solo, root) = fixture("lora");
     type Sync = fn(TensorParallel) -> TensorParallel;
     let runs: [(&str, Sync); 2] = [
         ("", |t| t),

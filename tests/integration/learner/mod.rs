@@ -2,7 +2,8 @@
 //! its loss metric and metric logs, at tp x dp, against a plain loop of the same model, data
 //! order and optimizer.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::MutexGuard;
 
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::split::split_dataloader;
@@ -15,7 +16,7 @@ use burn_tp::dropout::DropoutStep;
 use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::model::LanguageModel;
 use burn_tp::train::TensorParallel;
-use burn_tp_comm::LocalGroup;
+use burn_tp_comm::{LocalGroup, ProcessGroup};
 use burn_tp_examples::learner::{LmBatch, LmBatcher, LmLearner, Windows};
 use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::metric::LossMetric;
@@ -31,6 +32,15 @@ use crate::common::{assert_close, device, f64s, rng_lock};
 const SEQ: usize = 8;
 const BATCH: usize = 2;
 const LR: f64 = 1e-2;
+
+/// What a Learner test starts with: the RNG lock, held while the test runs; the one-rank group
+/// the full model is built on; and a scratch folder `burn-tp-learner-{name}-{pid}`.
+fn fixture(name: &str) -> (MutexGuard<'static, ()>, ProcessGroup, PathBuf) {
+    let rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let dir = std::env::temp_dir().join(format!("burn-tp-learner-{name}-{}", std::process::id()));
+    (rng, solo, dir)
+}
 
 fn text() -> Vec<i64> {
     // 40 windows: whole batches on every replica.
@@ -216,9 +226,7 @@ fn resumed_on_the_curve(
 /// (f32, 1e-5), and the model it returns (gathered to tp 1) is the plain loop's trained model.
 #[test]
 fn the_learner_at_tp_and_dp_gives_the_plain_loops_losses() {
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let root = std::env::temp_dir().join(format!("burn-tp-learner-{}", std::process::id()));
+    let (_rng, solo, root) = fixture("plain");
     type Sync = fn(TensorParallel) -> TensorParallel;
     let runs: [(usize, usize, &str, Sync); 6] = [
         (1, 1, "", |t| t),
@@ -251,9 +259,7 @@ fn the_learner_at_tp_and_dp_gives_the_plain_loops_losses() {
 /// curve of epoch 3; the strategy deletes all but the last 2.
 #[test]
 fn a_learner_checkpoint_written_at_tp_2_resumes_at_tp_4_on_the_curve() {
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let root = std::env::temp_dir().join(format!("burn-tp-learner-ckpt-{}", std::process::id()));
+    let (_rng, solo, root) = fixture("ckpt");
     let _ = std::fs::remove_dir_all(&root);
     device().seed(4);
     let full = config().init(&solo, &device()).unwrap();
@@ -282,9 +288,7 @@ fn a_learner_checkpoint_written_at_tp_2_resumes_at_tp_4_on_the_curve() {
 /// strategy reads the flushed metrics.
 #[test]
 fn early_stopping_stops_the_tensor_parallel_run_at_the_right_epoch() {
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let dir = std::env::temp_dir().join(format!("burn-tp-learner-stop-{}", std::process::id()));
+    let (_rng, solo, dir) = fixture("stop");
     let _ = std::fs::remove_dir_all(&dir);
     device().seed(5);
     let full = config().init(&solo, &device()).unwrap();
@@ -349,9 +353,7 @@ impl Dataset<Vec<i64>> for Failing {
 /// strategy for a later `fit`.
 #[test]
 fn a_failing_rank_ends_the_learner_with_its_error() {
-    let _rng = rng_lock();
-    let solo = LocalGroup::new(1).unwrap().remove(0);
-    let dir = std::env::temp_dir().join(format!("burn-tp-learner-fail-{}", std::process::id()));
+    let (_rng, solo, dir) = fixture("fail");
     let _ = std::fs::remove_dir_all(&dir);
     device().seed(6);
     let full = config().init(&solo, &device()).unwrap();

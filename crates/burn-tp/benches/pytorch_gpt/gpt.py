@@ -66,6 +66,9 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    # bf16: autocast (f32 master weights, bf16 matmuls), as `train_gpt --dtype bf16` keeps f32
+    # master weights and computes in bf16.
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -76,15 +79,16 @@ def main():
         if step == 1:
             start = time.perf_counter()
         ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1))
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, a.vocab), ids[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, a.vocab), ids[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
     elapsed = time.perf_counter() - start
     tokens = (a.steps - 1) * a.batch * a.seq
     print(
-        f"pytorch {torch.__version__} threads {a.threads}: {tokens / elapsed:.0f} tokens/s, "
+        f"pytorch {torch.__version__} {a.dtype} threads {a.threads}: {tokens / elapsed:.0f} tokens/s, "
         f"loss {loss.item():.4f}"
     )
 

@@ -6,12 +6,15 @@
 #   crates/burn-tp/benches/pytorch_gpt/run.sh [ROUNDS] [-- extra train_gpt flags]
 #
 # Defaults: the issue-32 shape, d_model 256, 4 heads, 4 layers, batch 8, seq 1,024, f32, tp 1.
+# DTYPE=bf16 runs both in bf16 with f32 master weights (train_gpt --dtype bf16, PyTorch's
+# autocast).
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 rounds=${1:-3}
 shift || true
 [ "${1:-}" = "--" ] && shift
-shape=(--d-model "${D:-256}" --heads "${H:-4}" --layers "${L:-4}" --batch "${B:-8}" --seq "${S:-1024}")
+shape=(--d-model "${D:-256}" --heads "${H:-4}" --layers "${L:-4}" --batch "${B:-8}" --seq "${S:-1024}"
+  --dtype "${DTYPE:-f32}")
 cargo build --release --example train_gpt -q
 for r in $(seq 1 "$rounds"); do
   for att in fused materialized; do

@@ -5,7 +5,8 @@
 //! kept on the heap by `keep_freed_memory`). The floor: a parallel copy of the bytes read plus
 //! written into a warm buffer, timed in the same run; `no block cache`: the same kernel with
 //! the bench's `burn_tp::alloc::BlockCache` off (each output above 32 MiB a fresh mapping);
-//! `unfused` is the same op composed of Burn's tensor ops (`set_cpu_kernels(false)`).
+//! `unfused` is the same op composed of Burn's tensor ops (`set_cpu_kernels(false)`; the layer
+//! norm's forward: Burn's own `layer_norm`, one pass).
 
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Distribution, Tensor};
@@ -41,11 +42,34 @@ fn ops(rows: usize, width: usize) -> Vec<(&'static str, f64, Op)> {
     let y2 = random([rows, 2 * width]);
     let gamma = Tensor::<1>::ones([width], &device);
     let beta = Tensor::<1>::zeros([width], &device);
-    let (x1, x2, x3, dy1) = (x.clone(), x.clone(), x.clone(), dy.clone());
+    let (x1, x2, dy1, dy2) = (x.clone(), x.clone(), dy.clone(), dy.clone());
     let (y2a, y2b) = (y2.clone(), y2);
-    let spec = NormSpec {
-        rms: false,
-        epsilon: 1e-5,
+    let spec = |rms| NormSpec { rms, epsilon: 1e-5 };
+    // The norm's forward (layer norm with beta, RMSNorm without) and its backward.
+    let norm = |rms: bool| -> Op {
+        let (x, gamma, beta) = (x.clone(), gamma.clone(), beta.clone());
+        Box::new(move || {
+            std::hint::black_box(<Dispatch as TpBackend>::tp_norm(
+                x.clone().into_dispatch(),
+                gamma.clone().into_dispatch(),
+                match rms {
+                    true => Bias::None,
+                    false => Bias::Some(beta.clone().into_dispatch()),
+                },
+                spec(rms),
+            ));
+        })
+    };
+    let norm_backward = |rms: bool| -> Op {
+        let (x, gamma, dy) = (x.clone(), gamma.clone(), dy.clone());
+        Box::new(move || {
+            std::hint::black_box(<Dispatch as TpBackend>::tp_norm_backward(
+                x.clone().into_dispatch(),
+                gamma.clone().into_dispatch(),
+                dy.clone().into_dispatch(),
+                spec(rms),
+            ));
+        })
     };
     vec![
         (
@@ -61,7 +85,7 @@ fn ops(rows: usize, width: usize) -> Vec<(&'static str, f64, Op)> {
             Box::new(move || {
                 std::hint::black_box(<Dispatch as TpBackend>::tp_gelu_backward(
                     x2.clone().into_dispatch(),
-                    dy.clone().into_dispatch(),
+                    dy1.clone().into_dispatch(),
                 ));
             }),
         ),
@@ -81,23 +105,15 @@ fn ops(rows: usize, width: usize) -> Vec<(&'static str, f64, Op)> {
             Box::new(move || {
                 std::hint::black_box(<Dispatch as TpBackend>::tp_glu_backward(
                     y2b.clone().into_dispatch(),
-                    dy1.clone().into_dispatch(),
+                    dy2.clone().into_dispatch(),
                     GluActivation::Silu,
                 ));
             }),
         ),
-        (
-            "layer norm forward",
-            2.0,
-            Box::new(move || {
-                std::hint::black_box(<Dispatch as TpBackend>::tp_norm(
-                    x3.clone().into_dispatch(),
-                    gamma.clone().into_dispatch(),
-                    Bias::Some(beta.clone().into_dispatch()),
-                    spec,
-                ));
-            }),
-        ),
+        ("layer norm forward", 2.0, norm(false)),
+        ("layer norm backward", 3.0, norm_backward(false)),
+        ("RMSNorm forward", 2.0, norm(true)),
+        ("RMSNorm backward", 3.0, norm_backward(true)),
     ]
 }
 

@@ -8,7 +8,8 @@ use burn_flex::FlexTensor;
 use burn_tp_comm::{CommError, ProcessGroup, SendBuf};
 
 use super::{
-    AllToAllSpec, AttentionSpec, Collective, CollectiveOutput, PendingCollective, TpBackend,
+    AllToAllSpec, AttentionSpec, Bias, Collective, CollectiveOutput, NormSpec, PendingCollective,
+    TpBackend,
 };
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -16,7 +17,7 @@ use crate::backend::attention::{flash, flash_cpu};
 use crate::backend::collective::all_to_all::host_all_to_all_with;
 use crate::backend::collective::host::{DataRead, HostElement, HostRead, host_start_with};
 use crate::backend::fused::swiglu::{self, GluActivation};
-use crate::backend::fused::{activation_cpu, gelu};
+use crate::backend::fused::{activation_cpu, gelu, norm, norm_cpu};
 
 impl TpBackend for Flex {
     fn tp_start(
@@ -71,6 +72,36 @@ impl TpBackend for Flex {
         }
     }
 
+    /// The CPU kernel (`fused/norm_cpu.rs`: one pass over the rows) for f32 and half inputs;
+    /// the tensor ops (and Burn's layer norm) for f64 or with [`set_cpu_kernels`]`(false)`.
+    fn tp_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Bias<Self>,
+        spec: NormSpec,
+    ) -> FloatTensor<Self> {
+        match cpu_kernel(&x) {
+            true => norm_cpu::forward(x, gamma, beta.into_option(), &spec),
+            false => norm::forward::<Self>(x, gamma, beta.into_option(), &spec),
+        }
+    }
+
+    fn tp_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        spec: NormSpec,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        match cpu_kernel(&x) {
+            true => norm_cpu::backward(x, gamma, dy, &spec),
+            false => norm::backward::<Self>(x, gamma, dy, &spec),
+        }
+    }
+
     /// The CPU kernel (`flash_cpu/`: f32 tiles between GEMM calls) for f32 and half inputs; the
     /// tensor-op tiles for f64 or with [`set_cpu_kernels`]`(false)`.
     fn tp_attention_kernel(
@@ -110,7 +141,8 @@ fn cpu_kernel(x: &FlexTensor) -> bool {
 /// 0: not read yet, 1: on, 2: off.
 static CPU_KERNELS: AtomicU8 = AtomicU8::new(0);
 
-/// Whether Flex runs burn-tp's CPU kernels (the attention's tiles, the gated MLP's gate) or
+/// Whether Flex runs burn-tp's CPU kernels (the attention's tiles, the gated MLP's gate, the
+/// GELU, the norms) or
 /// the same ops composed of Burn's tensor ops (the unfused path, kept for comparison). On by
 /// default; `BURN_TP_CPU_KERNELS=0` in the environment starts the process with them off.
 pub fn cpu_kernels() -> bool {

@@ -15,9 +15,9 @@
 //! | `collective/`  | the host transport (`host.rs`: one dtype switch, dim-first moves, slicing; `pool.rs`: pooled output buffers) |
 //! | `matmul/`      | the parallel-linear math and its overlap schedules (`overlap.rs`, with diagram), [`gemm`] (a row-major strided product as a column-major BLAS call), the GEMM hook on CUDA (`cublas.rs`) |
 //! | `attention/`   | causal attention by tiles (`flash.rs`, with diagram), its CPU kernel on Flex's storage (`flash_cpu.rs`), which keys a query sees (`mask.rs`), ring attention over context-parallel ranks (`ring.rs`, with diagram) |
-//! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `act(gate) * up`: SwiGLU, GeGLU (`swiglu.rs`), the exact GELU's derivative (`gelu.rs`), dropout (`dropout.rs`); Flex's one-pass gate and GELU (`activation_cpu.rs`) and the vectorized loops' helpers (`cpu_math.rs`) |
+//! | `fused/`       | ops whose backward keeps only the input: layer norm and RMSNorm (`norm.rs`), `act(gate) * up`: SwiGLU, GeGLU (`swiglu.rs`), the exact GELU's derivative (`gelu.rs`), dropout (`dropout.rs`); Flex's one-pass gate and GELU (`activation_cpu.rs`), norms (`norm_cpu.rs`) and what they share (`cpu_math.rs`, `flex_rows.rs`) |
 //! | `grad_tap.rs`  | the data-parallel gradient tap                                     |
-//! | `flex.rs`      | `TpBackend` for Flex: its CPU kernels (attention, gate, GELU; [`set_cpu_kernels`] turns them off) |
+//! | `flex.rs`      | `TpBackend` for Flex: its CPU kernels (attention, gate, GELU, norms; [`set_cpu_kernels`] turns them off) |
 //! | `autodiff/`    | `TpBackend` for `Autodiff<B>`: each op's forward, its backward node |
 //! | `cuda.rs`      | `TpBackend` for burn's CUDA backend over NCCL (feature `cuda`)    |
 //!
@@ -219,6 +219,22 @@ pub trait TpBackend: Backend {
         spec: NormSpec,
     ) -> FloatTensor<Self> {
         fused::norm::forward::<Self>(x, gamma, beta.into_option(), &spec)
+    }
+
+    /// Gradients of [`tp_norm`](TpBackend::tp_norm): `(dx, dgamma, dbeta)` in the dtypes of x,
+    /// gamma and gamma (`[.., d]`, `[d]`, `[d]`; no dbeta for RMSNorm), from the upstream
+    /// gradient `dy` (`[.., d]`), the input and the weight, the row statistics recomputed.
+    fn tp_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        spec: NormSpec,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        fused::norm::backward::<Self>(x, gamma, dy, &spec)
     }
 
     /// Dropout of `x` with the logical mask of `spec` (`crate::dropout`): `x` times the scaled

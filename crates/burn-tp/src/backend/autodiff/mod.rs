@@ -12,7 +12,7 @@ use burn_tp_comm::{ProcessGroup, ReduceOp};
 use crate::backend::attention::mask::AttentionSpec;
 use crate::backend::attention::ring::{self, RingSpec};
 use crate::backend::fused::dropout::{DropoutSpec, apply_mask};
-use crate::backend::fused::norm::{self, NormSpec};
+use crate::backend::fused::norm::NormSpec;
 use crate::backend::fused::swiglu::GluActivation;
 use crate::backend::matmul::overlap::{column_forward, row_forward};
 use crate::backend::{
@@ -267,11 +267,11 @@ impl<B: TpBackend, C: CheckpointStrategy> TpBackend for Autodiff<B, C> {
         spec: NormSpec,
     ) -> FloatTensor<Self> {
         let beta = beta.into_option();
-        let y = norm::forward::<B>(
+        let y = B::tp_norm(
             x.primitive().clone(),
             gamma.primitive().clone(),
-            beta.as_ref().map(|b| b.primitive().clone()),
-            &spec,
+            beta.as_ref().map(|b| b.primitive().clone()).into(),
+            spec,
         );
         // What the backward needs: the input and the weight (the statistics are recomputed).
         let state = NormState {

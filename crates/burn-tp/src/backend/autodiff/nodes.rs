@@ -10,7 +10,7 @@ use burn_tp_comm::{CommError, ProcessGroup, ReduceOp};
 
 use crate::backend::attention::mask::AttentionSpec;
 use crate::backend::collective::host::local_chunk;
-use crate::backend::fused::norm::{self, NormSpec};
+use crate::backend::fused::norm::NormSpec;
 use crate::backend::matmul::overlap::{
     ColumnSaved, LinearGrads, Needs, column_backward, row_backward,
 };
@@ -145,13 +145,13 @@ pub(super) struct NormState<B: Backend> {
     pub(super) spec: NormSpec,
 }
 
-impl<B: Backend, const N: usize> Backward<B, N> for NormBackward {
+impl<B: TpBackend, const N: usize> Backward<B, N> for NormBackward {
     type State = NormState<B>;
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _ck: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
         let NormState { x, gamma, spec } = ops.state;
-        let (dx, d_gamma, d_beta) = norm::backward::<B>(x, gamma, dy, &spec);
+        let (dx, d_gamma, d_beta) = B::tp_norm_backward(x, gamma, dy, spec);
         for (parent, g) in ops
             .parents
             .into_iter()
