@@ -5,7 +5,7 @@ counts as the attention's GEMM). Not part of CI: the breakdown behind issue 48's
 docs/PERFORMANCE.md.
 
     cargo build --release --example train_gpt
-    python3 crates/burn-tp/benches/pytorch_gpt/profile.py [-- train_gpt flags]
+    python3 crates/burn-tp/benches/pytorch_gpt/perf_breakdown.py [-- train_gpt flags]
 
 Defaults: the issue-32 shape (d 256, 4 heads, 4 layers, batch 8, seq 1,024, tp 1, 4 steps).
 Needs `perf` (`-e cpu-clock`: no hardware counters needed, so it runs in a VM).
