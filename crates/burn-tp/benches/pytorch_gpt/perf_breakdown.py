@@ -48,13 +48,19 @@ def classify(frames):
         if any(re.search(pattern, f) for f in frames):
             inside = name
             break
+    # The kernels' loops are inlined into `cpu_math::simd`'s target-feature functions; on a
+    # rayon worker that stole the task the unwound chain ends there, without the kernel's name.
+    in_simd = any(re.search(r"cpu_math::avx", f) for f in frames)
     for name, pattern in LEAF:
         if re.search(pattern, leaf):
-            if name == "GEMM" and inside == "attention kernel":
+            # Only the attention's tasks call a GEMM from inside `simd` (one tile each).
+            if name == "GEMM" and (inside == "attention kernel" or in_simd):
                 return "attention kernel: its GEMMs"
             if name == "GEMM":
                 return "GEMM (the linears, the head)"
             return name
+    if inside is None and in_simd:
+        return "CPU kernels' loops, caller not unwound (attention, GELU, norms)"
     return inside or "other"
 
 
@@ -76,7 +82,7 @@ def main():
     )
     tps = re.search(r"\((\d+) in the steps", run.stdout + run.stderr)
     script = subprocess.run(
-        ["perf", "script", "-i", data, "-F", "comm,sym", "--no-inline"],
+        ["perf", "script", "-i", data, "-F", "comm,ip,sym", "--no-inline"],
         capture_output=True, text=True, check=True,
     ).stdout
     os.remove(data)
@@ -88,9 +94,12 @@ def main():
                 counts[classify(frames)] += 1
             frames = []
             continue
-        if line.startswith(("\t", " ")):
-            parts = line.strip().split(None, 1)
-            frames.append(parts[1] if len(parts) > 1 else parts[0])
+        # A sample: a header line (the thread's name), then its frames, leaf first, each a
+        # tab, the address and the symbol; kernel addresses begin with ffffffff.
+        if line.startswith("\t"):
+            ip, _, sym = line.strip().partition(" ")
+            if ip != "ffffffffffffffff":
+                frames.append(("[k] " if ip.startswith("ffffffff") else "") + sym)
     total = sum(counts.values())
     print(f"train_gpt {' '.join(flags)}: {total} samples"
           + (f", {tps.group(1)} tokens/s after the first step" if tps else ""))
