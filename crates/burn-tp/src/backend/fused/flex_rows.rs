@@ -105,6 +105,7 @@ pub(crate) fn rows_and_width(y: &FlexTensor) -> (Vec<usize>, usize, usize) {
 pub(crate) mod testing {
     use super::*;
 
+    /// `values` of `shape` as a Flex tensor of `dtype` (rounded to it).
     pub(crate) fn flex(values: Vec<f32>, shape: Vec<usize>, dtype: DType) -> FlexTensor {
         let t = FlexTensor::from_data(TensorData::new(values, shape));
         match dtype {
@@ -113,6 +114,7 @@ pub(crate) mod testing {
         }
     }
 
+    /// `t`'s values as f64.
     pub(crate) fn f64s(t: FlexTensor) -> Vec<f64> {
         t.into_data().convert::<f64>().try_to_vec::<f64>().unwrap()
     }
