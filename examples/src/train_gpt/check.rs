@@ -242,7 +242,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         // What fully sharded data parallelism does not run with yet.
         let refused = [
             (args.ep > 1, "--ep"),
-            (args.is_lora(), "LoRA"),
             (
                 args.recompute_layers,
                 "--recompute-layers (use --reshard-after-forward)",

@@ -4,7 +4,7 @@
 //! at fsdp 2 and 4 (x tp 1, 2, both tp modes), resharding after the forward or not, HSDP; a
 //! rank's parameters and AdamW state divide by the shard count; a rank failing mid-gather.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_tp::dp::{average_gradients, broadcast_parameters};
@@ -14,6 +14,7 @@ use burn_tp::gpt::{Gpt, GptConfig};
 use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::llama::{Llama, LlamaConfig};
 use burn_tp::local::run_local;
+use burn_tp::lora::{LoraConfig, apply_lora};
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::model::LanguageModel;
 use burn_tp::reshard::move_optimizer_state;
@@ -200,14 +201,18 @@ fn llama_steps_at_fsdp_with_dropout_are_plain_dp_steps() {
     agree::<Llama>("llama", config);
 }
 
-/// `train_gpt --fsdp` (and `--reshard-after-forward`, `--hsdp`, tp 2 x fsdp 2, pp 2, cp 2, bf16,
-/// `--clip-grad`) gives
-/// plain data parallelism's losses; a checkpoint written at fsdp 4 resumes at dp 2 without
-/// fsdp and at tp 2 x fsdp 2 on the uninterrupted curve; flags it does not run with are named.
 /// Between steps a rank holds `1 / fsdp` of the parameters and of the AdamW moments (but the
 /// padding of rows that do not divide): counted over the tensors it holds, at fsdp 1, 2, 4.
+/// With LoRA, `1 / fsdp` of the frozen base too, and gradients and moments of the adapters
+/// alone.
 #[test]
 fn a_rank_holds_its_share_of_the_parameters_and_the_optimizer_state() {
+    for lora in [false, true] {
+        holds_its_share(lora);
+    }
+}
+
+fn holds_its_share(lora: bool) {
     let _rng = rng_lock();
     let config = LlamaConfig::new(V, SEQ, 32, 4, 2, 2, 64);
     let mut per_fsdp = Vec::new();
@@ -218,7 +223,15 @@ fn a_rank_holds_its_share_of_the_parameters_and_the_optimizer_state() {
             let mesh = DeviceMesh::new(world, 1).unwrap();
             let dp = mesh.dp_group().clone();
             let model = replicated::<Llama>(&config, &mesh);
-            let whole = Fsdp::param_bytes(&model);
+            let model = match lora {
+                true => {
+                    let targets = ["q", "k", "v", "o", "gate", "up", "down"].map(String::from);
+                    let lora = LoraConfig::new(4, 8.0).with_targets(targets.to_vec());
+                    broadcast_parameters(apply_lora(model, &lora).unwrap(), &dp).unwrap()
+                }
+                false => model,
+            };
+            let whole = (Fsdp::param_bytes(&model), trainable_bytes(&model));
             let fsdp = Fsdp::new(&model, &dp);
             if n > 1 {
                 // The whole model, not cut: an error naming the rows, before any gather.
@@ -255,22 +268,33 @@ fn a_rank_holds_its_share_of_the_parameters_and_the_optimizer_state() {
         per_fsdp.push((n, bytes));
     }
     let (_, solo) = &per_fsdp[0];
-    let (whole, _, _, moments) = solo[0];
-    assert_eq!(moments, 2 * whole, "AdamW keeps two moments a parameter");
+    let ((whole, trainable), _, _, moments) = solo[0];
+    assert_eq!(
+        moments,
+        2 * trainable,
+        "AdamW keeps two moments a trainable parameter"
+    );
+    match lora {
+        true => assert!(5 * trainable < whole, "{trainable} of {whole} bytes train"),
+        false => assert_eq!(trainable, whole),
+    }
     for (n, ranks) in &per_fsdp {
         for (rank, &(w, params, grads, state)) in ranks.iter().enumerate() {
-            assert_eq!(w, whole);
-            // Each parameter's rows padded to a multiple of n: at most n - 1 rows more.
-            let share = whole as f64 / *n as f64;
-            for (what, got, want) in [
-                ("parameters", params, share),
-                ("gradients", grads, share),
-                ("AdamW moments", state, 2.0 * share),
+            assert_eq!(w, (whole, trainable));
+            // Each parameter's rows padded to a multiple of n: at most n - 1 rows more (a LoRA
+            // A of 4 rows: up to 1.75x at fsdp 4, on a few bytes).
+            let (share, trained) = (whole as f64 / *n as f64, trainable as f64 / *n as f64);
+            let most = if lora { 1.8 } else { 1.05 };
+            for (what, got, want, most) in [
+                ("parameters", params, share, 1.05),
+                ("gradients", grads, trained, most),
+                ("AdamW moments", state, 2.0 * trained, most),
             ] {
                 let ratio = got as f64 / want;
                 assert!(
-                    (1.0..1.05).contains(&ratio),
-                    "fsdp {n} rank {rank}: {what} {got} bytes against the whole's / {n} = {want}"
+                    (1.0..most).contains(&ratio),
+                    "LoRA {lora}, fsdp {n} rank {rank}: {what} {got} bytes against the whole's \
+                     / {n} = {want}"
                 );
             }
         }
@@ -279,19 +303,68 @@ fn a_rank_holds_its_share_of_the_parameters_and_the_optimizer_state() {
 
 /// The bytes of the gradients in `grads` of `model`'s parameters.
 fn grads_bytes<M: Module>(model: &M, grads: &GradientsParams) -> usize {
-    Fsdp::param_bytes(&as_grads(model.clone(), grads))
+    struct Bytes<'a>(&'a GradientsParams, usize);
+    impl ModuleVisitor for Bytes<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(p.id) {
+                self.1 += g.shape().num_elements() * g.dtype().size();
+            }
+        }
+    }
+    let mut bytes = Bytes(grads, 0);
+    model.visit(&mut bytes);
+    bytes.1
+}
+
+/// The bytes of `model`'s trainable parameters.
+fn trainable_bytes<M: Module>(model: &M) -> usize {
+    struct Bytes(usize);
+    impl ModuleVisitor for Bytes {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let t = p.val();
+            if t.is_require_grad() {
+                self.0 += t.shape().num_elements() * t.dtype().size();
+            }
+        }
+    }
+    let mut bytes = Bytes(0);
+    model.visit(&mut bytes);
+    bytes.0
 }
 
 /// The bytes of the AdamW moments `optim` holds for `model`: each state field, as a model of
-/// its own, counted as it goes through `move_optimizer_state`.
+/// its own, counted as it goes through `move_optimizer_state` (over the trainable parameters:
+/// a frozen one has no state, and moves as zeros).
 fn moments_bytes<M: Module + Clone>(optim: &burn::optim::ModuleOptimizer, model: &M) -> usize {
     let bytes = std::cell::Cell::new(0);
     move_optimizer_state(optim, model, model, |field| {
-        bytes.set(bytes.get() + Fsdp::param_bytes(&field));
+        let trained = as_trainable(field.clone(), model);
+        bytes.set(bytes.get() + trainable_bytes(&trained));
         Ok(field)
     })
     .unwrap();
     bytes.get()
+}
+
+/// `field` (a model of `model`'s shapes and ids) trainable where `model` is.
+fn as_trainable<M: Module>(field: M, model: &M) -> M {
+    struct Flags(std::collections::HashSet<burn::module::ParamId>);
+    impl ModuleVisitor for Flags {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if p.val().is_require_grad() {
+                self.0.insert(p.id);
+            }
+        }
+    }
+    impl ModuleMapper for Flags {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let trainable = self.0.contains(&p.id);
+            p.map(|t| t.detach().set_require_grad(trainable))
+        }
+    }
+    let mut flags = Flags(Default::default());
+    model.visit(&mut flags);
+    field.map(&mut flags)
 }
 
 /// A rank that fails before its gathers ends every other rank's step with an error naming

@@ -225,3 +225,83 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
         assert!(err.contains(needle), "{extra:?}: {err}");
     }
 }
+
+/// LoRA over a fully sharded base: the frozen base's rows split over dp like any parameter
+/// (gathered untracked, no gradient), the adapters sharded and trained; the losses are plain
+/// dp's; QLoRA's 8-bit base stays whole on every rank; the checkpoint holds the adapters alone
+/// (the same tensors as plain dp's) and resumes without fsdp, but not over another base.
+#[test]
+fn a_lora_fine_tune_at_fsdp_gives_plain_dp_losses_and_saves_the_adapters_alone() {
+    use burn_tp::checkpoint::INDEX;
+    let _rng = rng_lock();
+    let args = |extra: &[&str], name: &str| {
+        let mut argv = vec!["--arch", "llama", "--kv-heads", "2", "--lora-rank", "4"];
+        if !extra.contains(&"--steps") {
+            argv.extend_from_slice(&["--steps", "4"]);
+        }
+        argv.extend_from_slice(extra);
+        tiny_args(&argv, &temp_dir(name))
+    };
+    let plain = run_gpt(&args(&["--tp", "1", "--dp", "2"], "fsdp-lora-dp")).unwrap();
+    let want = plain.losses.clone();
+    for extra in [
+        &["--tp", "1", "--dp", "2", "--fsdp"][..],
+        &["--tp", "1", "--dp", "4", "--hsdp", "2"],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--fsdp",
+            "--reshard-after-forward",
+            "--mode",
+            "reduce-scatter",
+        ],
+    ] {
+        let got = run_gpt(&args(extra, "fsdp-lora")).unwrap().losses;
+        assert_close(&got, &want, 1e-5, &format!("LoRA, {extra:?}"));
+    }
+    // QLoRA: the quantized base moves the curve, and fsdp keeps the moved curve.
+    let qlora = |extra: &[&str]| {
+        let argv = [&["--tp", "1", "--dp", "2", "--qlora"][..], extra].concat();
+        run_gpt(&args(&argv, "fsdp-qlora")).unwrap().losses
+    };
+    let want_q = qlora(&[]);
+    let moved = want_q.iter().zip(&want).any(|(q, w)| q != w);
+    assert!(moved, "the 8-bit base changes the curve: {want_q:?}");
+    assert_close(&qlora(&["--fsdp"]), &want_q, 1e-5, "QLoRA at fsdp 2");
+
+    // Two steps at fsdp 2 x tp 2, then two at plain dp 2.
+    let first = ["--tp", "2", "--dp", "2", "--fsdp", "--steps", "2"];
+    let run = run_gpt(&args(&first, "fsdp-lora-half")).unwrap();
+    assert_close(&run.losses, &want[..2], 1e-5, "fsdp LoRA, first half");
+    let names = |dir: &std::path::Path| -> (std::collections::BTreeSet<String>, String) {
+        let text = std::fs::read_to_string(dir.join(INDEX)).unwrap();
+        let index: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let names = index["tensors"].as_object().unwrap().keys().cloned();
+        (names.collect(), index["info"]["frozen_base"].to_string())
+    };
+    let (got, base) = names(&run.checkpoint);
+    let (plain_names, plain_base) = names(&plain.checkpoint);
+    // 2 blocks x 7 adapted linears x (A, B), each with AdamW's two moments.
+    assert_eq!(got.len(), 2 * 7 * 2 * 3, "{got:?}");
+    assert_eq!(
+        got, plain_names,
+        "the adapters and their moments, as plain dp saves them"
+    );
+    assert_eq!(base, plain_base);
+    let ckpt = run.checkpoint.to_str().unwrap().to_string();
+    let resume = ["--tp", "1", "--dp", "2", "--steps", "2", "--resume", &ckpt];
+    let rest = run_gpt(&args(&resume, "fsdp-lora-rest")).unwrap().losses;
+    assert_close(&rest, &want[2..], 1e-5, "fsdp LoRA resumed at plain dp");
+    // The adapters alone are no full model: a full fine-tune cannot resume from them.
+    let full = [
+        &["--arch", "llama", "--kv-heads", "2", "--fsdp"][..],
+        &resume,
+    ]
+    .concat();
+    let err = run_gpt(&tiny_args(&full, &temp_dir("fsdp-lora-err")))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("43 parameters, this model has 15"), "{err}");
+}

@@ -164,15 +164,17 @@ impl Fsdp {
                 let (compute, p_id) = (self.fsdp.compute, param.id);
                 let shard_dtype = FloatDType::from(param.val().dtype());
                 match pending.wait() {
-                    Ok(whole) => param.map(|_| {
+                    Ok(whole) => param.map(|shard| {
                         let whole = match self.leaves.as_mut() {
-                            Some(leaves) => {
+                            // A frozen parameter (a LoRA base) stays off the graph: no
+                            // gradient, no reduce-scatter.
+                            Some(leaves) if shard.is_require_grad() => {
                                 let leaf = whole.detach().require_grad();
                                 let group = self.fsdp.shard.clone();
                                 leaves.push(deferred(leaf.clone(), p_id, group, shard_dtype));
                                 leaf
                             }
-                            None => whole,
+                            _ => whole,
                         };
                         let whole = whole.narrow(0, 0, rows);
                         match compute {

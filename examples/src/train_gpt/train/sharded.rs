@@ -26,6 +26,12 @@ impl<M: Trainable> Rank<'_, M> {
         for turn in 0..self.dp_group.world_size() {
             if turn == self.dp_rank {
                 let whole = self.fresh(None)?;
+                // QLoRA: the base packed before the sharding, which leaves a quantized
+                // parameter whole (every replica quantizes the same values).
+                let whole = match args.qlora {
+                    true => whole.quantize_lora_base()?,
+                    false => whole,
+                };
                 let fsdp = Fsdp::new(&whole, shard)
                     .with_replicas(replicas)
                     .with_reshard_after_forward(args.reshard_after_forward)
@@ -49,6 +55,7 @@ impl<M: Trainable> Rank<'_, M> {
             Some(dir) => {
                 let (model, info) =
                     checkpoint::load_sharded(model, dir, Some(self.config), &sharding)?;
+                self.same_base(dir, &info)?;
                 let adamw = checkpoint::load_optimizer_sharded(adamw, &model, dir, &sharding)?;
                 (model, info.step as usize, adamw)
             }

@@ -1,10 +1,10 @@
 //! A rank's model and optimizer as the run starts: drawn or imported, a stage's blocks, resumed
 //! from the sharded checkpoint at any layout, expert parallel; `--fsdp`'s in `sharded.rs`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use burn::optim::AdamWConfig;
-use burn_tp::checkpoint;
+use burn_tp::checkpoint::{self, CheckpointInfo};
 use burn_tp::comm::ProcessGroup;
 use burn_tp::dp::{DpOptimizer, GradClip, broadcast_parameters};
 use burn_tp::pipeline::{self, Pipeline, virtual_stage_layers};
@@ -44,19 +44,7 @@ impl<M: Trainable> Rank<'_, M> {
                     }
                     None => checkpoint::load(fresh, dir, Some(self.config), tp_group)?,
                 };
-                // A LoRA checkpoint holds the adapters alone: they only fit the same base.
-                if info.frozen_base != self.frozen_base() {
-                    let what =
-                        |b: &Option<String>| b.clone().unwrap_or("no base (a full model)".into());
-                    return Err(format!(
-                        "--resume {}: its adapters were trained over {}, this run's base is {}: \
-                         resume with the run's --init-from (or --seed) and LoRA flags",
-                        dir.display(),
-                        what(&info.frozen_base),
-                        what(&self.frozen_base())
-                    )
-                    .into());
-                }
+                self.same_base(dir, &info)?;
                 (model, info.step as usize)
             }
             None => (fresh, 0),
@@ -117,6 +105,23 @@ impl<M: Trainable> Rank<'_, M> {
             None => optim,
         };
         Ok((model, first_step, optim))
+    }
+
+    /// A LoRA checkpoint holds the adapters alone: they only fit the base they were trained
+    /// over (`info`'s, read from `dir`), which must be this run's.
+    pub(super) fn same_base(&self, dir: &Path, info: &CheckpointInfo) -> BoxResult<()> {
+        if info.frozen_base == self.frozen_base() {
+            return Ok(());
+        }
+        let what = |b: &Option<String>| b.clone().unwrap_or("no base (a full model)".into());
+        Err(format!(
+            "--resume {}: its adapters were trained over {}, this run's base is {}: resume with \
+             the run's --init-from (or --seed) and LoRA flags",
+            dir.display(),
+            what(&info.frozen_base),
+            what(&self.frozen_base())
+        )
+        .into())
     }
 
     /// This rank's model as the run starts it (drawn, or imported; LoRA on; a stage's blocks
