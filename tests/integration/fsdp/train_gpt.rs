@@ -305,3 +305,67 @@ fn a_lora_fine_tune_at_fsdp_gives_plain_dp_losses_and_saves_the_adapters_alone()
         .to_string();
     assert!(err.contains("43 parameters, this model has 15"), "{err}");
 }
+
+/// Every part's gathers are posted ahead, while the part before it runs: unpipelined, and
+/// under a pipeline (whose schedule fixes the order a stage asks for its parts), 1F1B and
+/// interleaved, keeping the weights or resharding, on every stage. Counted in the
+/// communication profile: no gather is issued when its part is asked for (a wrong prefetch
+/// would leave its part to be gathered then, a missing one too).
+#[test]
+fn train_gpt_at_fsdp_gathers_every_part_ahead() {
+    use burn_tp::fsdp::{ON_DEMAND, PREFETCHED};
+    let _rng = rng_lock();
+    // Two blocks a stage (a chunk, interleaved), so a stage's order has something to get wrong.
+    let pp = ["--pp", "2", "--micro-batches", "2", "--layers", "4"];
+    let interleaved = [
+        &pp[..4],
+        &[
+            "--pp-schedule",
+            "interleaved",
+            "--virtual-stages",
+            "2",
+            "--layers",
+            "8",
+        ],
+    ]
+    .concat();
+    for layout in [&[][..], &pp, &interleaved] {
+        for reshard in [&[][..], &["--reshard-after-forward"]] {
+            let argv = [
+                &[
+                    "--arch",
+                    "llama",
+                    "--steps",
+                    "2",
+                    "--dp",
+                    "2",
+                    "--fsdp",
+                    "--profile",
+                ][..],
+                layout,
+                reshard,
+            ]
+            .concat();
+            let run = run_gpt(&tiny_args(&argv, &temp_dir("fsdp-ahead"))).unwrap();
+            // (label, op, calls) of rank 0's profile and, pipelined, stage 1's first rank's.
+            let rows = run.profile.unwrap().rows.into_iter();
+            let mut rows: Vec<(String, String, u64)> =
+                rows.map(|r| (r.label, r.op, r.calls)).collect();
+            let out = run.checkpoint.parent().unwrap();
+            if !layout.is_empty() {
+                let csv = std::fs::read_to_string(out.join("comm-stage-1.csv")).unwrap();
+                for line in csv.lines().skip(1) {
+                    let f: Vec<&str> = line.split(',').collect();
+                    rows.push((f[0].into(), f[1].into(), f[2].parse().unwrap()));
+                }
+            }
+            let calls = |label: &str| -> u64 {
+                let rows = rows.iter().filter(|r| r.0 == label && r.1 == "AllGather");
+                rows.map(|r| r.2).sum()
+            };
+            let what = format!("{layout:?} {reshard:?}");
+            assert!(calls(PREFETCHED) > 0, "{what}: gathers posted ahead");
+            assert_eq!(calls(ON_DEMAND), 0, "{what}: gathers when asked");
+        }
+    }
+}

@@ -36,6 +36,8 @@ mod gather;
 mod step;
 mod whole;
 
+pub use step::{ON_DEMAND, PREFETCHED};
+
 use std::collections::HashMap;
 use std::sync::Arc;
 

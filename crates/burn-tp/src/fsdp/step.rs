@@ -15,6 +15,12 @@ use crate::dropout::DropoutStep;
 use crate::model::LanguageModel;
 use crate::recompute::{Part, Parts, Sequence, loss_and_grads_with, merge, seeded_backward};
 
+/// The profile's labels of a part's gathers: posted ahead, while the part before it ran; or
+/// when the part was asked for (no prefetch, or another part prefetched: a wasted gather).
+pub const PREFETCHED: &str = "fsdp gather (prefetched)";
+/// See [`PREFETCHED`].
+pub const ON_DEMAND: &str = "fsdp gather (on demand)";
+
 /// What is in flight for a part: the model minus its blocks (the ends), or one block.
 enum Started<M: LanguageModel> {
     Ends(M, Vec<M::Block>, InFlight),
@@ -118,7 +124,10 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
         if !self.prefetch {
             return Ok(());
         }
-        let started = self.start(model, part, tracked)?;
+        let started = {
+            let _scope = burn_tp_comm::profile::scope(PREFETCHED);
+            self.start(model, part, tracked)?
+        };
         if let Some(((_, t), stale)) = self.next.replace(Some(((part, tracked), started))) {
             // Every rank posts the same gathers: finish the stale one so they all complete.
             self.finish(model, stale, t)?;
@@ -127,13 +136,17 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
     }
 
     fn part<'m>(&self, model: &'m M, part: Part, tracked: bool) -> Result<Cow<'m, M>> {
+        let on_demand = || {
+            let _scope = burn_tp_comm::profile::scope(ON_DEMAND);
+            self.start(model, part, tracked)
+        };
         let started = match self.next.take() {
             Some((key, started)) if key == (part, tracked) => started,
             Some(((_, t), stale)) => {
                 self.finish(model, stale, t)?;
-                self.start(model, part, tracked)?
+                on_demand()?
             }
-            None => self.start(model, part, tracked)?,
+            None => on_demand()?,
         };
         Ok(Cow::Owned(self.finish(model, started, tracked)?))
     }
@@ -159,11 +172,11 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
 }
 
 impl Fsdp {
-    /// Each part of a sharded model gathered when asked (with `prefetch`, the next one's
-    /// gathers posted before the asked one is returned): what a pipeline stage's step
-    /// ([`crate::pipeline::loss_and_grads_sharded`]) runs its parts with.
-    pub(crate) fn parts<M: LanguageModel>(&self, prefetch: bool) -> impl Parts<M> + '_ {
-        Gathered::new(self, prefetch, false)
+    /// Each part of a sharded model gathered when asked, a prefetch posting a part's gathers
+    /// ahead (unless [`with_prefetch(false)`](Self::with_prefetch)): what a pipeline stage's
+    /// step ([`crate::pipeline::loss_and_grads_sharded`]) runs its parts with.
+    pub(crate) fn parts<M: LanguageModel>(&self) -> impl Parts<M> + '_ {
+        Gathered::new(self, self.prefetch, false)
     }
 
     /// The loss of `model` (this rank's shards) on `ids`, `targets` (`[seq, batch]`, off

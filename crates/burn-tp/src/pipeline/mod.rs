@@ -56,6 +56,7 @@
 
 mod batches;
 mod eval;
+mod prefetch;
 mod routers;
 mod schedule;
 mod stages;

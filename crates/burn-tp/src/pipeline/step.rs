@@ -11,6 +11,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::Pipeline;
 use super::batches::{MicroBatch, check_micro_batches};
+use super::prefetch::{Planned, StageShape};
 use super::routers;
 use super::schedule::{Action, PipelineSchedule, actions};
 use super::stages::{sum_embedding_grad, virtual_stage_runs};
@@ -108,8 +109,8 @@ pub fn loss_and_grads_overlapped<M: LanguageModel>(
 }
 
 /// [`loss_and_grads`] of `model`, this rank's [`Fsdp`] shards of its stage: each micro-batch's
-/// parts gathered just before they run (no prefetch: the schedule decides what runs next),
-/// recomputed in the backward (as [`loss_and_grads_recomputed`]) with
+/// parts gathered just before they run, the next part's gathers posted while one runs (the
+/// schedule fixes the order of the parts a stage asks for: `prefetch.rs`), recomputed in the backward (as [`loss_and_grads_recomputed`]) with
 /// [`Fsdp::reshard_after_forward`]. The gradients are the shards', summed over the shard
 /// group, as [`Fsdp::loss_and_grads`]'s ([`Fsdp::finish_grads`] averages them). Collective
 /// over the pipeline and the shard group.
@@ -124,7 +125,7 @@ pub fn loss_and_grads_sharded<M: LanguageModel>(
     step: Option<DropoutStep>,
     fsdp: &Fsdp,
 ) -> Result<PipelineStep> {
-    let parts = fsdp.parts::<M>(false);
+    let parts = fsdp.parts::<M>();
     let recompute = fsdp.reshard_after_forward();
     let mut out = run_step(
         model,
@@ -185,9 +186,17 @@ fn run_step<M: LanguageModel>(
 ) -> Result<PipelineStep> {
     let started = Instant::now();
     let mut stage = StageStep::new(model, pipe, micro_batches, schedule, step, reducer)?;
-    stage.parts = parts;
     let inner = recompute.then(|| model.valid());
-    for action in actions(schedule, pipe.stage(), pipe.stages(), micro_batches.len()) {
+    let actions = actions(schedule, pipe.stage(), pipe.stages(), micro_batches.len());
+    let shape = StageShape {
+        virtual_stages: &stage.virtual_stages,
+        first_virtual: stage.first_virtual,
+        last_virtual: stage.last_virtual,
+    };
+    let order = shape.requests(&actions, recompute);
+    let planned = Planned::new(parts, (model, inner.as_ref().unwrap_or(model)), order)?;
+    stage.parts = &planned;
+    for action in actions {
         match (action, &inner) {
             (
                 Action::Forward {
