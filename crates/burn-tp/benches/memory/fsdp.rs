@@ -337,3 +337,136 @@ fn tensor_count<M: Module>(model: &M) -> usize {
     model.visit(&mut count);
     count.0
 }
+
+/// Seconds of a pipelined step at pp 2 x fsdp 2 (1F1B, `m` micro-batches; the slowest rank's
+/// median of `reps`) over `link` (which the stages' transfers cross too), and the fraction of
+/// fsdp's gathers' time (post to completion) the ranks did not wait for (the profile's).
+fn pipelined_seconds(
+    config: &GptConfig,
+    (reshard, prefetch): (bool, bool),
+    link: Option<LinkModel>,
+    [seq, batch, m, reps]: [usize; 4],
+) -> (f64, f64) {
+    use burn_tp::pipeline::{
+        Pipeline, PipelineSchedule, drop_unused_ends, loss_and_grads_sharded, virtual_stage_layers,
+    };
+    let (pp, dp) = (2, 2);
+    let config = config.clone();
+    let vocab = config.n_vocab;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let options = RunOptions {
+        threads_per_rank: Some((cores / (pp * dp)).max(1)),
+        keep_freed_memory: Some(true),
+    };
+    let options_link = LocalGroupOptions {
+        link,
+        profile: true,
+        ..LocalGroupOptions::default()
+    };
+    let group = LocalGroup::with_options(pp * dp, options_link).unwrap();
+    let out = run_ranks_with(group, options, move |world| {
+        let device = Device::flex().autodiff();
+        let mesh = DeviceMesh::with_pipeline(world.clone(), 1, pp).unwrap();
+        let (stage, dp_group) = (mesh.pp_rank(), mesh.dp_group().clone());
+        let schedule = PipelineSchedule::OneFOneB;
+        let layers: Vec<usize> = virtual_stage_layers(config.n_layers, pp, schedule, stage)
+            .unwrap()
+            .into_iter()
+            .flatten()
+            .collect();
+        let model = config.init(mesh.tp_group(), &device).unwrap();
+        let model = drop_unused_ends(model.keep_layers(&layers), stage, pp).unwrap();
+        let fsdp = Fsdp::new(&model, &dp_group)
+            .with_reshard_after_forward(reshard)
+            .with_prefetch(prefetch);
+        let mut model = fsdp.shard(model);
+        let mut optim = DpOptimizer::new(AdamWConfig::new().init()).with_fsdp(fsdp.clone());
+        let pipe = Pipeline::new(mesh.pp_group()).unwrap();
+        let v: Vec<i64> = (0..seq * batch)
+            .map(|j| ((j * 7 + dp_group.rank()) % vocab) as i64)
+            .collect();
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(v, [seq, batch]), &device);
+        let micro: Vec<_> = (0..m)
+            .map(|i| {
+                let cut = ids.clone().narrow(1, i * batch / m, batch / m);
+                (cut.clone(), cut)
+            })
+            .collect();
+        let mut times = Vec::new();
+        for rep in 0..=reps {
+            world.barrier().unwrap();
+            let t = Instant::now();
+            let out = loss_and_grads_sharded(&model, &pipe, &micro, schedule, None, &fsdp);
+            let grads = out.unwrap().grads;
+            model = optim
+                .step(1e-3, model.clone(), &model, grads, &dp_group)
+                .unwrap();
+            if rep > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let profile = world.profile().expect("profiled");
+        let gathers = profile
+            .rows
+            .iter()
+            .filter(|r| r.label.starts_with("fsdp gather"));
+        let (comm, waited) = gathers.fold((0.0, 0.0), |(c, w), r| {
+            (c + r.comm.as_secs_f64(), w + r.waited.as_secs_f64())
+        });
+        let median = world.all_reduce(vec![median], ReduceOp::Max).unwrap()[0];
+        let sums = world.all_reduce(vec![comm, waited], ReduceOp::Sum).unwrap();
+        (median, 1.0 - sums[1] / sums[0])
+    })
+    .unwrap();
+    out[0]
+}
+
+/// The prefetch under a pipeline (pp 2 x fsdp 2, 1F1B): the step with and without it, over
+/// the simulated link and without one; `exposed` = the step over the link - without it (the
+/// communication the step did not hide: gathers, reduce-scatters and the stages' transfers);
+/// and the fraction of the gathers' time the ranks did not wait for, from the profile.
+pub(super) fn fsdp_pipeline_time(quick: bool) {
+    let (d, heads, layers, seq, batch, m, reps) = if quick {
+        (64, 4, 4, 16, 2, 2, 2)
+    } else {
+        (512, 8, 4, 128, 8, 4, 5)
+    };
+    let config = GptConfig::new(256, seq, d, heads, layers);
+    let (gb_s, latency_us) = (0.25, 20.0);
+    println!(
+        "\n## Fully sharded data parallelism under a pipeline: the prefetch (GPT d {d}, {heads} \
+         heads, {layers} layers, f32, pp 2 x fsdp 2, 1F1B, {m} micro-batches of {} x seq {seq} \
+         per rank; four rank threads sharing the cores; link: {gb_s} GB/s, {latency_us} us, or \
+         none)\n",
+        batch / m
+    );
+    println!(
+        "| layout | prefetch | step, no link (s) | step over the link (s) | exposed (s) | \
+         exposed / without prefetch | gathers hidden, no link | over the link |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    let shape = [seq, batch, m, reps];
+    let link = Some(LinkModel::new(gb_s, latency_us));
+    for reshard in [false, true] {
+        let mut off = None;
+        for prefetch in [false, true] {
+            let (t, hidden) = pipelined_seconds(&config, (reshard, prefetch), None, shape);
+            let (linked, hidden_linked) =
+                pipelined_seconds(&config, (reshard, prefetch), link, shape);
+            let exposed = linked - t;
+            let ratio = off.map_or("1.00".into(), |o: f64| format!("{:.2}", exposed / o));
+            off.get_or_insert(exposed);
+            let name = match reshard {
+                true => "pp 2 x fsdp 2, reshard after forward",
+                false => "pp 2 x fsdp 2",
+            };
+            println!(
+                "| {name} | {} | {t:.3} | {linked:.3} | {exposed:.3} | {ratio} | {hidden:.2} | \
+                 {hidden_linked:.2} |",
+                if prefetch { "on" } else { "off" },
+            );
+        }
+    }
+}

@@ -27,6 +27,7 @@
 //! cargo bench -p burn-tp --bench memory -- --only=lora     # section 4 alone
 //! cargo bench -p burn-tp --bench memory -- --only=context  # section 5 alone (--seq=N)
 //! cargo bench -p burn-tp --bench memory -- --only=fsdp     # section 6 alone
+//! cargo bench -p burn-tp --bench memory -- --only=fsdp-pipeline  # its prefetch under pp
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -338,6 +339,11 @@ fn main() {
     if std::env::args().any(|a| a == "--only=fsdp") {
         fsdp::fsdp_memory(quick);
         fsdp::fsdp_step_time(quick);
+        fsdp::fsdp_pipeline_time(quick);
+        return;
+    }
+    if std::env::args().any(|a| a == "--only=fsdp-pipeline") {
+        fsdp::fsdp_pipeline_time(quick);
         return;
     }
     let (seq, batch) = if quick { (128, 2) } else { (1024, 8) };
@@ -406,6 +412,7 @@ fn main() {
     context::context_memory(quick);
     fsdp::fsdp_memory(quick);
     fsdp::fsdp_step_time(quick);
+    fsdp::fsdp_pipeline_time(quick);
 }
 
 /// Section 2: bytes per pipeline stage over one step, each stage a rank thread whose
