@@ -83,7 +83,8 @@ impl Fsdp {
                 }
                 // A whole parameter (the model not cut by `Fsdp::shard`) would gather silently
                 // into the wrong rows: refuse it, naming the sizes.
-                let (n, got) = (self.fsdp.shard.world_size(), param.val().dims()[0]);
+                let group = self.fsdp.group_of(param.id);
+                let (n, got) = (group.world_size(), param.val().dims()[0]);
                 if got != rows.div_ceil(n) {
                     self.error = Some(TpError::Config(format!(
                         "fsdp: a parameter has {got} rows where this rank's shard of its {rows} \
@@ -109,7 +110,7 @@ impl Fsdp {
                     }
                     _ => shard,
                 };
-                match all_gather_async(shard, 0, &self.fsdp.shard) {
+                match all_gather_async(shard, 0, group) {
                     Ok(p) => self.pending.push_back(Box::new(p)),
                     Err(e) => self.error = Some(e),
                 }
@@ -170,7 +171,7 @@ impl Fsdp {
                             // gradient, no reduce-scatter.
                             Some(leaves) if shard.is_require_grad() => {
                                 let leaf = whole.detach().require_grad();
-                                let group = self.fsdp.shard.clone();
+                                let group = self.fsdp.group_of(p_id).clone();
                                 leaves.push(deferred(leaf.clone(), p_id, group, shard_dtype));
                                 leaf
                             }

@@ -47,6 +47,7 @@ use burn::tensor::{DType, FloatDType, Tensor};
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use crate::checkpoint::{HeldRows, Sharding, StageMap};
+use crate::dp::Experts;
 use crate::init::owned;
 use crate::ops::{all_gather, all_reduce};
 use crate::reshard::Reshard;
@@ -65,6 +66,9 @@ pub struct Fsdp {
     reshard_after_forward: bool,
     compute: Option<FloatDType>,
     prefetch: bool,
+    /// Expert parallelism: the experts' parameters, split over the ranks holding the same
+    /// experts instead of the shard group.
+    experts: Option<Arc<Experts>>,
 }
 
 impl Fsdp {
@@ -90,6 +94,36 @@ impl Fsdp {
             reshard_after_forward: true,
             compute: None,
             prefetch: true,
+            experts: None,
+        }
+    }
+
+    /// Expert parallelism: `experts`' parameters (this rank's experts, the model cut by
+    /// [`crate::moe`]'s `expert_parallel`) split over `experts.group`, the `dp / ep` ranks
+    /// holding the same experts, the rest over the shard group. Their gradients leave the
+    /// backward summed over that group, which with the all-to-all's backward covers every dp
+    /// rank's tokens, as plain expert parallelism's average does.
+    ///
+    /// # Errors
+    /// With HSDP ([`with_replicas`](Self::with_replicas)): the experts' group is not made of
+    /// shard groups.
+    pub fn with_experts(mut self, experts: &Experts) -> Result<Self> {
+        if let Some(replicas) = &self.replicas {
+            return Err(TpError::Config(format!(
+                "fsdp: HSDP (shards replicated over {} groups) does not run with expert \
+                 parallelism yet",
+                replicas.world_size()
+            )));
+        }
+        self.experts = Some(Arc::new(experts.clone()));
+        Ok(self)
+    }
+
+    /// The ranks parameter `id` is split over: the shard group, or the experts' group.
+    fn group_of(&self, id: ParamId) -> &ProcessGroup {
+        match &self.experts {
+            Some(x) if x.params.contains(&id) => &x.group,
+            _ => &self.shard,
         }
     }
 
@@ -150,7 +184,8 @@ impl Fsdp {
                 let Some(&rows) = self.0.rows.get(&param.id) else {
                     return param;
                 };
-                let (r, n) = (self.0.shard.rank(), self.0.shard.world_size());
+                let group = self.0.group_of(param.id);
+                let (r, n) = (group.rank(), group.world_size());
                 let c = rows.div_ceil(n);
                 param.map(|t| {
                     let requires_grad = t.is_require_grad();
@@ -206,7 +241,7 @@ impl Fsdp {
                 if self.error.is_some() {
                     return param;
                 }
-                let group = &self.fsdp.shard;
+                let group = self.fsdp.group_of(param.id);
                 let mut error = None;
                 let param = param.map(|t| {
                     let requires_grad = t.is_require_grad();
@@ -295,7 +330,7 @@ impl Fsdp {
     pub fn held_rows(&self, id: ParamId, shard_rows: usize) -> std::ops::Range<usize> {
         match self.rows.get(&id) {
             Some(&rows) => {
-                let start = (self.shard.rank() * shard_rows).min(rows);
+                let start = (self.group_of(id).rank() * shard_rows).min(rows);
                 start..(start + shard_rows).min(rows)
             }
             None => 0..shard_rows,
@@ -315,10 +350,12 @@ impl Fsdp {
         map: StageMap,
     ) -> Sharding {
         let mut sharding = Sharding::of(whole, tp_rank, map);
-        let (r, n) = (self.shard.rank(), self.shard.world_size());
+        let r = self.shard.rank();
         for (k, id) in crate::model::param_ids(whole).into_iter().enumerate() {
             match self.rows.get(&id) {
                 Some(&rows) => {
+                    let group = self.group_of(id);
+                    let (r, n) = (group.rank(), group.world_size());
                     let c = rows.div_ceil(n);
                     let held = (r * c).min(rows)..((r + 1) * c).min(rows);
                     sharding.rows[k] = Some(HeldRows { held, extent: c });

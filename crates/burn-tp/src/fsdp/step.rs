@@ -216,19 +216,26 @@ impl Fsdp {
         targets: Tensor<2, Int>,
         step: Option<DropoutStep>,
     ) -> Result<(Tensor<1>, GradientsParams)> {
-        // A MoE model's routers' loss joins every block: one backward over the whole forward.
-        let dense = model.router_loss_experts() == 0;
-        let parts = Gathered::new(self, self.prefetch, self.reshard_after_forward || dense);
+        let parts = Gathered::new(self, self.prefetch, true);
         if self.reshard_after_forward {
             return loss_and_grads_with(model, ids, targets, step, &parts);
         }
-        if dense {
+        if model.router_loss_experts() == 0 {
             return kept(model, &parts, (ids, targets, step));
         }
+        // A MoE model's routers' loss joins every block: one backward over the whole forward,
+        // then each gathered whole's reduce-scatter in the gathers' order. (Not the gathers'
+        // own backward: autodiff runs it in an order that follows the graph, and an expert no
+        // token reached on one rank sits elsewhere in that rank's graph, so the ranks would
+        // pair one expert's reduce-scatter with another's.)
         let inner = model.valid();
         let loss = forward_loss(model, &inner, &parts, true, (ids, targets, step))?;
-        let grads = GradientsParams::from_grads(loss.backward(), model);
-        Ok((loss.detach(), grads))
+        let mut grads = loss.backward();
+        parts.backward_done(&mut grads)?;
+        let mut total = GradientsParams::new();
+        merge(&mut total, grads, model);
+        Parts::finish(&parts, &mut total)?;
+        Ok((loss.detach(), total))
     }
 }
 

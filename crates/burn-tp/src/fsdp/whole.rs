@@ -98,7 +98,8 @@ impl Fsdp {
                     _ => g,
                 };
                 // The padded rows' gradient is zero, so the padding stays zero.
-                let padded = shard.dims()[0] * self.fsdp.shard.world_size();
+                let group = self.fsdp.group_of(param.id);
+                let padded = shard.dims()[0] * group.world_size();
                 let g = match padded - rows {
                     0 => g,
                     pad => {
@@ -108,7 +109,7 @@ impl Fsdp {
                     }
                 };
                 let id = param.id;
-                match reduce_scatter_async(g, 0, &self.fsdp.shard) {
+                match reduce_scatter_async(g, 0, group) {
                     Ok(pending) => self.pending.push(Box::new(move |grads| {
                         let pending: Pending<D> = pending;
                         grads.register(id, pending.wait()?);

@@ -125,6 +125,16 @@ pub fn loss_and_grads_sharded<M: LanguageModel>(
     step: Option<DropoutStep>,
     fsdp: &Fsdp,
 ) -> Result<PipelineStep> {
+    // The gathers' reduce-scatters are their own backward here, which autodiff runs in an
+    // order that follows the graph; an expert no token reached sits elsewhere in one rank's
+    // graph than in another's, and the ranks would pair different experts' reduce-scatters.
+    if model.router_loss_experts() > 0 || !model.expert_params().is_empty() {
+        return Err(TpError::Config(
+            "fsdp under a pipeline does not run a mixture of experts yet (its experts' \
+             reduce-scatters would pair up out of order): drop --pp or --fsdp"
+                .into(),
+        ));
+    }
     let parts = fsdp.parts::<M>();
     let recompute = fsdp.reshard_after_forward();
     let mut out = run_step(

@@ -139,24 +139,34 @@ impl<M: Trainable> Rank<'_, M> {
         steps: usize,
     ) -> burn_tp::Result<()> {
         if self.experts.is_none() {
-            return self.save_whole(model, optim, steps);
+            return self.save_whole(model, optim, steps, true);
         }
         // Expert parallel: the whole model's checkpoint, every expert and its optimizer state
-        // gathered over ep (collective over ep), so it resumes at any ep.
-        let mut whole = model.clone().gather_experts()?;
+        // gathered over ep (collective over ep), so it resumes at any ep; with --fsdp, each
+        // parameter's rows gathered first (every rank then holds the whole while it saves).
+        let fsdp = self.fsdp.get().map(|(f, _)| f);
+        let gather = |m: M| -> burn_tp::Result<M> {
+            let m = match fsdp {
+                Some(f) => f.unshard(m)?,
+                None => m,
+            };
+            m.gather_experts()
+        };
+        let mut whole = gather(model.clone())?;
         let adamw = optim.module_optimizer(model)?;
-        let record = move_optimizer_state(adamw, model, &whole, |m| m.gather_experts())?;
+        let record = move_optimizer_state(adamw, model, &whole, gather)?;
         let mut whole_optim = DpOptimizer::new(AdamWConfig::new().init().load_record(record));
-        self.save_whole(&mut whole, &mut whole_optim, steps)
+        self.save_whole(&mut whole, &mut whole_optim, steps, false)
     }
 
     /// [`save`](Self::save) of a model that holds every parameter of its tp shard, or (with
-    /// `--fsdp`) its rows of each.
+    /// `--fsdp` and `rows`) its rows of each.
     fn save_whole(
         &self,
         model: &mut M,
         optim: &mut DpOptimizer,
         steps: usize,
+        rows: bool,
     ) -> burn_tp::Result<()> {
         let a = self.args;
         let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config).with_pp(a.pp);
@@ -165,7 +175,7 @@ impl<M: Trainable> Rank<'_, M> {
             Some(base) => info.with_frozen_base(base),
             None => info,
         };
-        if let Some(fsdp) = self.fsdp.get() {
+        if let Some(fsdp) = self.fsdp.get().filter(|_| rows) {
             return self.save_sharded(fsdp, model, optim, &info);
         }
         let adamw = optim.module_optimizer(model)?;
