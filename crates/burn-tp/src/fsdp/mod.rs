@@ -38,7 +38,7 @@ mod whole;
 
 pub use step::{ON_DEMAND, PREFETCHED};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -47,7 +47,6 @@ use burn::tensor::{DType, FloatDType, Tensor};
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use crate::checkpoint::{HeldRows, Sharding, StageMap};
-use crate::dp::Experts;
 use crate::init::owned;
 use crate::ops::{all_gather, all_reduce};
 use crate::reshard::Reshard;
@@ -68,7 +67,7 @@ pub struct Fsdp {
     prefetch: bool,
     /// Expert parallelism: the experts' parameters, split over the ranks holding the same
     /// experts instead of the shard group.
-    experts: Option<Arc<Experts>>,
+    experts: Option<Arc<(HashSet<ParamId>, ProcessGroup)>>,
 }
 
 impl Fsdp {
@@ -98,16 +97,20 @@ impl Fsdp {
         }
     }
 
-    /// Expert parallelism: `experts`' parameters (this rank's experts, the model cut by
-    /// [`crate::moe`]'s `expert_parallel`) split over `experts.group`, the `dp / ep` ranks
-    /// holding the same experts, the rest over the shard group. Their gradients leave the
+    /// Expert parallelism: the experts' parameters `params` (this rank's experts, the model
+    /// cut by [`crate::moe`]'s `expert_parallel`; [`crate::dp::Experts`]' fields) split over
+    /// `group`, the `dp / ep` ranks holding the same experts, the rest over the shard group. Their gradients leave the
     /// backward summed over that group, which with the all-to-all's backward covers every dp
     /// rank's tokens, as plain expert parallelism's average does.
     ///
     /// # Errors
     /// With HSDP ([`with_replicas`](Self::with_replicas)): the experts' group is not made of
     /// shard groups.
-    pub fn with_experts(mut self, experts: &Experts) -> Result<Self> {
+    pub fn with_experts(
+        mut self,
+        params: impl IntoIterator<Item = ParamId>,
+        group: &ProcessGroup,
+    ) -> Result<Self> {
         if let Some(replicas) = &self.replicas {
             return Err(TpError::Config(format!(
                 "fsdp: HSDP (shards replicated over {} groups) does not run with expert \
@@ -115,14 +118,14 @@ impl Fsdp {
                 replicas.world_size()
             )));
         }
-        self.experts = Some(Arc::new(experts.clone()));
+        self.experts = Some(Arc::new((params.into_iter().collect(), group.clone())));
         Ok(self)
     }
 
     /// The ranks parameter `id` is split over: the shard group, or the experts' group.
     fn group_of(&self, id: ParamId) -> &ProcessGroup {
         match &self.experts {
-            Some(x) if x.params.contains(&id) => &x.group,
+            Some(x) if x.0.contains(&id) => &x.1,
             _ => &self.shard,
         }
     }

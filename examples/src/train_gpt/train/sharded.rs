@@ -5,7 +5,7 @@ use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::{Int, Tensor};
 use burn_tp::checkpoint::{self, CheckpointInfo, Sharding, StageMap};
 use burn_tp::comm::{ProcessGroup, ReduceOp};
-use burn_tp::dp::{DpOptimizer, Experts, GradClip};
+use burn_tp::dp::{DpOptimizer, GradClip};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::fsdp::Fsdp;
 use burn_tp::ops::all_reduce;
@@ -43,10 +43,7 @@ impl<M: Trainable> Rank<'_, M> {
                     .with_reshard_after_forward(args.reshard_after_forward)
                     .with_compute_dtype(args.dtype.dtype());
                 let fsdp = match &self.experts {
-                    Some((_, expert_dp)) => fsdp.with_experts(&Experts {
-                        params: whole.expert_params().into_iter().collect(),
-                        group: expert_dp.clone(),
-                    })?,
+                    Some((_, expert_dp)) => fsdp.with_experts(whole.expert_params(), expert_dp)?,
                     None => fsdp,
                 };
                 let tp_rank = self.tp_group.rank();
