@@ -215,6 +215,26 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         1e-5,
         "mpirun -n 8 tp 2 x dp 2 x pp 2 vs threads",
     );
+    // Each stage's blocks fully sharded, the next part's gathers posted across the stages'
+    // transfers (the prefetch); and a mixture of experts at fsdp x ep.
+    let moe = [
+        "--arch",
+        "moe",
+        "--experts",
+        "4",
+        "--tp",
+        "1",
+        "--dp",
+        "4",
+        "--ep",
+        "2",
+    ];
+    for (n, extra) in [(8, &base[..]), (4, &moe)] {
+        let extra = [extra, &["--fsdp"]].concat();
+        let want = threads(&extra, "fsdp-more");
+        let got = mpirun(n, argv(&extra, &temp_dir("fsdp-more-mpi")), None);
+        assert_close(&got, &want, 1e-5, &format!("mpirun -n {n} {extra:?}"));
+    }
 
     // A world that does not match tp x dp is an error naming both, on every process.
     let bad = argv(
