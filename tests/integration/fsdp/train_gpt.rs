@@ -152,23 +152,7 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
     // 3 steps fully sharded (each rank writing its rows), then 3 more at other layouts, the
     // rows read straight into the shards where the resumed run is fully sharded too.
     let pp = ["--pp", "2", "--micro-batches", "2"];
-    let half = |first: &[&str], then: &[&[&str]]| {
-        let argv = [first, &["--steps", "3"]].concat();
-        let run = run_gpt(&args(&argv, "fsdp-half")).unwrap();
-        assert_close(
-            &run.losses,
-            &want[..3],
-            1e-5,
-            &format!("{first:?}, first half"),
-        );
-        let ckpt = run.checkpoint.to_str().unwrap().to_string();
-        for extra in then {
-            let argv = [extra, &["--steps", "3", "--resume", &ckpt][..]].concat();
-            let rest = run_gpt(&args(&argv, "fsdp-rest")).unwrap().losses;
-            let what = format!("{first:?} resumed at {extra:?}");
-            assert_close(&rest, &want[3..], 1e-5, &what);
-        }
-    };
+    let half = |first: &[&str], then: &[&[&str]]| halves(&args, &want, first, then);
     half(
         &["--tp", "1", "--dp", "4", "--fsdp"],
         &[
@@ -240,10 +224,36 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
     }
 }
 
+/// `first` for the first half of `want`'s steps on its curve, then each of `then` resumed
+/// from its checkpoint for the second half (`args`: a run's arguments, given the flags and a
+/// scratch folder's name).
+fn halves(
+    args: &dyn Fn(&[&str], &str) -> burn_tp_examples::train_gpt::Args,
+    want: &[f64],
+    first: &[&str],
+    then: &[&[&str]],
+) {
+    let at = want.len() / 2;
+    let steps = at.to_string();
+    let argv = [first, &["--steps", &steps]].concat();
+    let run = run_gpt(&args(&argv, "fsdp-half")).unwrap();
+    let what = format!("{first:?}, first half");
+    assert_close(&run.losses, &want[..at], 1e-5, &what);
+    let ckpt = run.checkpoint.to_str().unwrap().to_string();
+    let rest_steps = (want.len() - at).to_string();
+    for extra in then {
+        let argv = [extra, &["--steps", &rest_steps, "--resume", &ckpt][..]].concat();
+        let rest = run_gpt(&args(&argv, "fsdp-rest")).unwrap().losses;
+        let what = format!("{first:?} resumed at {extra:?}");
+        assert_close(&rest, &want[at..], 1e-5, &what);
+    }
+}
+
 /// LoRA over a fully sharded base: the frozen base's rows split over dp like any parameter
 /// (gathered untracked, no gradient), the adapters sharded and trained; the losses are plain
 /// dp's; QLoRA's 8-bit base stays whole on every rank; the checkpoint holds the adapters alone
-/// (the same tensors as plain dp's) and resumes without fsdp, but not over another base.
+/// (the same tensors as plain dp's) and resumes without fsdp; a full fine-tune cannot resume
+/// from it.
 #[test]
 fn a_lora_fine_tune_at_fsdp_gives_plain_dp_losses_and_saves_the_adapters_alone() {
     use burn_tp::checkpoint::INDEX;
@@ -429,25 +439,7 @@ fn a_mixture_of_experts_at_fsdp_x_ep_gives_plain_eps_losses_and_resumes() {
         .unwrap()
         .losses;
     // Two steps at fsdp x ep, two more at plain ep; and the other way round.
-    for (first, then) in [
-        (&["--dp", "2", "--fsdp"][..], &["--dp", "2"][..]),
-        (
-            &["--dp", "2"],
-            &["--dp", "2", "--fsdp", "--reshard-after-forward"],
-        ),
-    ] {
-        let argv = [first, &["--steps", "2"]].concat();
-        let run = run_gpt(&args(&argv, "fsdp-ep-half")).unwrap();
-        assert_close(
-            &run.losses,
-            &want[..2],
-            1e-5,
-            &format!("{first:?}, first half"),
-        );
-        let ckpt = run.checkpoint.to_str().unwrap().to_string();
-        let argv = [then, &["--steps", "2", "--resume", &ckpt]].concat();
-        let rest = run_gpt(&args(&argv, "fsdp-ep-rest")).unwrap().losses;
-        let what = format!("{first:?} resumed at {then:?}");
-        assert_close(&rest, &want[2..], 1e-5, &what);
-    }
+    halves(&args, &want, &["--dp", "2", "--fsdp"], &[&["--dp", "2"]]);
+    let resharded = ["--dp", "2", "--fsdp", "--reshard-after-forward"];
+    halves(&args, &want, &["--dp", "2"], &[&resharded]);
 }
