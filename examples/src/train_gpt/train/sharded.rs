@@ -55,16 +55,16 @@ impl<M: Trainable> Rank<'_, M> {
                 let clip = args
                     .clip_grad
                     .map(|max| GradClip::new(&whole, &self.tp_group, max).with_fsdp(fsdp.clone()));
+                let shards = fsdp.shard(whole.clone());
                 let resumed = match resumed {
                     Some((adamw, step)) => {
                         let cut = |m: M| Ok(fsdp.shard(m));
-                        let shards = fsdp.shard(whole.clone());
                         let moved = move_optimizer_state(&adamw, &whole, &shards, cut)?;
                         Some((AdamWConfig::new().init().load_record(moved), step))
                     }
                     None => None,
                 };
-                built = Some((fsdp.shard(whole), fsdp, sharding, clip, resumed));
+                built = Some((shards, fsdp, sharding, clip, resumed));
             }
             self.world.barrier()?;
         }
