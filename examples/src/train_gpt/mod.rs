@@ -45,7 +45,7 @@ pub use trainable::Trainable;
 use crate::corpus::{self, Codec};
 use crate::eval::Data;
 use launch::launch;
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "train"))]
 pub(crate) use launch::nccl_world;
 use train::RankOut;
 
