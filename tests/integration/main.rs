@@ -5,6 +5,7 @@ mod checkpoint;
 mod collectives;
 mod common;
 mod context;
+mod counting;
 mod dp;
 mod dtype;
 mod embedding;

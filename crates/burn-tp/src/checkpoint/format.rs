@@ -156,12 +156,28 @@ pub(super) fn safetensors_dtype(name: &str) -> Option<safetensors::Dtype> {
     })
 }
 
-/// A tensor as a rank stores it: its dimension `dim` first, row-major (the values written
-/// from where they are, not copied again).
+/// A tensor as a rank stores it (its dimension `dim` first, row-major), made only when its
+/// bytes are written: the file is written one tensor at a time, so a save holds one tensor's
+/// copy, not a copy of every tensor the rank writes.
+pub(super) struct Lazy {
+    /// The stored shape (the cut dimension first).
+    pub(super) shape: Vec<usize>,
+    pub(super) dtype: DType,
+    pub(super) make: Box<dyn Fn() -> TensorData>,
+}
+
+impl Lazy {
+    /// The bytes it stores.
+    pub(super) fn len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// [`Lazy`] under its name in the rank's file.
 pub(super) struct Stored {
     pub(super) name: String,
     pub(super) dtype: safetensors::Dtype,
-    pub(super) data: TensorData,
+    pub(super) value: Lazy,
 }
 
 impl safetensors::View for &Stored {
@@ -169,25 +185,45 @@ impl safetensors::View for &Stored {
         self.dtype
     }
     fn shape(&self) -> &[usize] {
-        self.data.shape()
+        &self.value.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(self.data.as_bytes())
+        let data = (self.value.make)();
+        // The header already says where each tensor ends: a wrong length would shift the
+        // ones after it.
+        assert_eq!(
+            (data.shape().to_vec(), data.dtype()),
+            (self.value.shape.clone(), self.value.dtype),
+            "checkpoint: {} made unlike its header",
+            self.name
+        );
+        let (bytes, _, _) = data.into_parts();
+        std::borrow::Cow::Owned(bytes.try_into_vec::<u8>().unwrap_or_else(|b| b.to_vec()))
     }
     fn data_len(&self) -> usize {
-        self.data.as_bytes().len()
+        self.value.len()
     }
 }
 
+/// `shape` with `rows` rows of dim 0 (where given) and then `dim` moved first.
+pub(super) fn stored_shape(shape: &[usize], rows: Option<usize>, dim: usize) -> Vec<usize> {
+    let mut shape = shape.to_vec();
+    if let Some(rows) = rows {
+        shape[0] = rows;
+    }
+    shape.swap(0, dim);
+    shape
+}
+
 /// The float parameters of a module with `dim` of each moved first, in visiting order (a fully
-/// sharded one's held rows alone, its padding cut off); with `trainable_only`, `None` for a
-/// frozen one (not even read: a quantized base stays packed).
+/// sharded one's held rows alone, its padding cut off), each made when it is written; with
+/// `trainable_only`, `None` for a frozen one (not even read: a quantized base stays packed).
 pub(super) fn dim_first_values<M: Module>(
     module: &M,
     sharding: &Sharding,
     trainable_only: bool,
-) -> Vec<Option<TensorData>> {
-    struct Collect<'a>(Vec<Option<TensorData>>, &'a Sharding, bool);
+) -> Vec<Option<Lazy>> {
+    struct Collect<'a>(Vec<Option<Lazy>>, &'a Sharding, bool);
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let k = self.0.len();
@@ -203,8 +239,12 @@ pub(super) fn dim_first_values<M: Module>(
                 Some(Some(rows)) => t.narrow(0, 0, rows.held.len()),
                 _ => t,
             };
-            self.0
-                .push((!skip).then(|| t.swap_dims(0, dim).into_data()));
+            let value = (!skip).then(|| Lazy {
+                shape: stored_shape(&t.dims(), None, dim),
+                dtype: t.dtype(),
+                make: Box::new(move || t.clone().swap_dims(0, dim).into_data()),
+            });
+            self.0.push(value);
         }
     }
     let mut c = Collect(Vec::new(), sharding, trainable_only);

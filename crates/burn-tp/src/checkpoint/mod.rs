@@ -80,6 +80,69 @@ impl StageMap {
             total: n,
         }
     }
+
+    /// The map of `model` split by expert parallelism: each mixture-of-experts layer holds
+    /// ep rank `ep_rank`'s `1 / n_ep` of its experts ([`crate::moe`]), whose parameters are
+    /// `experts`, into the model with every expert. So an ep rank saves its experts alone
+    /// under the whole model's indices and reads back only its own, at any ep.
+    ///
+    /// ```text
+    ///  whole:  router | e0 e1 e2 e3 | shared ...     (one layer, 4 experts, n_ep 2)
+    ///  rank 0: router | e0 e1       | shared ...     writes router, e0, e1, shared
+    ///  rank 1: router |       e2 e3 | shared ...     writes e2, e3 (the rest is rank 0's)
+    /// ```
+    ///
+    /// A layer's experts are one run of `experts` in visiting order, and two layers' runs
+    /// never touch (each layer's router comes first), so a run of length `L` on this rank is
+    /// `L x n_ep` parameters of the whole model, this rank's at `ep_rank x L`. Parameters
+    /// outside the runs are replicated over ep: rank 0 writes them.
+    pub fn expert_parallel<M: burn::module::Module>(
+        model: &M,
+        experts: &std::collections::HashSet<burn::module::ParamId>,
+        ep_rank: usize,
+        n_ep: usize,
+    ) -> Self {
+        let ids = crate::model::param_ids(model);
+        let mut map = Self::whole(0);
+        let mut k = 0;
+        while k < ids.len() {
+            if !experts.contains(&ids[k]) {
+                map.global.push(map.total);
+                map.writes.push(ep_rank == 0);
+                map.total += 1;
+                k += 1;
+                continue;
+            }
+            let run = ids[k..]
+                .iter()
+                .take_while(|id| experts.contains(id))
+                .count();
+            let first = map.total + ep_rank * run;
+            map.global.extend(first..first + run);
+            map.writes.extend(std::iter::repeat_n(true, run));
+            map.total += run * n_ep;
+            k += run;
+        }
+        map.held = vec![true; ids.len()];
+        map
+    }
+
+    /// This map followed by `outer`, the map of the model this one maps into (an ep rank's
+    /// experts into its pipeline stage's, [`expert_parallel`](Self::expert_parallel), then
+    /// the stage's into the whole model's, [`crate::pipeline::stage_map`]). A parameter is
+    /// written where both write it.
+    pub fn then(&self, outer: &StageMap) -> StageMap {
+        StageMap {
+            global: self.global.iter().map(|&g| outer.global[g]).collect(),
+            writes: (self.writes.iter().zip(&self.global))
+                .map(|(&w, &g)| w && outer.writes[g])
+                .collect(),
+            held: (self.held.iter().zip(&self.global))
+                .map(|(&h, &g)| h && outer.held[g])
+                .collect(),
+            total: outer.total,
+        }
+    }
 }
 
 use crate::error::file_error;
@@ -91,3 +154,67 @@ pub use load::{
 };
 pub use save::{save, save_sharded, save_stage};
 pub use sharding::{HeldRows, Sharding};
+
+#[cfg(test)]
+mod tests {
+    use burn::module::{Param, ParamId};
+    use burn::tensor::{Device, Tensor};
+
+    use super::StageMap;
+
+    fn params(n: usize) -> Vec<Param<Tensor<1>>> {
+        let device = Device::flex();
+        (0..n)
+            .map(|_| Param::from_tensor(Tensor::zeros([2], &device)))
+            .collect()
+    }
+
+    /// Two MoE layers of 4 experts (2 parameters each) at ep 2, each between a router and a
+    /// shared expert: ep rank 1 holds experts 2 and 3 of each, the whole model's parameters
+    /// 5..9 and 15..19, and writes them alone.
+    #[test]
+    fn an_ep_rank_maps_its_experts_into_the_whole_model() {
+        let model = params(12); // r0 | e2 e2 e3 e3 | s0 | r1 | e2 e2 e3 e3 | s1
+        let ids: Vec<ParamId> = model.iter().map(|p| p.id).collect();
+        let experts = [1, 2, 3, 4, 7, 8, 9, 10]
+            .map(|k| ids[k])
+            .into_iter()
+            .collect();
+        let map = StageMap::expert_parallel(&model, &experts, 1, 2);
+        assert_eq!(map.global, [0, 5, 6, 7, 8, 9, 10, 15, 16, 17, 18, 19]);
+        let written: Vec<usize> = (0..12).filter(|&k| map.writes[k]).collect();
+        assert_eq!(written, [1, 2, 3, 4, 7, 8, 9, 10]);
+        assert_eq!(map.total, 20);
+        // Rank 0: the first half of each run, and everything else.
+        let map = StageMap::expert_parallel(&model, &experts, 0, 2);
+        assert_eq!(map.global, [0, 1, 2, 3, 4, 9, 10, 11, 12, 13, 14, 19]);
+        assert!(map.writes.iter().all(|&w| w));
+        // No experts: the whole model, unchanged.
+        let whole = StageMap::expert_parallel(&model, &Default::default(), 0, 1);
+        assert_eq!(whole, StageMap::whole(12));
+    }
+
+    /// An ep rank's map into its stage's model, then the stage's into the whole: the indices
+    /// compose, a parameter is written where both maps write it and held where the stage
+    /// holds it.
+    #[test]
+    fn maps_compose_into_the_whole_model() {
+        let inner = StageMap {
+            global: vec![0, 3],
+            writes: vec![false, true],
+            held: vec![true, true],
+            total: 4,
+        };
+        let stage = StageMap {
+            global: vec![10, 11, 12, 13],
+            writes: vec![true, true, true, false],
+            held: vec![false, true, true, true],
+            total: 30,
+        };
+        let map = inner.then(&stage);
+        assert_eq!(map.global, [10, 13]);
+        assert_eq!(map.writes, [false, false]);
+        assert_eq!(map.held, [false, true]);
+        assert_eq!(map.total, 30);
+    }
+}

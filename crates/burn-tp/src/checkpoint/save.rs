@@ -183,7 +183,7 @@ fn write_part<M: Module>(
     let file = format!("rank-{rank:05}.safetensors");
     let mut part = Part::default();
     let mut stored = Vec::new();
-    let mut store = |name: String, data: TensorData, k: usize| -> Result<()> {
+    let mut store = |name: String, value: Lazy, k: usize| -> Result<()> {
         let region = sharding.region(k);
         let written: Vec<StoredPiece> = region
             .slices
@@ -200,10 +200,10 @@ fn write_part<M: Module>(
         if written.is_empty() {
             return Ok(());
         }
-        let dtype = dtype_name(data.dtype()).ok_or_else(|| {
+        let dtype = dtype_name(value.dtype).ok_or_else(|| {
             file_error(
                 dir,
-                format!("{name}: dtype {:?} cannot be saved", data.dtype()),
+                format!("{name}: dtype {:?} cannot be saved", value.dtype),
             )
         })?;
         part.tensors.insert(
@@ -218,32 +218,47 @@ fn write_part<M: Module>(
         stored.push(Stored {
             name,
             dtype: safetensors_dtype(dtype).expect("a known dtype"),
-            data,
+            value,
         });
         Ok(())
     };
     {
         let values = dim_first_values(model, sharding, info.frozen_base.is_some());
-        for (k, data) in values.into_iter().enumerate() {
-            if let (true, Some(data)) = (map.writes[k], data) {
-                store(format!("p{}", map.global[k]), data, k)?;
+        for (k, value) in values.into_iter().enumerate() {
+            if let (true, Some(value)) = (map.writes[k], value) {
+                store(format!("p{}", map.global[k]), value, k)?;
             }
         }
     }
+    // The optimizer's state is read back from a scratch file tensor by tensor as the shard
+    // file is written (`IndexedState::spilled`), removed once it is.
+    let scratch = tmp.join(format!("rank-{rank:05}.optimizer.bpk"));
     if let Some(optim) = optim {
-        let state = IndexedState::of(optim, model)?;
+        let state = IndexedState::spilled(optim, model, &scratch)?;
         for ((k, field), data) in state.tensors {
             if !map.writes[k] {
                 continue;
             }
             // The state is shaped like its parameter: store it as the parameter is stored.
-            let data = match &sharding.rows[k] {
+            let rows = match &sharding.rows[k] {
                 Some(rows) if rows.held.is_empty() => continue,
-                Some(rows) => first_rows(data, rows.held.len()),
-                None => data,
+                Some(rows) => Some(rows.held.len()),
+                None => None,
             };
-            let data = dim_first(data, layouts[k].dim);
-            store(format!("p{}.{field}", map.global[k]), data, k)?;
+            let dim = layouts[k].dim;
+            let value = Lazy {
+                shape: stored_shape(data.shape(), rows, dim),
+                dtype: data.dtype(),
+                make: Box::new(move || {
+                    let data = data.clone();
+                    let data = match rows {
+                        Some(n) => first_rows(data, n),
+                        None => data,
+                    };
+                    dim_first(data, dim)
+                }),
+            };
+            store(format!("p{}.{field}", map.global[k]), value, k)?;
         }
         part.scalars = state
             .scalars
@@ -266,5 +281,7 @@ fn write_part<M: Module>(
         safetensors::serialize_to_file(stored.iter().map(|s| (s.name.clone(), s)), None, &path)
             .map_err(|e| file_error(&path, format!("writing: {e}")))?;
     }
+    drop(stored);
+    let _ = std::fs::remove_file(&scratch);
     Ok(part)
 }

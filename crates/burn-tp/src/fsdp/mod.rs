@@ -344,8 +344,9 @@ impl Fsdp {
     /// own rows of ([`save_sharded`](crate::checkpoint::save_sharded), read back at any layout
     /// by [`load_sharded`](crate::checkpoint::load_sharded)): `whole`'s tp layout at `tp_rank`
     /// (`whole`: the model this sharding was made from, or one of its shapes), its parameters
-    /// the whole model's `map`, and the rows of each this rank holds. A parameter that is not
-    /// sharded is written by the shard group's rank 0 alone.
+    /// the whole model's `map` (with experts, [`StageMap::expert_parallel`] of this rank's),
+    /// and the rows of each this rank holds. A parameter that is not sharded is written by the
+    /// first rank of its group alone.
     pub fn sharding<M: Module + Reshard>(
         &self,
         whole: &M,
@@ -353,7 +354,6 @@ impl Fsdp {
         map: StageMap,
     ) -> Sharding {
         let mut sharding = Sharding::of(whole, tp_rank, map);
-        let r = self.shard.rank();
         for (k, id) in crate::model::param_ids(whole).into_iter().enumerate() {
             match self.rows.get(&id) {
                 Some(&rows) => {
@@ -362,8 +362,15 @@ impl Fsdp {
                     let c = rows.div_ceil(n);
                     let held = (r * c).min(rows)..((r + 1) * c).min(rows);
                     sharding.rows[k] = Some(HeldRows { held, extent: c });
+                    // An ep rank's map ([`StageMap::expert_parallel`]) leaves the parameters
+                    // replicated over ep to rank 0; split over the shard group, each rank
+                    // writes its rows.
+                    if self.experts.is_some() {
+                        sharding.map.writes[k] = true;
+                    }
                 }
-                None if r > 0 => {
+                // Whole on every rank of its group: its first rank writes it.
+                None if self.group_of(id).rank() > 0 => {
                     for piece in &mut sharding.layouts[k].pieces {
                         piece.writes = false;
                     }

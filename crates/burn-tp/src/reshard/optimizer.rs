@@ -19,6 +19,7 @@ use burn_pack::{Reader, Scalar, Writer};
 use burn_tp_comm::ProcessGroup;
 
 use super::Reshard;
+use crate::error::file_error;
 use crate::{Result, TpError};
 
 fn err(what: &str, e: impl std::fmt::Debug) -> TpError {
@@ -104,6 +105,33 @@ impl IndexedState {
             .into_bytes()
             .map_err(|e| err("encoding", e))?;
         let reader = Reader::from_bytes(bytes).map_err(|e| err("decoding", e))?;
+        Self::read(reader, model)
+    }
+
+    /// [`of`](Self::of), the state written to the scratch file `path` first and its tensors
+    /// left there, each read when it is first used (a clone reads its own copy): what a
+    /// checkpoint's save holds is then one tensor at a time, not the record and its encoding
+    /// (two copies of the whole state). Remove `path` once the tensors are used.
+    ///
+    /// # Errors
+    /// As [`of`](Self::of); [`TpError::Checkpoint`] naming `path` where writing or reading it
+    /// fails.
+    pub(crate) fn spilled<M: Module>(
+        optim: &ModuleOptimizer,
+        model: &M,
+        path: &Path,
+    ) -> Result<Self> {
+        optim
+            .to_record()
+            .save(path)
+            .map_err(|e| file_error(path, format!("writing the optimizer state: {e}")))?;
+        let reader = Reader::from_file_exact(path)
+            .map_err(|e| file_error(path, format!("reading the optimizer state: {e}")))?;
+        Self::read(reader, model)
+    }
+
+    /// The state in `reader`, keyed by `model`'s parameter indices.
+    fn read<M: Module>(reader: Reader, model: &M) -> Result<Self> {
         let index: BTreeMap<u64, usize> = param_ids(model)
             .into_iter()
             .enumerate()
