@@ -3,11 +3,9 @@
 
 use std::path::Path;
 
-use burn::optim::AdamWConfig;
-use burn_tp::checkpoint::{self, CheckpointInfo};
+use burn_tp::checkpoint::{self, CheckpointInfo, Sharding};
 use burn_tp::dp::DpOptimizer;
 use burn_tp::hf::HfConfig;
-use burn_tp::reshard::move_optimizer_state;
 
 use super::{BoxResult, Rank, Trainable};
 
@@ -131,42 +129,13 @@ impl<M: Trainable> Rank<'_, M> {
     /// This rank's slices of the model and the AdamW state after `steps` steps, into the
     /// sharded checkpoint (data-parallel replica 0 writes; every rank waits for it). The
     /// distributed optimizer's chunks are gathered over dp first; with `--fsdp` each rank of
-    /// the first shard group writes its rows.
+    /// the first shard group writes its rows; with `--ep` each rank of the first ep group
+    /// its experts, under the whole model's indices (it resumes at any ep).
     pub(super) fn save(
         &self,
         model: &mut M,
         optim: &mut DpOptimizer,
         steps: usize,
-    ) -> burn_tp::Result<()> {
-        if self.experts.is_none() {
-            return self.save_whole(model, optim, steps, true);
-        }
-        // Expert parallel: the whole model's checkpoint, every expert and its optimizer state
-        // gathered over ep (collective over ep), so it resumes at any ep; with --fsdp, each
-        // parameter's rows gathered first (every rank then holds the whole while it saves).
-        let fsdp = self.fsdp.get().map(|(f, _)| f);
-        let gather = |m: M| -> burn_tp::Result<M> {
-            let m = match fsdp {
-                Some(f) => f.unshard(m)?,
-                None => m,
-            };
-            m.gather_experts()
-        };
-        let mut whole = gather(model.clone())?;
-        let adamw = optim.module_optimizer(model)?;
-        let record = move_optimizer_state(adamw, model, &whole, gather)?;
-        let mut whole_optim = DpOptimizer::new(AdamWConfig::new().init().load_record(record));
-        self.save_whole(&mut whole, &mut whole_optim, steps, false)
-    }
-
-    /// [`save`](Self::save) of a model that holds every parameter of its tp shard, or (with
-    /// `--fsdp` and `rows`) its rows of each.
-    fn save_whole(
-        &self,
-        model: &mut M,
-        optim: &mut DpOptimizer,
-        steps: usize,
-        rows: bool,
     ) -> burn_tp::Result<()> {
         let a = self.args;
         let info = CheckpointInfo::new(steps as u64, a.tp, a.dp, self.config).with_pp(a.pp);
@@ -175,13 +144,28 @@ impl<M: Trainable> Rank<'_, M> {
             Some(base) => info.with_frozen_base(base),
             None => info,
         };
-        if let Some(fsdp) = self.fsdp.get().filter(|_| rows) {
+        if let Some(fsdp) = self.fsdp.get() {
             return self.save_sharded(fsdp, model, optim, &info);
         }
         let adamw = optim.module_optimizer(model)?;
-        match self.stage_map.get() {
+        match (&self.experts, self.stage_map.get()) {
+            // The writers span the first ep group's dp ranks: the whole world takes part.
+            (Some((ep, _)), _) => {
+                let map = self.checkpoint_map(model);
+                let sharding = Sharding::of(model, self.tp_group.rank(), map);
+                let writes = self.dp_rank < ep.world_size();
+                checkpoint::save_sharded(
+                    model,
+                    Some(adamw),
+                    self.checkpoint,
+                    &info,
+                    &sharding,
+                    &self.world,
+                    writes,
+                )?;
+            }
             // Every stage its blocks, under the whole model's indices: one checkpoint.
-            Some(map) => checkpoint::save_stage(
+            (None, Some(map)) => checkpoint::save_stage(
                 model,
                 Some(adamw),
                 self.checkpoint,
@@ -191,7 +175,7 @@ impl<M: Trainable> Rank<'_, M> {
                 self.dp_rank,
                 map,
             )?,
-            None => checkpoint::save(
+            (None, None) => checkpoint::save(
                 model,
                 Some(adamw),
                 self.checkpoint,

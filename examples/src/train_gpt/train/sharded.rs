@@ -1,15 +1,14 @@
 //! A rank's fully sharded data parallelism (`--fsdp`): its shards of the model and of the
 //! AdamW state at the start, a step on them, its rows of the checkpoint.
 
-use burn::optim::{AdamWConfig, ModuleOptimizer};
+use burn::optim::AdamWConfig;
 use burn::tensor::{Int, Tensor};
-use burn_tp::checkpoint::{self, CheckpointInfo, Sharding, StageMap};
+use burn_tp::checkpoint::{self, CheckpointInfo, Sharding};
 use burn_tp::comm::{ProcessGroup, ReduceOp};
 use burn_tp::dp::{DpOptimizer, GradClip};
 use burn_tp::dropout::DropoutStep;
 use burn_tp::fsdp::Fsdp;
 use burn_tp::ops::all_reduce;
-use burn_tp::reshard::move_optimizer_state;
 
 use super::{BoxResult, Rank, Trainable};
 
@@ -33,10 +32,10 @@ impl<M: Trainable> Rank<'_, M> {
                     true => whole.quantize_lora_base()?,
                     false => whole,
                 };
-                // With --ep, the whole model is resumed here and its rows cut from it after.
-                let (whole, resumed) = match (&self.experts, &args.resume) {
-                    (Some((ep, _)), resume) => self.expert_split(whole, ep, resume.as_deref())?,
-                    _ => (whole, None),
+                // With --ep, this rank's experts (their rows cut below).
+                let whole = match &self.experts {
+                    Some((ep, _)) => whole.expert_parallel(ep)?,
+                    None => whole,
                 };
                 let fsdp = Fsdp::new(&whole, shard)
                     .with_replicas(replicas)
@@ -47,39 +46,25 @@ impl<M: Trainable> Rank<'_, M> {
                     None => fsdp,
                 };
                 let tp_rank = self.tp_group.rank();
-                let map = match self.stage_map.get() {
-                    Some(map) => map.clone(),
-                    None => StageMap::whole(whole.layout(tp_rank).len()),
-                };
-                let sharding = fsdp.sharding(&whole, tp_rank, map);
+                let sharding = fsdp.sharding(&whole, tp_rank, self.checkpoint_map(&whole));
                 let clip = args
                     .clip_grad
                     .map(|max| GradClip::new(&whole, &self.tp_group, max).with_fsdp(fsdp.clone()));
-                let shards = fsdp.shard(whole.clone());
-                let resumed = match resumed {
-                    Some((adamw, step)) => {
-                        let cut = |m: M| Ok(fsdp.shard(m));
-                        let moved = move_optimizer_state(&adamw, &whole, &shards, cut)?;
-                        Some((AdamWConfig::new().init().load_record(moved), step))
-                    }
-                    None => None,
-                };
-                built = Some((shards, fsdp, sharding, clip, resumed));
+                built = Some((fsdp.shard(whole), fsdp, sharding, clip));
             }
             self.world.barrier()?;
         }
-        let (model, fsdp, sharding, clip, resumed) = built.expect("every replica takes its turn");
+        let (model, fsdp, sharding, clip) = built.expect("every replica takes its turn");
         let adamw = AdamWConfig::new().init();
-        let (model, first_step, adamw) = match (&args.resume, resumed) {
-            (_, Some((adamw, step))) => (model, step, adamw),
-            (Some(dir), None) => {
+        let (model, first_step, adamw) = match &args.resume {
+            Some(dir) => {
                 let (model, info) =
                     checkpoint::load_sharded(model, dir, Some(self.config), &sharding)?;
                 self.same_base(dir, &info)?;
                 let adamw = checkpoint::load_optimizer_sharded(adamw, &model, dir, &sharding)?;
                 (model, info.step as usize, adamw)
             }
-            (None, None) => (model, 0, adamw),
+            None => (model, 0, adamw),
         };
         let optim = DpOptimizer::new(adamw)
             .with_replicated(burn_tp::norm::ReplicatedGrads::new(&self.tp_group))
@@ -92,29 +77,6 @@ impl<M: Trainable> Rank<'_, M> {
             .set((fsdp, sharding))
             .map_err(|_| "the model is built once")?;
         Ok((model, first_step, optim))
-    }
-
-    /// `--fsdp --ep`: this rank's experts of `whole` (every expert, its tp shard), resumed
-    /// first from `resume` (the whole model's checkpoint, which `--ep` writes), with its AdamW
-    /// state moved to the experts kept and the step to go on from.
-    #[allow(clippy::type_complexity)]
-    fn expert_split(
-        &self,
-        whole: M,
-        ep: &ProcessGroup,
-        resume: Option<&std::path::Path>,
-    ) -> BoxResult<(M, Option<(ModuleOptimizer, usize)>)> {
-        let Some(dir) = resume else {
-            return Ok((whole.expert_parallel(ep)?, None));
-        };
-        let (whole, info) = checkpoint::load(whole, dir, Some(self.config), &self.tp_group)?;
-        self.same_base(dir, &info)?;
-        let adamw = AdamWConfig::new().init();
-        let adamw = checkpoint::load_optimizer(adamw, &whole, dir, &self.tp_group)?;
-        let split = whole.clone().expert_parallel(ep)?;
-        let moved = move_optimizer_state(&adamw, &whole, &split, |m| m.expert_parallel(ep))?;
-        let adamw = AdamWConfig::new().init().load_record(moved);
-        Ok((split, Some((adamw, info.step as usize))))
     }
 
     /// `--fsdp`'s checkpoint: each rank of the first shard group (HSDP's first replica) writes

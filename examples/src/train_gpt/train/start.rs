@@ -4,11 +4,12 @@
 use std::path::{Path, PathBuf};
 
 use burn::optim::AdamWConfig;
-use burn_tp::checkpoint::{self, CheckpointInfo};
+use burn_tp::checkpoint::{self, CheckpointInfo, StageMap};
 use burn_tp::comm::ProcessGroup;
-use burn_tp::dp::{DpOptimizer, GradClip, broadcast_parameters};
+use burn_tp::dp::{
+    DpOptimizer, Experts, GradClip, broadcast_parameters, broadcast_parameters_with,
+};
 use burn_tp::pipeline::{self, Pipeline, virtual_stage_layers};
-use burn_tp::reshard::move_optimizer_state;
 
 use super::super::pipelined::pp_schedule;
 use super::{BoxResult, Rank, Trainable};
@@ -27,34 +28,9 @@ impl<M: Trainable> Rank<'_, M> {
             (Some(dir), Some((ep, _)), None, None) if !args.is_lora() => Some((dir, ep)),
             _ => None,
         };
-        // dp replica 0 draws the weights first (only its tp rank 0 uses the RNG); the others
-        // wait, then take replica 0's weights by broadcast (but for the direct import, which
-        // draws nothing that stays and builds at ep, collectively, on every rank at once).
-        if self.dp_rank != 0 && direct_ep.is_none() {
-            self.world.barrier()?;
-        }
-        let fresh = self.fresh(direct_ep)?;
-        let (model, first_step) = match &args.resume {
-            // Read slice by slice into this rank's shards (a stage's under the whole model's
-            // indices).
-            Some(dir) => {
-                let (model, info) = match self.stage_map.get() {
-                    Some(map) => {
-                        checkpoint::load_stage(fresh, dir, Some(self.config), tp_group.rank(), map)?
-                    }
-                    None => checkpoint::load(fresh, dir, Some(self.config), tp_group)?,
-                };
-                self.same_base(dir, &info)?;
-                (model, info.step as usize)
-            }
-            None => (fresh, 0),
-        };
-        if self.dp_rank == 0 && direct_ep.is_none() {
-            self.world.barrier()?;
-        }
-        let model = match direct_ep {
-            Some(_) => model,
-            None => broadcast_parameters(model, &self.dp_group)?,
+        let (model, first_step) = match self.experts.as_ref().filter(|_| direct_ep.is_none()) {
+            Some((ep, expert_dp)) => self.start_expert_parallel(ep, expert_dp)?,
+            None => self.start_replicated(direct_ep)?,
         };
         // QLoRA: every replica quantizes the same values (after the broadcast, which moves floats).
         let model = match args.qlora {
@@ -63,35 +39,12 @@ impl<M: Trainable> Rank<'_, M> {
         };
         let mut adamw = AdamWConfig::new().init();
         // A resumed run continues where the checkpoint left off: the optimizer state (resharded
-        // to this tp) and the step count, so the batches and the AdamW bias correction go on.
+        // to this tp, a stage's or an ep rank's part) and the step count, so the batches and
+        // the AdamW bias correction go on.
         if let Some(dir) = &args.resume {
-            adamw = match self.stage_map.get() {
-                // This stage's part of the whole model's state.
-                Some(map) => {
-                    checkpoint::load_optimizer_stage(adamw, &model, dir, tp_group.rank(), map)?
-                }
-                None => checkpoint::load_optimizer(adamw, &model, dir, tp_group)?,
-            };
+            let map = self.checkpoint_map(&model);
+            adamw = checkpoint::load_optimizer_stage(adamw, &model, dir, tp_group.rank(), &map)?;
         }
-        // With --ep, each rank keeps its experts of the (identical) whole model, and their
-        // part of a resumed optimizer state.
-        let (model, adamw) = match &self.experts {
-            Some(_) if direct_ep.is_some() => (model, adamw),
-            Some((ep, _)) => {
-                let split = model.clone().expert_parallel(ep)?;
-                let adamw = match &args.resume {
-                    Some(_) => {
-                        let moved = move_optimizer_state(&adamw, &model, &split, |m| {
-                            m.expert_parallel(ep)
-                        })?;
-                        AdamWConfig::new().init().load_record(moved)
-                    }
-                    None => adamw,
-                };
-                (split, adamw)
-            }
-            None => (model, adamw),
-        };
         let optim = super::super::optimizer::build(
             args,
             &model,
@@ -105,6 +58,89 @@ impl<M: Trainable> Rank<'_, M> {
             None => optim,
         };
         Ok((model, first_step, optim))
+    }
+
+    /// The model of [`start`](Self::start) without `--ep` (or with its direct import) and the
+    /// step it starts at. dp replica 0 draws the weights first (only its tp rank 0 uses the
+    /// RNG); the others wait, then take replica 0's weights by broadcast (but for the direct
+    /// import, which draws nothing that stays and builds at ep, collectively, on every rank at
+    /// once).
+    fn start_replicated(
+        &self,
+        direct_ep: Option<(&PathBuf, &ProcessGroup)>,
+    ) -> BoxResult<(M, usize)> {
+        if self.dp_rank != 0 && direct_ep.is_none() {
+            self.world.barrier()?;
+        }
+        let fresh = self.fresh(direct_ep)?;
+        let (model, first_step) = match &self.args.resume {
+            Some(dir) => self.resume(fresh, dir)?,
+            None => (fresh, 0),
+        };
+        if self.dp_rank == 0 && direct_ep.is_none() {
+            self.world.barrier()?;
+        }
+        let model = match direct_ep {
+            Some(_) => model,
+            None => broadcast_parameters(model, &self.dp_group)?,
+        };
+        Ok((model, first_step))
+    }
+
+    /// The model of [`start`](Self::start) with `--ep` and the step it starts at: the
+    /// replicas in turns each draw the whole model from the seed and keep their experts, so
+    /// the process holds one whole model at a time (every replica drawing at once held one
+    /// each); the checkpoint's values then read into the rank's experts alone. A broadcast
+    /// (the experts within the ranks holding them, the rest from dp rank 0) makes the replicas
+    /// identical whatever their devices' generators.
+    fn start_expert_parallel(
+        &self,
+        ep: &ProcessGroup,
+        expert_dp: &ProcessGroup,
+    ) -> BoxResult<(M, usize)> {
+        let mut built = None;
+        for turn in 0..self.dp_group.world_size() {
+            if turn == self.dp_rank {
+                built = Some(self.fresh(None)?.expert_parallel(ep)?);
+            }
+            self.world.barrier()?;
+        }
+        let model = built.expect("every replica takes its turn");
+        let experts = Experts {
+            params: model.expert_params().into_iter().collect(),
+            group: expert_dp.clone(),
+        };
+        let model = broadcast_parameters_with(model, &self.dp_group, &experts)?;
+        match &self.args.resume {
+            Some(dir) => self.resume(model, dir),
+            None => Ok((model, 0)),
+        }
+    }
+
+    /// `model` with the values of the checkpoint in `dir` (read slice by slice into this
+    /// rank's shards, a stage's or an ep rank's under the whole model's indices), and the step
+    /// it was saved at.
+    fn resume(&self, model: M, dir: &Path) -> BoxResult<(M, usize)> {
+        let map = self.checkpoint_map(&model);
+        let tp_rank = self.tp_group.rank();
+        let (model, info) = checkpoint::load_stage(model, dir, Some(self.config), tp_rank, &map)?;
+        self.same_base(dir, &info)?;
+        Ok((model, info.step as usize))
+    }
+
+    /// Where each of `model`'s parameters lies in the whole model's checkpoint: its pipeline
+    /// stage's blocks (set by [`fresh`](Self::fresh)) and, once `--ep` split it, its experts.
+    pub(super) fn checkpoint_map(&self, model: &M) -> StageMap {
+        let n_ep = self.experts.as_ref().map_or(1, |(ep, _)| ep.world_size());
+        let (experts, ep_rank) = match &self.experts {
+            Some((ep, _)) => (model.expert_params().into_iter().collect(), ep.rank()),
+            None => (Default::default(), 0),
+        };
+        let map = StageMap::expert_parallel(model, &experts, ep_rank, n_ep);
+        match self.stage_map.get() {
+            Some(stage) => map.then(stage),
+            None => map,
+        }
     }
 
     /// A LoRA checkpoint holds the adapters alone: they only fit the base they were trained
@@ -126,11 +162,14 @@ impl<M: Trainable> Rank<'_, M> {
 
     /// This rank's model as the run starts it (drawn, or imported; LoRA on; a stage's blocks
     /// and ends), before any resume. The stages of a replica draw in turns from the same seed;
-    /// with `--fsdp`, every replica (in its turn), so that they all draw the same weights.
+    /// with `--fsdp` or `--ep`, every replica (in its turn), so that they all draw the same weights.
     pub(super) fn fresh(&self, direct_ep: Option<(&PathBuf, &ProcessGroup)>) -> BoxResult<M> {
         let (args, tp_group) = (self.args, &self.tp_group);
         let fsdp = self.fsdp_groups.is_some();
-        let turns = self.dp_rank == 0 || fsdp;
+        // Every replica draws the whole model, in its turn, with --fsdp and --ep (not their
+        // direct import): each then keeps its part.
+        let in_turns = fsdp || (self.experts.is_some() && direct_ep.is_none());
+        let turns = self.dp_rank == 0 || in_turns;
         // Stages draw the whole model in turns, each from the same seed (one device RNG for
         // every rank thread), so every stage has the same weights; each keeps its blocks.
         let stages = self.pipe.as_ref().map_or(1, Pipeline::stages);
@@ -149,7 +188,7 @@ impl<M: Trainable> Rank<'_, M> {
         for turn in 0..stages {
             if turn == stage {
                 // Only the rank that draws (tp rank 0 of replica 0) touches the RNG.
-                if (stages > 1 || fsdp) && turns && tp_group.rank() == 0 {
+                if (stages > 1 || in_turns) && turns && tp_group.rank() == 0 {
                     self.device.seed(args.seed);
                 }
                 fresh = Some(match (&held, &args.init_from) {
