@@ -62,8 +62,16 @@ pub(crate) trait Parts<M: Clone> {
     /// The model to run `part` with.
     fn part<'m>(&self, model: &'m M, part: Part, tracked: bool) -> TpResult<Cow<'m, M>>;
 
+    /// The parts asked for from now on run in the forward or the backward of `slot` (a
+    /// pipeline's (virtual stage, micro-batch)): what the source keeps of them for their
+    /// backward ([`backward_done`](Self::backward_done)) is that slot's, so several forwards
+    /// may run before their backwards. One slot (0) unless called.
+    fn switch_to(&self, slot: usize) {
+        let _ = slot;
+    }
+
     /// A part's backward is done, `grads` its gradients: the source takes its own (fsdp's
-    /// gathered leaves', whose reduce-scatters it posts).
+    /// gathered leaves' of the current slot, whose reduce-scatters it posts).
     fn backward_done(&self, grads: &mut Gradients) -> TpResult<()> {
         let _ = grads;
         Ok(())

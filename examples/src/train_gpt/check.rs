@@ -243,10 +243,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         let refused = [
             (args.ep > 1 && args.dp != n, "--ep with --hsdp"),
             (
-                args.pp > 1 && (args.ep > 1 || args.experts().is_some()),
-                "--pp for a mixture of experts",
-            ),
-            (
                 args.recompute_layers,
                 "--recompute-layers (use --reshard-after-forward)",
             ),

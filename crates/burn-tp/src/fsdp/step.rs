@@ -3,7 +3,8 @@
 //! forward, or one tracked forward otherwise.
 
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor};
@@ -42,13 +43,25 @@ struct Gathered<'f, M: LanguageModel> {
     deferred: Option<Deferred>,
 }
 
-/// The asynchronous reduce-scatters: the gathered leaves of the parts since the last backward,
-/// and the reduce-scatters posted after it, waited before the next backward (they travel while
-/// the next part is gathered and recomputed).
+/// The asynchronous reduce-scatters: the gathered leaves of the parts since the last backward
+/// (per slot: a pipeline runs several forwards before their backwards), and the reduce-scatters
+/// posted after it, waited before the next backward (they travel while the next part is
+/// gathered and recomputed).
 #[derive(Default)]
 struct Deferred {
-    leaves: RefCell<Vec<Leaf>>,
+    slot: Cell<usize>,
+    leaves: RefCell<HashMap<usize, Vec<Leaf>>>,
     posted: RefCell<Vec<Waiter>>,
+}
+
+impl Deferred {
+    /// The current slot's leaves, taken.
+    fn take(&self) -> Vec<Leaf> {
+        self.leaves
+            .borrow_mut()
+            .remove(&self.slot.get())
+            .unwrap_or_default()
+    }
 }
 
 impl<'f, M: LanguageModel> Gathered<'f, M> {
@@ -82,11 +95,13 @@ impl<M: LanguageModel> Gathered<'_, M> {
     }
 
     fn finish(&self, model: &M, started: Started<M>, tracked: bool) -> Result<M> {
-        let mut leaves = match (&self.deferred, tracked) {
-            (Some(d), true) => Some(d.leaves.borrow_mut()),
+        let mut all = match (&self.deferred, tracked) {
+            (Some(d), true) => Some((d.leaves.borrow_mut(), d.slot.get())),
             _ => None,
         };
-        let leaves = leaves.as_deref_mut();
+        let leaves = all
+            .as_mut()
+            .map(|(all, slot)| all.entry(*slot).or_default());
         Ok(match started {
             Started::Ends(ends, blocks, flight) => {
                 let mut ends = self.fsdp.finish(ends, flight, leaves)?;
@@ -114,7 +129,7 @@ impl<M: LanguageModel> Gathered<'_, M> {
     fn take_leaves(&self) -> Vec<Leaf> {
         self.deferred
             .as_ref()
-            .map(|d| d.leaves.take())
+            .map(Deferred::take)
             .unwrap_or_default()
     }
 }
@@ -151,13 +166,19 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
         Ok(Cow::Owned(self.finish(model, started, tracked)?))
     }
 
+    fn switch_to(&self, slot: usize) {
+        if let Some(d) = &self.deferred {
+            d.slot.set(slot);
+        }
+    }
+
     fn backward_done(&self, grads: &mut Gradients) -> Result<()> {
         let Some(d) = &self.deferred else {
             return Ok(());
         };
         // Every rank posts them in the same order: its gathers'.
         let mut posted = d.posted.borrow_mut();
-        for leaf in d.leaves.borrow_mut().drain(..) {
+        for leaf in d.take() {
             posted.extend(leaf(grads)?);
         }
         Ok(())
@@ -174,9 +195,14 @@ impl<M: LanguageModel> Parts<M> for Gathered<'_, M> {
 impl Fsdp {
     /// Each part of a sharded model gathered when asked, a prefetch posting a part's gathers
     /// ahead (unless [`with_prefetch(false)`](Self::with_prefetch)): what a pipeline stage's
-    /// step ([`crate::pipeline::loss_and_grads_sharded`]) runs its parts with.
-    pub(crate) fn parts<M: LanguageModel>(&self) -> impl Parts<M> + '_ {
-        Gathered::new(self, self.prefetch, false)
+    /// step ([`crate::pipeline::loss_and_grads_sharded`]) runs its parts with. `deferred`:
+    /// the tracked parts' wholes are leaves, reduce-scattered by
+    /// [`Parts::backward_done`] in the gathers' order (a mixture of experts: the gathers' own
+    /// backward runs in autodiff's order, which differs between ranks where an expert got no
+    /// token); otherwise each gather's backward reduce-scatters as soon as its gradient is
+    /// complete.
+    pub(crate) fn parts<M: LanguageModel>(&self, deferred: bool) -> impl Parts<M> + '_ {
+        Gathered::new(self, self.prefetch, deferred)
     }
 
     /// The loss of `model` (this rank's shards) on `ids`, `targets` (`[seq, batch]`, off

@@ -128,6 +128,10 @@ impl<M: Clone> Parts<M> for Planned<'_, M> {
         Ok(got)
     }
 
+    fn switch_to(&self, slot: usize) {
+        self.parts.switch_to(slot);
+    }
+
     fn backward_done(&self, grads: &mut Gradients) -> Result<()> {
         self.parts.backward_done(grads)
     }

@@ -125,17 +125,12 @@ pub fn loss_and_grads_sharded<M: LanguageModel>(
     step: Option<DropoutStep>,
     fsdp: &Fsdp,
 ) -> Result<PipelineStep> {
-    // The gathers' reduce-scatters are their own backward here, which autodiff runs in an
-    // order that follows the graph; an expert no token reached sits elsewhere in one rank's
-    // graph than in another's, and the ranks would pair different experts' reduce-scatters.
-    if model.router_loss_experts() > 0 || !model.expert_params().is_empty() {
-        return Err(TpError::Config(
-            "fsdp under a pipeline does not run a mixture of experts yet (its experts' \
-             reduce-scatters would pair up out of order): drop --pp or --fsdp"
-                .into(),
-        ));
-    }
-    let parts = fsdp.parts::<M>();
+    // A dense model's gathers reduce-scatter in their own backward, in autodiff's order; a
+    // mixture of experts' are deferred to after each backward, in the gathers' order: an
+    // expert no token reached sits elsewhere in one rank's graph than in another's, and the
+    // ranks would pair different experts' reduce-scatters.
+    let moe = model.router_loss_experts() > 0 || !model.expert_params().is_empty();
+    let parts = fsdp.parts::<M>(moe);
     let recompute = fsdp.reshard_after_forward();
     let mut out = run_step(
         model,
@@ -238,6 +233,7 @@ fn run_step<M: LanguageModel>(
             ) => stage.backward_recomputed(virtual_stage, micro)?,
         }
     }
+    planned.finish(&mut stage.total)?;
     let StageStep {
         io,
         total,
@@ -378,6 +374,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         let model = tapped.as_ref().unwrap_or(self.model);
         let at = self.at(c, i);
         let parts = self.parts;
+        parts.switch_to(at);
         let (x, before) = if self.first_virtual == Some(c) {
             let ends = parts.part(model, Part::Ends, true)?;
             (ends.embed(ids.clone())?, vec![0.0; self.router_width])
@@ -457,6 +454,9 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             r.set_last_micro_batch(i + 1 == self.micro_batches.len());
         }
         let at = self.at(c, i);
+        self.parts.switch_to(at);
+        // The reduce-scatters posted after the previous backward (fsdp's deferred ones).
+        self.parts.finish(&mut self.total)?;
         let (mut grads, total) = match self.losses[at].take() {
             Some(loss) => {
                 self.loss_sum += loss.clone().into_scalar::<f32>();
@@ -478,6 +478,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             self.io
                 .send_with(Side::Prev, Tensor::from_inner(dx), &total)?;
         }
+        self.parts.backward_done(&mut grads)?;
         merge(&mut self.total, grads, self.model);
         Ok(())
     }
@@ -487,6 +488,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
     fn forward_kept(&mut self, inner: &M, c: usize, i: usize) -> Result<()> {
         self.in_flight(1);
         let at = self.at(c, i);
+        self.parts.switch_to(at);
         let (mut x, before) = if self.first_virtual == Some(c) {
             let ends = self.parts.part(inner, Part::Ends, false)?;
             let x = ends.embed(self.micro_batches[i].0.clone().inner())?;
@@ -520,6 +522,7 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
     fn backward_recomputed(&mut self, c: usize, i: usize) -> Result<()> {
         self.in_flight(-1);
         let at = self.at(c, i);
+        self.parts.switch_to(at);
         let model = self.model;
         let mut inputs = std::mem::take(&mut self.kept[at]);
         let mut stats = std::mem::take(&mut self.kept_stats[at]);
@@ -529,7 +532,9 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             let h = leaf(inputs.pop().expect("the head's input"));
             let ends = self.parts.part(model, Part::Ends, true)?;
             let loss = ends.head_loss(h.clone(), self.micro_batches[i].1.clone())?;
+            self.parts.finish(&mut self.total)?;
             let mut grads = self.share(loss.clone()).backward();
+            self.parts.backward_done(&mut grads)?;
             // The routers' loss's value, every MoE layer's held: its gradient reaches each
             // block through the block's own term below.
             let loss = match self.router_loss(Vec::new(), &total) {
@@ -551,7 +556,9 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
             // This block's part of the routers' loss: its statistics tracked, every other
             // MoE layer's (the total less this block's kept ones) held.
             let others = self.add_stats(&total, &held, -1.0)?;
+            self.parts.finish(&mut self.total)?;
             let mut grads = self.seeded_with_routers(y?, dy, own, &others)?;
+            self.parts.backward_done(&mut grads)?;
             dy = Tensor::from_inner(
                 x.grad_remove(&mut grads)
                     .expect("a block's input takes part in its output"),
@@ -561,7 +568,10 @@ impl<'a, M: LanguageModel> StageStep<'a, M> {
         if self.first_virtual == Some(c) {
             let ids = self.micro_batches[i].0.clone();
             let ends = self.parts.part(model, Part::Ends, true)?;
-            let grads = seeded_backward(ends.embed(ids)?, dy);
+            let embedded = ends.embed(ids)?;
+            self.parts.finish(&mut self.total)?;
+            let mut grads = seeded_backward(embedded, dy);
+            self.parts.backward_done(&mut grads)?;
             merge(&mut self.total, grads, model);
         } else {
             self.io.send_with(Side::Prev, dy, &total)?;
