@@ -211,6 +211,54 @@ impl DeviceMesh {
         Ok((shard_group, replicas))
     }
 
+    /// Fully sharded data parallelism with expert parallelism: the groups a mixture of
+    /// experts' parameters are split and replicated over ([`crate::fsdp::Fsdp::with_experts`],
+    /// [`with_expert_replicas`](crate::fsdp::Fsdp::with_expert_replicas)), torchtitan's
+    /// layout: the experts' rows split over the ranks of one shard group
+    /// ([`fsdp_groups`](Self::fsdp_groups)) holding the same experts
+    /// ([`expert_groups`](Self::expert_groups)), replicated over the shard groups, as the
+    /// dense parameters are over the HSDP replicas.
+    ///
+    /// ```text
+    ///  dp ranks:         0   1   2   3   4   5   6   7     (dp 8, shard 4, ep 2)
+    ///  shard groups:    [0   1   2   3] [4   5   6   7]    the dense rows: 1/4 per rank
+    ///  ep groups:       [0   1] [2   3] [4   5] [6   7]    experts E/2 per rank
+    ///  experts split:    {0, 2} {1, 3}   {4, 6} {5, 7}     the same experts in a shard group
+    ///  experts' replicas:{0, 4} {2, 6}   {1, 5} {3, 7}     the same rows of them
+    /// ```
+    ///
+    /// Without HSDP (`shard` = dp) the experts split over the expert data-parallel group and
+    /// have no replicas (a group of one); with `shard` <= `ep` a shard group holds one rank of
+    /// each set of experts, whose experts stay whole, replicated over the expert data-parallel
+    /// group. Returns `(experts' shard group, experts' replicas)`. Collective over the dp
+    /// group.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming the sizes when `shard` or `ep` does not divide dp, or neither
+    /// of `shard`, `ep` divides the other (the shard groups would hold uneven parts of the
+    /// experts); a communication error.
+    pub fn fsdp_expert_groups(
+        &self,
+        shard: usize,
+        ep: usize,
+    ) -> Result<(ProcessGroup, ProcessGroup)> {
+        let dp = self.dp_size();
+        let divides = |a: usize| a > 0 && dp.is_multiple_of(a);
+        if !divides(shard)
+            || !divides(ep)
+            || !(shard.is_multiple_of(ep) || ep.is_multiple_of(shard))
+        {
+            return Err(TpError::Config(format!(
+                "DeviceMesh: the fsdp shard size {shard} and ep {ep} must each divide dp {dp} \
+                 and one of them the other (each shard group holds the same part of the experts)"
+            )));
+        }
+        let d = self.dp.rank();
+        let group = self.dp.split((d / shard) * ep + d % ep, d)?;
+        let replicas = self.dp.split(d % ep + ep * group.rank(), d)?;
+        Ok((group, replicas))
+    }
+
     /// The context-parallel group, carved out of the data-parallel ranks as Megatron's cp is:
     /// `cp` consecutive dp ranks split every sequence of one batch between them
     /// ([`crate::context`]), so the data-parallel gradient reduction over the dp group spans

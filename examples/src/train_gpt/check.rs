@@ -241,7 +241,6 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         }
         // What fully sharded data parallelism does not run with yet.
         let refused = [
-            (args.ep > 1 && args.dp != n, "--ep with --hsdp"),
             (
                 args.recompute_layers,
                 "--recompute-layers (use --reshard-after-forward)",

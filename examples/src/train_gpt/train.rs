@@ -77,6 +77,8 @@ struct Rank<'a, M: LanguageModel> {
     experts: Option<(ProcessGroup, ProcessGroup)>,
     /// With `--fsdp`: the shard group and the replicas (HSDP).
     fsdp_groups: Option<(ProcessGroup, ProcessGroup)>,
+    /// With `--fsdp --ep`: the groups the experts' rows are split and replicated over.
+    fsdp_experts: Option<(ProcessGroup, ProcessGroup)>,
     /// With `--fsdp`: how the model is sharded and where its rows lie in the whole (set once
     /// the model is built).
     fsdp: std::cell::OnceCell<(Fsdp, checkpoint::Sharding)>,
@@ -105,6 +107,10 @@ pub(super) fn train_rank<M: Trainable>(
         )?),
     };
     let fsdp_groups = args.fsdp_shard().map(|n| mesh.fsdp_groups(n)).transpose()?;
+    let fsdp_experts = match (args.fsdp_shard(), args.ep) {
+        (Some(n), ep) if ep > 1 => Some(mesh.fsdp_expert_groups(n, ep)?),
+        _ => None,
+    };
     let pipe = match args.pp {
         1 => None,
         _ => Some(Pipeline::new(mesh.pp_group())?),
@@ -120,6 +126,7 @@ pub(super) fn train_rank<M: Trainable>(
         replica: mesh.replica_group().clone(),
         experts,
         fsdp_groups,
+        fsdp_experts,
         fsdp: std::cell::OnceCell::new(),
         stage_map: std::cell::OnceCell::new(),
         pp_seconds: std::cell::Cell::new((0.0, 0.0)),

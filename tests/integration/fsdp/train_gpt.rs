@@ -189,8 +189,19 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
             "is an --fsdp option",
         ),
         (
-            &["--dp", "4", "--hsdp", "2", "--experts", "4", "--ep", "2"],
-            "--fsdp does not run with --ep with --hsdp",
+            &[
+                "--dp",
+                "6",
+                "--batch",
+                "6",
+                "--hsdp",
+                "2",
+                "--experts",
+                "6",
+                "--ep",
+                "3",
+            ],
+            "the fsdp shard size 2 and ep 3 must each divide dp 6 and one of them the other",
         ),
         (
             &["--dp", "2", "--fsdp", "--distributed-optimizer"],
@@ -389,17 +400,7 @@ fn train_gpt_at_fsdp_gathers_every_part_ahead() {
 #[test]
 fn a_mixture_of_experts_at_fsdp_x_ep_gives_plain_eps_losses_and_resumes() {
     let _rng = rng_lock();
-    let args = |extra: &[&str], name: &str| {
-        let mut argv = vec!["--arch", "moe", "--experts", "4", "--top-k", "2"];
-        if !extra.contains(&"--ep") {
-            argv.extend_from_slice(&["--ep", "2"]);
-        }
-        if !extra.contains(&"--steps") {
-            argv.extend_from_slice(&["--steps", "4"]);
-        }
-        argv.extend_from_slice(extra);
-        tiny_args(&argv, &temp_dir(name))
-    };
+    let args = moe_args(&[]);
     for (plain, sharded) in [
         (&["--dp", "2"][..], &["--dp", "2", "--fsdp"][..]),
         (&["--dp", "2"], &["--tp", "2", "--dp", "2", "--fsdp"]),
@@ -438,27 +439,17 @@ fn a_mixture_of_experts_at_fsdp_x_ep_gives_plain_eps_losses_and_resumes() {
 #[test]
 fn a_mixture_of_experts_at_fsdp_under_a_pipeline_gives_the_plain_pipelines_losses() {
     let _rng = rng_lock();
-    let args = |extra: &[&str], name: &str| {
-        let mut argv = vec![
-            "--arch",
-            "moe",
-            "--experts",
-            "4",
-            "--top-k",
-            "2",
-            "--tp",
-            "1",
-        ];
-        argv.extend_from_slice(&["--dp", "2", "--pp", "2", "--micro-batches", "2"]);
-        if !extra.contains(&"--ep") {
-            argv.extend_from_slice(&["--ep", "2"]);
-        }
-        if !extra.contains(&"--steps") {
-            argv.extend_from_slice(&["--steps", "4"]);
-        }
-        argv.extend_from_slice(extra);
-        tiny_args(&argv, &temp_dir(name))
-    };
+    let pipeline = [
+        "--tp",
+        "1",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--micro-batches",
+        "2",
+    ];
+    let args = moe_args(&pipeline);
     let interleaved = [
         "--ep",
         "1",
@@ -485,4 +476,44 @@ fn a_mixture_of_experts_at_fsdp_under_a_pipeline_gives_the_plain_pipelines_losse
     let want = run_gpt(&args(&[], "fsdp-pp-moe-want")).unwrap().losses;
     halves(&args, &want, &["--fsdp"], &[&[]]);
     halves(&args, &want, &[], &[&["--fsdp", "--reshard-after-forward"]]);
+}
+
+/// HSDP x ep: the dense rows split over a shard group and replicated over the groups, the
+/// experts' rows over the ranks of a shard group holding them and replicated likewise (at
+/// shard 4, ep 2 two ranks split each expert; at shard = ep none does; at shard 2, ep 4 a
+/// shard group holds half the experts); the losses are plain ep's; the checkpoint (written by
+/// each shard's first replica: at shard 2, ep 4 the experts' writers are not the dense
+/// rows') resumes at plain ep.
+#[test]
+fn a_mixture_of_experts_at_hsdp_x_ep_gives_plain_eps_losses_and_resumes() {
+    let _rng = rng_lock();
+    let args = moe_args(&["--tp", "1", "--batch", "8"]);
+    for (dp, shard, ep) in [("4", "2", "2"), ("8", "4", "2"), ("8", "2", "4")] {
+        let plain = ["--dp", dp, "--ep", ep];
+        let want = run_gpt(&args(&plain, "hsdp-ep-plain")).unwrap().losses;
+        let hsdp = ["--dp", dp, "--ep", ep, "--hsdp", shard];
+        let got = run_gpt(&args(&hsdp, "hsdp-ep")).unwrap().losses;
+        assert_close(&got, &want, 1e-5, &format!("{hsdp:?} against {plain:?}"));
+        halves(&args, &want, &hsdp, &[&plain]);
+    }
+}
+
+/// The arguments of a tiny mixture of experts (4 experts, top 2, ep 2 and 4 steps unless
+/// `extra` says otherwise) with `fixed` and a run's `extra`, writing to a scratch folder
+/// `name`.
+fn moe_args<'a>(
+    fixed: &'a [&'a str],
+) -> impl Fn(&[&str], &str) -> burn_tp_examples::train_gpt::Args + 'a {
+    move |extra: &[&str], name: &str| {
+        let mut argv = vec!["--arch", "moe", "--experts", "4", "--top-k", "2"];
+        argv.extend_from_slice(fixed);
+        if !extra.contains(&"--ep") {
+            argv.extend_from_slice(&["--ep", "2"]);
+        }
+        if !extra.contains(&"--steps") {
+            argv.extend_from_slice(&["--steps", "4"]);
+        }
+        argv.extend_from_slice(extra);
+        tiny_args(&argv, &temp_dir(name))
+    }
 }

@@ -67,7 +67,15 @@ pub struct Fsdp {
     prefetch: bool,
     /// Expert parallelism: the experts' parameters, split over the ranks holding the same
     /// experts instead of the shard group.
-    experts: Option<Arc<(HashSet<ParamId>, ProcessGroup)>>,
+    experts: Option<Arc<ExpertGroups>>,
+}
+
+/// The experts' parameters and the groups they are split and replicated over.
+#[derive(Debug)]
+struct ExpertGroups {
+    ids: HashSet<ParamId>,
+    group: ProcessGroup,
+    replicas: Option<ProcessGroup>,
 }
 
 impl Fsdp {
@@ -99,34 +107,58 @@ impl Fsdp {
 
     /// Expert parallelism: the experts' parameters `params` (this rank's experts, the model
     /// cut by [`crate::moe`]'s `expert_parallel`; [`crate::dp::Experts`]' fields) split over
-    /// `group`, the `dp / ep` ranks holding the same experts, the rest over the shard group. Their gradients leave the
-    /// backward summed over that group, which with the all-to-all's backward covers every dp
-    /// rank's tokens, as plain expert parallelism's average does.
-    ///
-    /// # Errors
-    /// With HSDP ([`with_replicas`](Self::with_replicas)): the experts' group is not made of
-    /// shard groups.
+    /// `group` (of the ranks holding the same experts: all `dp / ep` of them, or with HSDP
+    /// those of one shard group, [`crate::mesh::DeviceMesh::fsdp_expert_groups`]), the rest
+    /// over the shard group. Their gradients leave the backward summed over that group (and
+    /// then over [`with_expert_replicas`](Self::with_expert_replicas)'), which with the
+    /// all-to-all's backward covers every dp rank's tokens, as plain expert parallelism's
+    /// average does.
     pub fn with_experts(
         mut self,
         params: impl IntoIterator<Item = ParamId>,
         group: &ProcessGroup,
-    ) -> Result<Self> {
-        if let Some(replicas) = &self.replicas {
-            return Err(TpError::Config(format!(
-                "fsdp: HSDP (shards replicated over {} groups) does not run with expert \
-                 parallelism yet",
-                replicas.world_size()
-            )));
-        }
-        self.experts = Some(Arc::new((params.into_iter().collect(), group.clone())));
-        Ok(self)
+    ) -> Self {
+        let replicas = self.experts.as_ref().and_then(|x| x.replicas.clone());
+        self.experts = Some(Arc::new(ExpertGroups {
+            ids: params.into_iter().collect(),
+            group: group.clone(),
+            replicas,
+        }));
+        self
+    }
+
+    /// HSDP with expert parallelism: the experts' shards ([`with_experts`](Self::with_experts),
+    /// called first) replicated over `replicas` (the ranks holding the same rows of the same
+    /// experts), whose gradients are summed over them too. A group of one: none.
+    ///
+    /// # Panics
+    /// Before [`with_experts`](Self::with_experts).
+    pub fn with_expert_replicas(mut self, replicas: &ProcessGroup) -> Self {
+        let x = self
+            .experts
+            .as_ref()
+            .expect("Fsdp::with_expert_replicas after with_experts");
+        self.experts = Some(Arc::new(ExpertGroups {
+            ids: x.ids.clone(),
+            group: x.group.clone(),
+            replicas: (replicas.world_size() > 1).then(|| replicas.clone()),
+        }));
+        self
     }
 
     /// The ranks parameter `id` is split over: the shard group, or the experts' group.
     fn group_of(&self, id: ParamId) -> &ProcessGroup {
         match &self.experts {
-            Some(x) if x.0.contains(&id) => &x.1,
+            Some(x) if x.ids.contains(&id) => &x.group,
             _ => &self.shard,
+        }
+    }
+
+    /// The ranks holding the same shard of parameter `id` (HSDP), if any.
+    fn replicas_of(&self, id: ParamId) -> Option<&ProcessGroup> {
+        match &self.experts {
+            Some(x) if x.ids.contains(&id) => x.replicas.as_ref(),
+            _ => self.replicas.as_ref(),
         }
     }
 
@@ -306,9 +338,9 @@ impl Fsdp {
                     })
                 };
                 if !fsdp.rows.contains_key(&param.id) {
-                    g = sum(g, &fsdp.shard);
+                    g = sum(g, fsdp.group_of(param.id));
                 }
-                if let Some(replicas) = &fsdp.replicas {
+                if let Some(replicas) = fsdp.replicas_of(param.id) {
                     g = sum(g, replicas);
                 }
                 let g = g.div_scalar(fsdp.dp_size() as f64);
@@ -346,7 +378,8 @@ impl Fsdp {
     /// (`whole`: the model this sharding was made from, or one of its shapes), its parameters
     /// the whole model's `map` (with experts, [`StageMap::expert_parallel`] of this rank's),
     /// and the rows of each this rank holds. A parameter that is not sharded is written by the
-    /// first rank of its group alone.
+    /// first rank of its group alone; with HSDP, only the first replica of a shard writes it
+    /// (the ranks that write anything: `sharding.map.writes` has one).
     pub fn sharding<M: Module + Reshard>(
         &self,
         whole: &M,
@@ -376,6 +409,9 @@ impl Fsdp {
                     }
                 }
                 None => {}
+            }
+            if self.replicas_of(id).is_some_and(|r| r.rank() > 0) {
+                sharding.map.writes[k] = false;
             }
         }
         sharding

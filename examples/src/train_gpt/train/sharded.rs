@@ -41,8 +41,11 @@ impl<M: Trainable> Rank<'_, M> {
                     .with_replicas(replicas)
                     .with_reshard_after_forward(args.reshard_after_forward)
                     .with_compute_dtype(args.dtype.dtype());
-                let fsdp = match &self.experts {
-                    Some((_, expert_dp)) => fsdp.with_experts(whole.expert_params(), expert_dp)?,
+                // With --ep, the experts' rows over the ranks of a shard group holding them.
+                let fsdp = match &self.fsdp_experts {
+                    Some((group, replicas)) => fsdp
+                        .with_experts(whole.expert_params(), group)
+                        .with_expert_replicas(replicas),
                     None => fsdp,
                 };
                 let tp_rank = self.tp_group.rank();
@@ -84,13 +87,15 @@ impl<M: Trainable> Rank<'_, M> {
     /// resumes from it. Collective.
     pub(super) fn save_sharded(
         &self,
-        (fsdp, sharding): &(Fsdp, Sharding),
+        (_, sharding): &(Fsdp, Sharding),
         model: &M,
         optim: &mut DpOptimizer,
         info: &CheckpointInfo,
     ) -> burn_tp::Result<()> {
         let adamw = optim.module_optimizer(model)?;
-        let writes = self.dp_rank < fsdp.shard_group().world_size();
+        // HSDP: the first replica of each shard writes it (with experts, not the same ranks
+        // for every parameter).
+        let writes = sharding.map.writes.iter().any(|&w| w);
         checkpoint::save_sharded(
             model,
             Some(adamw),
