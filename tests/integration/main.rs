@@ -2,6 +2,7 @@
 
 mod attention;
 mod checkpoint;
+mod clip;
 mod collectives;
 mod common;
 mod context;

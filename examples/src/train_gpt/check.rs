@@ -220,13 +220,8 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         if !(c.is_finite() && c > 0.0) {
             return Err(format!("--clip-grad must be a positive number (got {c})"));
         }
-        let refused = [
-            (args.pp > 1, "--pp"),
-            (args.ep > 1, "--ep"),
-            (args.distributed_optimizer, "--distributed-optimizer"),
-        ];
-        if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
-            return Err(format!("--clip-grad does not run with {flag} yet"));
+        if args.distributed_optimizer {
+            return Err("--clip-grad does not run with --distributed-optimizer yet".into());
         }
     }
     if args.reshard_after_forward && args.fsdp_shard().is_none() {

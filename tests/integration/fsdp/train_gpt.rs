@@ -208,8 +208,8 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
             "--fsdp does not run with --distributed-optimizer",
         ),
         (
-            &["--dp", "2", "--clip-grad", "1", "--pp", "2"],
-            "--clip-grad does not run with --pp yet",
+            &["--dp", "2", "--clip-grad", "1", "--distributed-optimizer"],
+            "--clip-grad does not run with --distributed-optimizer yet",
         ),
         (
             &["--clip-grad=-1"],

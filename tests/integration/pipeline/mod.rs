@@ -28,10 +28,10 @@ mod train_gpt;
 
 use crate::common::{assert_close, device, f64s, rng_lock};
 
-const SEQ: usize = 8;
-const MICRO: usize = 2;
+pub(crate) const SEQ: usize = 8;
+pub(crate) const MICRO: usize = 2;
 
-fn ids(batch: usize, seed: i64) -> Tensor<2, Int> {
+pub(crate) fn ids(batch: usize, seed: i64) -> Tensor<2, Int> {
     let v: Vec<i64> = (0..(SEQ * batch) as i64)
         .map(|i| (i * 7 + seed) % 23)
         .collect();
@@ -40,7 +40,7 @@ fn ids(batch: usize, seed: i64) -> Tensor<2, Int> {
 
 /// `m` micro-batches of `MICRO` sequences of `x`, `y` from sequence `first` on (a replica's rows
 /// of the batch).
-fn micro_batches(
+pub(crate) fn micro_batches(
     x: &Tensor<2, Int>,
     y: &Tensor<2, Int>,
     first: usize,

@@ -153,6 +153,7 @@ pub use load::{
     load, load_optimizer, load_optimizer_sharded, load_optimizer_stage, load_sharded, load_stage,
 };
 pub use save::{save, save_sharded, save_stage};
+pub(crate) use sharding::Written;
 pub use sharding::{HeldRows, Sharding};
 
 #[cfg(test)]

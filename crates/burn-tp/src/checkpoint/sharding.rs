@@ -54,6 +54,29 @@ impl Sharding {
         }
     }
 
+    /// What this rank writes of parameter `k` in its own tensor's indices: the dimension, the
+    /// ranges along it and, where fsdp splits dim 0 and it is not that dimension, the held
+    /// rows of dim 0 (the padding after them left out); `None` where it writes none of it.
+    /// Each element of the whole model is written by one rank: what [`crate::dp::GradClip`]
+    /// counts.
+    pub(crate) fn written(&self, k: usize) -> Option<Written> {
+        if !self.map.writes[k] {
+            return None;
+        }
+        let region = self.region(k);
+        let ranges: Vec<Range<usize>> = region
+            .slices
+            .iter()
+            .filter(|s| s.writes)
+            .map(|s| s.at..s.at + s.global.len())
+            .collect();
+        (!ranges.is_empty()).then(|| Written {
+            dim: self.layouts[k].dim,
+            ranges,
+            rows: region.rows.map(|r| 0..r.len()),
+        })
+    }
+
     /// Parameter `k`'s slices along its layout's dimension, and its rows of dim 0 where that
     /// is not the cut dimension.
     pub(super) fn region(&self, k: usize) -> Region {
@@ -93,6 +116,14 @@ impl Sharding {
             },
         }
     }
+}
+
+/// What a rank writes of one of its tensors ([`Sharding::written`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Written {
+    pub(crate) dim: usize,
+    pub(crate) ranges: Vec<Range<usize>>,
+    pub(crate) rows: Option<Range<usize>>,
 }
 
 /// One slice of a rank's tensor along the layout's dimension: `global`'s indices of the whole,

@@ -1,9 +1,9 @@
 //! [`GradClip`]: gradient clipping by the global norm (PyTorch's `clip_grad_norm_`, Megatron's
-//! `--clip-grad`) over a model split by tp and, with fsdp, by the shard group: each element of
-//! the whole model counted once.
+//! `--clip-grad`) over a model split by tp and, with fsdp, by the shard group, or at any layout
+//! by the sharded checkpoint's writers (pipeline stages, expert parallelism, HSDP): each
+//! element of the whole model counted once.
 
 use std::collections::HashMap;
-use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -11,6 +11,7 @@ use burn::tensor::Tensor;
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
 use crate::Result;
+use crate::checkpoint::{Sharding, Written};
 use crate::fsdp::Fsdp;
 use crate::model::param_ids;
 use crate::reshard::Reshard;
@@ -23,10 +24,14 @@ use crate::reshard::Reshard;
 #[derive(Clone, Debug)]
 pub struct GradClip {
     max_norm: f64,
-    /// Per parameter: the dimension and this rank's local ranges along it that it counts.
-    counted: HashMap<ParamId, (usize, Vec<Range<usize>>)>,
-    tp: ProcessGroup,
+    /// Per parameter: the dimension and this rank's local ranges along it that it counts
+    /// (with [`sharded`](Self::sharded), in the rank's tensor, and the rows of dim 0).
+    counted: HashMap<ParamId, Written>,
+    /// Where the local sums add up: tp (then fsdp's shard group), or the whole world.
+    sum_over: ProcessGroup,
     fsdp: Option<Fsdp>,
+    /// With [`sharded`](Self::sharded): whether this rank counts anything.
+    counts: bool,
 }
 
 impl GradClip {
@@ -44,14 +49,50 @@ impl GradClip {
                     .filter(|p| p.writes)
                     .map(|p| p.local.clone())
                     .collect();
-                (id, (layout.dim, ranges))
+                let dim = layout.dim;
+                (
+                    id,
+                    Written {
+                        dim,
+                        ranges,
+                        rows: None,
+                    },
+                )
             })
             .collect();
         Self {
             max_norm,
             counted,
-            tp: tp_group.clone(),
+            sum_over: tp_group.clone(),
             fsdp: None,
+            counts: true,
+        }
+    }
+
+    /// Clipping at `max_norm` for `model` (this rank's parameters as the sharded checkpoint
+    /// sees them: a stage's, an ep rank's, fsdp's shards) where each rank counts the elements
+    /// `sharding` says it writes ([`crate::checkpoint::save_sharded`]; `writes`: whether the
+    /// rank writes at all, a data-parallel replica other than the writers' does not), the sums
+    /// added over `world` (every rank of the run: one all-reduce of a scalar). The same norm
+    /// as the whole model's on one rank, at any tp x pp x dp x ep, with or without fsdp.
+    pub fn sharded<M: Module>(
+        model: &M,
+        sharding: &Sharding,
+        writes: bool,
+        world: &ProcessGroup,
+        max_norm: f64,
+    ) -> Self {
+        let counted = param_ids(model)
+            .into_iter()
+            .enumerate()
+            .filter_map(|(k, id)| sharding.written(k).map(|w| (id, w)))
+            .collect();
+        Self {
+            max_norm,
+            counted,
+            sum_over: world.clone(),
+            fsdp: None,
+            counts: writes,
         }
     }
 
@@ -74,13 +115,17 @@ impl GradClip {
         }
         impl ModuleVisitor for SumSq<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let (Some(g), Some((dim, ranges))) = (
+                let (Some(g), Some(w)) = (
                     self.grads.get::<D>(param.id),
                     self.clip.counted.get(&param.id),
                 ) else {
                     return;
                 };
-                let g = g.cast(burn::tensor::FloatDType::F32);
+                let (dim, ranges) = (&w.dim, &w.ranges);
+                let mut g = g.cast(burn::tensor::FloatDType::F32);
+                if let Some(rows) = &w.rows {
+                    g = g.narrow(0, rows.start, rows.len());
+                }
                 // With fsdp the shard holds rows [r c, (r + 1) c) of the tp shard.
                 let rows = match &self.clip.fsdp {
                     Some(f) => f.held_rows(param.id, g.dims()[0]),
@@ -107,11 +152,11 @@ impl GradClip {
             parts: Vec::new(),
         };
         model.visit(&mut sum);
-        let local = match sum.parts.is_empty() {
+        let local = match sum.parts.is_empty() || !self.counts {
             true => 0.0,
             false => Tensor::cat(sum.parts, 0).sum().into_scalar::<f64>(),
         };
-        let mut total = self.tp.all_reduce(vec![local], ReduceOp::Sum)?[0];
+        let mut total = self.sum_over.all_reduce(vec![local], ReduceOp::Sum)?[0];
         if let Some(f) = &self.fsdp {
             total = f.shard_group().all_reduce(vec![total], ReduceOp::Sum)?[0];
         }

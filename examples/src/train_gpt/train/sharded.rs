@@ -50,9 +50,11 @@ impl<M: Trainable> Rank<'_, M> {
                 };
                 let tp_rank = self.tp_group.rank();
                 let sharding = fsdp.sharding(&whole, tp_rank, self.checkpoint_map(&whole));
-                let clip = args
-                    .clip_grad
-                    .map(|max| GradClip::new(&whole, &self.tp_group, max).with_fsdp(fsdp.clone()));
+                // Each element counted by the rank that writes it (HSDP: the first replica).
+                let clip = args.clip_grad.map(|max| {
+                    let writes = sharding.map.writes.iter().any(|&w| w);
+                    GradClip::sharded(&whole, &sharding, writes, &self.world, max)
+                });
                 built = Some((fsdp.shard(whole), fsdp, sharding, clip));
             }
             self.world.barrier()?;

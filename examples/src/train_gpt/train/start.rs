@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::optim::AdamWConfig;
-use burn_tp::checkpoint::{self, CheckpointInfo, StageMap};
+use burn_tp::checkpoint::{self, CheckpointInfo, Sharding, StageMap};
 use burn_tp::comm::ProcessGroup;
 use burn_tp::dp::{
     DpOptimizer, Experts, GradClip, broadcast_parameters, broadcast_parameters_with,
@@ -54,10 +54,19 @@ impl<M: Trainable> Rank<'_, M> {
             self.experts.as_ref().map(|(_, expert_dp)| expert_dp),
         )?;
         let optim = match args.clip_grad {
-            Some(max) => optim.with_clip(GradClip::new(&model, tp_group, max)),
+            Some(max) => optim.with_clip(self.grad_clip(&model, max)),
             None => optim,
         };
         Ok((model, first_step, optim))
+    }
+
+    /// `--clip-grad MAX` of `model` (this rank's: a stage's, an ep rank's): each element of
+    /// the whole model counted by the rank that writes it to the checkpoint (dp replica 0, or
+    /// with `--ep` the first ep group), summed over the world.
+    fn grad_clip(&self, model: &M, max: f64) -> GradClip {
+        let sharding = Sharding::of(model, self.tp_group.rank(), self.checkpoint_map(model));
+        let writers = self.experts.as_ref().map_or(1, |(ep, _)| ep.world_size());
+        GradClip::sharded(model, &sharding, self.dp_rank < writers, &self.world, max)
     }
 
     /// The model of [`start`](Self::start) without `--ep` (or with its direct import) and the

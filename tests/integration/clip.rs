@@ -1,0 +1,172 @@
+//! Clipping by the global norm at any layout ([`GradClip::sharded`]: each element counted by the
+//! rank that writes it to the checkpoint): the norm of a pipeline's stages with a tied table is
+//! the whole model's, and `train_gpt --clip-grad`'s clipped curve does not move with tp, pp,
+//! ep, fsdp x ep or HSDP x ep.
+
+use burn::optim::GradientsParams;
+use burn_tp::checkpoint::Sharding;
+use burn_tp::dp::{GradClip, average_gradients};
+use burn_tp::gpt::{Gpt as GptShard, GptConfig};
+use burn_tp::local::run_local;
+use burn_tp::mesh::DeviceMesh;
+use burn_tp::model::LanguageModel;
+use burn_tp::pipeline::{
+    Pipeline, PipelineSchedule, drop_unused_ends, loss_and_grads, stage_layers, stage_map,
+};
+use burn_tp::reshard::Reshard;
+use burn_tp_comm::LocalGroup;
+use burn_tp_examples::train_gpt::run;
+
+use crate::common::{assert_close, device, rng_lock};
+use crate::pipeline::{MICRO, ids, micro_batches};
+use crate::train_gpt::{temp_dir, tiny_args};
+
+/// A GPT whose head is its embedding table (held by the first and the last stage, its
+/// gradient summed over both) at tp 2 x pp 2 x dp 2: on every rank, the clip's norm is the
+/// whole model's on one thread (the table counted once, the tp-replicated norms once, dp
+/// replica 0's alone).
+#[test]
+fn the_clips_norm_over_stages_with_a_tied_table_is_the_whole_models() {
+    let _rng = rng_lock();
+    let (tp, dp, pp, m) = (2, 2, 2, 2);
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    device().seed(3);
+    let full = GptConfig::new(23, crate::pipeline::SEQ, 16, 4, 4)
+        .with_tie_embeddings(true)
+        .init(&solo, &device())
+        .unwrap();
+    assert!(full.tied_head());
+    let (x, y) = (ids(dp * m * MICRO, 1), ids(dp * m * MICRO, 5));
+    let n = dp * m;
+    let loss = micro_batches(&x, &y, 0, n)
+        .into_iter()
+        .map(|(a, b)| {
+            LanguageModel::loss(&full, a, b, None)
+                .unwrap()
+                .div_scalar(n as f64)
+        })
+        .reduce(|a, b| a + b)
+        .unwrap();
+    let mut grads = GradientsParams::from_grads(loss.backward(), &full);
+    let want = GradClip::new(&full, &solo, 1e9)
+        .clip(&full, &mut grads)
+        .unwrap();
+    let layers = full.num_layers();
+    let norms = run_local(tp * dp * pp, move |world| {
+        let mesh = DeviceMesh::with_pipeline(world.clone(), tp, pp).unwrap();
+        let stage = mesh.pp_rank();
+        let held: Vec<usize> = stage_layers(layers, pp, None).unwrap()[stage]
+            .clone()
+            .collect();
+        let model = GptShard::shard_module(&full, mesh.tp_group()).unwrap();
+        let model = model.keep_layers(&held);
+        let model = drop_unused_ends(model, stage, pp).unwrap();
+        let map = stage_map(&model, layers, stage, pp).unwrap();
+        let sharding = Sharding::of(&model, mesh.tp_rank(), map);
+        let pipe = Pipeline::new(mesh.pp_group()).unwrap();
+        let micro = micro_batches(&x, &y, mesh.dp_rank() * m * MICRO, m);
+        let schedule = PipelineSchedule::OneFOneB;
+        let mut out = loss_and_grads(&model, &pipe, &micro, schedule, None).unwrap();
+        average_gradients(&model, &mut out.grads, mesh.dp_group()).unwrap();
+        let clip = GradClip::sharded(&model, &sharding, mesh.dp_rank() == 0, &world, 1e9);
+        clip.clip(&model, &mut out.grads).unwrap()
+    })
+    .unwrap();
+    for (rank, norm) in norms.into_iter().enumerate() {
+        assert_close(&[norm], &[want], 1e-5, &format!("rank {rank}'s norm"));
+    }
+}
+
+/// `reference`'s clipped losses (checked to differ from its unclipped ones: the clip binds)
+/// and each layout's, which must equal them to 1e-5.
+fn clipped_curve_holds(base: &[&str], reference: &[&str], layouts: &[&[&str]]) {
+    let clip = ["--clip-grad", "0.05", "--steps", "4"];
+    let losses = |extra: &[&str], clipped: bool| {
+        let mut argv = base.to_vec();
+        argv.extend_from_slice(extra);
+        if clipped {
+            argv.extend_from_slice(&clip);
+        } else {
+            argv.extend_from_slice(&clip[2..]);
+        }
+        run(&tiny_args(&argv, &temp_dir("clip"))).unwrap().losses
+    };
+    let want = losses(reference, true);
+    let free = losses(reference, false);
+    let moved = want.iter().zip(&free).any(|(c, f)| (c - f).abs() > 1e-4);
+    assert!(moved, "{reference:?}: the clip binds: {want:?} vs {free:?}");
+    for layout in layouts {
+        let got = losses(layout, true);
+        assert_close(
+            &got,
+            &want,
+            1e-5,
+            &format!("{layout:?} against {reference:?}"),
+        );
+    }
+}
+
+/// `train_gpt`'s GPT clipped at tp 2, pp 2 (1F1B and interleaved) and tp 2 x pp 2 x dp 2
+/// gives the one-rank curve.
+#[test]
+fn a_clipped_gpt_keeps_its_curve_under_a_pipeline() {
+    let _rng = rng_lock();
+    let pp = ["--pp", "2", "--micro-batches", "2"];
+    let tp_pp_dp = [&["--tp", "2", "--dp", "2"][..], &pp].concat();
+    let interleaved = [
+        &pp[..],
+        &["--pp-schedule", "interleaved", "--virtual-stages", "2"],
+    ]
+    .concat();
+    clipped_curve_holds(
+        &["--arch", "gpt"],
+        &["--tp", "1", "--dp", "1"],
+        &[
+            &["--tp", "2"],
+            &[&["--tp", "1"][..], &pp].concat(),
+            &tp_pp_dp,
+        ],
+    );
+    clipped_curve_holds(
+        &["--arch", "gpt", "--tp", "1", "--layers", "4"],
+        &[],
+        &[&interleaved],
+    );
+}
+
+/// A mixture of experts clipped at ep 2 (plain, fsdp, HSDP) and under a pipeline gives the
+/// ep 1 curve: the experts' elements counted on the rank holding them, the rest once.
+#[test]
+fn a_clipped_mixture_of_experts_keeps_its_curve_at_every_ep_layout() {
+    let _rng = rng_lock();
+    let moe = [
+        "--arch",
+        "moe",
+        "--experts",
+        "4",
+        "--top-k",
+        "2",
+        "--tp",
+        "1",
+    ];
+    clipped_curve_holds(
+        &moe,
+        &["--dp", "4", "--ep", "1"],
+        &[
+            &["--dp", "4", "--ep", "2"],
+            &["--dp", "4", "--ep", "4"],
+            &["--dp", "4", "--ep", "2", "--fsdp"],
+            &["--dp", "4", "--ep", "2", "--hsdp", "2"],
+        ],
+    );
+    let pp = [
+        &moe[..],
+        &["--pp", "2", "--micro-batches", "2", "--dp", "2"],
+    ]
+    .concat();
+    clipped_curve_holds(
+        &pp,
+        &["--ep", "1"],
+        &[&["--ep", "2"], &["--ep", "2", "--fsdp"]],
+    );
+}
