@@ -1,7 +1,7 @@
 //! Clipping by the global norm at any layout ([`GradClip::sharded`]: each element counted by the
 //! rank that writes it to the checkpoint): the norm of a pipeline's stages with a tied table is
 //! the whole model's, and `train_gpt --clip-grad`'s clipped curve does not move with tp, pp,
-//! ep, fsdp x ep or HSDP x ep.
+//! ep, fsdp x ep, HSDP x ep or the distributed optimizer.
 
 use burn::optim::GradientsParams;
 use burn_tp::checkpoint::Sharding;
@@ -106,13 +106,17 @@ fn clipped_curve_holds(base: &[&str], reference: &[&str], layouts: &[&[&str]]) {
     }
 }
 
-/// `train_gpt`'s GPT clipped at tp 2, pp 2 (1F1B and interleaved) and tp 2 x pp 2 x dp 2
-/// gives the one-rank curve.
+/// `train_gpt`'s GPT clipped at tp 2, pp 2 (1F1B and interleaved) and tp 2 x pp 2 x dp 2,
+/// with or without the distributed optimizer, gives the one-rank curve.
 #[test]
 fn a_clipped_gpt_keeps_its_curve_under_a_pipeline() {
     let _rng = rng_lock();
     let pp = ["--pp", "2", "--micro-batches", "2"];
     let tp_pp_dp = [&["--tp", "2", "--dp", "2"][..], &pp].concat();
+    // The distributed optimizer: each rank its chunks, tp-replicated elements once.
+    let zero = ["--distributed-optimizer"];
+    let tp_dp_zero = [&["--tp", "2", "--dp", "2"][..], &zero].concat();
+    let tp_pp_dp_zero = [&tp_pp_dp[..], &zero].concat();
     let interleaved = [
         &pp[..],
         &["--pp-schedule", "interleaved", "--virtual-stages", "2"],
@@ -125,6 +129,8 @@ fn a_clipped_gpt_keeps_its_curve_under_a_pipeline() {
             &["--tp", "2"],
             &[&["--tp", "1"][..], &pp].concat(),
             &tp_pp_dp,
+            &tp_dp_zero,
+            &tp_pp_dp_zero,
         ],
     );
     clipped_curve_holds(
@@ -134,8 +140,9 @@ fn a_clipped_gpt_keeps_its_curve_under_a_pipeline() {
     );
 }
 
-/// A mixture of experts clipped at ep 2 (plain, fsdp, HSDP) and under a pipeline gives the
-/// ep 1 curve: the experts' elements counted on the rank holding them, the rest once.
+/// A mixture of experts clipped at ep 2 (plain, fsdp, HSDP, the distributed optimizer) and
+/// under a pipeline gives the ep 1 curve: the experts' elements counted on the rank holding
+/// them, the rest once.
 #[test]
 fn a_clipped_mixture_of_experts_keeps_its_curve_at_every_ep_layout() {
     let _rng = rng_lock();
@@ -157,6 +164,7 @@ fn a_clipped_mixture_of_experts_keeps_its_curve_at_every_ep_layout() {
             &["--dp", "4", "--ep", "4"],
             &["--dp", "4", "--ep", "2", "--fsdp"],
             &["--dp", "4", "--ep", "2", "--hsdp", "2"],
+            &["--dp", "4", "--ep", "2", "--distributed-optimizer"],
         ],
     );
     let pp = [
@@ -167,6 +175,35 @@ fn a_clipped_mixture_of_experts_keeps_its_curve_at_every_ep_layout() {
     clipped_curve_holds(
         &pp,
         &["--ep", "1"],
-        &[&["--ep", "2"], &["--ep", "2", "--fsdp"]],
+        &[
+            &["--ep", "2"],
+            &["--ep", "2", "--fsdp"],
+            &["--ep", "2", "--distributed-optimizer"],
+        ],
     );
+}
+
+/// The distributed optimizer's chunks are summed over the world: a clip made for the whole
+/// gradients over tp ([`GradClip::new`]) is refused at the step, naming the constructor to use,
+/// not a norm silently short of the other ranks' chunks.
+#[test]
+fn the_distributed_optimizer_refuses_a_clip_that_sums_over_tp_alone() {
+    use burn::optim::AdamWConfig;
+    use burn_tp::dp::{DistributedAdamW, DpOptimizer};
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let model = GptConfig::new(23, crate::pipeline::SEQ, 16, 4, 2)
+        .init(&solo, &device())
+        .unwrap();
+    let config = AdamWConfig::new();
+    let zero = DistributedAdamW::new(&config, &model, &solo, 1 << 20);
+    let mut optim = DpOptimizer::distributed(config.init(), zero, config)
+        .with_clip(GradClip::new(&model, &solo, 1.0));
+    let (x, y) = (ids(MICRO, 1), ids(MICRO, 5));
+    let loss = LanguageModel::loss(&optim.attach(model.clone()), x, y, None).unwrap();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    let err = optim
+        .step(1e-2, model.clone(), &model, grads, &solo)
+        .unwrap_err();
+    assert!(err.to_string().contains("GradClip::sharded"), "{err}");
 }

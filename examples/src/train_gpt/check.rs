@@ -216,13 +216,10 @@ pub(super) fn check(args: &Args) -> Result<(), String> {
         );
     }
     refuse_sizes(args.init_from.as_deref(), &args.size_flags())?;
-    if let Some(c) = args.clip_grad {
-        if !(c.is_finite() && c > 0.0) {
-            return Err(format!("--clip-grad must be a positive number (got {c})"));
-        }
-        if args.distributed_optimizer {
-            return Err("--clip-grad does not run with --distributed-optimizer yet".into());
-        }
+    if let Some(c) = args.clip_grad
+        && !(c.is_finite() && c > 0.0)
+    {
+        return Err(format!("--clip-grad must be a positive number (got {c})"));
     }
     if args.reshard_after_forward && args.fsdp_shard().is_none() {
         return Err("--reshard-after-forward is an --fsdp option (add --fsdp)".into());

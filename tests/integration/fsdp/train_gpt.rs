@@ -208,10 +208,6 @@ fn train_gpt_at_fsdp_gives_plain_dp_losses_and_resumes_at_any_layout() {
             "--fsdp does not run with --distributed-optimizer",
         ),
         (
-            &["--dp", "2", "--clip-grad", "1", "--distributed-optimizer"],
-            "--clip-grad does not run with --distributed-optimizer yet",
-        ),
-        (
             &["--clip-grad=-1"],
             "--clip-grad must be a positive number (got -1)",
         ),

@@ -4,6 +4,7 @@
 //! element of the whole model counted once.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -32,6 +33,8 @@ pub struct GradClip {
     fsdp: Option<Fsdp>,
     /// With [`sharded`](Self::sharded): whether this rank counts anything.
     counts: bool,
+    /// Made by [`sharded`](Self::sharded) (its sums over the world).
+    sharded: bool,
 }
 
 impl GradClip {
@@ -66,6 +69,7 @@ impl GradClip {
             sum_over: tp_group.clone(),
             fsdp: None,
             counts: true,
+            sharded: false,
         }
     }
 
@@ -93,6 +97,7 @@ impl GradClip {
             sum_over: world.clone(),
             fsdp: None,
             counts: writes,
+            sharded: true,
         }
     }
 
@@ -156,16 +161,60 @@ impl GradClip {
             true => 0.0,
             false => Tensor::cat(sum.parts, 0).sum().into_scalar::<f64>(),
         };
+        let (norm, scale) = self.norm_of(local)?;
+        if let Some(scale) = scale {
+            scale_grads(model, grads, scale);
+        }
+        Ok(norm)
+    }
+
+    /// The global norm from this rank's sum of squares `local` (summed over the ranks), and
+    /// the scale of the gradients where the norm is above `max_norm`. Collective.
+    pub(crate) fn norm_of(&self, local: f64) -> Result<(f64, Option<f64>)> {
         let mut total = self.sum_over.all_reduce(vec![local], ReduceOp::Sum)?[0];
         if let Some(f) = &self.fsdp {
             total = f.shard_group().all_reduce(vec![total], ReduceOp::Sum)?[0];
         }
         let norm = total.sqrt();
         let scale = self.max_norm / (norm + 1e-6);
-        if scale < 1.0 {
-            scale_grads(model, grads, scale);
+        Ok((norm, (scale < 1.0).then_some(scale)))
+    }
+
+    /// Made by [`sharded`](Self::sharded): its sums run over the world, as the distributed
+    /// optimizer's chunks need.
+    pub(crate) fn is_sharded(&self) -> bool {
+        self.sharded
+    }
+
+    /// The elements of parameter `id` (this rank's tensor, of shape `dims`) that this rank
+    /// counts, as ranges of its row-major flattening (adjacent ones merged): what the
+    /// distributed optimizer's chunks count ([`super::DistributedAdamW::step_clipped`]).
+    pub(crate) fn counted_flat(&self, id: ParamId, dims: &[usize]) -> Vec<Range<usize>> {
+        let Some(w) = self.counted.get(&id).filter(|_| self.counts) else {
+            return Vec::new();
+        };
+        let d = w.dim;
+        let inner: usize = dims[d + 1..].iter().product();
+        let per_row: usize = dims[1..d.max(1)].iter().product();
+        let outer: usize = dims[..d].iter().product();
+        let mut out: Vec<Range<usize>> = Vec::new();
+        for o in 0..outer {
+            // Where fsdp's rows are set (dim 0 not the cut one), only the held rows count.
+            if let Some(rows) = w.rows.as_ref().filter(|_| d > 0)
+                && !rows.contains(&(o / per_row))
+            {
+                continue;
+            }
+            let base = o * dims[d] * inner;
+            for r in &w.ranges {
+                let next = base + r.start * inner..base + r.end * inner;
+                match out.last_mut() {
+                    Some(last) if last.end == next.start => last.end = next.end,
+                    _ => out.push(next),
+                }
+            }
         }
-        Ok(norm)
+        out
     }
 }
 

@@ -79,7 +79,8 @@ impl DpOptimizer {
     }
 
     /// The gradients clipped by their global norm after the dp reduction, before the update
-    /// ([`GradClip`]; not with the distributed optimizer, whose reduction is its step's).
+    /// ([`GradClip`]; with the distributed optimizer, its chunks:
+    /// [`DistributedAdamW::step_clipped`] says how to build the clip).
     pub fn with_clip(mut self, clip: GradClip) -> Self {
         self.clip = Some(clip);
         self
@@ -140,7 +141,7 @@ impl DpOptimizer {
     /// (this rank's chunks of the f32 average, stepped, gathered). Collective over dp.
     ///
     /// # Errors
-    /// The first communication error.
+    /// The first communication error; a combination it does not run (named).
     pub fn step<M: Module>(
         &mut self,
         lr: impl Into<ModuleLearningRate>,
@@ -167,16 +168,19 @@ impl DpOptimizer {
                     .into(),
             ));
         }
-        if self.clip.is_some() && self.zero.is_some() {
+        if self.zero.is_some() && self.clip.as_ref().is_some_and(|c| !c.is_sharded()) {
             return Err(crate::TpError::Config(
-                "gradient clipping: not with the distributed optimizer (its gradients are \
-                 reduced inside its step)"
+                "gradient clipping with the distributed optimizer: each rank's chunks are \
+                 summed over the world; build the clip with GradClip::sharded (every rank \
+                 counting)"
                     .into(),
             ));
         }
         if let Some((z, _)) = &mut self.zero {
             cast_grads(working, &mut grads, FloatDType::F32);
-            return z.step(lr.base(), model, grads);
+            let (model, norm) = z.step_clipped(lr.base(), model, grads, self.clip.as_ref())?;
+            self.grad_norm = norm;
+            return Ok(model);
         }
         // Half-precision gradients accumulate in f32 in the reducer.
         if let Some(r) = &self.reducer {

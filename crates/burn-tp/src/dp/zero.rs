@@ -10,7 +10,7 @@
 //!             -> all-gather of the updated chunks -> every rank's full parameters
 //! ```
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{
     AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate,
     ModuleOptimizer, Optimizer,
@@ -19,6 +19,7 @@ use burn::tensor::{Tensor, TensorData};
 use burn_pack::Scalar;
 use burn_tp_comm::{ProcessGroup, ReduceOp};
 
+use super::GradClip;
 use super::reducer::{GradReducer, ReduceGroups, first_grad};
 use crate::ops::{all_gather, all_gather_async};
 use crate::reshard::optimizer::IndexedState;
@@ -139,9 +140,27 @@ impl DistributedAdamW {
         model: M,
         grads: GradientsParams,
     ) -> Result<M> {
+        Ok(self.step_clipped(lr, model, grads, None)?.0)
+    }
+
+    /// [`step`](Self::step) with the averaged gradients clipped by their global norm first
+    /// (and that norm): each rank sums the squares of its chunks' elements `clip` counts
+    /// ([`GradClip::sharded`] over the world with every rank counting, from the model's tp
+    /// layout and pipeline stage map alone: the chunks already split each bucket over dp, and
+    /// the experts' over the ranks holding them, so every element is in one rank's chunk).
+    ///
+    /// # Errors
+    /// As [`step`](Self::step).
+    pub fn step_clipped<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        model: M,
+        grads: GradientsParams,
+        clip: Option<&GradClip>,
+    ) -> Result<(M, Option<f64>)> {
         self.reducer.check_started()?;
         let Some(like) = first_grad(&model, &grads) else {
-            return Ok(model);
+            return Ok((model, None));
         };
         let mut grad_chunks = self.reducer.resolve(like)?;
         // Chunk r of a bucket of its own covers the same elements on every stage that shares
@@ -150,6 +169,18 @@ impl DistributedAdamW {
             let chunk = grad_chunks[bucket].clone();
             grad_chunks[bucket] = crate::ops::all_reduce(chunk, ReduceOp::Sum, group)?;
         }
+        let norm = match clip {
+            Some(clip) => {
+                let (norm, scale) = clip.norm_of(self.chunks_sum_sq(&model, &grad_chunks, clip))?;
+                if let Some(scale) = scale {
+                    for g in &mut grad_chunks {
+                        *g = g.clone().mul_scalar(scale);
+                    }
+                }
+                Some(norm)
+            }
+            None => None,
+        };
         let flat = self.flat_params(&model);
         let _scope =
             burn_tp_comm::profile::scope("dp parameter all-gather (distributed optimizer)");
@@ -168,7 +199,46 @@ impl DistributedAdamW {
             .into_iter()
             .map(|g| g.wait())
             .collect::<Result<Vec<_>>>()?;
-        Ok(self.with_flat(model, full))
+        Ok((self.with_flat(model, full), norm))
+    }
+
+    /// The sum of squares of the elements of this rank's gradient chunks `chunks` that `clip`
+    /// counts (each parameter's counted ranges, at its offset in its bucket, cut to the chunk).
+    fn chunks_sum_sq<M: Module>(&self, model: &M, chunks: &[Tensor<1>], clip: &GradClip) -> f64 {
+        struct Shapes(Vec<(ParamId, Vec<usize>)>);
+        impl ModuleVisitor for Shapes {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.0.push((param.id, param.val().dims().to_vec()));
+            }
+        }
+        let mut shapes = Shapes(Vec::new());
+        model.visit(&mut shapes);
+        let layout = self.reducer.layout();
+        let mut parts = Vec::new();
+        for (b, slots) in layout.buckets.iter().enumerate() {
+            let group = self.reducer.group_of(b);
+            let c = self.reducer.padded()[b] / group.world_size();
+            let (lo, hi) = (group.rank() * c, (group.rank() + 1) * c);
+            for &slot in slots {
+                let (id, dims) = &shapes.0[slot];
+                let at = layout.offset[slot];
+                for r in clip.counted_flat(*id, dims) {
+                    let (s, e) = ((at + r.start).max(lo), (at + r.end).min(hi));
+                    if s < e {
+                        let part = chunks[b].clone().narrow(0, s - lo, e - s);
+                        parts.push(
+                            part.cast(burn::tensor::FloatDType::F32)
+                                .powi_scalar(2)
+                                .sum(),
+                        );
+                    }
+                }
+            }
+        }
+        match parts.is_empty() {
+            true => 0.0,
+            false => Tensor::cat(parts, 0).sum().into_scalar::<f64>(),
+        }
     }
 
     /// Per bucket: the flattened values of its parameters (inner tensors), zero-padded.

@@ -62,11 +62,15 @@ impl<M: Trainable> Rank<'_, M> {
 
     /// `--clip-grad MAX` of `model` (this rank's: a stage's, an ep rank's): each element of
     /// the whole model counted by the rank that writes it to the checkpoint (dp replica 0, or
-    /// with `--ep` the first ep group), summed over the world.
+    /// with `--ep` the first ep group), summed over the world. The distributed optimizer's
+    /// chunks split each bucket over dp (the experts' over the ranks holding them), so there
+    /// every rank counts its chunks of what its stage holds at its tp rank.
     fn grad_clip(&self, model: &M, max: f64) -> GradClip {
-        let sharding = Sharding::of(model, self.tp_group.rank(), self.checkpoint_map(model));
+        let zero = self.args.distributed_optimizer;
+        let sharding = Sharding::of(model, self.tp_group.rank(), self.map_of(model, zero));
         let writers = self.experts.as_ref().map_or(1, |(ep, _)| ep.world_size());
-        GradClip::sharded(model, &sharding, self.dp_rank < writers, &self.world, max)
+        let counts = zero || self.dp_rank < writers;
+        GradClip::sharded(model, &sharding, counts, &self.world, max)
     }
 
     /// The model of [`start`](Self::start) without `--ep` (or with its direct import) and the
@@ -140,12 +144,21 @@ impl<M: Trainable> Rank<'_, M> {
     /// Where each of `model`'s parameters lies in the whole model's checkpoint: its pipeline
     /// stage's blocks (set by [`fresh`](Self::fresh)) and, once `--ep` split it, its experts.
     pub(super) fn checkpoint_map(&self, model: &M) -> StageMap {
+        self.map_of(model, false)
+    }
+
+    /// [`checkpoint_map`](Self::checkpoint_map), where `every_ep_rank` writes what its stage
+    /// holds (not only ep rank 0 the parameters replicated over ep).
+    fn map_of(&self, model: &M, every_ep_rank: bool) -> StageMap {
         let n_ep = self.experts.as_ref().map_or(1, |(ep, _)| ep.world_size());
         let (experts, ep_rank) = match &self.experts {
             Some((ep, _)) => (model.expert_params().into_iter().collect(), ep.rank()),
             None => (Default::default(), 0),
         };
-        let map = StageMap::expert_parallel(model, &experts, ep_rank, n_ep);
+        let mut map = StageMap::expert_parallel(model, &experts, ep_rank, n_ep);
+        if every_ep_rank {
+            map.writes.fill(true);
+        }
         match self.stage_map.get() {
             Some(stage) => map.then(stage),
             None => map,
