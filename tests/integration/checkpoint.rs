@@ -309,12 +309,22 @@ mod sharded {
         let fresh = config.init(&g, &device()).unwrap();
         let (loaded, _) = checkpoint::load(fresh, &ckpt, Some(&config), &g).unwrap();
         assert_eq!(params(&loaded), params(&model));
-        let state = |o: &ModuleOptimizer| o.to_record().into_bytes().unwrap().to_vec();
-        let reread = checkpoint::load_optimizer(AdamWConfig::new().init(), &loaded, &ckpt, &g);
-        assert_eq!(
-            state(&reread.unwrap()).len(),
-            state(&optim).len(),
-            "AdamW's state"
+        // AdamW's state read back: the next step from it is the saved optimizer's (to
+        // rounding: the loaded weights' layout may take another GEMM path; a fresh state's
+        // step is 1.7e-2 off). Its record's encoding is not compared: its padding follows the
+        // entries' order, which varies.
+        let mut reread =
+            checkpoint::load_optimizer(AdamWConfig::new().init(), &loaded, &ckpt, &g).unwrap();
+        let (next, _) = train(loaded, &mut reread, 1, 1);
+        let (want, _) = train(model, &mut optim, 1, 1);
+        let off = params(&next)
+            .iter()
+            .zip(&params(&want))
+            .flat_map(|((_, a), (_, b))| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+            .fold(0.0, f64::max);
+        assert!(
+            off < 1e-5,
+            "the step after AdamW's state read back is {off} off"
         );
         std::fs::remove_dir_all(&ckpt).unwrap();
     }
