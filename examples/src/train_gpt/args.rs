@@ -214,7 +214,9 @@ pub struct Args {
     #[arg(long)]
     pub reshard_after_forward: bool,
     /// Hybrid sharding (HSDP, implies `--fsdp`): the parameters split over `N` consecutive
-    /// dp ranks (`N` divides `--dp`), replicated over the `dp / N` groups.
+    /// dp ranks (`N` divides `--dp`), replicated over the `dp / N` groups; with `--ep` (`N`
+    /// and `--ep` dividing one another), the experts' rows over the ranks of a group holding
+    /// them.
     #[arg(long, value_name = "N")]
     pub hsdp: Option<usize>,
     /// Clip the gradients by their global norm (the whole model's, after the dp average) to
