@@ -216,7 +216,9 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         "mpirun -n 8 tp 2 x dp 2 x pp 2 vs threads",
     );
     // Each stage's blocks fully sharded, the next part's gathers posted across the stages'
-    // transfers (the prefetch); and a mixture of experts at fsdp x ep.
+    // transfers (the prefetch); a mixture of experts at fsdp x ep, under a pipeline (each
+    // micro-batch's leaves reduce-scattered after its backward) and at HSDP x ep; the last
+    // two clipped (one sum over the world).
     let moe = [
         "--arch",
         "moe",
@@ -229,7 +231,20 @@ fn train_gpt_over_mpi_gives_the_thread_losses_and_its_checkpoint_resumes_anywher
         "--ep",
         "2",
     ];
-    for (n, extra) in [(8, &base[..]), (4, &moe)] {
+    let clip = ["--clip-grad", "0.05"];
+    let pp = [
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--pp",
+        "2",
+        "--micro-batches",
+        "2",
+    ];
+    let pp_moe = [&moe[..6], &pp, &clip].concat();
+    let hsdp_moe = [&moe[..], &["--hsdp", "2"], &clip].concat();
+    for (n, extra) in [(8, &base[..]), (4, &moe), (4, &pp_moe), (4, &hsdp_moe)] {
         let extra = [extra, &["--fsdp"]].concat();
         let want = threads(&extra, "fsdp-more");
         let got = mpirun(n, argv(&extra, &temp_dir("fsdp-more-mpi")), None);
