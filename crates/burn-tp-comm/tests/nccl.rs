@@ -81,6 +81,23 @@ fn collectives_at_world_size_one_on_the_gpu() {
     assert!(pg.nccl().is_some());
     common::conformance(&pg, |v| v.to_vec(), |b| b);
 
+    // The all-to-all with per-rank counts (expert parallelism's dispatch) over NCCL's grouped
+    // send / receive, to this rank itself; an empty one (no token for the experts here); and
+    // counts that do not add up to the input, refused before any communication.
+    assert_eq!(
+        pg.all_to_all(vec![1.0f32, 2.0, 3.0], &[3], &[3]).unwrap(),
+        vec![1.0, 2.0, 3.0]
+    );
+    assert!(
+        pg.all_to_all(Vec::<f32>::new(), &[0], &[0])
+            .unwrap()
+            .is_empty()
+    );
+    assert!(matches!(
+        pg.all_to_all(vec![1.0f32, 2.0, 3.0], &[2], &[2]),
+        Err(CommError::BufferSize { .. })
+    ));
+
     // A split: a new communicator of the ranks of one colour (here, this one), which runs the
     // same conformance on its own stream.
     let sub = pg.split(0, 0).unwrap();
