@@ -18,7 +18,11 @@
 //! only when asked (the option, or `=1`); a training program (the example, the benches) calls
 //! [`keep_freed_memory_unless_disabled`] at start, which `=0` turns off.
 
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::sync::{Arc, OnceLock};
+
+use burn::tensor::{Device, Distribution, Tensor};
+use burn_std::rand::{SeedableRng, StdRng};
 
 use burn_tp_comm::{LocalGroup, ProcessGroup};
 
@@ -97,6 +101,76 @@ fn keep_for(option: Option<bool>, env: Option<&str>) -> bool {
     option.unwrap_or_else(|| env.is_some_and(|v| v.trim() == "1"))
 }
 
+/// A thread's initialization stream: seeded, or (a rank thread of [`run_ranks`] before its
+/// first draw) waiting for the seed its run shares, drawn from the device's RNG by the first
+/// of its ranks to need it (a run that draws nothing leaves the device's RNG alone).
+enum Stream {
+    Seeded(u64, Box<StdRng>),
+    Shared(Arc<OnceLock<u64>>),
+}
+
+thread_local! {
+    /// This thread's initialization stream (see [`set_init_seed`]).
+    static STREAM: RefCell<Option<Stream>> = const { RefCell::new(None) };
+}
+
+/// Seeds this thread's initialization stream: from now on every draw of
+/// [`crate::init::init_replicated`] on this thread (every burn-tp layer's weights) comes from
+/// `StdRng::seed_from_u64(seed)`, exactly the values Burn's Flex device draws after
+/// `device.seed(seed)`, but on this thread alone, whatever other threads draw. [`run_ranks`]
+/// starts every rank thread of a run from one seed: the calling thread's (so after
+/// `set_init_seed(s)` there, every rank draws what burn-nn draws after `device.seed(s)`), else
+/// one value drawn from the device's RNG when a rank first draws. So after one
+/// `device.seed(s)` before it, every data-parallel replica draws the same model, and every run
+/// the same one. A rank of its own process (MPI, NCCL) may call it at start; without it, draws
+/// come from the device's RNG.
+pub fn set_init_seed(seed: u64) {
+    STREAM.with(|s| {
+        *s.borrow_mut() = Some(Stream::Seeded(seed, Box::new(StdRng::seed_from_u64(seed))))
+    });
+}
+
+/// Stops this thread's initialization stream (draws come from the device's RNG again).
+pub fn clear_init_seed() {
+    STREAM.with(|s| *s.borrow_mut() = None);
+}
+
+/// The seed a run's rank threads start from: the calling thread's, or one drawn when needed.
+fn run_seed() -> Arc<OnceLock<u64>> {
+    STREAM.with(|s| match &*s.borrow() {
+        Some(Stream::Seeded(seed, _)) => Arc::new(OnceLock::from(*seed)),
+        Some(Stream::Shared(seed)) => seed.clone(),
+        None => Arc::new(OnceLock::new()),
+    })
+}
+
+/// A seed from the Flex device's RNG (deterministic after `device.seed`; entropy otherwise).
+fn device_seed() -> u64 {
+    let bits = Tensor::<1>::random([4], Distribution::Default, &Device::flex())
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .unwrap_or_default();
+    bits.iter().fold(0x5EED_u64, |h, v| {
+        crate::rng::splitmix64(h ^ u64::from(v.to_bits()))
+    })
+}
+
+/// Runs `f` on this thread's initialization stream, if it has one.
+pub(crate) fn with_init_stream<R>(f: impl FnOnce(&mut StdRng) -> R) -> Option<R> {
+    STREAM.with(|s| {
+        let mut s = s.borrow_mut();
+        if let Some(Stream::Shared(seed)) = &*s {
+            let seed = *seed.get_or_init(device_seed);
+            *s = Some(Stream::Seeded(seed, Box::new(StdRng::seed_from_u64(seed))));
+        }
+        match &mut *s {
+            Some(Stream::Seeded(_, rng)) => Some(f(rng.as_mut())),
+            _ => None,
+        }
+    })
+}
+
 /// Runs `f` once per rank, each on its own thread with its own [`ProcessGroup`] and its own rayon
 /// pool (see [`RunOptions::threads_per_rank`]), and returns the results in rank order.
 ///
@@ -126,11 +200,13 @@ pub fn run_ranks_with<T: Send + 'static>(
         keep_freed_memory();
     }
     let f = Arc::new(f);
+    let seed = run_seed();
     let handles: Vec<_> = groups
         .into_iter()
         .map(|group| {
             let f = f.clone();
             let rank = group.rank();
+            let seed = seed.clone();
             std::thread::Builder::new()
                 .name(format!("tp-rank-{rank}"))
                 .spawn(move || {
@@ -139,8 +215,13 @@ pub fn run_ranks_with<T: Send + 'static>(
                         .thread_name(move |i| format!("tp-rank-{rank}-worker-{i}"))
                         .build()
                         .unwrap_or_else(|e| panic!("building the rayon pool of rank {rank}: {e}"));
-                    // Flex's kernels called from `f` run on this rank's pool.
-                    pool.install(move || f(group))
+                    // Flex's kernels called from `f` run on this rank's pool (`f` itself on
+                    // one of its threads), and every rank draws its layers' weights from the
+                    // same stream.
+                    pool.install(move || {
+                        STREAM.with(|s| *s.borrow_mut() = Some(Stream::Shared(seed)));
+                        f(group)
+                    })
                 })
                 .expect("spawning a rank thread")
         })

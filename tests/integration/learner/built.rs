@@ -21,7 +21,9 @@ fn the_ranks_build_their_own_shards() {
     use burn_tp::comm::ProcessGroup;
     let (_rng, solo, root) = fixture("build");
     let _ = std::fs::remove_dir_all(&root);
-    device().seed(6);
+    // The plain loop's model and the ranks' from the same stream (this thread's, which the
+    // rank threads start from).
+    burn_tp::local::set_init_seed(6);
     let full = config().init(&solo, &device()).unwrap();
     let (want, want_model) = plain_loop(&full, 2);
     let placeholder = LlamaConfig::new(23, SEQ, 4, 1, 1, 1, 4)
@@ -30,7 +32,7 @@ fn the_ranks_build_their_own_shards() {
     let build = |g: &ProcessGroup, d: &Device| config().init(g, d).map(LmLearner::new);
     let train = || Windows::new(text(), SEQ, SEQ);
 
-    device().seed(6);
+    burn_tp::local::set_init_seed(6);
     let strategy = TensorParallel::new(2, 2, || AdamWConfig::new().init()).with_shards(build);
     let dir = root.join("gathered");
     let result = launch(&placeholder, strategy, &dir, train(), |t| t.num_epochs(1));
@@ -44,7 +46,7 @@ fn the_ranks_build_their_own_shards() {
         "built shards: the model",
     );
 
-    device().seed(6);
+    burn_tp::local::set_init_seed(6);
     let ckpt = root.join("checkpoints");
     let strategy = TensorParallel::new(2, 2, || AdamWConfig::new().init())
         .with_shards(build)
@@ -79,4 +81,5 @@ fn the_ranks_build_their_own_shards() {
         "{e}"
     );
     std::fs::remove_dir_all(&root).ok();
+    burn_tp::local::clear_init_seed();
 }

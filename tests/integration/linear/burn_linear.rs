@@ -322,7 +322,8 @@ fn init_shards_are_slices_of_burns_linear_init() {
         let want = LinearConfig::new(D_IN, D_OUT).init(&dev);
         let want_w = f64s(want.weight.val());
         let want_b = f64s(want.bias.unwrap().val());
-        dev.seed(1234);
+        // The rank threads start from this thread's stream: burn-nn's draws after `seed(1234)`.
+        burn_tp::local::set_init_seed(1234);
         let out = run_local(tp, move |group| {
             let c = ColumnParallelLinearConfig::new(D_IN, D_OUT)
                 .init(&group, &device())
@@ -351,6 +352,7 @@ fn init_shards_are_slices_of_burns_linear_init() {
             assert_eq!(shard, &want_shard);
         }
     }
+    burn_tp::local::clear_init_seed();
 }
 
 /// Async (custom backward, overlapped) and sync (composed primitives) agree bitwise on
