@@ -50,6 +50,23 @@ pub enum TpError {
     /// A configuration that cannot work.
     #[error("{0}")]
     Config(String),
+    /// Data-parallel replicas that must hold the same parameter hold different values: the
+    /// gradient average would train a blend of different models.
+    #[error(
+        "{what}: the {ranks} data-parallel replicas hold different values of `{param}`; start \
+         them from one model (burn_tp::dp::broadcast_parameters, or dp::sync_replicas with \
+         ReplicaPolicy::Broadcast), or build it the same way on every replica (burn-tp's layers \
+         draw alike on every rank thread of burn_tp::local::run_ranks; a parameter of one's \
+         own: burn_tp::init::init_replicated_param)"
+    )]
+    ReplicasDiffer {
+        /// What checked (a helper's name).
+        what: String,
+        /// The first parameter that differs (its module path).
+        param: String,
+        /// The ranks compared.
+        ranks: usize,
+    },
     /// A checkpoint that cannot be written or read: a missing or truncated file, a tensor whose
     /// dtype or shape does not fit the model, an index of another model.
     #[error("checkpoint {path}: {what}")]

@@ -5,10 +5,12 @@
 
 mod clip;
 mod reducer;
+mod replicas;
 mod step;
 mod zero;
 
 pub use clip::GradClip;
+pub use replicas::{ReplicaPolicy, check_replicas, sync_replicas};
 
 pub use reducer::{GradReducer, ReduceGroups};
 pub use step::DpOptimizer;

@@ -63,6 +63,8 @@ pub struct GradReducer {
     /// Per slot: its elements, and its offset in its bucket.
     numel: Vec<usize>,
     offset: Vec<usize>,
+    /// Whether the replicas were found to agree ([`Self::check_replicas_once`]).
+    replicas_checked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl fmt::Debug for GradReducer {
@@ -207,6 +209,7 @@ impl GradReducer {
             summed,
             numel: sizes.iter().map(|s| s.0).collect(),
             offset,
+            replicas_checked: Arc::default(),
         }
     }
 
@@ -217,6 +220,26 @@ impl GradReducer {
             (true, Some(g)) => g,
             _ => &self.group,
         }
+    }
+
+    /// At the first step only: every trainable parameter the same on every replica (the
+    /// experts' over their group; [`super::check_replicas`]). Collective over dp (and the
+    /// experts' group).
+    pub(crate) fn check_replicas_once<M: Module>(&self, model: &M, what: &str) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.replicas_checked.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let bucket = |slot: usize| self.shared.bucket_of.get(slot).copied().flatten();
+        let dense = |slot: usize, _| bucket(slot).is_some_and(|b| !self.shared.expert[b]);
+        let expert = |slot: usize, _| bucket(slot).is_some_and(|b| self.shared.expert[b]);
+        let digest = crate::init::ReplicaDigest::of(model);
+        match &self.experts {
+            Some(x) => digest.verify(&[(&self.group, &dense), (x, &expert)], what)?,
+            None => digest.verify(&[(&self.group, &dense)], what)?,
+        }
+        self.replicas_checked.store(true, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Whether experts' gradients reduce over their own group ([`ReduceGroups::experts`]).
@@ -303,6 +326,7 @@ impl GradReducer {
     /// aborted, so every rank fails rather than waits).
     pub fn finish<M: Module>(&self, model: &M, grads: &mut GradientsParams) -> Result<()> {
         self.check_started()?;
+        self.check_replicas_once(model, "GradReducer")?;
         let Some(like) = first_grad(model, grads) else {
             return Ok(());
         };

@@ -29,6 +29,8 @@ pub struct DpOptimizer {
     fsdp: Option<Fsdp>,
     clip: Option<GradClip>,
     grad_norm: Option<f64>,
+    /// Whether the replicas were found to agree (at the first step).
+    replicas_checked: bool,
 }
 
 impl DpOptimizer {
@@ -43,6 +45,7 @@ impl DpOptimizer {
             fsdp: None,
             clip: None,
             grad_norm: None,
+            replicas_checked: false,
         }
     }
 
@@ -107,6 +110,7 @@ impl DpOptimizer {
             fsdp: None,
             clip: None,
             grad_norm: None,
+            replicas_checked: false,
         }
     }
 
@@ -176,6 +180,22 @@ impl DpOptimizer {
                     .into(),
             ));
         }
+        // The buckets and the fsdp check their own replicas; the average after the backward here.
+        if !self.replicas_checked && self.buckets().is_none() && self.fsdp.is_none() {
+            super::check_replicas(&model, dp_group, self.experts.as_ref()).map_err(
+                |e| match e {
+                    crate::TpError::ReplicasDiffer { param, ranks, .. } => {
+                        crate::TpError::ReplicasDiffer {
+                            what: "DpOptimizer".into(),
+                            param,
+                            ranks,
+                        }
+                    }
+                    e => e,
+                },
+            )?;
+        }
+        self.replicas_checked = true;
         if let Some((z, _)) = &mut self.zero {
             cast_grads(working, &mut grads, FloatDType::F32);
             let (model, norm) = z.step_clipped(lr.base(), model, grads, self.clip.as_ref())?;

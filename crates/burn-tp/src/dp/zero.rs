@@ -159,6 +159,8 @@ impl DistributedAdamW {
         clip: Option<&GradClip>,
     ) -> Result<(M, Option<f64>)> {
         self.reducer.check_started()?;
+        self.reducer
+            .check_replicas_once(&model, "DistributedAdamW")?;
         let Some(like) = first_grad(&model, &grads) else {
             return Ok((model, None));
         };

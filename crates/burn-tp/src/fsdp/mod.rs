@@ -68,6 +68,9 @@ pub struct Fsdp {
     /// Expert parallelism: the experts' parameters, split over the ranks holding the same
     /// experts instead of the shard group.
     experts: Option<Arc<ExpertGroups>>,
+    /// The digest of the whole model it was made from, checked against the other replicas'
+    /// at the first step ([`crate::dp::check_replicas`]), then dropped.
+    digest: Arc<std::sync::Mutex<Option<crate::init::ReplicaDigest>>>,
 }
 
 /// The experts' parameters and the groups they are split and replicated over.
@@ -102,6 +105,9 @@ impl Fsdp {
             compute: None,
             prefetch: true,
             experts: None,
+            digest: Arc::new(std::sync::Mutex::new(Some(crate::init::ReplicaDigest::of(
+                model,
+            )))),
         }
     }
 
@@ -350,6 +356,7 @@ impl Fsdp {
         if self.dp_size() == 1 {
             return Ok(());
         }
+        self.check_replicas_once()?;
         let _scope = burn_tp_comm::profile::scope("fsdp gradient (replicas)");
         let mut average = Average {
             fsdp: self,
@@ -358,6 +365,29 @@ impl Fsdp {
         };
         model.visit(&mut average);
         average.error.map_or(Ok(()), Err)
+    }
+
+    /// At the first step only: the whole model [`new`](Self::new) was made from the same on
+    /// every rank of the shard group and the replicas (the experts' over theirs). Collective.
+    fn check_replicas_once(&self) -> Result<()> {
+        let digest = self.digest.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(digest) = digest else {
+            return Ok(());
+        };
+        let is_expert = |id: ParamId| self.experts.as_ref().is_some_and(|x| x.ids.contains(&id));
+        let dense = |_: usize, id: ParamId| !is_expert(id);
+        let expert = |_: usize, id: ParamId| is_expert(id);
+        let mut checks: Vec<(&ProcessGroup, crate::init::Picks<'_>)> = vec![(&self.shard, &dense)];
+        if let Some(r) = &self.replicas {
+            checks.push((r, &dense));
+        }
+        if let Some(x) = &self.experts {
+            checks.push((&x.group, &expert));
+            if let Some(r) = &x.replicas {
+                checks.push((r, &expert));
+            }
+        }
+        digest.verify(&checks, "Fsdp")
     }
 
     /// The rows of parameter `id`'s tp shard this rank's shard holds (its `shard_rows` rows
