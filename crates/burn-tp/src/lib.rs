@@ -10,7 +10,7 @@
 //! | base | `error` ([`TpError`]), [`rng`] (SplitMix64: dropout's hash, sampling's draws), [`local`] (the runner of ranks as threads), [`alloc`] (a global allocator keeping freed large blocks) |
 //! | backend | [`backend`]: the collectives and the parallel linears as a Burn backend extension ([`backend::TpBackend`]) with custom `Autodiff` backward nodes; `backend/matmul/overlap.rs` is the overlapped forward and backward of the parallel linears, with a diagram of the shards (beside it the GEMM hook, `gemm.rs`, `cublas.rs`); `backend/collective/` the host transport; `backend/attention/` the attention kernels (`flash.rs`, `flash_cpu/`, the visibility rule `mask.rs`, ring attention over a context-parallel group `ring.rs`); `backend/fused/` the norms, SwiGLU gate and dropout (the masks) as ops whose backward keeps only what Megatron keeps; `backend/autodiff/` the backward nodes |
 //! | ops | [`ops`]: differentiable collectives on `Tensor<D>`, each with an async form |
-//! | shards | `init` (initialisation identical at every tp, internal), [`reshard`] (between tp sizes) |
+//! | shards | [`init`] (initialisation identical at every tp and on every dp replica), [`reshard`] (between tp sizes) |
 //! | layers | [`linear`] (column / row parallel, both modes, and their functional forms), [`embedding`] (vocabulary-parallel, and the lm-head), [`loss`] (sharded cross-entropy), [`dropout`] (tp-invariant masks), [`norm`] (layer norm, RMSNorm, replicated weights), [`attention`] (both models' attention, by blocks without the `[s, s]` scores, with the KV cache), [`transformer`] (the MLPs: the GPT's, the gated one), [`moe`] (mixtures of experts, expert parallelism: the router, the all-to-all dispatch, the experts), [`context`] (context parallelism: each rank's chunks of a sequence, ring attention) |
 //! | models | [`gpt`] (a tiny GPT), [`llama`] (GQA, RoPE, RMSNorm, SwiGLU or mixtures of experts, padded vocabulary), [`gemma`] (Gemma 2 / 3: sandwich norms, GeGLU, sliding and full layers, soft caps), [`model`]: [`LanguageModel`](model::LanguageModel), the one implementation of the forward, the loss, decoding and pipeline stages every family shares (a family implements its parts), with [`decoder`] (a block as the decode loop sees it, the blocks a stage holds) |
 //! | use | [`generate`] (sampling with the KV cache), [`checkpoint`] (sharded, at any tp x dp), [`hf`] (Hugging Face import / export of the Llama and Gemma families), [`dp`] (data parallelism, the distributed optimizer), [`fsdp`] (fully sharded data parallelism: parameters, gradients and optimizer state split over dp, gathered part by part), [`mesh`] (the tp x dp grid), [`precision`] (bf16 / f16 copies), [`recompute`] (full activation recompute: one tensor kept per block), [`pipeline`] (stages, GPipe / 1F1B / interleaved), `train` (feature `train`: Burn's Learner at tp x dp), [`testing`] (a gradient checker by finite differences), [`lora`] (LoRA fine-tuning at tp: the adapters on the parallel linears, the base frozen; PEFT's folders in [`hf`]) |
@@ -58,7 +58,7 @@
 //! }
 //!
 //! let device = Device::flex().autodiff();
-//! device.seed(0); // once, before the rank threads start: the model is then the same at every tp
+//! device.seed(0); // before the rank threads start: the same model at every tp, on every replica
 //! let losses = run_local(2, move |group| -> burn_tp::Result<f32> {
 //!     // Each rank builds its own shards in its own thread (tp = 2).
 //!     let mlp = Mlp::new(64, &group, &device)?;
@@ -71,6 +71,9 @@
 //! .expect("no rank panicked");
 //! assert!(losses.iter().all(|l| l.as_ref().is_ok_and(|v| v.is_finite())));
 //! ```
+
+// `#[derive(Reshard)]` names `::burn_tp`, inside this crate too.
+extern crate self as burn_tp;
 
 pub mod alloc;
 pub mod attention;
@@ -87,7 +90,7 @@ pub mod gemma;
 pub mod generate;
 pub mod gpt;
 pub mod hf;
-pub(crate) mod init;
+pub mod init;
 pub mod linear;
 pub mod llama;
 pub mod local;

@@ -8,7 +8,34 @@ use burn_tp_comm::{LocalGroup, ProcessGroup};
 use crate::Result;
 use crate::init::owned;
 
+/// `#[derive(Reshard)]` for a struct of one's own: each field moves on its own
+/// (`#[reshard(group)]` the struct's group, `#[reshard(keep)]` or `#[module(skip)]` a setting
+/// copied as it is).
+pub use burn_tp_derive::Reshard;
+
 /// Moving a module between tp sizes: gather the full (tp = 1) module, or shard one.
+///
+/// `#[derive(Reshard)]` implements it for a struct whose fields implement it:
+///
+/// ```
+/// use burn::module::Module;
+/// use burn_tp::comm::ProcessGroup;
+/// use burn_tp::linear::{ColumnParallelLinear, RowParallelLinear, TpMode};
+/// use burn_tp::norm::TpLayerNorm;
+/// use burn_tp::reshard::Reshard;
+///
+/// #[derive(Module, Debug, Reshard)]
+/// struct Block {
+///     norm: TpLayerNorm,
+///     fc1: ColumnParallelLinear,
+///     fc2: RowParallelLinear,
+///     #[module(skip)]
+///     mode: TpMode,
+///     #[module(skip)]
+///     #[reshard(group)]
+///     group: ProcessGroup,
+/// }
+/// ```
 pub trait Reshard: Sized {
     /// The same module at tp = 1 (on a group of its own), on every rank. Collective.
     ///
@@ -165,8 +192,9 @@ pub(crate) fn trainable<M: burn::module::Module>(module: &M) -> Vec<bool> {
     flags.0
 }
 
-/// A group of one: where a full (tp = 1) module lives.
-pub(crate) fn solo() -> ProcessGroup {
+/// A group of one: where a full (tp = 1) module lives (what `#[derive(Reshard)]`'s
+/// `#[reshard(group)]` field holds in a full module).
+pub fn solo() -> ProcessGroup {
     LocalGroup::new(1).expect("a group of one").remove(0)
 }
 
