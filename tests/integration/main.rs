@@ -24,6 +24,7 @@ mod lora;
 mod loss;
 mod moe;
 mod mpi;
+mod own_model;
 mod pipeline;
 mod recompute;
 mod reference;

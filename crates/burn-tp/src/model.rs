@@ -171,6 +171,37 @@ pub trait LanguageModel: Module + Reshard + Clone + Send + 'static {
         })
     }
 
+    /// [`loss`](Self::loss) of ids and targets in Burn's batch-first layout (`[batch, seq]`, as
+    /// burn-nn's modules take them), transposed once here into the sequence-first layout every
+    /// layer runs in (Megatron's: sequence parallelism splits dim 0).
+    ///
+    /// # Errors
+    /// As [`loss`](Self::loss); ids and targets of different shapes, named.
+    fn loss_batch_first(
+        &self,
+        ids: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        step: Option<DropoutStep>,
+    ) -> crate::Result<Tensor<1>> {
+        if ids.dims() != targets.dims() {
+            return Err(crate::TpError::Config(format!(
+                "loss_batch_first: ids {:?} and targets {:?} ([batch, seq] both)",
+                ids.dims(),
+                targets.dims()
+            )));
+        }
+        self.loss(ids.swap_dims(0, 1), targets.swap_dims(0, 1), step)
+    }
+
+    /// [`logits`](Self::logits) in Burn's batch-first layout: `[batch, seq]` ids ->
+    /// `[batch, seq, V_p / tp]` vocab-sharded logits (each transposed once, at the edges).
+    ///
+    /// # Errors
+    /// As [`logits`](Self::logits).
+    fn logits_batch_first(&self, ids: Tensor<2, Int>) -> crate::Result<Tensor<3>> {
+        Ok(self.logits(ids.swap_dims(0, 1))?.swap_dims(0, 1))
+    }
+
     /// The parameters held by expert-parallel groups (the MoE layers' experts): reduced over
     /// the ranks holding the same experts, not the whole dp group ([`crate::dp::Experts`]).
     fn expert_params(&self) -> Vec<burn::module::ParamId> {
