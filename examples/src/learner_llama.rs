@@ -209,6 +209,8 @@ pub fn run(args: &LearnerArgs) -> Result<LearnerReport, String> {
         .init(&solo, &device)
         .map_err(|e| e.to_string())?;
     device.seed(args.seed);
+    // The layers draw from the seed's own stream (every rank thread, or this process's rank).
+    burn_tp::local::set_init_seed(args.seed);
     let init_from = init_from.map(Path::to_path_buf);
     let lora = args.lora_rank.map(|r| {
         burn_tp::lora::LoraConfig::new(r, args.lora_alpha.unwrap_or(2.0 * r as f64))

@@ -133,6 +133,12 @@ impl VocabParallelEmbeddingConfig {
 }
 
 impl VocabParallelEmbedding {
+    /// The group this layer's vocabulary rows are sharded over (what a model of one's own
+    /// passes to its other layers and to [`crate::norm::replicated_param`]).
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
     /// Shards a full Burn `Embedding` (`[n_vocab, d_model]`), padded to a multiple of tp rows.
     ///
     /// # Errors
@@ -300,6 +306,12 @@ pub struct VocabParallelHead {
 }
 
 impl VocabParallelHead {
+    /// The group this layer's vocabulary rows are sharded over (what a model of one's own
+    /// passes to its other layers and to [`crate::norm::replicated_param`]).
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
     /// The head Burn's `LinearConfig::new(d_model, n_vocab).with_bias(false)` gives at tp = 1
     /// (same seed, same draws), padded and sharded. Collective over `group`.
     ///

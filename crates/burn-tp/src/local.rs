@@ -130,6 +130,18 @@ pub fn set_init_seed(seed: u64) {
     });
 }
 
+/// Makes this thread draw as a rank thread of [`run_ranks`] does when no seed was set: from a
+/// stream seeded, at its first draw, by one draw of the device's RNG (a rank of its own
+/// process). Keeps a stream already set.
+pub fn start_rank_stream() {
+    STREAM.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.is_none() {
+            *s = Some(Stream::Shared(Arc::new(OnceLock::new())));
+        }
+    });
+}
+
 /// Stops this thread's initialization stream (draws come from the device's RNG again).
 pub fn clear_init_seed() {
     STREAM.with(|s| *s.borrow_mut() = None);

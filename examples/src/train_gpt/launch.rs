@@ -26,8 +26,10 @@ pub(super) fn launch<M: Trainable>(
         }
         DeviceKind::Cpu => {
             let device = Device::flex().autodiff();
-            // One device RNG for every rank thread: seed it once, before they start.
+            // One device RNG for every rank thread: seed it once, before they start; the layers
+            // draw from the seed's own stream, on every transport alike.
             device.seed(args.seed);
+            burn_tp::local::set_init_seed(args.seed);
             let world = args.tp * args.dp * args.pp;
             let options = LocalGroupOptions {
                 profile: args.profile,
@@ -74,6 +76,7 @@ fn cuda_rank<M: Trainable>(
     let rank = world.rank();
     let device = Device::cuda(local_rank).autodiff();
     device.seed(args.seed);
+    burn_tp::local::set_init_seed(args.seed);
     let out = train_rank::<M>(args, config, data, world, &device, checkpoint)
         .map_err(|e| format!("rank {rank}: {e}"))?;
     Ok((rank, out))
@@ -163,6 +166,7 @@ fn mpi_rank<M: Trainable>(
     burn_tp::local::keep_freed_memory_unless_disabled();
     let device = Device::flex().autodiff();
     device.seed(args.seed);
+    burn_tp::local::set_init_seed(args.seed);
     match train_rank::<M>(args, config, data, world, &device, checkpoint) {
         Ok(out) => Ok((rank, out)),
         Err(e) => {

@@ -99,6 +99,8 @@ impl Ranks {
             },
             Ranks::Process { world, .. } => {
                 let rank = world.rank();
+                // Draw as the rank threads do, so a process's ranks get the threads' model.
+                crate::local::start_rank_stream();
                 let result = rank_main(&shared, world.clone());
                 if let Err(e) = &result {
                     world.abort(&CommError::Backend(e.to_string()));

@@ -91,6 +91,7 @@ impl<M: Trainable> Rank<'_, M> {
             let solo = burn_tp::comm::LocalGroup::new(1)?.remove(0);
             // The frozen base as the run built it: imported, or the seed's draw.
             self.device.seed(args.seed);
+            burn_tp::local::set_init_seed(args.seed);
             let whole = M::init(self.config, &solo, &self.device)?;
             let whole = match &args.init_from {
                 Some(dir) => whole.load_hf(dir, &solo)?,

@@ -212,6 +212,7 @@ impl<M: Trainable> Rank<'_, M> {
                 // Only the rank that draws (tp rank 0 of replica 0) touches the RNG.
                 if (stages > 1 || in_turns) && turns && tp_group.rank() == 0 {
                     self.device.seed(args.seed);
+                    burn_tp::local::set_init_seed(args.seed);
                 }
                 fresh = Some(match (&held, &args.init_from) {
                     _ if let Some((dir, ep)) = direct_ep => {
