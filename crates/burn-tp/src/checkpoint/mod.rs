@@ -47,7 +47,9 @@
 //! | `save.rs`   | [`save`]: each rank its slices, the index last                         |
 //! | `load.rs`   | [`load`], [`load_optimizer`]: each rank the slices it needs, at any tp  |
 //! | `sharding.rs` | [`Sharding`]: where a rank's tensors lie (tp, stage, fsdp rows)      |
+//! | `burn_record.rs` | [`load_burn_record`], [`save_burn_record`]: a Burn record file (a plain burn-nn model's) in and out |
 
+mod burn_record;
 mod format;
 mod load;
 mod save;
@@ -147,6 +149,7 @@ impl StageMap {
 
 use crate::error::file_error;
 
+pub use burn_record::{load_burn_record, save_burn_record};
 pub use format::{CheckpointInfo, INDEX};
 pub(crate) use load::param_shapes;
 pub use load::{
