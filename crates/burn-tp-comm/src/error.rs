@@ -35,6 +35,27 @@ pub enum CommError {
         /// Ranks that are gone.
         gone: Vec<usize>,
     },
+    /// A rank waits for ranks of its group that its own thread serves (they last posted from
+    /// it), or that no thread was ever given (the group used from the thread that made it):
+    /// they can never arrive, so the call fails at once instead of at the timeout.
+    #[error(
+        "{op} #{seq} on rank {rank}: rank(s) {missing:?} of this group are served by the thread \
+         that now waits for them{never}, so they can never arrive: each rank needs its own thread \
+         (run the ranks with burn_tp::local::run_local or run_ranks, or one thread per handle of \
+         LocalGroup::new)"
+    )]
+    SameThread {
+        /// The call that failed.
+        op: OpDesc,
+        /// Per-group sequence number of the call.
+        seq: u64,
+        /// The rank reporting.
+        rank: usize,
+        /// The ranks that cannot arrive.
+        missing: Vec<usize>,
+        /// `" (never used by any other thread)"` where they never posted, else empty.
+        never: String,
+    },
     /// Not every rank arrived within the timeout.
     #[error(
         "{op} #{seq} on rank {rank} timed out after {timeout:?}: rank(s) {missing:?} had not arrived"

@@ -76,6 +76,17 @@ impl ProcessGroup {
         }
     }
 
+    /// Tells a group of rank threads ([`crate::LocalGroup`]) that the calling thread runs this
+    /// rank (burn-tp's runner does it at each rank thread's start), so that a rank waiting on
+    /// it from another thread waits, and one waiting on it from this same thread fails at once
+    /// ([`CommError::SameThread`]). Nothing on the other transports.
+    pub fn bind_thread(&self) {
+        #[allow(irrefutable_let_patterns)]
+        if let Transport::Local(shared) = &self.transport {
+            shared.lock().threads[self.rank] = Some(std::thread::current().id());
+        }
+    }
+
     /// This rank's handle on an NCCL group (one process per GPU, see
     /// [`NcclGroup::new`](crate::nccl::NcclGroup::new)). Device backends (burn-tp's CUDA ops)
     /// run their collectives on the GPU buffers directly; host-buffer calls on this handle are
@@ -339,7 +350,7 @@ impl ProcessGroup {
         let mut st = parent.lock();
         let entry = st.splits.entry((seq, color)).or_insert_with(|| {
             (
-                Shared::new(members.len(), parent.options.clone()),
+                Shared::new(members.len(), parent.options.clone(), None),
                 members.len(),
             )
         });

@@ -9,6 +9,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use crate::buffer::{BoxedSendBuf, SendBuf};
@@ -72,7 +73,11 @@ impl LocalGroup {
         if world_size == 0 {
             return Err(CommError::InvalidWorldSize(0));
         }
-        let shared = Shared::new(world_size, options.clone());
+        let shared = Shared::new(
+            world_size,
+            options.clone(),
+            Some(std::thread::current().id()),
+        );
         Ok((0..world_size)
             .map(|rank| {
                 let profile = options.profile.then(Default::default);
@@ -104,25 +109,37 @@ pub(crate) struct State {
     pub(crate) aborted: Option<String>,
     /// Sub-groups being built by `split`: (split's sequence number, colour) -> group, members left.
     pub(crate) splits: HashMap<(u64, usize), (Arc<Shared>, usize)>,
+    /// Per rank: the thread that last posted for it, or that runs it
+    /// ([`ProcessGroup::bind_thread`]): a rank waiting on ranks its own thread serves waits
+    /// forever, and says so at once.
+    pub(crate) threads: Vec<Option<ThreadId>>,
 }
 
 pub(crate) struct Shared {
     pub(crate) world: usize,
     pub(crate) options: LocalGroupOptions,
+    /// The thread that made the group ([`LocalGroup::new`]; `None` for a split's).
+    pub(crate) creator: Option<ThreadId>,
     state: Mutex<State>,
     pub(crate) cv: Condvar,
 }
 
 impl Shared {
-    pub(crate) fn new(world: usize, options: LocalGroupOptions) -> Arc<Self> {
+    pub(crate) fn new(
+        world: usize,
+        options: LocalGroupOptions,
+        creator: Option<ThreadId>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             world,
             options,
+            creator,
             state: Mutex::new(State {
                 slots: HashMap::new(),
                 gone: vec![false; world],
                 aborted: None,
                 splits: HashMap::new(),
+                threads: vec![None; world],
             }),
             cv: Condvar::new(),
         })
@@ -149,6 +166,7 @@ impl Shared {
             data,
             at: Instant::now(),
         });
+        st.threads[rank] = Some(std::thread::current().id());
         self.cv.notify_all();
     }
 

@@ -7,6 +7,10 @@ use std::time::{Duration, Instant};
 use crate::local::{FinishFn, Payload, Shared, Slot, State, downcast};
 use crate::{CommElement, CommError, LinkModel, OpDesc, OpKind, ProcessGroup, RecvBuf, Result};
 
+/// How long a rank waits on ranks no thread ever used, in a group its own thread made, before
+/// calling it a group used from one thread (a rank thread starting late arrives well within).
+pub(crate) const SAME_THREAD_GRACE: Duration = Duration::from_secs(1);
+
 /// A collective in flight. `wait` completes it; dropping it without waiting releases this rank's
 /// part without reading the result.
 #[must_use = "a collective completes only when its Work is waited on"]
@@ -254,7 +258,8 @@ impl<T> Work<T> {
     /// and returns the posted buffers (only `part`'s is meaningful in the second case).
     fn wait_ready(&self, timeout: Duration, part: Option<(usize, f64)>) -> Result<Vec<Payload>> {
         let shared = self.shared().clone();
-        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
         let mut st = shared.lock();
         loop {
             let now = Instant::now();
@@ -265,6 +270,12 @@ impl<T> Work<T> {
                     return Err(e);
                 }
                 Ok(Ready::No { missing, until }) => {
+                    if until.is_none()
+                        && let Some(e) = self.same_thread(&shared, &st, &missing, now - started)
+                    {
+                        shared.abort(&mut st, &e);
+                        return Err(e);
+                    }
                     if now >= deadline {
                         let e = CommError::Timeout {
                             op: self.desc.clone(),
@@ -294,6 +305,35 @@ impl<T> Work<T> {
                 }
             }
         }
+    }
+
+    /// The ranks this wait can never see arrive: every missing rank last posted from this very
+    /// thread (now blocked here), or none of them was ever used by any thread and this thread
+    /// made the group (after [`SAME_THREAD_GRACE`], so a rank thread that starts late is not
+    /// mistaken for one that never will).
+    fn same_thread(
+        &self,
+        shared: &Shared,
+        st: &State,
+        missing: &[usize],
+        waited: Duration,
+    ) -> Option<CommError> {
+        let me = std::thread::current().id();
+        let here = missing.iter().all(|&r| st.threads[r] == Some(me));
+        let never = missing.iter().all(|&r| st.threads[r].is_none())
+            && shared.creator == Some(me)
+            && waited >= SAME_THREAD_GRACE;
+        (!missing.is_empty() && (here || never)).then(|| CommError::SameThread {
+            op: self.desc.clone(),
+            seq: self.seq,
+            rank: self.group.rank(),
+            missing: missing.to_vec(),
+            never: if here {
+                String::new()
+            } else {
+                " (never used by any other thread)".into()
+            },
+        })
     }
 
     /// With the link model, when the first `frac` of rank `p`'s all-gather shard reaches this

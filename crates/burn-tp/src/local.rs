@@ -231,6 +231,7 @@ pub fn run_ranks_with<T: Send + 'static>(
                     // one of its threads), and every rank draws its layers' weights from the
                     // same stream.
                     pool.install(move || {
+                        group.bind_thread();
                         STREAM.with(|s| *s.borrow_mut() = Some(Stream::Shared(seed)));
                         f(group)
                     })

@@ -160,3 +160,68 @@ fn dropped_work_does_not_block_later_calls() {
     });
     assert_eq!(results, vec![vec![1.0], vec![1.0]]);
 }
+
+/// A group of rank threads used from the one thread that made it (forgetting a thread per
+/// rank): rank 0's first collective fails with `SameThread`, naming the fix, after the short
+/// grace for a late rank thread rather than the group's 30 s timeout; and a thread that posted
+/// for rank 1 then waits as rank 0 on rank 1's next call fails at once.
+#[test]
+fn a_group_used_from_one_thread_fails_at_once_naming_the_fix() {
+    let options = LocalGroupOptions {
+        timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let groups = LocalGroup::with_options(2, options.clone()).unwrap();
+    let err = groups[0].all_reduce(vec![1f32], ReduceOp::Sum).unwrap_err();
+    assert!(
+        matches!(&err, CommError::SameThread { missing, .. } if missing == &vec![1]),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("run_local") && msg.contains("never used"),
+        "{msg}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+
+    let groups = LocalGroup::with_options(2, options).unwrap();
+    // Both ranks' first call posted from this thread: it completes.
+    let one = groups[1]
+        .all_reduce_async(vec![1f32], ReduceOp::Sum, vec![0f32])
+        .unwrap();
+    assert_eq!(
+        groups[0].all_reduce(vec![2f32], ReduceOp::Sum).unwrap(),
+        vec![3f32]
+    );
+    assert_eq!(one.wait().unwrap(), vec![3f32]);
+    // Rank 0's next call waits on rank 1, which this very thread serves.
+    let start = Instant::now();
+    let err = groups[0].all_reduce(vec![2f32], ReduceOp::Sum).unwrap_err();
+    assert!(matches!(err, CommError::SameThread { .. }), "{err}");
+    assert!(!err.to_string().contains("never used"), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+
+    // Rank threads (one each) are unaffected, even when one starts late.
+    let results = run(2, options_short(), |pg| {
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1_500));
+        }
+        pg.all_reduce(vec![1f32], ReduceOp::Sum)
+    });
+    for r in results {
+        assert_eq!(r.unwrap().unwrap(), vec![2f32]);
+    }
+}
+
+fn options_short() -> LocalGroupOptions {
+    short(10_000)
+}
