@@ -22,6 +22,7 @@ mod linear;
 mod llama;
 mod lora;
 mod loss;
+mod mha;
 mod moe;
 mod mpi;
 mod own_model;

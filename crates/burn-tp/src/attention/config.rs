@@ -84,6 +84,11 @@ pub struct ParallelAttentionConfig {
     /// Dropout of the attention probabilities (with the dropout key of a training step).
     #[config(default = 0.0)]
     pub dropout: f64,
+    /// Whether each query sees only the positions up to its own (a decoder's self-attention,
+    /// the default); `false`: every key (an encoder's, as burn-nn's `MultiHeadAttention`).
+    /// Cross-attention ([`super::AttentionInput::cross_attn`]) always sees every key.
+    #[config(default = true)]
+    pub causal: bool,
     /// How the parallel layers run (mode, async communication, schedule).
     #[config(default = "TpSettings::new()")]
     pub settings: TpSettings,
@@ -125,6 +130,13 @@ impl ParallelAttentionConfig {
         let hd = self.head_size();
         if hd == 0 {
             return Err(TpError::Config("ParallelAttention: head_dim = 0".into()));
+        }
+        if !self.causal && self.sliding_window.is_some() {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: a sliding window ({:?}) with causal = false: a window is \
+                 a causal past's",
+                self.sliding_window
+            )));
         }
         if let Some(r) = self.rope_scaling
             && !(r.factor > 0.0
@@ -215,19 +227,36 @@ impl ParallelAttentionConfig {
             TpRmsNorm::new(hd, eps, TpMode::ReduceScatter, group, device)
                 .with_offset(self.norm_offset)
         };
-        Ok(ParallelAttention {
+        Ok(self.assemble(
             qkv,
             out,
-            q_norm: self.qk_norm.map(head_norm),
-            k_norm: self.qk_norm.map(head_norm),
+            [self.qk_norm.map(head_norm), self.qk_norm.map(head_norm)],
             rope,
-            n_heads: h,
-            n_kv_heads: kv,
-            head_dim: hd,
+        ))
+    }
+
+    /// The attention of these settings around its projections.
+    fn assemble(
+        &self,
+        qkv: Vec<crate::linear::ColumnParallelLinear>,
+        out: crate::linear::RowParallelLinear,
+        [q_norm, k_norm]: [Option<TpRmsNorm>; 2],
+        rope: Option<RotaryEncoding>,
+    ) -> ParallelAttention {
+        ParallelAttention {
+            qkv,
+            out,
+            q_norm,
+            k_norm,
+            rope,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv(),
+            head_dim: self.head_size(),
             dropout: self.dropout,
             window: self.sliding_window,
             scale: self.scale,
             softcap: self.softcap,
+            causal: self.causal,
             kernel: match self.settings.fused_attention {
                 true => Kernel::Fused {
                     tile: self.settings.attention_tile,
@@ -235,6 +264,158 @@ impl ParallelAttentionConfig {
                 false => Kernel::Materialized,
             },
             context: None,
+        }
+    }
+}
+
+impl ParallelAttention {
+    /// This rank's heads of burn-nn's `MultiHeadAttention` (its query, key, value and output
+    /// projections, biases and dropout), run as `config` says (`causal`, `settings`; burn-nn's
+    /// attention sees every key unless a call masks it, so `with_causal(false)` matches it).
+    /// The projections stay separate (cross-attention takes them).
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming what does not carry over: `config`'s sizes other than the
+    /// MHA's, a setting burn-nn's attention does not have (rotary positions, q / k norms, a
+    /// window, a scale, a soft cap, fewer key / value heads), `quiet_softmax`, biases on some of
+    /// q, k, v only; [`TpError::NotDivisible`] for heads that do not split over tp.
+    pub fn from_full(
+        mha: &burn::nn::attention::MultiHeadAttention,
+        group: &ProcessGroup,
+        config: &ParallelAttentionConfig,
+    ) -> TpResult<Self> {
+        let refuse = |what: String| {
+            Err(TpError::Config(format!(
+                "ParallelAttention::from_full: {what}"
+            )))
+        };
+        if (config.d_model, config.n_heads, config.head_size())
+            != (mha.d_model, mha.n_heads, mha.d_k)
+        {
+            return refuse(format!(
+                "the config's d_model {} / n_heads {} / head_dim {} are not the \
+                 MultiHeadAttention's {} / {} / {}",
+                config.d_model,
+                config.n_heads,
+                config.head_size(),
+                mha.d_model,
+                mha.n_heads,
+                mha.d_k
+            ));
+        }
+        let unsupported = [
+            ("rope_theta", config.rope_theta.is_some()),
+            ("qk_norm", config.qk_norm.is_some()),
+            ("sliding_window", config.sliding_window.is_some()),
+            ("scale", config.scale.is_some()),
+            ("softcap", config.softcap.is_some()),
+            ("n_kv_heads", config.n_kv() != config.n_heads),
+        ];
+        if let Some((name, _)) = unsupported.iter().find(|u| u.1) {
+            return refuse(format!(
+                "`{name}` is set in the config; burn-nn's MultiHeadAttention has none"
+            ));
+        }
+        if mha.quiet_softmax {
+            return refuse("quiet_softmax is not supported".into());
+        }
+        let biases = [&mha.query, &mha.key, &mha.value].map(|l| l.bias.is_some());
+        if biases.iter().any(|&b| b != biases[0]) {
+            return refuse(format!(
+                "biases on some of query / key / value only ({biases:?})"
+            ));
+        }
+        let config = ParallelAttentionConfig {
+            qkv_bias: biases[0],
+            out_bias: mha.output.bias.is_some(),
+            dropout: mha.dropout.prob,
+            fused_qkv: false,
+            ..config.clone()
+        };
+        config.validate(group.world_size())?;
+        let (h, hd, d) = (config.n_heads, config.head_size(), config.d_model);
+        let column = |linear: &burn::nn::Linear| {
+            let part = FusedPart::new(h * hd).with_blocks(Some(h));
+            crate::linear::ColumnParallelLinear::from_full(
+                linear,
+                group,
+                &ColumnParallelLinearConfig::new(d, h * hd)
+                    .with_bias(config.qkv_bias)
+                    .with_parts(vec![part])
+                    .with_settings(config.settings),
+            )
+        };
+        let qkv = vec![column(&mha.query)?, column(&mha.key)?, column(&mha.value)?];
+        let out = crate::linear::RowParallelLinear::from_full(
+            &mha.output,
+            group,
+            &RowParallelLinearConfig::new(h * hd, d)
+                .with_bias(config.out_bias)
+                .with_settings(config.settings),
+        )?;
+        Ok(config.assemble(qkv, out, [None, None], None))
+    }
+
+    /// As burn-nn's `MultiHeadAttention` (the projections gathered; a fused QKV projection cut
+    /// into its three). Collective.
+    ///
+    /// # Errors
+    /// [`TpError::Config`] naming a setting burn-nn's attention does not have (rotary
+    /// positions, q / k norms, a window, a scale, a soft cap, fewer key / value heads); a
+    /// communication error.
+    pub fn to_full(&self) -> TpResult<burn::nn::attention::MultiHeadAttention> {
+        let unsupported = [
+            ("rotary positions", self.rope.is_some()),
+            ("q / k norms", self.q_norm.is_some()),
+            ("a sliding window", self.window.is_some()),
+            ("a score scale", self.scale.is_some()),
+            ("a soft cap", self.softcap.is_some()),
+            ("fewer key / value heads", self.n_kv_heads != self.n_heads),
+        ];
+        if let Some((name, _)) = unsupported.iter().find(|u| u.1) {
+            return Err(TpError::Config(format!(
+                "ParallelAttention::to_full: {name}, which burn-nn's MultiHeadAttention has not"
+            )));
+        }
+        let (h, hd) = (self.n_heads, self.head_dim);
+        let mut full: Vec<burn::nn::Linear> = self
+            .qkv
+            .iter()
+            .map(|c| c.to_full())
+            .collect::<TpResult<_>>()?;
+        if full.len() == 1 {
+            let fused = full.remove(0);
+            let cut = |i: usize| burn::nn::Linear {
+                weight: burn::module::Param::from_tensor(crate::init::owned(
+                    fused.weight.val().narrow(1, i * h * hd, h * hd),
+                )),
+                bias: fused.bias.as_ref().map(|b| {
+                    burn::module::Param::from_tensor(crate::init::owned(b.val().narrow(
+                        0,
+                        i * h * hd,
+                        h * hd,
+                    )))
+                }),
+            };
+            full = vec![cut(0), cut(1), cut(2)];
+        }
+        let [query, key, value]: [burn::nn::Linear; 3] =
+            full.try_into().expect("three projections");
+        let output = self.out.to_full()?;
+        let d_model = output.weight.val().dims()[1];
+        let defaults = burn::nn::attention::MultiHeadAttentionConfig::new(d_model, h);
+        Ok(burn::nn::attention::MultiHeadAttention {
+            query,
+            key,
+            value,
+            output,
+            dropout: burn::nn::DropoutConfig::new(self.dropout).init(),
+            activation: burn::nn::Gelu::new(),
+            d_model,
+            n_heads: h,
+            d_k: hd,
+            min_float: defaults.min_float,
+            quiet_softmax: false,
         })
     }
 }

@@ -7,7 +7,7 @@ use burn::tensor::Tensor;
 use crate::backend::{AttentionSpec, TpBackend};
 use crate::{Result as TpResult, TpError};
 
-/// Causal attention without the `[s, t]` score matrix (FlashAttention-2, the backend's
+/// Attention without the `[s, t]` score matrix (FlashAttention-2, the backend's
 /// `tp_attention`; its backward recomputes each block's probabilities): `q` `[b, hq, s, hd]`
 /// over `k`, `v` `[b, hkv, t, hd]`, query `i` at position `spec.start + i` seeing keys
 /// `0 ..= spec.start + i`; each key / value head serves `hq / hkv` consecutive query heads
@@ -28,20 +28,23 @@ pub fn fused_attention(
         || vd != [b, hkv, t, hd]
         || hkv == 0
         || !hq.is_multiple_of(hkv)
-        || t < spec.start + s
+        || (spec.causal && t < spec.start + s)
         || spec.tile == 0
         || !(spec.padding.is_empty() || spec.padding.len() == b)
+        || !(spec.key_lengths.is_empty() || spec.key_lengths.len() == b)
+        || spec.key_lengths.iter().any(|&l| l == 0 || l > t)
     {
         return Err(TpError::Shape {
             op: "fused_attention",
             expected: format!(
-                "q [b, hq, s, hd], k and v [b, hkv, t, hd] with hkv dividing hq and t >= start \
-                 + s = {}, one padding per sequence or none (k {:?}, v {vd:?}, tile {}, padding \
-                 {:?})",
+                "q [b, hq, s, hd], k and v [b, hkv, t, hd] with hkv dividing hq and (causal) t >= \
+                 start + s = {}, one padding and one key length in 1..=t per sequence or none \
+                 (k {:?}, v {vd:?}, tile {}, padding {:?}, key lengths {:?})",
                 spec.start + s,
                 k.dims(),
                 spec.tile,
-                spec.padding
+                spec.padding,
+                spec.key_lengths
             ),
             got: q.dims().to_vec(),
         });

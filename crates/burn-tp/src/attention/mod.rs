@@ -28,6 +28,7 @@ use burn_tp_comm::ProcessGroup;
 
 pub use cache::{DecodeCache, KvCache};
 pub use config::{LayerType, ParallelAttentionConfig};
+
 pub use kernel::fused_attention;
 pub use rotary::Llama3RopeScaling;
 
@@ -68,6 +69,8 @@ pub struct ParallelAttention {
     scale: Option<f64>,
     /// The scores' soft cap, if any.
     softcap: Option<f64>,
+    /// Whether a query sees only the positions up to its own (a decoder's), or every key.
+    causal: bool,
     /// How its scores are computed: the attention's own setting, from `TpSettings` at init.
     #[module(skip)]
     kernel: Kernel,
@@ -75,6 +78,49 @@ pub struct ParallelAttention {
     /// ([`set_context_parallel`](Self::set_context_parallel)).
     #[module(skip)]
     context: Option<ContextParallel>,
+}
+
+/// What one call of [`ParallelAttention::try_forward_input`] attends: self-attention of `x`, or
+/// cross-attention of `x`'s queries over `memory`'s keys and values, with burn-nn's key padding
+/// mask (`mask_pad`). Sequence first, as every burn-tp layer (`[seq, batch, d_model]`; burn-nn's
+/// `MhaInput` is batch first).
+#[derive(Clone, Debug)]
+pub struct AttentionInput {
+    x: Tensor<3>,
+    memory: Option<Tensor<3>>,
+    mask_pad: Option<Tensor<2, Bool>>,
+}
+
+impl AttentionInput {
+    /// Self-attention of `x`: `[s(/tp), b, d_model]` (this rank's sequence shard in
+    /// REDUCE_SCATTER mode).
+    pub fn self_attn(x: Tensor<3>) -> Self {
+        Self {
+            x,
+            memory: None,
+            mask_pad: None,
+        }
+    }
+
+    /// Cross-attention: the queries of `x` (`[s(/tp), b, d_model]`) over the keys and values
+    /// of `memory` (`[t(/tp), b, d_model]`, sharded as `x` in REDUCE_SCATTER mode), every key
+    /// seen (no causal mask), without rotary positions. Needs the separate q, k and v
+    /// projections (`fused_qkv = false`).
+    pub fn cross_attn(x: Tensor<3>, memory: Tensor<3>) -> Self {
+        Self {
+            x,
+            memory: Some(memory),
+            mask_pad: None,
+        }
+    }
+
+    /// Key padding, burn-nn's `mask_pad`: `[batch, t]`, `true` where a key is padding (whole
+    /// sequences on every rank, whatever the mode). Each row must be right padding (its real
+    /// keys first, at least one): the kernels hide the keys from the row's first `true` on.
+    pub fn mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
+        self.mask_pad = Some(mask_pad);
+        self
+    }
 }
 
 /// How an attention layer computes its scores.
@@ -147,6 +193,13 @@ impl ParallelAttention {
         let Some(ctx) = &self.context else {
             return self.attend(q, k, v, 0, dropout, site, None);
         };
+        if !self.causal {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: a non-causal attention over a sequence split over cp {} \
+                 ranks is not supported (ring attention is causal)",
+                ctx.size()
+            )));
+        }
         // The chunks of the whole sequence this rank holds, rotated at their own positions.
         let seq = q.dims()[2] * ctx.size();
         let chunks = ctx.chunks(seq)?;
@@ -182,6 +235,83 @@ impl ParallelAttention {
         self.out.try_forward(y)
     }
 
+    /// [`try_forward_input`](Self::try_forward_input) without dropout.
+    ///
+    /// # Panics
+    /// As [`try_forward_input`](Self::try_forward_input)'s errors.
+    pub fn forward_input(&self, input: AttentionInput) -> Tensor<3> {
+        self.try_forward_input(input, None, 0)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Self- or cross-attention with key padding ([`AttentionInput`]): `[s(/tp), b, d_model]`
+    /// out, as [`try_forward`](Self::try_forward), on the fused kernels (or the materialized
+    /// path, as the layer's setting says).
+    ///
+    /// # Errors
+    /// [`TpError::Shape`] naming the shapes: a `mask_pad` not `[batch, t]`, a row of it not
+    /// right padding or all padding, a memory of another batch or width; [`TpError::Config`]:
+    /// cross-attention with a fused QKV projection or rotary positions, key padding or
+    /// cross-attention under context parallelism; as [`try_forward`](Self::try_forward).
+    pub fn try_forward_input(
+        &self,
+        input: AttentionInput,
+        dropout: Option<DropoutKey>,
+        site: u64,
+    ) -> TpResult<Tensor<3>> {
+        let AttentionInput {
+            x,
+            memory,
+            mask_pad,
+        } = input;
+        if memory.is_none() && mask_pad.is_none() {
+            return self.try_forward(x, dropout, site);
+        }
+        if let Some(ctx) = &self.context {
+            return Err(TpError::Config(format!(
+                "ParallelAttention: key padding or cross-attention over a sequence split over \
+                 cp {} ranks is not supported (ring attention is causal self-attention)",
+                ctx.size()
+            )));
+        }
+        let cross = memory.is_some();
+        if let Some(m) = &memory {
+            let ([_, b, d], [_, mb, md]) = (x.dims(), m.dims());
+            if mb != b || md != d {
+                return Err(TpError::Shape {
+                    op: "ParallelAttention::try_forward_input",
+                    expected: format!("memory [t, batch = {b}, d_model = {d}]"),
+                    got: m.dims().to_vec(),
+                });
+            }
+            if self.qkv.len() != 3 {
+                return Err(TpError::Config(
+                    "ParallelAttention: cross-attention needs the separate q, k and v \
+                     projections (ParallelAttentionConfig::with_fused_qkv(false))"
+                        .into(),
+                ));
+            }
+            if self.rope.is_some() {
+                return Err(TpError::Config(
+                    "ParallelAttention: cross-attention with rotary positions is not supported \
+                     (queries and keys of different sequences)"
+                        .into(),
+                ));
+            }
+        }
+        let (q, k, v) = self.project_from(x, memory, 0)?;
+        let [b, _, _, _] = q.dims();
+        let t = k.dims()[2];
+        let key_lengths = match mask_pad {
+            Some(mask) => key_lengths(mask, [b, t])?,
+            None => Vec::new(),
+        };
+        let mut spec = self.spec(b, dropout, site, 0, None);
+        spec.causal = self.causal && !cross;
+        spec.key_lengths = key_lengths;
+        self.attend_with(q, k, v, spec, dropout, site)
+    }
+
     /// Forward of new positions after those in `cache` (incremental decoding): `x` is
     /// `[s_new, b, d_model]`, every position on every rank (ALL_REDUCE mode); their keys and
     /// values join this rank's heads' cache, and each attends to every cached position before it
@@ -196,6 +326,13 @@ impl ParallelAttention {
             return Err(TpError::Config(
                 "ParallelAttention: incremental decoding runs in ALL_REDUCE mode (a new token \
                  cannot be split over the sequence): build the model with TpMode::AllReduce"
+                    .into(),
+            ));
+        }
+        if !self.causal {
+            return Err(TpError::Config(
+                "ParallelAttention: incremental decoding of a non-causal attention (every key \
+                 seen): decode with a causal one"
                     .into(),
             ));
         }
@@ -247,12 +384,29 @@ impl ParallelAttention {
     /// This rank's q `[b, hq, s, hd]` and k, v `[b, hkv, s, hd]` of `x` (`[s, b, d_model]`),
     /// q and k rotated for positions `start..start + s`.
     fn project(&self, x: Tensor<3>, start: usize) -> TpResult<(Tensor<4>, Tensor<4>, Tensor<4>)> {
+        self.project_from(x, None, start)
+    }
+
+    /// [`project`](Self::project), the keys and values of `memory` (`[t, b, d_model]`) where
+    /// given (cross-attention: the separate q, k and v projections).
+    fn project_from(
+        &self,
+        x: Tensor<3>,
+        memory: Option<Tensor<3>>,
+        start: usize,
+    ) -> TpResult<(Tensor<4>, Tensor<4>, Tensor<4>)> {
         let tp = self.out.group().world_size();
         let hd = self.head_dim;
         let hq = self.n_heads / tp;
         let hkv = self.local_kv_heads(tp);
         // This rank's q, k and v columns, `[s, b, heads * hd]` over the full sequence.
-        let (q, k, v) = if self.qkv.len() == 1 {
+        let (q, k, v) = if let Some(memory) = memory {
+            (
+                self.qkv[0].try_forward(x)?,
+                self.qkv[1].try_forward(memory.clone())?,
+                self.qkv[2].try_forward(memory)?,
+            )
+        } else if self.qkv.len() == 1 {
             let y = self.qkv[0].try_forward(x)?;
             (
                 y.clone().narrow(2, 0, hq * hd),
@@ -266,9 +420,10 @@ impl ParallelAttention {
                 self.qkv[2].try_forward(x)?,
             )
         };
-        let [s, b, _] = q.dims();
+        let [_, b, _] = q.dims();
         // `[b, n, s, hd]`, each head normalized first where the model has q / k norms.
         let heads = |t: Tensor<3>, n: usize, norm: Option<&TpRmsNorm>| {
+            let s = t.dims()[0];
             let t = t.reshape([s, b, n, hd]);
             let t = match norm {
                 Some(norm) => norm.forward(t),
@@ -343,6 +498,7 @@ impl ParallelAttention {
                     .map(|&r| r.saturating_sub(p.first_key))
                     .collect()
             }),
+            causal: self.causal,
             ..AttentionSpec::causal(start)
         }
     }
@@ -370,6 +526,20 @@ impl ParallelAttention {
         site: u64,
         padding: Option<&Padding>,
     ) -> TpResult<Tensor<3>> {
+        let spec = self.spec(q.dims()[0], dropout, site, start, padding);
+        self.attend_with(q, k, v, spec, dropout, site)
+    }
+
+    /// [`attend`](Self::attend) with the visibility and dropout of `spec`.
+    fn attend_with(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        spec: AttentionSpec,
+        dropout: Option<DropoutKey>,
+        site: u64,
+    ) -> TpResult<Tensor<3>> {
         let tp = self.out.group().world_size();
         let rank = self.out.group().rank();
         let hd = self.head_dim;
@@ -377,7 +547,6 @@ impl ParallelAttention {
         let hkv = self.local_kv_heads(tp);
         let [b, _, s, _] = q.dims();
         let t = k.dims()[2];
-        let spec = self.spec(b, dropout, site, start, padding);
         if let Kernel::Fused { .. } = self.kernel {
             let ctx = fused_attention(q, k, v, spec)?;
             let ctx = ctx.permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
@@ -400,7 +569,11 @@ impl ParallelAttention {
             None => scores,
         };
         // One mask per sequence with padding, else one for all.
-        let masks = if spec.padding.is_empty() { 1 } else { b };
+        let masks = if spec.padding.is_empty() && spec.key_lengths.is_empty() {
+            1
+        } else {
+            b
+        };
         let spec = &spec;
         let hidden: Vec<bool> = (0..masks)
             .flat_map(|r| (0..s).flat_map(move |i| (0..t).map(move |j| !spec.sees(r, i, j))))
@@ -422,6 +595,39 @@ impl ParallelAttention {
         let ctx = att.matmul(v).permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
         self.out.try_forward(ctx)
     }
+}
+
+/// Each row's real keys of burn-nn's key padding mask (`[b, t]`, `true` where padding): the
+/// keys before its first `true`, which must be all that are `false`.
+fn key_lengths(mask: Tensor<2, Bool>, [b, t]: [usize; 2]) -> TpResult<Vec<usize>> {
+    let bad = |why: String| TpError::Shape {
+        op: "ParallelAttention::try_forward_input",
+        expected: format!("mask_pad [batch = {b}, t = {t}], each row right padding: {why}"),
+        got: mask.dims().to_vec(),
+    };
+    if mask.dims() != [b, t] {
+        return Err(bad("another shape".into()));
+    }
+    let values = mask
+        .clone()
+        .into_data()
+        .convert::<bool>()
+        .try_to_vec::<bool>()
+        .map_err(|e| bad(format!("{e:?}")))?;
+    values
+        .chunks(t)
+        .enumerate()
+        .map(|(row, m)| {
+            let len = m.iter().position(|&p| p).unwrap_or(t);
+            if m[len..].iter().any(|&p| !p) {
+                Err(bad(format!("row {row} has a real key after its padding")))
+            } else if len == 0 {
+                Err(bad(format!("row {row} is all padding")))
+            } else {
+                Ok(len)
+            }
+        })
+        .collect()
 }
 
 impl crate::linear::InMode for ParallelAttention {

@@ -120,7 +120,11 @@ fn scores<B: TpBackend>(
     let g = geo.group();
     let (n, m) = (rows.len(), cols.len());
     // Per sequence only where some is padded.
-    let seqs = if spec.padding.is_empty() { 1 } else { geo.b };
+    let seqs = if spec.padding.is_empty() && spec.key_lengths.is_empty() {
+        1
+    } else {
+        geo.b
+    };
     let mut hidden = Vec::with_capacity(seqs * g * n * m);
     for b in 0..seqs {
         for _ in 0..g {
@@ -197,7 +201,10 @@ pub(crate) fn forward<B: TpBackend>(
             // A row whose window starts after this tile, or whose padding covers it, has no
             // key in it: a finite floor keeps `s - max` at `-inf` (probability 0) instead of
             // `-inf - -inf`.
-            let tile_max = if spec.window.is_some() || !spec.padding.is_empty() {
+            let tile_max = if spec.window.is_some()
+                || !spec.padding.is_empty()
+                || !spec.key_lengths.is_empty()
+            {
                 B::float_clamp_min(tile_max, Scalar::Float(-1e30))
             } else {
                 tile_max

@@ -33,6 +33,12 @@ pub struct AttentionSpec {
     /// Gemma 2's soft cap of the scores, `cap * tanh(s / cap)` (after the scale, before the
     /// mask and the softmax); `None` for none.
     pub softcap: Option<f64>,
+    /// Whether a query sees only the keys up to its own position (`start + i`); `false`: every
+    /// key (an encoder's self-attention, cross-attention), `start` then only places the dropout.
+    pub causal: bool,
+    /// Key padding per sequence (empty: none): sequence `b`'s keys from `key_lengths[b]` on are
+    /// hidden from every query (burn-nn's `mask_pad` of right-padded sequences).
+    pub key_lengths: Vec<usize>,
 }
 
 /// The dropout of one attention call: this rank's region of the logical mask of site `site`
@@ -101,7 +107,22 @@ impl AttentionSpec {
             padding: Vec::new(),
             scale: None,
             softcap: None,
+            causal: true,
+            key_lengths: Vec::new(),
         }
+    }
+
+    /// Every query sees every key (no causal mask), no dropout, tiles of 256 rows.
+    pub fn full() -> Self {
+        Self {
+            causal: false,
+            ..Self::causal(0)
+        }
+    }
+
+    /// Sequence `b`'s keys (those past it are padding).
+    pub(crate) fn key_len(&self, b: usize) -> usize {
+        self.key_lengths.get(b).copied().unwrap_or(usize::MAX)
     }
 
     /// The scores' scale for heads of `hd`: [`scale`](Self::scale), or `1 / sqrt(hd)`.
@@ -121,12 +142,20 @@ impl AttentionSpec {
     /// [`keys`]: Self::keys
     /// [`pad`]: Self::pad
     pub(crate) fn sees(&self, b: usize, i: usize, j: usize) -> bool {
-        self.keys(i).contains(&j) && (j >= self.pad(b) || j == self.start + i)
+        self.keys(i).contains(&j)
+            && j < self.key_len(b)
+            && (j >= self.pad(b) || j == self.start + i)
     }
 
-    /// The keys query `i` sees before padding: its causal past, cut to its window.
+    /// The keys query `i` sees before padding: its causal past, cut to its window (every key
+    /// when not causal: the range's end is then `usize::MAX`).
     pub(crate) fn keys(&self, i: usize) -> Range<usize> {
-        self.first_key(i)..self.start + i + 1
+        let end = if self.causal {
+            self.start + i + 1
+        } else {
+            usize::MAX
+        };
+        self.first_key(i)..end
     }
 
     /// The first key query `i` sees (the last is `start + i`).
@@ -139,8 +168,13 @@ impl AttentionSpec {
     /// skipped), and whether some key of it is hidden from some query (then it is masked).
     pub(crate) fn visible(&self, rows: &Range<usize>, cols: &Range<usize>) -> (bool, bool) {
         let (first_query, last_query) = (self.start + rows.start, self.start + rows.end - 1);
-        let seen = cols.start <= last_query && cols.end > self.first_key(rows.start);
-        let masked = cols.end - 1 > first_query || cols.start < self.first_key(rows.end - 1);
+        let longest = self.key_lengths.iter().copied().max().unwrap_or(usize::MAX);
+        let seen = (!self.causal || cols.start <= last_query)
+            && cols.end > self.first_key(rows.start)
+            && cols.start < longest;
+        let masked = (self.causal && cols.end - 1 > first_query)
+            || cols.start < self.first_key(rows.end - 1)
+            || self.key_lengths.iter().any(|&l| l < cols.end);
         (seen, masked)
     }
 }

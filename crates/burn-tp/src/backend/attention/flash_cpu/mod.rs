@@ -209,7 +209,8 @@ fn mask_hidden(
         let query = spec.start + i;
         // `spec.sees`, a row at a time: outside the query's keys, then the padding.
         let keys = spec.keys(i);
-        row[keys.end.saturating_sub(cols.start).min(m)..].fill(f32::NEG_INFINITY);
+        let end = keys.end.min(spec.key_len(bi));
+        row[end.saturating_sub(cols.start).min(m)..].fill(f32::NEG_INFINITY);
         row[..keys.start.saturating_sub(cols.start).min(m)].fill(f32::NEG_INFINITY);
         // The sequence's padding, but for the query's own position.
         for (c, x) in row
