@@ -224,7 +224,7 @@ fn to_full_gives_burn_nns_attention_back_and_unsupported_settings_are_named() {
                 AttentionInput::self_attn(Tensor::zeros([S, B, D], &device())).mask_pad(
                     Tensor::from_data(
                         TensorData::new(
-                            vec![true, false, false, false, false, false, false, false].repeat(B),
+                            [true, false, false, false, false, false, false, false].repeat(B),
                             [B, S],
                         ),
                         &device(),
