@@ -368,7 +368,7 @@ fn nccl_world(
 ) -> Result<(burn_tp::comm::ProcessGroup, Device, Box<dyn std::any::Any>), String> {
     Err(
         "--device cuda needs the `cuda` feature: cargo build --release -p burn-tp-examples \
-         --features train,cuda --example learner_llama, then burn-tp-launch (see README)"
+         --features train,cuda --example learner_llama, then burn-tp-launch (see docs/guide/mpi-gpu.md)"
             .into(),
     )
 }
@@ -378,7 +378,7 @@ fn mpi_world(_: &LearnerArgs) -> Result<(burn_tp::comm::ProcessGroup, ()), Strin
     Err(
         "--transport mpi needs the `mpi` feature and a system MPI: cargo build --release \
          -p burn-tp-examples --features train,mpi --example learner_llama, then mpirun -n TPxDP \
-         (see README)"
+         (see docs/guide/mpi-gpu.md)"
             .into(),
     )
 }

@@ -111,6 +111,40 @@ pub mod testing;
 pub mod train;
 pub mod transformer;
 
+/// README and the guide's pages (`docs/guide/`), their Rust code blocks compiled (and run, but
+/// `no_run` ones) as doc tests, so the docs a user reads stay code that builds.
+#[cfg(doctest)]
+pub mod guide {
+    #[doc = include_str!("../../../README.md")]
+    pub struct Readme;
+    #[doc = include_str!("../../../docs/guide/main-job.md")]
+    pub struct MainJob;
+    #[doc = include_str!("../../../docs/guide/own-model.md")]
+    pub struct OwnModel;
+    #[doc = include_str!("../../../docs/guide/data-parallel.md")]
+    pub struct DataParallel;
+    #[doc = include_str!("../../../docs/guide/fsdp.md")]
+    pub struct Fsdp;
+    #[doc = include_str!("../../../docs/guide/pipeline.md")]
+    pub struct Pipeline;
+    #[doc = include_str!("../../../docs/guide/context.md")]
+    pub struct Context;
+    #[doc = include_str!("../../../docs/guide/experts.md")]
+    pub struct Experts;
+    #[doc = include_str!("../../../docs/guide/long-sequences.md")]
+    pub struct LongSequences;
+    #[doc = include_str!("../../../docs/guide/checkpoints.md")]
+    pub struct Checkpoints;
+    #[doc = include_str!("../../../docs/guide/hugging-face.md")]
+    pub struct HuggingFace;
+    #[doc = include_str!("../../../docs/guide/lora.md")]
+    pub struct Lora;
+    #[doc = include_str!("../../../docs/guide/learner.md")]
+    pub struct Learner;
+    #[doc = include_str!("../../../docs/guide/mpi-gpu.md")]
+    pub struct MpiGpu;
+}
+
 /// The communication layer, the one path to its types: process groups ([`comm::ProcessGroup`],
 /// [`comm::LocalGroup`]), the rendezvous store, MPI with feature `mpi`, NCCL with feature `cuda`.
 pub use burn_tp_comm as comm;

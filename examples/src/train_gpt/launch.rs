@@ -126,7 +126,7 @@ fn cuda_rank<M: Trainable>(
 ) -> Result<(usize, RankOut), String> {
     Err(
         "--device cuda needs the `cuda` feature: cargo run --release --example train_gpt \
-         --features cuda (see README: burn's CUDA backend cannot be linked on machines without \
+         --features cuda (see docs/guide/mpi-gpu.md: burn's CUDA backend cannot be linked on machines without \
          network access)"
             .into(),
     )
@@ -185,7 +185,7 @@ fn mpi_rank<M: Trainable>(
 ) -> Result<(usize, RankOut), String> {
     Err(
         "--transport mpi needs the `mpi` feature and a system MPI: cargo build --release \
-         --example train_gpt --features mpi, then mpirun -n TPxDPxPP (see README)"
+         --example train_gpt --features mpi, then mpirun -n TPxDPxPP (see docs/guide/mpi-gpu.md)"
             .into(),
     )
 }
