@@ -461,3 +461,88 @@ fn a_lora_checkpoint_holds_the_adapters_alone_and_resumes_at_another_tp() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Adapters with `B` set away from zero (a fresh adapter's is zero, which hides the scale), held
+/// to PEFT's forward written out in f64 loops, `base(x) + (alpha / r) * (x A) B`, at tp 1 and 2:
+/// the column layer's output columns and the row layer's reduced output. `alpha / r` = 1.5
+/// here, so a scale of `alpha` (6) or of 1 is seen.
+#[test]
+fn an_adapted_linear_gives_the_base_plus_alpha_over_r_times_x_a_b() {
+    use burn::module::Param;
+    use burn_tp::linear::{ColumnParallelLinearConfig, RowParallelLinearConfig};
+    let _rng = rng_lock();
+    let (d_in, d_out, r, alpha) = (8usize, 12usize, 4usize, 6.0f64);
+    let scale = alpha / r as f64;
+    let n = 4 * 2; // rows x batch
+    let x_col = crate::common::uniform(n * d_in, 41);
+    let x_row = crate::common::uniform(n * d_out, 44);
+    let b_col = crate::common::uniform(r * d_out, 42);
+    let b_row = crate::common::uniform(r * d_in, 43);
+    for tp in [1usize, 2] {
+        device().seed(5);
+        let (xc, xr, bc, br) = (x_col.clone(), x_row.clone(), b_col.clone(), b_row.clone());
+        let out = run_local(tp, move |g| {
+            let (rank, c) = (g.rank(), d_out / tp);
+            let t3 =
+                |v: Vec<f32>, d| Tensor::<3>::from_data(TensorData::new(v, [4, 2, d]), &device());
+            // Column: d_in -> d_out, this rank's columns of B.
+            let col = ColumnParallelLinearConfig::new(d_in, d_out)
+                .init(&g, &device())
+                .unwrap();
+            let base_col = col.to_full().unwrap();
+            let mut col = col.with_lora(&[0], r, alpha).unwrap();
+            let b_full = Tensor::<2>::from_data(TensorData::new(bc.clone(), [r, d_out]), &device());
+            let lora = col.lora.as_mut().unwrap();
+            lora.b[0] = Param::from_tensor(b_full.narrow(1, rank * c, c));
+            let a_col = f64s(lora.a[0].val());
+            let y_col = f64s(col.forward(t3(xc.clone(), d_in)));
+            // Row: d_out -> d_in, this rank's rows of A and input columns.
+            let row = RowParallelLinearConfig::new(d_out, d_in)
+                .init(&g, &device())
+                .unwrap();
+            let base_row = row.to_full().unwrap();
+            let mut row = row.with_lora(r, alpha).unwrap();
+            let lora = row.lora.as_mut().unwrap();
+            lora.b = Param::from_tensor(Tensor::from_data(
+                TensorData::new(br.clone(), [r, d_in]),
+                &device(),
+            ));
+            let a_row = f64s(lora.a.val());
+            let x = t3(xr.clone(), d_out).narrow(2, rank * c, c);
+            let y_row = f64s(row.forward(x));
+            let w =
+                |l: &burn::nn::Linear| (f64s(l.weight.val()), f64s(l.bias.clone().unwrap().val()));
+            (y_col, a_col, w(&base_col), y_row, a_row, w(&base_row))
+        })
+        .unwrap();
+        // The row layer's whole A: each rank's rows in rank order.
+        let a_row: Vec<f64> = out.iter().flat_map(|o| o.4.clone()).collect();
+        let linear =
+            |x: &[f32], w: &[f64], bias: &[f64], a: &[f64], b: &[f32], [k, m]: [usize; 2]| {
+                let mut y = vec![0.0f64; n * m];
+                for i in 0..n {
+                    let u: Vec<f64> = (0..r)
+                        .map(|j| (0..k).map(|q| x[i * k + q] as f64 * a[q * r + j]).sum())
+                        .collect();
+                    for col in 0..m {
+                        let base: f64 = (0..k).map(|q| x[i * k + q] as f64 * w[q * m + col]).sum();
+                        let lora: f64 = (0..r).map(|j| u[j] * b[j * m + col] as f64).sum();
+                        y[i * m + col] = base + bias[col] + scale * lora;
+                    }
+                }
+                y
+            };
+        for (rank, (y_col, a_col, (w_col, bias_col), y_row, _, (w_row, bias_row))) in
+            out.iter().enumerate()
+        {
+            let want = linear(&x_col, w_col, bias_col, a_col, &b_col, [d_in, d_out]);
+            let c = d_out / tp;
+            let mine: Vec<f64> = (0..n)
+                .flat_map(|i| want[i * d_out + rank * c..i * d_out + (rank + 1) * c].to_vec())
+                .collect();
+            assert_close(y_col, &mine, 1e-5, &format!("tp {tp} rank {rank}: column"));
+            let want = linear(&x_row, w_row, bias_row, &a_row, &b_row, [d_out, d_in]);
+            assert_close(y_row, &want, 1e-5, &format!("tp {tp} rank {rank}: row"));
+        }
+    }
+}

@@ -72,7 +72,9 @@ fn mpirun_test(
         .env("OMPI_MCA_btl", "self,vader,tcp")
         .env("OMPI_MCA_pml", "ob1")
         .output()
-        .expect("mpirun (Open MPI) must be installed to test feature `mpi`: see docs/guide/mpi-gpu.md")
+        .expect(
+            "mpirun (Open MPI) must be installed to test feature `mpi`: see docs/guide/mpi-gpu.md",
+        )
 }
 
 /// `mpirun -n n` of this binary running train_gpt with `argv`, its output.

@@ -176,6 +176,33 @@ mod tests {
         }
     }
 
+    /// Counts that differ between the two directions of a pair (rank 0 sends rank 1 one
+    /// element, rank 1 sends rank 0 three), so a sender's offsets swapped with a receiver's
+    /// land the wrong elements (a symmetric pattern hides that), with empty slices between.
+    #[test]
+    fn asymmetric_counts_arrive_from_each_sender_at_its_offset() {
+        let count =
+            |s: usize, r: usize| [[2, 1, 0, 4], [3, 0, 2, 1], [0, 5, 1, 0], [1, 0, 3, 2]][s][r];
+        assert_ne!(count(0, 1), count(1, 0));
+        let got = on_ranks(4, move |g| {
+            let s = g.rank();
+            let send: Vec<usize> = (0..4).map(|r| count(s, r)).collect();
+            let recv: Vec<usize> = (0..4).map(|p| count(p, s)).collect();
+            let input: Vec<i64> = (0..4)
+                .flat_map(|r| (0..count(s, r)).map(move |i| (100 * s + 10 * r + i) as i64))
+                .collect();
+            g.all_to_all(input, &send, &recv).unwrap()
+        });
+        for (r, out) in got.iter().enumerate() {
+            let want: Vec<i64> = (0..4)
+                .flat_map(|s| (0..count(s, r)).map(move |i| (100 * s + 10 * r + i) as i64))
+                .collect();
+            assert_eq!(out, &want, "rank {r}");
+        }
+        // Written out for rank 1: 1 from rank 0, none from itself, 5 from rank 2, none from 3.
+        assert_eq!(got[1], vec![10, 210, 211, 212, 213, 214]);
+    }
+
     #[test]
     fn a_count_mismatch_is_the_same_error_on_every_rank() {
         let got = on_ranks(2, |g| {
