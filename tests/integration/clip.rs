@@ -207,3 +207,84 @@ fn the_distributed_optimizer_refuses_a_clip_that_sums_over_tp_alone() {
         .unwrap_err();
     assert!(err.to_string().contains("GradClip::sharded"), "{err}");
 }
+
+/// A Llama with one key / value head (replicated over tp 2) and its RMSNorms (tp-replicated),
+/// in sequence parallel: the global gradient norm at tp 2 (plain `GradClip::new`) and at tp 2 x
+/// dp 2 with the distributed optimizer (`GradClip::sharded`, every rank counting its chunks) is
+/// the unsplit model's on one thread, on every rank; a norm that counted the replicated
+/// parameters on every tp rank would be larger.
+#[test]
+fn the_global_norm_at_tp_2_with_replicated_heads_and_norms_is_the_unsplit_models() {
+    use burn::optim::AdamWConfig;
+    use burn_tp::checkpoint::StageMap;
+    use burn_tp::dp::DistributedAdamW;
+    use burn_tp::linear::{TpMode, TpSettings};
+    use burn_tp::llama::{Llama, LlamaConfig};
+    let _rng = rng_lock();
+    let solo = LocalGroup::new(1).unwrap().remove(0);
+    let config = LlamaConfig::new(24, 8, 16, 4, 1, 2, 32)
+        .with_settings(TpSettings::new().with_mode(TpMode::ReduceScatter));
+    device().seed(8);
+    let full = config.init(&solo, &device()).unwrap();
+    // Two replicas' batches of [8, 2]; the whole model's loss is their mean.
+    let batch = move |r: usize, seed: i64| {
+        let v: Vec<i64> = (0..16)
+            .map(|i| (i * 5 + seed + 3 * r as i64) % 24)
+            .collect();
+        burn::tensor::Tensor::<2, burn::tensor::Int>::from_data(
+            burn::tensor::TensorData::new(v, [8, 2]),
+            &device(),
+        )
+    };
+    let whole = move |m: &Llama, replicas: &[usize]| {
+        replicas
+            .iter()
+            .map(|&r| LanguageModel::loss(m, batch(r, 1), batch(r, 2), None).unwrap())
+            .reduce(|a, b| a + b)
+            .unwrap()
+            .div_scalar(replicas.len() as f64)
+    };
+    let norm_of = |replicas: &[usize]| {
+        let mut grads = GradientsParams::from_grads(whole(&full, replicas).backward(), &full);
+        GradClip::new(&full, &solo, 1e9)
+            .clip(&full, &mut grads)
+            .unwrap()
+    };
+    let (want_one, want_two) = (norm_of(&[0]), norm_of(&[0, 1]));
+    let f = full.clone();
+    let plain = run_local(2, move |tp| {
+        let model = Llama::shard_module(&f, &tp).unwrap();
+        let mut grads = GradientsParams::from_grads(whole(&model, &[0]).backward(), &model);
+        GradClip::new(&model, &tp, 1e9)
+            .clip(&model, &mut grads)
+            .unwrap()
+    })
+    .unwrap();
+    for (rank, norm) in plain.iter().enumerate() {
+        assert_close(&[*norm], &[want_one], 1e-5, &format!("tp 2 rank {rank}"));
+    }
+    let f = full.clone();
+    let zero = run_local(4, move |world| {
+        let mesh = DeviceMesh::new(world.clone(), 2).unwrap();
+        let model = Llama::shard_module(&f, mesh.tp_group()).unwrap();
+        let n = burn_tp::reshard::Reshard::layout(&model, 0).len();
+        let sharding = Sharding::of(&model, mesh.tp_rank(), StageMap::whole(n));
+        let clip = GradClip::sharded(&model, &sharding, true, &world, 1e9);
+        let mut optim =
+            DistributedAdamW::new(&AdamWConfig::new(), &model, mesh.dp_group(), 1 << 12);
+        let tapped = optim.attach(model.clone(), true);
+        let loss = whole(&tapped, &[mesh.dp_rank()]);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let (_, norm) = optim.step_clipped(1e-3, model, grads, Some(&clip)).unwrap();
+        norm.unwrap()
+    })
+    .unwrap();
+    for (rank, norm) in zero.iter().enumerate() {
+        assert_close(
+            &[*norm],
+            &[want_two],
+            1e-5,
+            &format!("tp 2 x dp 2 zero rank {rank}"),
+        );
+    }
+}
