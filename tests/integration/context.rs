@@ -502,3 +502,38 @@ fn gemma_at_cp_2_and_4_is_the_unsplit_gemma() {
         &[CpLayout::LoadBalanced],
     );
 }
+
+/// The load-balanced layout, pinned: at cp 2 rank 0 holds chunks 0 and 3 of 4 (positions
+/// 0..4 and 12..16 of 16) and rank 1 chunks 1 and 2; at cp 4 rank `r` chunks `r` and `7 - r` of
+/// 8. Each rank's causal work (the keys its queries see, `sum(i + 1)`) is the same; the
+/// contiguous layout's is not. `split` cuts exactly those positions, in that order.
+#[test]
+fn the_load_balanced_layout_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r_and_equal_work() {
+    let layout = |cp: usize, seq: usize, kind: CpLayout| {
+        run_local(cp, move |g| {
+            let ctx = ContextParallel::new(g, kind).unwrap();
+            let x = Tensor::<2, Int>::from_data(
+                TensorData::new((0..seq as i64).collect::<Vec<_>>(), [1, seq]),
+                &device(),
+            );
+            let cut = ctx.split(x, 1).unwrap().into_data().convert::<i64>();
+            let cut: Vec<i64> = cut.try_to_vec().unwrap();
+            (ctx.chunks(seq).unwrap(), ctx.positions(seq).unwrap(), cut)
+        })
+        .unwrap()
+    };
+    let work = |positions: &[usize]| positions.iter().map(|&i| i + 1).sum::<usize>();
+    let cp2 = layout(2, 16, CpLayout::LoadBalanced);
+    assert_eq!(cp2[0].0, vec![0..4, 12..16]);
+    assert_eq!(cp2[1].0, vec![4..8, 8..12]);
+    let cp4 = layout(4, 32, CpLayout::LoadBalanced);
+    for (r, (chunks, positions, cut)) in cp4.iter().enumerate() {
+        assert_eq!(chunks, &vec![r * 4..(r + 1) * 4, (7 - r) * 4..(8 - r) * 4], "cp 4 rank {r}");
+        assert_eq!(cut, &positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
+        assert_eq!(work(positions), work(&cp4[0].1), "cp 4 rank {r}'s causal work");
+    }
+    assert_eq!(work(&cp2[0].1), work(&cp2[1].1));
+    let plain = layout(2, 16, CpLayout::Contiguous);
+    assert_eq!(plain[0].0, vec![0..8]);
+    assert!(work(&plain[1].1) > 2 * work(&plain[0].1), "contiguous: the last rank does more");
+}
