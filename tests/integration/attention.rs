@@ -94,7 +94,7 @@ fn loops(
 /// values repeated per group, the `[s, t]` scores (soft-capped with `softcap`), the mask,
 /// softmax, dropout, `@ v`.
 #[allow(clippy::too_many_arguments)]
-fn materialized(
+pub(crate) fn materialized(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
@@ -523,4 +523,38 @@ fn decode_positions_count_from_each_sequences_first_token() {
     let want = vec![0, 0, 0, 1, 0, 0, 2, 0, 0, 3, 1, 0];
     assert_eq!(cache.positions(4, 3), want);
     assert_eq!(DecodeCache::default().positions(2, 2), vec![0, 0, 1, 1]);
+}
+
+/// A soft cap that binds (scores scaled up to several times the cap, so `1 - tanh^2` runs from
+/// near 0 to 1) on every path of the kernel: f64 (the tensor-op tiles), f32 and bf16 (Flex's
+/// CPU kernel), gradients held to the materialized path's; without the cap's slope in a
+/// backward the gradients are off by far more than these tolerances.
+#[test]
+fn a_binding_soft_cap_has_its_slope_on_every_kernel_path() {
+    let _rng = rng_lock();
+    let (geo, gain, cap) = ([2, 4, 2, 9, 9, 8], 4.0, 0.5);
+    let hd = geo[5];
+    let mut off = Vec::new();
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4), (DType::BF16, 4e-2)] {
+        let inputs = qkv(geo, 61, dtype);
+        let [b, hq, _, s, _, _] = geo;
+        let w = tensor(uniform(b * hq * s * hd, 62), [b, hq, s, hd], dtype);
+        let spec = AttentionSpec {
+            tile: 4,
+            scale: Some(gain / (hd as f64).sqrt()),
+            softcap: Some(cap),
+            ..AttentionSpec::causal(0)
+        };
+        let got = value_and_grads(inputs.clone(), &w, |q, k, v| fused(q, k, v, spec.clone()));
+        let want = value_and_grads(inputs, &w, |q, k, v| {
+            materialized(q.mul_scalar(gain), k, v, 0, None, &[], None, Some(cap))
+        });
+        for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+            let err = rel_norm(&got[i], &want[i]);
+            if err > tol {
+                off.push(format!("{dtype:?} {name}: {err:.2e}"));
+            }
+        }
+    }
+    assert!(off.is_empty(), "{off:?}");
 }

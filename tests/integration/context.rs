@@ -528,12 +528,64 @@ fn the_load_balanced_layout_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r_and_eq
     assert_eq!(cp2[1].0, vec![4..8, 8..12]);
     let cp4 = layout(4, 32, CpLayout::LoadBalanced);
     for (r, (chunks, positions, cut)) in cp4.iter().enumerate() {
-        assert_eq!(chunks, &vec![r * 4..(r + 1) * 4, (7 - r) * 4..(8 - r) * 4], "cp 4 rank {r}");
-        assert_eq!(cut, &positions.iter().map(|&p| p as i64).collect::<Vec<_>>());
-        assert_eq!(work(positions), work(&cp4[0].1), "cp 4 rank {r}'s causal work");
+        assert_eq!(
+            chunks,
+            &vec![r * 4..(r + 1) * 4, (7 - r) * 4..(8 - r) * 4],
+            "cp 4 rank {r}"
+        );
+        assert_eq!(
+            cut,
+            &positions.iter().map(|&p| p as i64).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            work(positions),
+            work(&cp4[0].1),
+            "cp 4 rank {r}'s causal work"
+        );
     }
     assert_eq!(work(&cp2[0].1), work(&cp2[1].1));
     let plain = layout(2, 16, CpLayout::Contiguous);
     assert_eq!(plain[0].0, vec![0..8]);
-    assert!(work(&plain[1].1) > 2 * work(&plain[0].1), "contiguous: the last rank does more");
+    assert!(
+        work(&plain[1].1) > 2 * work(&plain[0].1),
+        "contiguous: the last rank does more"
+    );
+}
+
+/// Ring attention under cp 2 with a soft cap that binds, on the CPU kernel (f32, bf16) and the
+/// tensor-op tiles (f64), against the materialized path (not the unsplit kernel, which would
+/// share a kernel's mistake): each rank's output and gradients.
+#[test]
+fn ring_attention_with_a_binding_soft_cap_is_the_materialized_attention() {
+    let (gain, cap) = (4.0, 0.5);
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4), (DType::BF16, 4e-2)] {
+        let mut c = case([1, 4, 2, 16, 8], 2, dtype);
+        let [b, hq, hkv, seq, hd] = c.dims;
+        c.spec.scale = Some(gain / (hd as f64).sqrt());
+        c.spec.softcap = Some(cap);
+        let want = {
+            let [q, k, v, w] = inputs(&c);
+            let out = crate::attention::materialized(
+                q.clone().mul_scalar(gain),
+                k.clone(),
+                v.clone(),
+                0,
+                None,
+                &[],
+                None,
+                Some(cap),
+            );
+            let grads = (out.clone() * w).sum().backward();
+            let g = |t: &Tensor<4>| f64s(t.grad(&grads).unwrap());
+            [f64s(out), g(&q), g(&k), g(&v)]
+        };
+        for (r, (got, positions)) in ring(&c, 2, CpLayout::LoadBalanced).iter().enumerate() {
+            for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+                let h = if i >= 2 { hkv } else { hq };
+                let want = at(&want[i], [b, h, seq, hd], positions);
+                let err = rel_norm(&got[i], &want);
+                assert!(err <= tol, "{dtype:?} rank {r} {name}: {err:.2e}");
+            }
+        }
+    }
 }
