@@ -6,7 +6,8 @@
 //! | file         | what                                                                      |
 //! |--------------|---------------------------------------------------------------------------|
 //! | `mod.rs`     | [`ParallelAttention`]: the projections, the heads, either kernel           |
-//! | `config.rs`  | [`ParallelAttentionConfig`]: sizes checked against tp, initialisation      |
+//! | `config.rs`  | [`ParallelAttentionConfig`]: sizes checked against tp, initialisation; burn-nn's `MultiHeadAttention` in and out |
+//! | `input.rs`   | [`AttentionInput`]: self- or cross-attention with key padding               |
 //! | `rotary.rs`  | rotary positions, [`Llama3RopeScaling`]                                    |
 //! | `cache.rs`   | [`DecodeCache`], [`KvCache`]: incremental decoding, left padding           |
 //! | `kernel.rs`  | [`fused_attention`]: the tiled kernel on `Tensor`s                         |
@@ -17,6 +18,7 @@
 
 mod cache;
 mod config;
+mod input;
 mod kernel;
 mod rotary;
 
@@ -28,6 +30,7 @@ use burn_tp_comm::ProcessGroup;
 
 pub use cache::{DecodeCache, KvCache};
 pub use config::{LayerType, ParallelAttentionConfig};
+pub use input::AttentionInput;
 
 pub use kernel::fused_attention;
 pub use rotary::Llama3RopeScaling;
@@ -78,49 +81,6 @@ pub struct ParallelAttention {
     /// ([`set_context_parallel`](Self::set_context_parallel)).
     #[module(skip)]
     context: Option<ContextParallel>,
-}
-
-/// What one call of [`ParallelAttention::try_forward_input`] attends: self-attention of `x`, or
-/// cross-attention of `x`'s queries over `memory`'s keys and values, with burn-nn's key padding
-/// mask (`mask_pad`). Sequence first, as every burn-tp layer (`[seq, batch, d_model]`; burn-nn's
-/// `MhaInput` is batch first).
-#[derive(Clone, Debug)]
-pub struct AttentionInput {
-    x: Tensor<3>,
-    memory: Option<Tensor<3>>,
-    mask_pad: Option<Tensor<2, Bool>>,
-}
-
-impl AttentionInput {
-    /// Self-attention of `x`: `[s(/tp), b, d_model]` (this rank's sequence shard in
-    /// REDUCE_SCATTER mode).
-    pub fn self_attn(x: Tensor<3>) -> Self {
-        Self {
-            x,
-            memory: None,
-            mask_pad: None,
-        }
-    }
-
-    /// Cross-attention: the queries of `x` (`[s(/tp), b, d_model]`) over the keys and values
-    /// of `memory` (`[t(/tp), b, d_model]`, sharded as `x` in REDUCE_SCATTER mode), every key
-    /// seen (no causal mask), without rotary positions. Needs the separate q, k and v
-    /// projections (`fused_qkv = false`).
-    pub fn cross_attn(x: Tensor<3>, memory: Tensor<3>) -> Self {
-        Self {
-            x,
-            memory: Some(memory),
-            mask_pad: None,
-        }
-    }
-
-    /// Key padding, burn-nn's `mask_pad`: `[batch, t]`, `true` where a key is padding (whole
-    /// sequences on every rank, whatever the mode). Each row must be right padding (its real
-    /// keys first, at least one): the kernels hide the keys from the row's first `true` on.
-    pub fn mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
-        self.mask_pad = Some(mask_pad);
-        self
-    }
 }
 
 /// How an attention layer computes its scores.
@@ -233,83 +193,6 @@ impl ParallelAttention {
             .permute([2, 0, 1, 3])
             .reshape([s, b, hq * self.head_dim]);
         self.out.try_forward(y)
-    }
-
-    /// [`try_forward_input`](Self::try_forward_input) without dropout.
-    ///
-    /// # Panics
-    /// As [`try_forward_input`](Self::try_forward_input)'s errors.
-    pub fn forward_input(&self, input: AttentionInput) -> Tensor<3> {
-        self.try_forward_input(input, None, 0)
-            .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Self- or cross-attention with key padding ([`AttentionInput`]): `[s(/tp), b, d_model]`
-    /// out, as [`try_forward`](Self::try_forward), on the fused kernels (or the materialized
-    /// path, as the layer's setting says).
-    ///
-    /// # Errors
-    /// [`TpError::Shape`] naming the shapes: a `mask_pad` not `[batch, t]`, a row of it not
-    /// right padding or all padding, a memory of another batch or width; [`TpError::Config`]:
-    /// cross-attention with a fused QKV projection or rotary positions, key padding or
-    /// cross-attention under context parallelism; as [`try_forward`](Self::try_forward).
-    pub fn try_forward_input(
-        &self,
-        input: AttentionInput,
-        dropout: Option<DropoutKey>,
-        site: u64,
-    ) -> TpResult<Tensor<3>> {
-        let AttentionInput {
-            x,
-            memory,
-            mask_pad,
-        } = input;
-        if memory.is_none() && mask_pad.is_none() {
-            return self.try_forward(x, dropout, site);
-        }
-        if let Some(ctx) = &self.context {
-            return Err(TpError::Config(format!(
-                "ParallelAttention: key padding or cross-attention over a sequence split over \
-                 cp {} ranks is not supported (ring attention is causal self-attention)",
-                ctx.size()
-            )));
-        }
-        let cross = memory.is_some();
-        if let Some(m) = &memory {
-            let ([_, b, d], [_, mb, md]) = (x.dims(), m.dims());
-            if mb != b || md != d {
-                return Err(TpError::Shape {
-                    op: "ParallelAttention::try_forward_input",
-                    expected: format!("memory [t, batch = {b}, d_model = {d}]"),
-                    got: m.dims().to_vec(),
-                });
-            }
-            if self.qkv.len() != 3 {
-                return Err(TpError::Config(
-                    "ParallelAttention: cross-attention needs the separate q, k and v \
-                     projections (ParallelAttentionConfig::with_fused_qkv(false))"
-                        .into(),
-                ));
-            }
-            if self.rope.is_some() {
-                return Err(TpError::Config(
-                    "ParallelAttention: cross-attention with rotary positions is not supported \
-                     (queries and keys of different sequences)"
-                        .into(),
-                ));
-            }
-        }
-        let (q, k, v) = self.project_from(x, memory, 0)?;
-        let [b, _, _, _] = q.dims();
-        let t = k.dims()[2];
-        let key_lengths = match mask_pad {
-            Some(mask) => key_lengths(mask, [b, t])?,
-            None => Vec::new(),
-        };
-        let mut spec = self.spec(b, dropout, site, 0, None);
-        spec.causal = self.causal && !cross;
-        spec.key_lengths = key_lengths;
-        self.attend_with(q, k, v, spec, dropout, site)
     }
 
     /// Forward of new positions after those in `cache` (incremental decoding): `x` is
@@ -595,39 +478,6 @@ impl ParallelAttention {
         let ctx = att.matmul(v).permute([2, 0, 1, 3]).reshape([s, b, hq * hd]);
         self.out.try_forward(ctx)
     }
-}
-
-/// Each row's real keys of burn-nn's key padding mask (`[b, t]`, `true` where padding): the
-/// keys before its first `true`, which must be all that are `false`.
-fn key_lengths(mask: Tensor<2, Bool>, [b, t]: [usize; 2]) -> TpResult<Vec<usize>> {
-    let bad = |why: String| TpError::Shape {
-        op: "ParallelAttention::try_forward_input",
-        expected: format!("mask_pad [batch = {b}, t = {t}], each row right padding: {why}"),
-        got: mask.dims().to_vec(),
-    };
-    if mask.dims() != [b, t] {
-        return Err(bad("another shape".into()));
-    }
-    let values = mask
-        .clone()
-        .into_data()
-        .convert::<bool>()
-        .try_to_vec::<bool>()
-        .map_err(|e| bad(format!("{e:?}")))?;
-    values
-        .chunks(t)
-        .enumerate()
-        .map(|(row, m)| {
-            let len = m.iter().position(|&p| p).unwrap_or(t);
-            if m[len..].iter().any(|&p| !p) {
-                Err(bad(format!("row {row} has a real key after its padding")))
-            } else if len == 0 {
-                Err(bad(format!("row {row} is all padding")))
-            } else {
-                Ok(len)
-            }
-        })
-        .collect()
 }
 
 impl crate::linear::InMode for ParallelAttention {
