@@ -9,8 +9,11 @@ use burn::tensor::{Bool, Tensor, TensorData};
 use burn_tp::attention::{AttentionInput, ParallelAttention, ParallelAttentionConfig};
 use burn_tp::linear::{TpMode, TpSettings};
 use burn_tp::local::run_local;
+use burn_tp::reshard::{Twin, TwinContext};
 
-use crate::common::{assert_close, chunk, device, f64s, full_grads, rng_lock, uniform};
+use crate::common::{
+    assert_close, chunk, device, f64s, full_grads, param_values, rng_lock, uniform,
+};
 
 const D: usize = 16;
 const H: usize = 4;
@@ -201,6 +204,13 @@ fn to_full_gives_burn_nns_attention_back_and_unsupported_settings_are_named() {
     let out = run_local(2, move |group| {
         let config = ParallelAttentionConfig::new(D, H).with_causal(false);
         let attn = ParallelAttention::from_full(&m2, &group, &config).unwrap();
+        // The Twin impl: the same shards (its context non-causal by default, as burn-nn's).
+        let twin = <ParallelAttention as Twin<MultiHeadAttention>>::from_twin(
+            &m2,
+            &TwinContext::new(&group),
+        )
+        .unwrap();
+        assert_eq!(param_values(&twin), param_values(&attn));
         let back = attn.to_full().unwrap();
         let rope = ParallelAttention::from_full(
             &m2,

@@ -1,3 +1,5 @@
+//! `#[derive(Reshard)]` and `#[derive(Twin)]` (below) for burn-tp.
+//!
 //! `#[derive(Reshard)]`: `burn_tp::reshard::Reshard` for a struct of one's own whose fields
 //! move between tensor-parallel sizes on their own (burn-tp's parallel layers, `Vec`s and
 //! `Option`s of them, bare replicated `Param`s, other derived modules).
@@ -135,6 +137,119 @@ fn expand(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
                 let mut out = ::std::vec::Vec::new();
                 #(#layout)*
                 out
+            }
+        }
+    })
+}
+
+/// Derives `burn_tp::reshard::Twin<F>` field by field, `F` named by the struct's `#[twin(F)]`:
+/// every module field from / to `F`'s field of the same name; the `#[reshard(group)]` field is
+/// the context's group; a setting field (`#[module(skip)]` or `#[reshard(keep)]`) says where its
+/// value comes from: `#[twin(mode)]` (the context's `TpMode`), `#[twin(settings)]` (its
+/// `TpSettings`) or `#[twin(default)]`.
+///
+/// ```ignore
+/// #[derive(Module, Debug, Reshard, Twin)]
+/// #[twin(PlainMlp)]
+/// struct MyMlp {
+///     fc1: ColumnParallelLinear,
+///     fc2: RowParallelLinear,
+///     #[module(skip)]
+///     #[twin(mode)]
+///     mode: TpMode,
+/// }
+/// ```
+#[proc_macro_derive(Twin, attributes(twin))]
+pub fn derive_twin(input: TokenStream) -> TokenStream {
+    let input = parse_macro_input!(input as DeriveInput);
+    expand_twin(&input)
+        .unwrap_or_else(|e| e.to_compile_error())
+        .into()
+}
+
+fn twin_of(input: &DeriveInput) -> syn::Result<syn::Type> {
+    for attr in &input.attrs {
+        if attr.path().is_ident("twin") {
+            return attr.parse_args::<syn::Type>();
+        }
+    }
+    Err(syn::Error::new_spanned(
+        &input.ident,
+        "#[derive(Twin)] needs the plain twin's type: #[twin(PlainModule)]",
+    ))
+}
+
+/// A setting field's source: `mode`, `settings` or `default`.
+fn setting_source(field: &syn::Field) -> syn::Result<Option<proc_macro2::TokenStream>> {
+    let mut source = None;
+    for attr in &field.attrs {
+        if attr.path().is_ident("twin") {
+            attr.parse_nested_meta(|meta| {
+                source = Some(if meta.path.is_ident("mode") {
+                    quote! { ctx.settings.mode }
+                } else if meta.path.is_ident("settings") {
+                    quote! { ctx.settings }
+                } else if meta.path.is_ident("default") {
+                    quote! { ::core::default::Default::default() }
+                } else {
+                    return Err(
+                        meta.error("expected #[twin(mode)], #[twin(settings)] or #[twin(default)]")
+                    );
+                });
+                Ok(())
+            })?;
+        }
+    }
+    Ok(source)
+}
+
+fn expand_twin(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
+    let name = &input.ident;
+    let twin = twin_of(input)?;
+    let Data::Struct(data) = &input.data else {
+        return Err(syn::Error::new_spanned(
+            name,
+            "#[derive(Twin)] takes a struct with named fields",
+        ));
+    };
+    let Fields::Named(fields) = &data.fields else {
+        return Err(syn::Error::new_spanned(
+            name,
+            "#[derive(Twin)] takes a struct with named fields",
+        ));
+    };
+    let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
+    let (mut from, mut to) = (Vec::new(), Vec::new());
+    for field in &fields.named {
+        let f = field.ident.as_ref().expect("named field");
+        match role(field)? {
+            Role::Moves => {
+                from.push(quote! { #f: ::burn_tp::reshard::Twin::from_twin(&full.#f, ctx)? });
+                to.push(quote! { #f: ::burn_tp::reshard::Twin::to_twin(&self.#f)? });
+            }
+            Role::Group => from.push(quote! { #f: ctx.group.clone() }),
+            Role::Keep => match setting_source(field)? {
+                Some(source) => from.push(quote! { #f: #source }),
+                None => {
+                    return Err(syn::Error::new_spanned(
+                        f,
+                        "#[derive(Twin)]: say where this setting comes from: #[twin(mode)], \
+                         #[twin(settings)] or #[twin(default)]",
+                    ));
+                }
+            },
+        }
+    }
+    Ok(quote! {
+        impl #impl_generics ::burn_tp::reshard::Twin<#twin> for #name #ty_generics #where_clause {
+            fn from_twin(
+                full: &#twin,
+                ctx: &::burn_tp::reshard::TwinContext,
+            ) -> ::burn_tp::Result<Self> {
+                Ok(Self { #(#from,)* })
+            }
+            fn to_twin(&self) -> ::burn_tp::Result<#twin> {
+                Ok(#twin { #(#to,)* })
             }
         }
     })

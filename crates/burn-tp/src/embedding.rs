@@ -132,6 +132,16 @@ impl VocabParallelEmbeddingConfig {
     }
 }
 
+/// burn-nn's `Embedding` (`[n_vocab, d_model]`), its rows split over the group (padded).
+impl crate::reshard::Twin<Embedding> for VocabParallelEmbedding {
+    fn from_twin(full: &Embedding, ctx: &crate::reshard::TwinContext) -> TpResult<Self> {
+        Self::from_full(full, &ctx.group, ctx.settings.mode)
+    }
+    fn to_twin(&self) -> TpResult<Embedding> {
+        self.to_full()
+    }
+}
+
 impl VocabParallelEmbedding {
     /// The group this layer's vocabulary rows are sharded over (what a model of one's own
     /// passes to its other layers and to [`crate::norm::replicated_param`]).

@@ -22,7 +22,7 @@ use burn_tp::linear::{
 use burn_tp::local::run_ranks;
 use burn_tp::mesh::DeviceMesh;
 use burn_tp::norm::{TpLayerNorm, replicated_param};
-use burn_tp::reshard::Reshard;
+use burn_tp::reshard::{Reshard, Twin, TwinContext};
 use burn_tp::{TpError, checkpoint};
 
 use crate::common::{assert_close, device, param_values, rng_lock, uniform};
@@ -32,14 +32,17 @@ mod records;
 const D: usize = 16;
 const ROWS: usize = 8;
 
-/// A model of one's own: a learned offset every tp rank holds whole, a norm, a Megatron MLP.
-#[derive(Module, Debug, Reshard)]
+/// A model of one's own: a learned offset every tp rank holds whole, a norm, a Megatron MLP;
+/// `Twin`: made from its plain twin and back, field by field.
+#[derive(Module, Debug, Reshard, Twin)]
+#[twin(PlainMlp)]
 struct MyMlp {
     offset: Param<Tensor<1>>,
     norm: TpLayerNorm,
     fc1: ColumnParallelLinear,
     fc2: RowParallelLinear,
     #[module(skip)]
+    #[twin(mode)]
     mode: TpMode,
     #[module(skip)]
     #[reshard(group)]
@@ -486,6 +489,43 @@ fn batch_first_ids_give_the_sequence_first_loss_and_a_swap_the_shapes_reveal_is_
                 swapped.contains("seq <= 8") && swapped.contains("16"),
                 "tp {tp} rank {r}: {swapped}"
             );
+        }
+    }
+}
+
+/// `#[derive(Twin)]`: the parallel model made from its plain twin field by field at tp 2 (both
+/// modes) is the hand-written `from_plain`'s, bit for bit, and `to_twin` gives the plain model's
+/// values back.
+#[test]
+fn a_derived_twin_makes_the_parallel_model_from_its_plain_twin_and_back() {
+    let _rng = rng_lock();
+    device().seed(51);
+    let plain = PlainMlp::new();
+    let record = plain.clone().into_record();
+    let want = param_values(&plain);
+    for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
+        let (plain, record) = (plain.clone(), record.clone());
+        let out = run_ranks(LocalGroup::new(2).unwrap(), move |g| {
+            let plain = plain.clone().load_record(record.clone());
+            let ctx = TwinContext::new(&g).with_settings(MyMlp::settings(mode));
+            let derived = MyMlp::from_twin(&plain, &ctx).unwrap();
+            let by_hand = MyMlp::from_plain(&plain, mode, &g);
+            let x = rows(batch(3, 0, 1), mode, &g);
+            let (a, b) = (derived.forward(x.clone()), by_hand.forward(x));
+            let back = derived.to_twin().unwrap();
+            (
+                param_values(&derived) == param_values(&by_hand),
+                (a - b).abs().max().into_scalar::<f64>(),
+                param_values(&back),
+                derived.mode,
+            )
+        })
+        .unwrap();
+        for (r, (same, diff, back, got_mode)) in out.into_iter().enumerate() {
+            assert!(same, "{mode:?} rank {r}: the derived twin's shards");
+            assert_eq!(diff, 0.0, "{mode:?} rank {r}: outputs");
+            assert_eq!(back, want, "{mode:?} rank {r}: to_twin");
+            assert_eq!(got_mode, mode);
         }
     }
 }

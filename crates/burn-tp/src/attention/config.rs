@@ -419,3 +419,19 @@ impl ParallelAttention {
         })
     }
 }
+
+/// burn-nn's `MultiHeadAttention`, its heads split over the group (causal as the context says).
+impl crate::reshard::Twin<burn::nn::attention::MultiHeadAttention> for ParallelAttention {
+    fn from_twin(
+        full: &burn::nn::attention::MultiHeadAttention,
+        ctx: &crate::reshard::TwinContext,
+    ) -> TpResult<Self> {
+        let config = ParallelAttentionConfig::new(full.d_model, full.n_heads)
+            .with_causal(ctx.causal)
+            .with_settings(ctx.settings);
+        Self::from_full(full, &ctx.group, &config)
+    }
+    fn to_twin(&self) -> TpResult<burn::nn::attention::MultiHeadAttention> {
+        self.to_full()
+    }
+}

@@ -261,6 +261,20 @@ impl RowParallelLinear {
     }
 }
 
+/// burn-nn's `Linear` (`weight [d_input, d_output]`), its rows split over the group.
+impl crate::reshard::Twin<Linear> for RowParallelLinear {
+    fn from_twin(full: &Linear, ctx: &crate::reshard::TwinContext) -> crate::Result<Self> {
+        let [d_input, d_output] = full.weight.val().dims();
+        let config = RowParallelLinearConfig::new(d_input, d_output)
+            .with_bias(full.bias.is_some())
+            .with_settings(ctx.settings);
+        Self::from_full(full, &ctx.group, &config)
+    }
+    fn to_twin(&self) -> crate::Result<Linear> {
+        self.to_full()
+    }
+}
+
 impl Reshard for RowParallelLinear {
     fn to_full_module(&self) -> crate::Result<Self> {
         let full = Self::shard(&self.to_full()?, &solo(), self.spec)?;

@@ -116,6 +116,16 @@ impl crate::linear::InMode for TpLayerNorm {
     }
 }
 
+/// burn-nn's `LayerNorm` (its epsilon carried over; one without beta refused).
+impl crate::reshard::Twin<LayerNorm> for TpLayerNorm {
+    fn from_twin(full: &LayerNorm, ctx: &crate::reshard::TwinContext) -> TpResult<Self> {
+        Self::try_from_full(full, ctx.settings.mode, &ctx.group)
+    }
+    fn to_twin(&self) -> TpResult<LayerNorm> {
+        Ok(self.to_full())
+    }
+}
+
 impl Reshard for TpLayerNorm {
     fn to_full_module(&self) -> TpResult<Self> {
         Self::try_from_full(&self.to_full(), self.mode(), &solo())

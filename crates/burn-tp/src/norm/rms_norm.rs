@@ -115,6 +115,16 @@ impl crate::linear::InMode for TpRmsNorm {
     }
 }
 
+/// burn-nn's `RmsNorm` (its epsilon carried over).
+impl crate::reshard::Twin<RmsNorm> for TpRmsNorm {
+    fn from_twin(full: &RmsNorm, ctx: &crate::reshard::TwinContext) -> crate::Result<Self> {
+        Ok(Self::from_full(full, ctx.settings.mode, &ctx.group))
+    }
+    fn to_twin(&self) -> crate::Result<RmsNorm> {
+        Ok(self.to_full())
+    }
+}
+
 impl Reshard for TpRmsNorm {
     fn to_full_module(&self) -> TpResult<Self> {
         let full = Self::from_full(&self.to_full(), self.mode, &solo());

@@ -200,7 +200,12 @@ pub fn solo() -> ProcessGroup {
 
 mod layout;
 pub(crate) mod optimizer;
+mod twin;
 
+/// `#[derive(Twin)]`: [`Twin`] for a struct of one's own, field by field (`#[twin(F)]` names
+/// the plain twin; `#[twin(mode)]` / `#[twin(default)]` on a setting field).
+pub use burn_tp_derive::Twin;
 pub use layout::{ParamLayout, Piece};
 pub(crate) use optimizer::IndexedState;
 pub use optimizer::{FullOptimizerState, move_optimizer_state};
+pub use twin::{Twin, TwinContext};
