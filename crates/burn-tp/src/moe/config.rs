@@ -168,22 +168,20 @@ impl MoeConfig {
         self.validate(tp.world_size(), ep.world_size())?;
         let (d, e, f) = (self.d_model, self.n_experts, self.d_ff);
         let first = ep.rank() == 0;
-        // Drawn on tp's rank 0 of ep's rank 0 (the others wait, so the draws are the same as
-        // at tp = ep = 1), then broadcast over ep.
+        // Drawn on every ep rank (each tp rank 0 from its own initialization stream, so every
+        // ep rank's stream stays in step for the layers after this one), then ep rank 0's
+        // broadcast over ep (the same values where the streams agree; the guarantee where a
+        // process's were seeded otherwise).
         let draw = |shape: Vec<usize>, fan_in: usize, fan_out: usize| -> TpResult<Tensor<3>> {
             let shape: [usize; 3] = shape.try_into().expect("three dims");
-            let t = if first {
-                init_replicated(
-                    &self.initializer,
-                    shape,
-                    Some(fan_in),
-                    Some(fan_out),
-                    tp,
-                    device,
-                )?
-            } else {
-                Tensor::zeros(shape, device)
-            };
+            let t = init_replicated(
+                &self.initializer,
+                shape,
+                Some(fan_in),
+                Some(fan_out),
+                tp,
+                device,
+            )?;
             broadcast_over(t, ep)
         };
         let router = draw(vec![1, d, e], d, e)?.reshape([d, e]);
