@@ -68,20 +68,22 @@ fn role(field: &syn::Field) -> syn::Result<Role> {
     Ok(role)
 }
 
+/// The struct's named fields, or an error naming the derive.
+fn named_fields<'a>(input: &'a DeriveInput, derive: &str) -> syn::Result<&'a syn::FieldsNamed> {
+    if let Data::Struct(data) = &input.data
+        && let Fields::Named(fields) = &data.fields
+    {
+        return Ok(fields);
+    }
+    Err(syn::Error::new_spanned(
+        &input.ident,
+        format!("#[derive({derive})] takes a struct with named fields"),
+    ))
+}
+
 fn expand(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     let name = &input.ident;
-    let Data::Struct(data) = &input.data else {
-        return Err(syn::Error::new_spanned(
-            name,
-            "#[derive(Reshard)] takes a struct with named fields",
-        ));
-    };
-    let Fields::Named(fields) = &data.fields else {
-        return Err(syn::Error::new_spanned(
-            name,
-            "#[derive(Reshard)] takes a struct with named fields",
-        ));
-    };
+    let fields = named_fields(input, "Reshard")?;
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
     let mut full = Vec::new();
     let mut sharded = Vec::new();
@@ -206,18 +208,7 @@ fn setting_source(field: &syn::Field) -> syn::Result<Option<proc_macro2::TokenSt
 fn expand_twin(input: &DeriveInput) -> syn::Result<proc_macro2::TokenStream> {
     let name = &input.ident;
     let twin = twin_of(input)?;
-    let Data::Struct(data) = &input.data else {
-        return Err(syn::Error::new_spanned(
-            name,
-            "#[derive(Twin)] takes a struct with named fields",
-        ));
-    };
-    let Fields::Named(fields) = &data.fields else {
-        return Err(syn::Error::new_spanned(
-            name,
-            "#[derive(Twin)] takes a struct with named fields",
-        ));
-    };
+    let fields = named_fields(input, "Twin")?;
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
     let (mut from, mut to) = (Vec::new(), Vec::new());
     for field in &fields.named {

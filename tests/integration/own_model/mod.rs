@@ -150,6 +150,13 @@ fn loss_of(y: Tensor<3>) -> Tensor<1> {
     y.powi_scalar(2).mean()
 }
 
+/// The held-out batch's loss of `m` in `mode`, averaged over the tp ranks' rows.
+fn held_out_loss(m: &MyMlp, mode: TpMode, g: &ProcessGroup) -> f64 {
+    let local = loss_of(m.forward(rows(batch(9, 0, 1), mode, g)));
+    let avg = burn_tp::ops::all_reduce(local.detach(), burn_tp::comm::ReduceOp::Avg, g);
+    avg.unwrap().into_scalar::<f64>()
+}
+
 /// This rank's rows of `x` in REDUCE_SCATTER mode.
 fn rows(x: Tensor<3>, mode: TpMode, tp: &ProcessGroup) -> Tensor<3> {
     match mode {
@@ -244,11 +251,7 @@ fn a_derived_reshard_resumes_a_tp_4_checkpoint_at_tp_2_with_the_same_loss() {
     let _ = std::fs::remove_dir_all(&dir);
     let info = checkpoint::CheckpointInfo::new(2, 4, 1, &serde_json::json!({"d": D}));
     let mode = TpMode::ReduceScatter;
-    let eval = move |m: &MyMlp, g: &ProcessGroup| {
-        let local = loss_of(m.forward(rows(batch(9, 0, 1), mode, g)));
-        let sum = burn_tp::ops::all_reduce(local.detach(), burn_tp::comm::ReduceOp::Avg, g);
-        sum.unwrap().into_scalar::<f64>()
-    };
+    let eval = move |m: &MyMlp, g: &ProcessGroup| held_out_loss(m, mode, g);
     device().seed(3);
     let (d2, i2) = (dir.clone(), info.clone());
     let tp4 = run_ranks(LocalGroup::new(4).unwrap(), move |g| {

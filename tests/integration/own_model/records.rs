@@ -9,7 +9,7 @@ use burn_tp::comm::{LocalGroup, ProcessGroup};
 use burn_tp::linear::TpMode;
 use burn_tp::local::run_ranks;
 
-use super::{D, MyMlp, PlainMlp, batch, loss_of, rows};
+use super::{D, MyMlp, PlainMlp, batch, held_out_loss, loss_of, rows};
 use crate::common::{assert_close, device, rng_lock};
 
 /// A plain burn-nn model's record file loaded into the parallel model at tp 2 (each rank its
@@ -29,11 +29,7 @@ fn a_burn_nn_record_loads_into_the_parallel_model_and_is_written_back_as_one() {
     let plain_loss = held_out(plain.forward(batch(9, 0, 1)));
     plain.clone().save_file(&plain_file).unwrap();
     let mode = TpMode::ReduceScatter;
-    let eval = move |m: &MyMlp, g: &ProcessGroup| {
-        let local = loss_of(m.forward(rows(batch(9, 0, 1), mode, g)));
-        let avg = burn_tp::ops::all_reduce(local.detach(), burn_tp::comm::ReduceOp::Avg, g);
-        avg.unwrap().into_scalar::<f64>()
-    };
+    let eval = move |m: &MyMlp, g: &ProcessGroup| held_out_loss(m, mode, g);
     device().seed(22);
     let (pf, tf) = (plain_file.clone(), trained_file.clone());
     let tp2 = run_ranks(LocalGroup::new(2).unwrap(), move |g| {
