@@ -18,3 +18,8 @@ pub mod learner;
 pub mod learner_llama;
 pub mod plot;
 pub mod train_gpt;
+
+/// The guide's Learner page (`docs/guide/learner.md`), its code compiled as doc tests.
+#[cfg(all(doctest, feature = "train"))]
+#[doc = include_str!("../../docs/guide/learner.md")]
+pub struct GuideLearner;

@@ -112,7 +112,8 @@ pub mod train;
 pub mod transformer;
 
 /// README and the guide's pages (`docs/guide/`), their Rust code blocks compiled (and run, but
-/// `no_run` ones) as doc tests, so the docs a user reads stay code that builds.
+/// `no_run` ones) as doc tests, so the docs a user reads stay code that builds (the Learner's
+/// page in `burn-tp-examples`, with feature `train`).
 #[cfg(doctest)]
 pub mod guide {
     #[doc = include_str!("../../../README.md")]
@@ -139,8 +140,6 @@ pub mod guide {
     pub struct HuggingFace;
     #[doc = include_str!("../../../docs/guide/lora.md")]
     pub struct Lora;
-    #[doc = include_str!("../../../docs/guide/learner.md")]
-    pub struct Learner;
     #[doc = include_str!("../../../docs/guide/mpi-gpu.md")]
     pub struct MpiGpu;
 }
