@@ -302,6 +302,7 @@ fn fused_dropout_is_the_logical_mask_of_the_materialized_path() {
             softcap: (tile == 4).then_some(0.5),
             causal: true,
             key_lengths: Vec::new(),
+            key_mask: Vec::new(),
         };
         let window = spec.window;
         let ratio = spec.scale.map_or(1.0, |s| s * (hd as f64).sqrt());

@@ -30,21 +30,44 @@ fn mask(lengths: [usize; B], len: usize) -> Tensor<2, Bool> {
     Tensor::from_data(TensorData::new(v, [B, len]), &device())
 }
 
+/// The key padding of a case: right padding (lengths 8, 5, 2 of S; 4, 2, 1 of T), or, with
+/// `general`, padding anywhere (left padding, holes, none).
+fn masks(cross: bool, general: bool) -> Tensor<2, Bool> {
+    match (cross, general) {
+        (false, false) => mask([8, 5, 2], S),
+        (true, false) => mask([4, 2, 1], T),
+        (false, true) => rows([
+            [true, true, false, false, false, false, false, false],
+            [false, true, false, true, false, false, true, false],
+            [false; S],
+        ]),
+        (true, true) => rows([
+            [true, false, false, false],
+            [false, true, false, true],
+            [false; T],
+        ]),
+    }
+}
+
+fn rows<const L: usize>(rows: [[bool; L]; B]) -> Tensor<2, Bool> {
+    Tensor::from_data(TensorData::new(rows.concat(), [B, L]), &device())
+}
+
 /// What one side gives: output, dx, dmemory (cross only), the q and k weights' gradients,
 /// all batch first and whole.
 type Out = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 
 /// burn-nn's attention of `x` (`[B, S, D]`) over itself or `memory` (`[B, T, D]`), the loss
 /// `sum(y * g)`.
-fn reference(mha: &MultiHeadAttention, cross: bool, g: &Tensor<3>) -> Out {
+fn reference(mha: &MultiHeadAttention, cross: bool, g: &Tensor<3>, general: bool) -> Out {
     let x = Tensor::<3>::from_data(TensorData::new(uniform(B * S * D, 1), [B, S, D]), &device())
         .require_grad();
     let m = Tensor::<3>::from_data(TensorData::new(uniform(B * T * D, 2), [B, T, D]), &device())
         .require_grad();
     let input = if cross {
-        MhaInput::new(x.clone(), m.clone(), m.clone()).mask_pad(mask([4, 2, 1], T))
+        MhaInput::new(x.clone(), m.clone(), m.clone()).mask_pad(masks(cross, general))
     } else {
-        MhaInput::self_attn(x.clone()).mask_pad(mask([8, 5, 2], S))
+        MhaInput::self_attn(x.clone()).mask_pad(masks(cross, general))
     };
     let y = mha.forward(input).context;
     let grads = (y.clone() * g.clone()).sum().backward();
@@ -61,6 +84,7 @@ fn reference(mha: &MultiHeadAttention, cross: bool, g: &Tensor<3>) -> Out {
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn parallel(
     mha: &MultiHeadAttention,
     cross: bool,
@@ -68,6 +92,7 @@ fn parallel(
     tp: usize,
     mode: TpMode,
     fused: bool,
+    general: bool,
 ) -> Vec<Out> {
     let (mha, g) = (mha.clone(), g.clone());
     run_local(tp, move |group| {
@@ -94,9 +119,9 @@ fn parallel(
             rows(m.swap_dims(0, 1)).require_grad(),
         );
         let input = if cross {
-            AttentionInput::cross_attn(x.clone(), m.clone()).mask_pad(mask([4, 2, 1], T))
+            AttentionInput::cross_attn(x.clone(), m.clone()).mask_pad(masks(cross, general))
         } else {
-            AttentionInput::self_attn(x.clone()).mask_pad(mask([8, 5, 2], S))
+            AttentionInput::self_attn(x.clone()).mask_pad(masks(cross, general))
         };
         let y = attn.forward_input(input);
         let grads = (y.clone() * rows(g.clone().swap_dims(0, 1)))
@@ -143,14 +168,16 @@ fn padded_self_and_cross_attention_equal_burn_nns_multi_head_attention_at_every_
         .with_dropout(0.0)
         .init(&device());
     let g = Tensor::<3>::from_data(TensorData::new(uniform(B * S * D, 3), [B, S, D]), &device());
-    for cross in [false, true] {
-        let want = reference(&mha, cross, &g);
+    for (cross, general) in [(false, false), (true, false), (false, true), (true, true)] {
+        let want = reference(&mha, cross, &g, general);
         for tp in [1usize, 2, 4] {
             for mode in [TpMode::AllReduce, TpMode::ReduceScatter] {
                 for fused in [true, false] {
-                    let out = parallel(&mha, cross, &g, tp, mode, fused);
+                    let out = parallel(&mha, cross, &g, tp, mode, fused, general);
                     for (r, (y, dx, dm, dq, dk)) in out.iter().enumerate() {
-                        let tag = format!("cross {cross} tp {tp} {mode:?} fused {fused} rank {r}");
+                        let tag = format!(
+                            "cross {cross} general {general} tp {tp} {mode:?} fused {fused} rank {r}"
+                        );
                         assert_close(
                             y,
                             &part(&want.0, S, mode, tp, r),
@@ -186,7 +213,7 @@ fn padded_self_and_cross_attention_equal_burn_nns_multi_head_attention_at_every_
     assert!(
         f64s(unmasked.context)
             .iter()
-            .zip(&reference(&mha, false, &g).0)
+            .zip(&reference(&mha, false, &g, false).0)
             .any(|(a, b)| (a - b).abs() > 1e-3)
     );
 }
@@ -231,15 +258,8 @@ fn to_full_gives_burn_nns_attention_back_and_unsupported_settings_are_named() {
             .to_string();
         let bad_mask = attn
             .try_forward_input(
-                AttentionInput::self_attn(Tensor::zeros([S, B, D], &device())).mask_pad(
-                    Tensor::from_data(
-                        TensorData::new(
-                            [true, false, false, false, false, false, false, false].repeat(B),
-                            [B, S],
-                        ),
-                        &device(),
-                    ),
-                ),
+                AttentionInput::self_attn(Tensor::zeros([S, B, D], &device()))
+                    .mask_pad(rows([[false; S], [true; S], [false; S]])),
                 None,
                 0,
             )
@@ -262,7 +282,7 @@ fn to_full_gives_burn_nns_attention_back_and_unsupported_settings_are_named() {
         );
         assert!(gqa.contains("fewer key / value heads"), "{gqa}");
         assert!(
-            bad_mask.contains("row 0") && bad_mask.contains("after its padding"),
+            bad_mask.contains("row 1") && bad_mask.contains("all padding"),
             "{bad_mask}"
         );
     }

@@ -42,8 +42,9 @@ impl AttentionInput {
     }
 
     /// Key padding, burn-nn's `mask_pad`: `[batch, t]`, `true` where a key is padding (whole
-    /// sequences on every rank, whatever the mode). Each row must be right padding (its real
-    /// keys first, at least one): the kernels hide the keys from the row's first `true` on.
+    /// sequences on every rank, whatever the mode), anywhere in a row (right padding, the
+    /// common case, lets the kernels skip the tiles past a row's keys); every row needs a real
+    /// key.
     pub fn mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
         self.mask_pad = Some(mask_pad);
         self
@@ -65,8 +66,8 @@ impl ParallelAttention {
     /// path, as the layer's setting says).
     ///
     /// # Errors
-    /// [`TpError::Shape`] naming the shapes: a `mask_pad` not `[batch, t]`, a row of it not
-    /// right padding or all padding, a memory of another batch or width; [`TpError::Config`]:
+    /// [`TpError::Shape`] naming the shapes: a `mask_pad` not `[batch, t]`, a row of it all
+    /// padding, a memory of another batch or width; [`TpError::Config`]:
     /// cross-attention with a fused QKV projection or rotary positions, key padding or
     /// cross-attention under context parallelism; as [`try_forward`](Self::try_forward).
     pub fn try_forward_input(
@@ -118,23 +119,28 @@ impl ParallelAttention {
         let (q, k, v) = self.project_from(x, memory, 0)?;
         let [b, _, _, _] = q.dims();
         let t = k.dims()[2];
-        let key_lengths = match mask_pad {
-            Some(mask) => key_lengths(mask, [b, t])?,
-            None => Vec::new(),
+        let (key_lengths, key_mask) = match mask_pad {
+            Some(mask) => key_padding(mask, [b, t])?,
+            None => (Vec::new(), Vec::new()),
         };
         let mut spec = self.spec(b, dropout, site, 0, None);
         spec.causal = self.causal && !cross;
         spec.key_lengths = key_lengths;
+        spec.key_mask = key_mask;
         self.attend_with(q, k, v, spec, dropout, site)
     }
 }
 
-/// Each row's real keys of burn-nn's key padding mask (`[b, t]`, `true` where padding): the
-/// keys before its first `true`, which must be all that are `false`.
-fn key_lengths(mask: Tensor<2, Bool>, [b, t]: [usize; 2]) -> TpResult<Vec<usize>> {
+/// burn-nn's key padding mask (`[b, t]`, `true` where padding) as the kernels take it: each
+/// row's real keys where every row is right padding (its real keys first: the kernels skip the
+/// tiles past them), else the mask itself. Every row needs a real key.
+fn key_padding(
+    mask: Tensor<2, Bool>,
+    [b, t]: [usize; 2],
+) -> TpResult<(Vec<usize>, Vec<Vec<bool>>)> {
     let bad = |why: String| TpError::Shape {
         op: "ParallelAttention::try_forward_input",
-        expected: format!("mask_pad [batch = {b}, t = {t}], each row right padding: {why}"),
+        expected: format!("mask_pad [batch = {b}, t = {t}] with a real key in every row: {why}"),
         got: mask.dims().to_vec(),
     };
     if mask.dims() != [b, t] {
@@ -146,18 +152,19 @@ fn key_lengths(mask: Tensor<2, Bool>, [b, t]: [usize; 2]) -> TpResult<Vec<usize>
         .convert::<bool>()
         .try_to_vec::<bool>()
         .map_err(|e| bad(format!("{e:?}")))?;
-    values
-        .chunks(t)
-        .enumerate()
-        .map(|(row, m)| {
+    let rows: Vec<&[bool]> = values.chunks(t).collect();
+    if let Some(row) = rows.iter().position(|m| m.iter().all(|&p| p)) {
+        return Err(bad(format!("row {row} is all padding")));
+    }
+    let lengths: Option<Vec<usize>> = rows
+        .iter()
+        .map(|m| {
             let len = m.iter().position(|&p| p).unwrap_or(t);
-            if m[len..].iter().any(|&p| !p) {
-                Err(bad(format!("row {row} has a real key after its padding")))
-            } else if len == 0 {
-                Err(bad(format!("row {row} is all padding")))
-            } else {
-                Ok(len)
-            }
+            m[len..].iter().all(|&p| p).then_some(len)
         })
-        .collect()
+        .collect();
+    Ok(match lengths {
+        Some(lengths) => (lengths, Vec::new()),
+        None => (Vec::new(), rows.iter().map(|m| m.to_vec()).collect()),
+    })
 }

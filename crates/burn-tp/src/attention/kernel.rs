@@ -33,13 +33,19 @@ pub fn fused_attention(
         || !(spec.padding.is_empty() || spec.padding.len() == b)
         || !(spec.key_lengths.is_empty() || spec.key_lengths.len() == b)
         || spec.key_lengths.iter().any(|&l| l == 0 || l > t)
+        || !(spec.key_mask.is_empty() || spec.key_mask.len() == b)
+        || spec
+            .key_mask
+            .iter()
+            .any(|m| m.len() != t || m.iter().all(|&h| h))
     {
         return Err(TpError::Shape {
             op: "fused_attention",
             expected: format!(
                 "q [b, hq, s, hd], k and v [b, hkv, t, hd] with hkv dividing hq and (causal) t >= \
-                 start + s = {}, one padding and one key length in 1..=t per sequence or none \
-                 (k {:?}, v {vd:?}, tile {}, padding {:?}, key lengths {:?})",
+                 start + s = {}, one padding, one key length in 1..=t and one key mask of t with a \
+                 real key per sequence or none (k {:?}, v {vd:?}, tile {}, padding {:?}, key \
+                 lengths {:?})",
                 spec.start + s,
                 k.dims(),
                 spec.tile,

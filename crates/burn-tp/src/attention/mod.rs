@@ -452,11 +452,12 @@ impl ParallelAttention {
             None => scores,
         };
         // One mask per sequence with padding, else one for all.
-        let masks = if spec.padding.is_empty() && spec.key_lengths.is_empty() {
-            1
-        } else {
-            b
-        };
+        let masks =
+            if spec.padding.is_empty() && spec.key_lengths.is_empty() && spec.key_mask.is_empty() {
+                1
+            } else {
+                b
+            };
         let spec = &spec;
         let hidden: Vec<bool> = (0..masks)
             .flat_map(|r| (0..s).flat_map(move |i| (0..t).map(move |j| !spec.sees(r, i, j))))

@@ -120,7 +120,8 @@ fn scores<B: TpBackend>(
     let g = geo.group();
     let (n, m) = (rows.len(), cols.len());
     // Per sequence only where some is padded.
-    let seqs = if spec.padding.is_empty() && spec.key_lengths.is_empty() {
+    let seqs = if spec.padding.is_empty() && spec.key_lengths.is_empty() && spec.key_mask.is_empty()
+    {
         1
     } else {
         geo.b
@@ -204,6 +205,7 @@ pub(crate) fn forward<B: TpBackend>(
             let tile_max = if spec.window.is_some()
                 || !spec.padding.is_empty()
                 || !spec.key_lengths.is_empty()
+                || !spec.key_mask.is_empty()
             {
                 B::float_clamp_min(tile_max, Scalar::Float(-1e30))
             } else {

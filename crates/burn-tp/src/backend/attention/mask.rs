@@ -39,6 +39,10 @@ pub struct AttentionSpec {
     /// Key padding per sequence (empty: none): sequence `b`'s keys from `key_lengths[b]` on are
     /// hidden from every query (burn-nn's `mask_pad` of right-padded sequences).
     pub key_lengths: Vec<usize>,
+    /// Key padding anywhere, per sequence (empty: none): `key_mask[b][j]` hides key `j` of
+    /// sequence `b` from every query (burn-nn's `mask_pad` that is not right padding: left
+    /// padding, holes). Tiles are then masked, none skipped for it.
+    pub key_mask: Vec<Vec<bool>>,
 }
 
 /// The dropout of one attention call: this rank's region of the logical mask of site `site`
@@ -109,6 +113,7 @@ impl AttentionSpec {
             softcap: None,
             causal: true,
             key_lengths: Vec::new(),
+            key_mask: Vec::new(),
         }
     }
 
@@ -144,7 +149,15 @@ impl AttentionSpec {
     pub(crate) fn sees(&self, b: usize, i: usize, j: usize) -> bool {
         self.keys(i).contains(&j)
             && j < self.key_len(b)
+            && !self.key_masked(b, j)
             && (j >= self.pad(b) || j == self.start + i)
+    }
+
+    /// Whether [`key_mask`](Self::key_mask) hides key `j` of sequence `b`.
+    pub(crate) fn key_masked(&self, b: usize, j: usize) -> bool {
+        self.key_mask
+            .get(b)
+            .is_some_and(|m| m.get(j).copied().unwrap_or(false))
     }
 
     /// The keys query `i` sees before padding: its causal past, cut to its window (every key
@@ -174,7 +187,8 @@ impl AttentionSpec {
             && cols.start < longest;
         let masked = (self.causal && cols.end - 1 > first_query)
             || cols.start < self.first_key(rows.end - 1)
-            || self.key_lengths.iter().any(|&l| l < cols.end);
+            || self.key_lengths.iter().any(|&l| l < cols.end)
+            || !self.key_mask.is_empty();
         (seen, masked)
     }
 }

@@ -212,6 +212,14 @@ fn mask_hidden(
         let end = keys.end.min(spec.key_len(bi));
         row[end.saturating_sub(cols.start).min(m)..].fill(f32::NEG_INFINITY);
         row[..keys.start.saturating_sub(cols.start).min(m)].fill(f32::NEG_INFINITY);
+        // Keys the sequence's mask hides anywhere.
+        if let Some(hidden) = spec.key_mask.get(bi) {
+            for (c, x) in row.iter_mut().enumerate() {
+                if hidden.get(cols.start + c).copied().unwrap_or(false) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
         // The sequence's padding, but for the query's own position.
         for (c, x) in row
             .iter_mut()
