@@ -204,6 +204,25 @@ pub(crate) fn broadcast_module_where<M: Module>(
     mapper.error.map_or(Ok(module), Err)
 }
 
+/// Each float parameter's module path, in visiting order (burn's record keys).
+pub(crate) fn param_paths<M: Module>(model: &M) -> Vec<String> {
+    struct Paths(Vec<String>, Vec<String>);
+    impl ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.1.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.1.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
+            self.0.push(self.1.join("."));
+        }
+    }
+    let mut paths = Paths(Vec::new(), Vec::new());
+    model.visit(&mut paths);
+    paths.0
+}
+
 /// Which parameters a check compares (by visiting slot and id).
 pub(crate) type Picks<'a> = &'a dyn Fn(usize, ParamId) -> bool;
 
@@ -215,17 +234,8 @@ pub(crate) struct ReplicaDigest(Vec<(String, ParamId, i64)>);
 impl ReplicaDigest {
     /// The digest of `model`'s float parameters.
     pub(crate) fn of<M: Module>(model: &M) -> Self {
-        struct Digest {
-            path: Vec<String>,
-            out: Vec<(String, ParamId, i64)>,
-        }
+        struct Digest(Vec<(ParamId, i64)>);
         impl ModuleVisitor for Digest {
-            fn enter_module(&mut self, name: &str, _container: &str) {
-                self.path.push(name.to_string());
-            }
-            fn exit_module(&mut self, _name: &str, _container: &str) {
-                self.path.pop();
-            }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let t = param.val();
                 let mut h = splitmix64(D as u64);
@@ -245,20 +255,19 @@ impl ReplicaDigest {
                     h = splitmix64(h ^ u64::from(b));
                 }
                 // 62 bits: its negation fits too, so one max gives the max and the min.
-                let name = if self.path.is_empty() {
-                    format!("parameter {}", self.out.len())
-                } else {
-                    self.path.join(".")
-                };
-                self.out.push((name, param.id, (h >> 2) as i64));
+                self.0.push((param.id, (h >> 2) as i64));
             }
         }
-        let mut digest = Digest {
-            path: Vec::new(),
-            out: Vec::new(),
-        };
+        let mut digest = Digest(Vec::new());
         model.visit(&mut digest);
-        Self(digest.out)
+        let names = param_paths(model).into_iter().enumerate().map(|(k, path)| {
+            if path.is_empty() {
+                format!("parameter {k}")
+            } else {
+                path
+            }
+        });
+        Self(names.zip(digest.0).map(|(n, (id, h))| (n, id, h)).collect())
     }
 
     /// Checks, for each `(group, which)`, that the parameters `which` picks (by visiting slot

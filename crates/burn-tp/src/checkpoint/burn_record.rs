@@ -21,27 +21,8 @@ use burn_tp_comm::ProcessGroup;
 
 use crate::Result;
 use crate::error::file_error;
-use crate::init::owned;
+use crate::init::{owned, param_paths};
 use crate::reshard::{ParamLayout, Reshard};
-
-/// Each float parameter's module path, in visiting order (burn's record keys).
-fn param_paths<M: Module>(model: &M) -> Vec<String> {
-    struct Paths(Vec<String>, Vec<String>);
-    impl ModuleVisitor for Paths {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.1.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.1.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
-            self.0.push(self.1.join("."));
-        }
-    }
-    let mut paths = Paths(Vec::new(), Vec::new());
-    model.visit(&mut paths);
-    paths.0
-}
 
 /// Fills `model` (built at any tp: its own values are replaced) from the Burn record file `path`
 /// (`Module::save_file` of its plain burn-nn twin, or of the same model at tp 1): every float
@@ -159,8 +140,10 @@ pub fn load_burn_record<M: Module + Reshard>(
 /// Writes `model` as a Burn record file at `path` (burnpack), which its plain burn-nn twin (or
 /// the same model at tp 1) loads with `Module::load_file`: every float parameter whole, under
 /// its module path, the padding of a padded vocabulary cut off. Collective over the model's
-/// groups (each parameter is gathered: [`Reshard::to_full_module`]); rank 0 of `group` writes
-/// (the others return once the gather is done).
+/// groups; rank 0 of `group` writes (the others return once the gather is done). Every rank
+/// holds the whole (unsharded) model while it runs ([`Reshard::to_full_module`], as burn-nn's
+/// file holds it): for a model too big for one rank, save the sharded checkpoints
+/// ([`super::save`]) instead.
 ///
 /// # Errors
 /// [`TpError::Checkpoint`](crate::TpError::Checkpoint) naming the file for a write that fails;

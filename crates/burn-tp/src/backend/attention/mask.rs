@@ -117,14 +117,6 @@ impl AttentionSpec {
         }
     }
 
-    /// Every query sees every key (no causal mask), no dropout, tiles of 256 rows.
-    pub fn full() -> Self {
-        Self {
-            causal: false,
-            ..Self::causal(0)
-        }
-    }
-
     /// Sequence `b`'s keys (those past it are padding).
     pub(crate) fn key_len(&self, b: usize) -> usize {
         self.key_lengths.get(b).copied().unwrap_or(usize::MAX)
